@@ -1,0 +1,100 @@
+"""Which machine runs the kernels: an NVIDIA GPU through CuPy, or the CPU executor.
+
+Everything else imports the names below and never asks which backend is active:
+
+    name          "cuda" or "cpu"
+    xp            the array module: cupy or numpy
+    asnumpy(a)    a numpy copy of an array from either module
+    synchronize() wait for launched kernels to finish (a no-op on the CPU, whose launches are synchronous)
+    RawKernel(code, name, options=())
+    RawModule(code=..., options=(), name_expressions=None) with .get_function(name)
+
+A kernel is called exactly like CuPy's: kernel(grid, block, args, shared_mem=0).
+
+The choice: GPT2_CUPY_BACKEND=cuda|cpu; unset means cuda when CuPy imports and sees a device, else cpu.
+On cuda the names are CuPy's own objects, so there is no wrapper in the hot path.
+"""
+
+import contextlib
+import os
+
+import numpy
+
+_ENV = "GPT2_CUPY_BACKEND"
+
+
+def _cupy_with_a_device():
+    """CuPy if it imports and sees at least one GPU, else None (and why not)."""
+    try:
+        import cupy
+    except Exception as error:  # ImportError, or a CUDA library that fails to load
+        return None, f"CuPy does not import ({error})"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy, ""
+        return None, "CuPy sees no GPU"
+    except Exception as error:
+        return None, f"CuPy finds no usable GPU ({error})"
+
+
+def _choose():
+    wanted = os.environ.get(_ENV, "").strip().lower()
+    if wanted not in ("", "cuda", "cpu"):
+        raise ValueError(f"{_ENV}={wanted!r}: use 'cuda', 'cpu', or leave it unset to pick cuda when a GPU is there")
+    if wanted == "cpu":
+        return None
+    cupy, why_not = _cupy_with_a_device()
+    if wanted == "cuda" and cupy is None:
+        raise RuntimeError(f"{_ENV}=cuda, but {why_not}")
+    return cupy
+
+
+_cupy = _choose()
+
+if _cupy is not None:
+    name = "cuda"
+    xp = _cupy
+    RawKernel = _cupy.RawKernel
+    RawModule = _cupy.RawModule
+    asnumpy = _cupy.asnumpy
+
+    def synchronize():
+        _cupy.cuda.get_current_stream().synchronize()
+
+    def device_name():
+        properties = _cupy.cuda.runtime.getDeviceProperties(_cupy.cuda.Device().id)
+        return properties["name"].decode()
+
+else:
+    name = "cpu"
+    xp = numpy
+    from .cpu import RawKernel, RawModule  # noqa: E402  (only the CPU backend needs the executor)
+
+    def asnumpy(a):
+        return numpy.asarray(a)
+
+    def synchronize():
+        """Launches on the CPU executor return when the kernel has finished."""
+
+    def device_name():
+        from .cpu import describe_host
+
+        return describe_host()
+
+
+@contextlib.contextmanager
+def checks(bounds=False, races=False):
+    """Switch on the CPU executor's teaching checks for the launches inside the block.
+
+    bounds: an out-of-bounds read or write of an array argument is reported with kernel, block and thread.
+    races:  each launch runs again with the threads in another order; outputs that differ are reported
+            (a missing __syncthreads(), for instance).
+    On a GPU these checks do not exist (NVIDIA's compute-sanitizer does that work there); the block runs unchecked.
+    """
+    if name != "cpu":
+        yield
+        return
+    from .cpu import launch_checks
+
+    with launch_checks(bounds=bounds, races=races):
+        yield

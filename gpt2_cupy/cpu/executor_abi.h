@@ -1,0 +1,64 @@
+// What a compiled kernel and the executor's runtime agree on. Included by cuda_builtins.h (into every
+// kernel) and by runtime.cpp. It includes no system header on purpose: a kernel must not see host functions.
+#pragma once
+
+struct uint3 { unsigned int x, y, z; };
+
+struct dim3 {
+    unsigned int x, y, z;
+    constexpr dim3(unsigned int vx = 1, unsigned int vy = 1, unsigned int vz = 1) : x(vx), y(vy), z(vz) {}
+};
+
+namespace gpt2cupy {
+
+// The coordinates a running thread reads through threadIdx, blockIdx, blockDim and gridDim.
+struct ThreadCoordinates {
+    uint3 thread_idx;
+    uint3 block_idx;
+    dim3 block_dim;
+    dim3 grid_dim;
+    unsigned int lane;  // threadIdx's linear index modulo 32: the thread's place in its warp
+};
+
+// The 32 values a warp's lanes put on the table at one shuffle, vote or __syncwarp,
+// and which lanes took part.
+struct WarpExchange {
+    unsigned long long value[32];
+    unsigned int arrived;
+};
+
+// How the Python side reads a kernel's parameter list: one ParameterType each.
+// kind: 'p' pointer, 'i' signed integer, 'u' unsigned integer, 'f' floating point, 'b' bool,
+//       's' any other type passed by value (a struct, a vector type)
+// element_kind / element_size: for a pointer, what it points at ('v' for void); for a vector type
+//       such as float4, its component ('f', 4); for a scalar, the scalar itself.
+struct ParameterType {
+    char kind;
+    char element_kind;
+    unsigned short size;
+    unsigned short element_size;
+};
+
+constexpr int max_parameters = 64;
+// Every argument travels in an 8-byte slot of one packed buffer.
+constexpr int argument_slot_bytes = 8;
+
+struct KernelEntry {
+    int parameter_count;
+    ParameterType parameters[max_parameters];
+    void (*invoke)(const unsigned char* packed_arguments);
+};
+
+}  // namespace gpt2cupy
+
+extern "C" {
+// The running fiber's coordinates; set by the scheduler before it resumes a thread.
+extern __thread gpt2cupy::ThreadCoordinates* gpt2cupy_current_thread;
+
+void gpt2cupy_syncthreads(void);
+// Put this lane's value on the warp's table, wait for the lanes in mask, and return the table.
+const gpt2cupy::WarpExchange* gpt2cupy_warp_exchange(unsigned int mask, unsigned long long value);
+void* gpt2cupy_dynamic_shared_memory(void);
+int gpt2cupy_printf(const char* format, ...);
+[[noreturn]] void gpt2cupy_assert_failed(const char* condition, const char* file, int line);
+}

@@ -1,0 +1,104 @@
+"""The ctypes face of runtime.cpp: one launch call, and memory with guard pages for the bounds check."""
+
+import ctypes
+import os
+from functools import lru_cache
+
+from . import toolchain
+
+
+class ParameterType(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_char), ("element_kind", ctypes.c_char),
+                ("size", ctypes.c_ushort), ("element_size", ctypes.c_ushort)]
+
+
+MAX_PARAMETERS = 64
+
+
+class KernelEntry(ctypes.Structure):
+    _fields_ = [("parameter_count", ctypes.c_int),
+                ("parameters", ParameterType * MAX_PARAMETERS),
+                ("invoke", ctypes.c_void_p)]
+
+
+class LaunchRequest(ctypes.Structure):
+    _fields_ = [("entry", ctypes.c_void_p), ("packed_arguments", ctypes.c_char_p),
+                ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("reverse_order", ctypes.c_int), ("worker_count", ctypes.c_int)]
+
+
+class LaunchResult(ctypes.Structure):
+    _fields_ = [("failure", ctypes.c_int), ("block", ctypes.c_uint * 3), ("thread", ctypes.c_uint * 3),
+                ("fault_address", ctypes.c_ulonglong), ("fault_is_write", ctypes.c_int),
+                ("message", ctypes.c_char * 1024)]
+
+
+# LaunchResult.failure
+OK, ASSERTION_FAILED, MEMORY_FAULT, DEADLOCK, STACK_OVERFLOW, CPP_EXCEPTION = range(6)
+
+
+@lru_cache(maxsize=None)
+def library():
+    """The runtime, loaded so that kernel libraries loaded later find its functions."""
+    lib = ctypes.CDLL(str(toolchain.build_runtime()), mode=ctypes.RTLD_GLOBAL)
+    lib.gpt2cupy_launch.argtypes = [ctypes.POINTER(LaunchRequest), ctypes.POINTER(LaunchResult),
+                                    ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_ulonglong)]
+    lib.gpt2cupy_launch.restype = ctypes.c_int
+    lib.gpt2cupy_free.argtypes = [ctypes.c_void_p]
+    lib.gpt2cupy_guarded_alloc.argtypes = [ctypes.c_ulonglong, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                                           ctypes.POINTER(ctypes.c_ulonglong)]
+    lib.gpt2cupy_guarded_alloc.restype = ctypes.c_void_p
+    lib.gpt2cupy_guarded_free.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+    return lib
+
+
+def worker_count():
+    """OS threads that run blocks: $GPT2_CUPY_CPU_THREADS, else every core."""
+    configured = os.environ.get("GPT2_CUPY_CPU_THREADS")
+    return int(configured) if configured else 0
+
+
+def launch(entry_address, packed_arguments, grid, block, reverse_order=False):
+    """Run a kernel to the end. Returns (LaunchResult, printf output as text)."""
+    lib = library()
+    request = LaunchRequest(entry_address, packed_arguments, grid, block, int(reverse_order), worker_count())
+    result = LaunchResult()
+    output = ctypes.c_void_p()
+    output_length = ctypes.c_ulonglong()
+    lib.gpt2cupy_launch(ctypes.byref(request), ctypes.byref(result), ctypes.byref(output),
+                        ctypes.byref(output_length))
+    text = ""
+    if output_length.value:
+        text = ctypes.string_at(output.value, output_length.value).decode("utf-8", errors="replace")
+        lib.gpt2cupy_free(output)
+    return result, text
+
+
+class GuardedCopy:
+    """An array's bytes placed right against an inaccessible page above (or below) them."""
+
+    def __init__(self, array, against_upper_guard):
+        lib = library()
+        self.nbytes = array.nbytes
+        self._mapping = ctypes.c_void_p()
+        self._mapped_bytes = ctypes.c_ulonglong()
+        self.address = lib.gpt2cupy_guarded_alloc(self.nbytes, int(against_upper_guard),
+                                                  ctypes.byref(self._mapping), ctypes.byref(self._mapped_bytes))
+        if not self.address:
+            raise MemoryError(f"no memory for a guarded copy of {self.nbytes} bytes")
+        ctypes.memmove(self.address, array.ctypes.data, self.nbytes)
+
+    def copy_into(self, array):
+        ctypes.memmove(array.ctypes.data, self.address, self.nbytes)
+
+    def element_at(self, address, itemsize):
+        """The element index of an address relative to this copy (negative below it), or None if far off."""
+        offset = address - self.address
+        mapping_start = self._mapping.value
+        mapping_end = mapping_start + self._mapped_bytes.value
+        if not mapping_start <= address < mapping_end:
+            return None
+        return offset // itemsize
+
+    def free(self):
+        library().gpt2cupy_guarded_free(self._mapping, self._mapped_bytes)
