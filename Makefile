@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 # The install is redone when pyproject.toml changes.
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test setup kernels clean
+.PHONY: lab test setup kernels notebooks clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,3 +46,7 @@ kernels: setup
 
 clean:
 	rm -rf $(VENV)
+
+# Re-execute every chapter in place, storing its outputs (run it on a GPU before committing notebooks).
+notebooks: setup
+	$(VENV)/bin/jupyter execute --inplace chapters/*.ipynb

@@ -1,0 +1,52 @@
+"""Timing kernels on a GPU, and the device's measured ceilings to compare them with.
+
+Timings mean something only on a GPU: on the CPU executor `meaningful()` is False and the chapters say so
+instead of plotting numbers.
+"""
+
+from functools import lru_cache
+
+import numpy
+
+from . import backend
+
+
+def meaningful():
+    """Whether timings here say anything about a GPU kernel."""
+    return backend.name == "cuda"
+
+
+def seconds_per_call(run, warmup=3, repeat=20):
+    """Median seconds of run() over `repeat` calls, timed with CUDA events around each call."""
+    if not meaningful():
+        raise RuntimeError("timings on the CPU executor do not say anything about a GPU: run this on a GPU")
+    cupy = backend.xp
+    for _ in range(warmup):
+        run()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeat):
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return float(numpy.median(times))
+
+
+@lru_cache(maxsize=None)
+def copy_bandwidth(megabytes=512):
+    """Bytes per second of a device-to-device copy, counting bytes read and written: the memory ceiling."""
+    cupy = backend.xp
+    source = cupy.ones(megabytes * 2**20 // 4, dtype=cupy.float32)
+    destination = cupy.empty_like(source)
+    seconds = seconds_per_call(lambda: cupy.copyto(destination, source))
+    return 2 * source.nbytes / seconds
+
+
+def gigabytes_per_second(bytes_moved, seconds):
+    return bytes_moved / seconds / 1e9
+
+
+def tflops(flops, seconds):
+    return flops / seconds / 1e12

@@ -1,0 +1,1 @@
+"""Functional ops: each a forward kernel and its backward, launched on the active backend."""
