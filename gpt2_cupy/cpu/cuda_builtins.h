@@ -384,6 +384,10 @@ __forceinline__ T read_argument(const unsigned char* slot) {
     return value;
 }
 
+// In an unnamed namespace: every kernel library has its own entries. (Static data of a template with
+// external linkage would be merged across libraries by the dynamic linker, so two sources with a kernel
+// of the same name would share one entry.)
+namespace {
 template <auto Kernel, class Signature> struct Entry;
 template <auto Kernel, class... A> struct Entry<Kernel, void (*)(A...)> {
     static_assert(sizeof...(A) <= max_parameters, "too many kernel parameters");
@@ -397,5 +401,6 @@ template <auto Kernel, class... A> struct Entry<Kernel, void (*)(A...)> {
         return &description;
     }
 };
+}  // namespace
 
 }  // namespace gpt2cupy

@@ -56,10 +56,13 @@ def compiler_version():
 
 
 def shared_library_flags():
+    # GCC would mark static variables of template instances "unique", which the dynamic linker merges
+    # across libraries: two kernels of one name from different sources would share their __shared__ arrays.
+    unique = ("-fno-gnu-unique",) if "clang" not in compiler_version().lower() else ()
     if platform.system() == "Darwin":
         # The kernels' calls into the runtime are resolved when the library is loaded.
-        return ("-dynamiclib", "-undefined", "dynamic_lookup")
-    return ("-shared",)
+        return ("-dynamiclib", "-undefined", "dynamic_lookup") + unique
+    return ("-shared",) + unique
 
 
 def _fingerprint(*parts):
