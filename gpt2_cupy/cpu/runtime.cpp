@@ -119,6 +119,7 @@ enum Failure : int {
     deadlock = 3,
     stack_overflow = 4,
     cpp_exception = 5,
+    interrupted = 6,
 };
 
 }  // namespace
@@ -189,6 +190,16 @@ public:
         return false;
     }
     Fiber* current_fiber() const { return current_; }
+    // After a jump out of kernel code (a fault, an interrupt): the block's threads are abandoned.
+    void abandon_block() {
+        for (Fiber& fiber : fibers_) {
+            if (fiber.stack != nullptr) free_stacks_.push_back(fiber.stack);
+            fiber.stack = nullptr;
+        }
+        current_ = nullptr;
+        launch_ = nullptr;
+        output_.clear();
+    }
     std::string& output() { return output_; }
 
 private:
@@ -211,6 +222,10 @@ private:
 
 thread_local BlockRunner* this_thread_runner = nullptr;
 thread_local sigjmp_buf* this_thread_fault_recovery = nullptr;
+// Set while a thread is inside the runtime's own code (printf's formatting and allocation), where an
+// interrupt must not jump out; it is then acted on when the thread leaves.
+thread_local volatile sig_atomic_t this_thread_in_runtime = 0;
+thread_local volatile sig_atomic_t this_thread_interrupt_pending = 0;
 
 BlockRunner& runner_of_this_thread() {
     if (this_thread_runner == nullptr) this_thread_runner = new BlockRunner();  // lives as long as the thread
@@ -231,7 +246,7 @@ public:
 
     // Blocks are handed out in order; the race check hands them out last to first.
     bool next_block(unsigned long long& block_linear) {
-        if (failed_.load(std::memory_order_relaxed)) return false;
+        if (failed()) return false;
         unsigned long long k = next_.fetch_add(1, std::memory_order_relaxed);
         if (k >= block_count_) return false;
         block_linear = request_.reverse_order ? block_count_ - 1 - k : k;
@@ -256,7 +271,12 @@ public:
         std::snprintf(result_.message, sizeof(result_.message), "%s", message.c_str());
         failed_.store(true);
     }
-    bool failed() const { return failed_.load(std::memory_order_relaxed); }
+    bool failed() const {
+        return failed_.load(std::memory_order_relaxed) || interrupted_.load(std::memory_order_relaxed);
+    }
+    // Called from a signal handler: only an atomic store, no lock.
+    void interrupt() { interrupted_.store(true); }
+    bool was_interrupted() const { return interrupted_.load(); }
 
     void keep_output(unsigned long long block_linear, std::string&& text) {
         if (text.empty()) return;
@@ -279,6 +299,7 @@ private:
     unsigned thread_count_ = 0;
     std::atomic<unsigned long long> next_{0};
     std::atomic<bool> failed_{false};
+    std::atomic<bool> interrupted_{false};
     std::mutex mutex_;
     gpt2cupy_launch_result result_{};
     std::vector<std::pair<unsigned long long, std::string>> outputs_;
@@ -494,8 +515,9 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
 }
 
 // ---- faults: a bad address becomes a reported failure, not a dead Python process --------------------
-struct sigaction previous_segv_action, previous_bus_action;
+struct sigaction previous_segv_action, previous_bus_action, previous_interrupt_action;
 Launch* launch_in_flight = nullptr;
+constexpr int stop_signal = SIGUSR2;  // sent to the workers when the launch is interrupted
 
 void on_fault(int signal_number, siginfo_t* info, void* context) {
     BlockRunner* runner = this_thread_runner;
@@ -528,6 +550,31 @@ void on_fault(int signal_number, siginfo_t* info, void* context) {
     siglongjmp(*this_thread_fault_recovery, 1);
 }
 
+// Ctrl-C (an interrupt in Jupyter) stops a launch, even one whose kernel loops forever: each thread
+// that is running kernel code leaves it at once; the others stop at their next block or barrier.
+void leave_kernel_code_if_running_it() {
+    BlockRunner* runner = this_thread_runner;
+    if (runner == nullptr || runner->current_fiber() == nullptr || this_thread_fault_recovery == nullptr) return;
+    if (this_thread_in_runtime) {
+        this_thread_interrupt_pending = 1;
+        return;
+    }
+    siglongjmp(*this_thread_fault_recovery, 1);
+}
+
+void stop_workers();
+
+void on_interrupt(int) {
+    if (launch_in_flight == nullptr) return;
+    launch_in_flight->interrupt();
+    stop_workers();
+    leave_kernel_code_if_running_it();
+}
+
+void on_stop_signal(int) {
+    if (launch_in_flight != nullptr && launch_in_flight->was_interrupted()) leave_kernel_code_if_running_it();
+}
+
 // Each thread that runs blocks handles its faults on a stack of its own: the faulting stack may be
 // the one that overflowed.
 struct AlternateSignalStack {
@@ -555,7 +602,8 @@ void run_blocks(Launch& launch) {
     AlternateSignalStack alternate_stack;
     sigjmp_buf recovery;
     if (sigsetjmp(recovery, 1) != 0) {
-        // A fault inside a kernel: the launch has recorded it. The block's fibers are abandoned.
+        // A fault or an interrupt inside a kernel: the launch has recorded it.
+        runner.abandon_block();
         this_thread_fault_recovery = nullptr;
         gpt2cupy_current_thread = nullptr;
         return;
@@ -579,7 +627,12 @@ public:
     void run(Launch& launch, unsigned helpers_wanted) {
         {
             std::lock_guard<std::mutex> lock(mutex_);
-            while (threads_.size() < helpers_wanted) threads_.emplace_back([this] { work(); });
+            while (threads_.size() < helpers_wanted && threads_.size() < max_workers) {
+                threads_.emplace_back([this] { work(); });
+                worker_handles_[threads_.size() - 1] = threads_.back().native_handle();
+                worker_count_ = (unsigned)threads_.size();
+            }
+            helpers_wanted = std::min<unsigned>(helpers_wanted, (unsigned)threads_.size());
             job_ = &launch;
             helpers_active_ = helpers_wanted;
             helpers_running_ = helpers_wanted;
@@ -601,6 +654,7 @@ private:
         sigdelset(&blocked, SIGBUS);
         sigdelset(&blocked, SIGFPE);
         sigdelset(&blocked, SIGILL);
+        sigdelset(&blocked, stop_signal);
         pthread_sigmask(SIG_BLOCK, &blocked, nullptr);
         unsigned long long seen = 0;
         unsigned my_index;
@@ -629,12 +683,25 @@ private:
     std::mutex mutex_;
     std::condition_variable wake_, finished_;
     std::vector<std::thread> threads_;
+
+public:
+    static constexpr unsigned max_workers = 256;
+    // Read by a signal handler, so plain storage rather than the vector of threads.
+    pthread_t worker_handles_[max_workers];
+    volatile unsigned worker_count_ = 0;
+
+private:
     Launch* job_ = nullptr;
     unsigned long long generation_ = 0;
     unsigned helpers_active_ = 0, helpers_running_ = 0, started_ = 0;
 };
 
 std::mutex launch_mutex;  // one launch at a time, like one CUDA stream
+
+void stop_workers() {
+    WorkerPool& pool = WorkerPool::instance();
+    for (unsigned w = 0; w < pool.worker_count_; ++w) pthread_kill(pool.worker_handles_[w], stop_signal);
+}
 
 }  // namespace
 
@@ -659,12 +726,18 @@ void* gpt2cupy_dynamic_shared_memory(void) {
 }
 
 int gpt2cupy_printf(const char* format, ...) {
+    this_thread_in_runtime = 1;
     char buffer[1024];
     va_list arguments;
     va_start(arguments, format);
     int length = std::vsnprintf(buffer, sizeof(buffer), format, arguments);
     va_end(arguments);
     if (length > 0) this_thread_runner->output().append(buffer, std::min<size_t>(length, sizeof(buffer) - 1));
+    this_thread_in_runtime = 0;
+    if (this_thread_interrupt_pending) {
+        this_thread_interrupt_pending = 0;
+        throw 0;  // the launch was interrupted while this thread was printing
+    }
     return length;
 }
 
@@ -686,6 +759,19 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     sigemptyset(&ours.sa_mask);
     sigaction(SIGSEGV, &ours, &previous_segv_action);
     sigaction(SIGBUS, &ours, &previous_bus_action);
+    struct sigaction interrupt_action {};
+    interrupt_action.sa_handler = on_interrupt;
+    interrupt_action.sa_flags = SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&interrupt_action.sa_mask);
+    sigaction(SIGINT, &interrupt_action, &previous_interrupt_action);
+    static bool stop_signal_installed = [] {
+        struct sigaction stop_action {};
+        stop_action.sa_handler = on_stop_signal;
+        stop_action.sa_flags = SA_ONSTACK | SA_NODEFER;
+        sigemptyset(&stop_action.sa_mask);
+        return sigaction(stop_signal, &stop_action, nullptr) == 0;
+    }();
+    (void)stop_signal_installed;
     launch_in_flight = &launch;
 
     // Asking the system for its core count reads files: once is enough.
@@ -700,8 +786,13 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     launch_in_flight = nullptr;
     sigaction(SIGSEGV, &previous_segv_action, nullptr);
     sigaction(SIGBUS, &previous_bus_action, nullptr);
+    sigaction(SIGINT, &previous_interrupt_action, nullptr);
 
     *result = launch.result();
+    if (launch.was_interrupted()) {
+        result->failure = interrupted;
+        std::snprintf(result->message, sizeof(result->message), "interrupted");
+    }
     std::string text = launch.output();
     *output_length = text.size();
     *output = nullptr;

@@ -34,7 +34,7 @@ class LaunchResult(ctypes.Structure):
 
 
 # LaunchResult.failure
-OK, ASSERTION_FAILED, MEMORY_FAULT, DEADLOCK, STACK_OVERFLOW, CPP_EXCEPTION = range(6)
+OK, ASSERTION_FAILED, MEMORY_FAULT, DEADLOCK, STACK_OVERFLOW, CPP_EXCEPTION, INTERRUPTED = range(7)
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,54 @@
+"""Shared pieces of the test suite.
+
+Tests run on whichever backend gpt2_cupy.backend picked (GPT2_CUPY_BACKEND=cuda|cpu, or cuda when a GPU is
+there). Tests about the CPU executor itself carry the `cpu_only` marker and are skipped on a GPU.
+"""
+
+import numpy as np
+import pytest
+
+from gpt2_cupy import backend
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only: checks the CPU executor itself; skipped on a GPU")
+
+
+def pytest_report_header(config):
+    return f"gpt2_cupy backend: {backend.name}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if backend.name == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"checks the CPU executor; the active backend is {backend.name}")
+    for item in items:
+        if "cpu_only" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng():
+    """A random generator with a fixed seed, so that every run sees the same data."""
+    return np.random.default_rng(20240601)
+
+
+@pytest.fixture
+def to_device():
+    """Copy a numpy array to the backend (a cupy array on a GPU, the same numpy data on the CPU)."""
+
+    def copy(array):
+        return backend.xp.asarray(np.ascontiguousarray(array))
+
+    return copy
+
+
+@pytest.fixture
+def to_host():
+    """Copy a backend array back into numpy (waits for launched kernels to finish)."""
+
+    def copy(array):
+        backend.synchronize()
+        return backend.asnumpy(array)
+
+    return copy
