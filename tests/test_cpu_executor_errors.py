@@ -401,3 +401,41 @@ extern "C" __global__ void fill(int* out) { out[threadIdx.x] = VALUE; }
     RawKernel(code, "fill", options=("-DVALUE=2",))((1,), (4,), (two,))
     np.testing.assert_array_equal(one, np.full(4, 1))
     np.testing.assert_array_equal(two, np.full(4, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Interrupting a kernel that never ends
+# ---------------------------------------------------------------------------------------------------------
+
+ENDLESS = r"""
+extern "C" __global__ void endless(int* counters, int n)
+{
+    int i = threadIdx.x;
+    while (i < n) {          // the learner forgot to advance i
+        counters[i % 4] += 1;
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("blocks", [1, 8])
+def test_ctrl_c_stops_a_kernel_that_loops_forever(blocks):
+    """An interrupt (Ctrl-C, or Jupyter's stop button) ends the launch with KeyboardInterrupt, and the
+    executor works afterwards."""
+    import os
+    import signal
+    import threading
+    import time
+
+    kernel = RawKernel(ENDLESS, "endless")
+    counters = np.zeros(4, dtype=np.int32)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    started = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt, match="endless"):
+        kernel((blocks,), (64,), (counters, np.int32(10)))
+    timer.join()
+    assert 0.4 < time.perf_counter() - started < 5.0  # it ran until the interrupt, and stopped soon after
+    out = launch_once(RawKernel(SCALE, "scale"))
+    x, _, _, _ = scale_arguments()
+    np.testing.assert_array_equal(out, 2 * x)
