@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
+from kernel_sources import TILED_MATMUL
 
 pytestmark = pytest.mark.cpu_only
 
@@ -160,30 +161,6 @@ def test_out_of_bounds_in_a_two_dimensional_launch_reports_y_coordinates():
     assert_names_index(message, rows * cols)
 
 
-TILED_MATMUL = r"""
-#define TILE 16
-
-extern "C" __global__ void tiled_matmul(const float* A, const float* B, float* C, int M, int N, int K)
-{
-    __shared__ float As[TILE][TILE];
-    __shared__ float Bs[TILE][TILE];
-    int row = blockIdx.y * TILE + threadIdx.y;
-    int col = blockIdx.x * TILE + threadIdx.x;
-    float acc = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += TILE) {
-        As[threadIdx.y][threadIdx.x] = (row < M && k0 + threadIdx.x < K) ? A[row * K + k0 + threadIdx.x] : 0.0f;
-        Bs[threadIdx.y][threadIdx.x] = (k0 + threadIdx.y < K && col < N) ? B[(k0 + threadIdx.y) * N + col] : 0.0f;
-        __syncthreads();
-        for (int k = 0; k < TILE; k++) {
-            acc += As[threadIdx.y][k] * Bs[k][threadIdx.x];
-        }
-        __syncthreads();
-    }
-    if (row < M && col < N) {
-        C[row * N + col] = acc;
-    }
-}
-"""
 
 
 def run_matmul(A, B, **checks):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
+from kernel_sources import TILED_MATMUL
 
 pytestmark = pytest.mark.cpu_only
 
@@ -58,30 +59,6 @@ def test_million_element_vector_add_takes_under_a_second(rng):
     assert seconds < 1.0, f"vector add of 1M elements took {seconds:.3f} s"
 
 
-TILED_MATMUL = r"""
-#define TILE 16
-
-extern "C" __global__ void tiled_matmul(const float* A, const float* B, float* C, int M, int N, int K)
-{
-    __shared__ float As[TILE][TILE];
-    __shared__ float Bs[TILE][TILE];
-    int row = blockIdx.y * TILE + threadIdx.y;
-    int col = blockIdx.x * TILE + threadIdx.x;
-    float acc = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += TILE) {
-        As[threadIdx.y][threadIdx.x] = (row < M && k0 + threadIdx.x < K) ? A[row * K + k0 + threadIdx.x] : 0.0f;
-        Bs[threadIdx.y][threadIdx.x] = (k0 + threadIdx.y < K && col < N) ? B[(k0 + threadIdx.y) * N + col] : 0.0f;
-        __syncthreads();
-        for (int k = 0; k < TILE; k++) {
-            acc += As[threadIdx.y][k] * Bs[k][threadIdx.x];
-        }
-        __syncthreads();
-    }
-    if (row < M && col < N) {
-        C[row * N + col] = acc;
-    }
-}
-"""
 
 
 def test_tiled_matmul_256_cubed_takes_under_two_seconds(rng):
