@@ -17,21 +17,29 @@ def meaningful():
 
 
 def seconds_per_call(run, warmup=3, repeat=20):
-    """Median seconds of run() over `repeat` calls, timed with CUDA events around each call."""
+    """Median seconds of one run() call, timed with CUDA events.
+
+    A short kernel finishes before Python has launched the next one, so timing calls one by one would
+    count Python's launch time as GPU time. Each timing therefore covers as many calls back to back as
+    fill about a millisecond.
+    """
     if not meaningful():
         raise RuntimeError("timings on the CPU executor do not say anything about a GPU: run this on a GPU")
     cupy = backend.xp
     for _ in range(warmup):
         run()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeat):
+
+    def timed(calls):
         start.record()
-        run()
+        for _ in range(calls):
+            run()
         stop.record()
         stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-    return float(numpy.median(times))
+        return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / calls
+
+    calls = max(1, min(1000, int(1e-3 / max(timed(1), 1e-7))))
+    return float(numpy.median([timed(calls) for _ in range(repeat)]))
 
 
 @lru_cache(maxsize=None)
