@@ -35,10 +35,13 @@ def rng():
 
 @pytest.fixture
 def to_device():
-    """Copy a numpy array to the backend (a cupy array on a GPU, the same numpy data on the CPU)."""
+    """A copy of a numpy array on the backend (a cupy array on a GPU, a new numpy array on the CPU).
+
+    Always a copy, on both backends: a kernel that writes into it must not change the test's reference.
+    """
 
     def copy(array):
-        return backend.xp.asarray(np.ascontiguousarray(array))
+        return backend.xp.array(np.ascontiguousarray(array), copy=True)
 
     return copy
 

@@ -1,0 +1,98 @@
+// GELU, the activation in GPT-2's MLP, elementwise on float32 arrays: forward y = GELU(x),
+// backward dx = dy * GELU'(x). exact = 0 selects GPT-2's tanh approximation, exact = 1 the erf form.
+// Every thread of a launch takes the same side of `exact`, so the choice costs no divergence.
+
+__device__ __forceinline__ float gelu_tanh(float x)
+{
+    const float sqrt_2_over_pi = 0.7978845608f;
+    const float cubic = 0.044715f;
+    float u = sqrt_2_over_pi * (x + cubic * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_tanh_derivative(float x)
+{
+    const float sqrt_2_over_pi = 0.7978845608f;
+    const float cubic = 0.044715f;
+    float u = sqrt_2_over_pi * (x + cubic * x * x * x);
+    float cosh_u = coshf(u);
+    // 1 - tanh(u)^2 as 1 / cosh(u)^2: the subtraction would lose every digit where tanh(u) is close to -1 or 1.
+    float sech_squared = 1.0f / (cosh_u * cosh_u);
+    return 0.5f * (1.0f + tanhf(u)) + 0.5f * x * sech_squared * sqrt_2_over_pi * (1.0f + 3.0f * cubic * x * x);
+}
+
+__device__ __forceinline__ float gelu_erf(float x)
+{
+    // Phi(x) = erfc(-x / sqrt(2)) / 2 keeps its digits for negative x, where 1 + erf(x / sqrt(2)) cancels.
+    const float one_over_sqrt_2 = 0.7071067812f;
+    return 0.5f * x * erfcf(-one_over_sqrt_2 * x);
+}
+
+__device__ __forceinline__ float gelu_erf_derivative(float x)
+{
+    const float one_over_sqrt_2 = 0.7071067812f;
+    const float one_over_sqrt_2_pi = 0.3989422804f;
+    return 0.5f * erfcf(-one_over_sqrt_2 * x) + x * one_over_sqrt_2_pi * expf(-0.5f * x * x);
+}
+
+__device__ __forceinline__ float gelu(float x, int exact)
+{
+    return exact ? gelu_erf(x) : gelu_tanh(x);
+}
+
+__device__ __forceinline__ float gelu_derivative(float x, int exact)
+{
+    return exact ? gelu_erf_derivative(x) : gelu_tanh_derivative(x);
+}
+
+// One thread per element.
+extern "C" __global__ void gelu_forward(float* y, const float* x, int n, int exact)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        y[i] = gelu(x[i], exact);
+    }
+}
+
+extern "C" __global__ void gelu_backward(float* dx, const float* x, const float* dy, int n, int exact)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        dx[i] = dy[i] * gelu_derivative(x[i], exact);
+    }
+}
+
+// Four elements per thread, moved by 16-byte loads and stores, so every array must start at an address
+// that is a multiple of 16. Thread i owns elements 4i .. 4i+3; the thread just past the last full group
+// does the n % 4 elements left over, one at a time. Launch ceil(n / 4) threads.
+extern "C" __global__ void gelu_forward_float4(float* y, const float* x, int n, int exact)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    int groups = n / 4;
+    if (i < groups) {
+        float4 in = reinterpret_cast<const float4*>(x)[i];
+        float4 out = make_float4(gelu(in.x, exact), gelu(in.y, exact), gelu(in.z, exact), gelu(in.w, exact));
+        reinterpret_cast<float4*>(y)[i] = out;
+    } else if (i == groups) {
+        for (int j = 4 * groups; j < n; ++j) {
+            y[j] = gelu(x[j], exact);
+        }
+    }
+}
+
+extern "C" __global__ void gelu_backward_float4(float* dx, const float* x, const float* dy, int n, int exact)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    int groups = n / 4;
+    if (i < groups) {
+        float4 in = reinterpret_cast<const float4*>(x)[i];
+        float4 gradient = reinterpret_cast<const float4*>(dy)[i];
+        float4 out = make_float4(gradient.x * gelu_derivative(in.x, exact), gradient.y * gelu_derivative(in.y, exact),
+                                 gradient.z * gelu_derivative(in.z, exact), gradient.w * gelu_derivative(in.w, exact));
+        reinterpret_cast<float4*>(dx)[i] = out;
+    } else if (i == groups) {
+        for (int j = 4 * groups; j < n; ++j) {
+            dx[j] = dy[j] * gelu_derivative(x[j], exact);
+        }
+    }
+}
