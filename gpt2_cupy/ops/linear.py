@@ -23,6 +23,7 @@ from functools import lru_cache
 import numpy
 
 from gpt2_cupy import backend, kernels
+from gpt2_cupy.ops.arrays import address, check_float32
 from gpt2_cupy.ops.matmul import matmul
 
 THREADS = 256
@@ -46,25 +47,14 @@ def _add_bias():
     return kernels.function("bias_add", "add_bias")
 
 
-def _address(array):
-    return array.data.ptr if backend.name == "cuda" else array.ctypes.data
-
-
 def _check_array(function, name, array, ndim=None):
-    if not isinstance(array, backend.xp.ndarray):
-        expected = "cupy.ndarray" if backend.name == "cuda" else "numpy.ndarray"
-        raise TypeError(f"{function}: {name} must be a {expected} (the active backend is {backend.name}), "
-                        f"got {type(array).__module__}.{type(array).__name__}")
-    if array.dtype != numpy.float32:
-        raise TypeError(f"{function}: {name} has dtype {array.dtype}; only float32 is supported")
+    """A float32, C-contiguous array; ndim: a number of axes, or "2+" for (..., features)."""
+    check_float32(function, name, array)
     if ndim == "2+" and array.ndim < 2:
         raise ValueError(f"{function}: {name} must have shape (..., features) with at least 2 axes, "
                          f"got {array.shape}")
     if isinstance(ndim, int) and array.ndim != ndim:
         raise ValueError(f"{function}: {name} must have {ndim} axes, got shape {array.shape}")
-    if not array.flags.c_contiguous:
-        raise ValueError(f"{function}: {name} (shape {array.shape}) must be C-contiguous; "
-                         "pass xp.ascontiguousarray(...)")
 
 
 def _rows(array):
@@ -112,7 +102,7 @@ def bias_backward(dy, dbias, rows_per_block=ROWS_PER_BLOCK):
         raise ValueError(f"bias_backward: {rows} rows need {row_ranges} blocks along y, more than 65535; "
                          "raise rows_per_block")
     # 16-byte loads need every row to start on a 16-byte boundary.
-    width = 4 if columns % 4 == 0 and _address(dy_rows) % 16 == 0 else 1
+    width = 4 if columns % 4 == 0 and address(dy_rows) % 16 == 0 else 1
     partial_sums = backend.xp.empty((row_ranges, columns), dtype=numpy.float32)
     _column_partial_sums(width)((-(-columns // 32), row_ranges), (THREADS,),
                                 (dy_rows, partial_sums, numpy.int32(rows), numpy.int32(columns),

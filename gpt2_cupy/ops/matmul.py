@@ -32,6 +32,7 @@ from functools import lru_cache
 import numpy
 
 from gpt2_cupy import backend, kernels
+from gpt2_cupy.ops.arrays import address, check_float32
 
 TILE = 128        # a block computes a TILE x TILE tile of C (kernels/matmul.cu: TILE_M)
 TILE_K = 8        # K is read in slices of 8 (kernels/matmul.cu: TILE_K)
@@ -105,17 +106,8 @@ def _sum_splits():
     return kernels.module("matmul", name_expressions=_NAMES).get_function("matmul_sum_splits")
 
 
-def _address(array):
-    return array.data.ptr if backend.name == "cuda" else array.ctypes.data
-
-
 def _check_array(name, array, function):
-    if not isinstance(array, backend.xp.ndarray):
-        expected = "cupy.ndarray" if backend.name == "cuda" else "numpy.ndarray"
-        raise TypeError(f"{function}: {name} must be a {expected} (the active backend is {backend.name}), "
-                        f"got {type(array).__module__}.{type(array).__name__}")
-    if array.dtype != numpy.float32:
-        raise TypeError(f"{function}: {name} has dtype {array.dtype}; only float32 is supported")
+    check_float32(function, name, array, contiguous=False)  # other layouts are read in place or copied
 
 
 def _as_stored(array, transposed):
@@ -178,7 +170,7 @@ def _product(function, a, b, transpose_a, transpose_b, out, accumulate, ndim):
         a, b = backend.xp.ascontiguousarray(a), backend.xp.ascontiguousarray(b)
     # float4 loads and stores need rows of a multiple of 4 floats and 16-byte aligned starting addresses.
     vector_loads = (a.shape[-1] % 4 == 0 and b.shape[-1] % 4 == 0 and N % 4 == 0
-                    and all(_address(x) % 16 == 0 for x in (a, b, out)))
+                    and all(address(x) % 16 == 0 for x in (a, b, out)))
     kernel = _kernel(bool(transpose_a), bool(transpose_b), vector_loads)
     splits, k_per_split = k_splits(M, N, K, batch)
     if splits > 1:

@@ -16,12 +16,7 @@ The kernels are kernels/residual.cu, taught in chapters/03_gelu_residual.ipynb. 
 16-byte aligned address go through the float4 kernel, the others through the one-element-per-thread one.
 """
 
-import numpy as np
-
-from gpt2_cupy import backend, kernels
-
-THREADS_PER_BLOCK = 256
-_LARGEST_SIZE = 2**31 - 1  # the kernels index with int
+from .arrays import check_float32, launch_elementwise, output_like
 
 
 def residual_forward(x, branch, out=None):
@@ -31,7 +26,7 @@ def residual_forward(x, branch, out=None):
 
 def residual_backward(dout):
     """The add node's backward: the gradient of out goes unchanged to x and to branch (the same array)."""
-    _check_array("residual_backward", "dout", dout)
+    check_float32("residual_backward", "dout", dout)
     return dout, dout
 
 
@@ -42,46 +37,11 @@ def fork_backward(dout, dx_branch, out=None):
 
 def _add(operation, first, second, out):
     (first_name, a), (second_name, b) = first, second
-    _check_array(operation, first_name, a)
-    _check_array(operation, second_name, b)
+    check_float32(operation, first_name, a)
+    check_float32(operation, second_name, b)
     if a.shape != b.shape:
         raise ValueError(f"{operation}: {first_name} has shape {a.shape} but {second_name} has shape {b.shape}; "
                          "they must be equal")
-    if out is None:
-        out = backend.xp.empty_like(a)
-    else:
-        _check_array(operation, "out", out)
-        if out.shape != a.shape:
-            raise ValueError(f"{operation}: out has shape {out.shape} but {first_name} has shape {a.shape}; "
-                             "they must be equal")
-    _launch((out, a, b), a.size)
+    out = output_like(operation, out, a, first_name)
+    launch_elementwise("residual", "residual_add", (out, a, b), a.size)
     return out
-
-
-def _check_array(operation, name, array):
-    if not isinstance(array, backend.xp.ndarray):
-        raise TypeError(f"{operation}: {name} is a {type(array).__name__}; expected a {backend.xp.__name__} array "
-                        f"(the active backend is {backend.name})")
-    if array.dtype != np.float32:
-        raise TypeError(f"{operation}: {name} has dtype {array.dtype}; the residual kernels take float32 only")
-    if not array.flags.c_contiguous:
-        raise ValueError(f"{operation}: {name} (shape {array.shape}, strides {array.strides}) is not C-contiguous; "
-                         "the kernels index memory as one flat array, so pass xp.ascontiguousarray(...)")
-    if array.size > _LARGEST_SIZE:
-        raise ValueError(f"{operation}: {name} has {array.size} elements; the kernels index with int, "
-                         f"at most {_LARGEST_SIZE}")
-
-
-def _address(array):
-    return array.data.ptr if backend.name == "cuda" else array.ctypes.data
-
-
-def _launch(arrays, n):
-    if n == 0:
-        return
-    if all(_address(array) % 16 == 0 for array in arrays):
-        kernel, threads = kernels.function("residual", "residual_add_float4"), (n + 3) // 4
-    else:
-        kernel, threads = kernels.function("residual", "residual_add"), n
-    blocks = (threads + THREADS_PER_BLOCK - 1) // THREADS_PER_BLOCK
-    kernel((blocks,), (THREADS_PER_BLOCK,), (*arrays, np.int32(n)))
