@@ -164,6 +164,12 @@ class Function:
             return value
         if type(value) is float and expected is numpy.float64:
             return value
+        if type(value) is int and parameter.kind in "iu":
+            raise TypeError(
+                f"{self._where(index, parameter)}: got a Python int. CuPy passes a Python int as a 64-bit "
+                f"integer, of which a {parameter.c_type} parameter reads the first {parameter.element[1]} bytes: "
+                f"right while the value fits, by the luck of byte order, and never checked. Say what the kernel "
+                f"takes: numpy.{expected.__name__}(...)")
         if type(value) is int:
             got = "a Python int, which CuPy passes as a 64-bit integer (long long)"
         elif type(value) is float:
@@ -176,7 +182,7 @@ class Function:
             got = type(value).__name__
         fix = f"; pass numpy.{expected.__name__}(...)" if expected is not None else ""
         raise TypeError(f"{self._where(index, parameter)}: got {got}, which does not match the parameter's "
-                        f"{parameter.c_type} and would be read as garbage{fix}")
+                        f"{parameter.c_type}: the kernel would read its bytes as garbage{fix}")
 
     # ---- launching -----------------------------------------------------------------------------------
     def _launch(self, grid, block, values, reverse_order=False, show_output=True):

@@ -71,6 +71,7 @@ def _fingerprint(*parts):
         digest.update(part.encode() if isinstance(part, str) else part)
         digest.update(b"\0")
     digest.update(compiler_version().encode())
+    digest.update(" ".join(COMMON_FLAGS + shared_library_flags()).encode())
     for name in HEADERS + (RUNTIME_SOURCE,):
         digest.update((HERE / name).read_bytes())
     return digest.hexdigest()[:24]
