@@ -386,3 +386,36 @@ def test_environment_variable_with_only_bounds_leaves_races_unchecked(rng, monke
     """GPT2_CUPY_CHECKS=bounds does not switch on the race check."""
     monkeypatch.setenv("GPT2_CUPY_CHECKS", "bounds")
     launch_racy_sum(rng)
+
+
+IN_PLACE_ADD = r"""
+extern "C" __global__ void add_into(float* out, const float* a, const float* b, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        out[i] = a[i] + b[i];
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("checks", [{"check_bounds": True}, {"check_races": True},
+                                    {"check_bounds": True, "check_races": True}])
+def test_checks_keep_arguments_that_share_memory_shared(checks, rng):
+    """Launches whose arguments share memory give under the checks exactly what they give without them:
+    in place (out and a the same array), and reading two overlapping views of one array. The checks copy
+    shared memory once, and start every pass from the original bytes."""
+    kernel = RawKernel(IN_PLACE_ADD, "add_into")
+    n = np.int32(300)
+    x, y = rng.standard_normal(300).astype(np.float32), rng.standard_normal(300).astype(np.float32)
+    unchecked, checked = x.copy(), x.copy()
+    kernel((2,), (256,), (unchecked, unchecked, y, n))
+    kernel((2,), (256,), (checked, checked, y, n), **checks)
+    np.testing.assert_array_equal(checked, unchecked)
+    np.testing.assert_array_equal(checked, x + y)
+
+    w = rng.standard_normal(301).astype(np.float32)
+    unchecked, checked = np.zeros(300, np.float32), np.zeros(300, np.float32)
+    kernel((2,), (256,), (unchecked, w[1:], w[:-1], n))
+    kernel((2,), (256,), (checked, w[1:], w[:-1], n), **checks)
+    np.testing.assert_array_equal(checked, unchecked)

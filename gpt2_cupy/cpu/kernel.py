@@ -14,9 +14,8 @@ import sys
 
 import numpy
 
-from . import checks, runtime, source, toolchain
-from .errors import (CompileError, KernelError, KernelNotFoundError, LaunchError, OutOfBoundsError,
-                     RaceError)
+from . import checked_launch, checks, runtime, source, toolchain
+from .errors import CompileError, KernelError, KernelNotFoundError, LaunchError, OutOfBoundsError
 
 # A GPU's limits (compute capability 9.0, H100), which a launch here must respect too.
 MAX_BLOCK_DIMENSIONS = (1024, 1024, 64)
@@ -93,10 +92,7 @@ class Function:
             self._raise_for(self._launch(grid, block, values))
             return
         arrays = [(i, a) for i, a in enumerate(args) if self.parameters[i].is_pointer]
-        if bounds:
-            self._launch_with_guard_pages(grid, block, values, arrays)
-        if races:
-            self._launch_twice_and_compare(grid, block, values, arrays)
+        checked_launch.launch_checked(self, grid, block, values, arrays, bounds, races)
 
     # ---- checking a launch ---------------------------------------------------------------------------
     def _dimensions(self, what, value, limits):
@@ -192,48 +188,28 @@ class Function:
             sys.stdout.flush()
         return result
 
-    def _raise_for(self, result, guarded=None):
-        """The Python exception for a failed launch."""
+    def _raise_for(self, result, locate=None):
+        """The Python exception for a failed launch. locate(address) -> (index, array, element) or None
+        says which array argument a faulting address ran off (the bounds check's guard pages)."""
         if result.failure == runtime.OK:
             return
         if result.failure == runtime.INTERRUPTED:
             raise KeyboardInterrupt(f"kernel '{self.name}' was interrupted; its outputs are incomplete")
         where = f"block ({', '.join(map(str, result.block))}), thread ({', '.join(map(str, result.thread))})"
         message = result.message.decode(errors="replace")
-        if result.failure == runtime.MEMORY_FAULT and guarded:
-            for index, copy, array in guarded:
-                element = copy.element_at(result.fault_address, array.itemsize)
-                if element is not None:
-                    access = {1: "write", 0: "read"}.get(result.fault_is_write, "access")
-                    parameter = self.parameters[index]
-                    raise OutOfBoundsError(
-                        f"kernel '{self.name}', {where}: out-of-bounds {access} of '{parameter.name}' at element "
-                        f"{element}; it has {array.size} elements ({array.dtype}, valid indices 0..{array.size - 1})")
+        found = locate(result.fault_address) if result.failure == runtime.MEMORY_FAULT and locate else None
+        if found:
+            index, array, element = found
+            access = {1: "write", 0: "read"}.get(result.fault_is_write, "access")
+            raise OutOfBoundsError(
+                f"kernel '{self.name}', {where}: out-of-bounds {access} of '{self.parameters[index].name}' at "
+                f"element {element}; it has {array.size} elements ({array.dtype}, valid indices 0..{array.size - 1})")
         if result.failure == runtime.ASSERTION_FAILED:
             raise KernelError(f"kernel '{self.name}', {where}: {message}")
         if result.failure == runtime.MEMORY_FAULT:
             raise KernelError(f"kernel '{self.name}', {where}: {message}. Run with the bounds check on "
                               "(check_bounds=True, or `with backend.checks(bounds=True):`) to learn which array")
         raise KernelError(f"kernel '{self.name}', {where}: {message}")
-
-    def _launch_with_guard_pages(self, grid, block, values, arrays):
-        """Run on copies of the arrays that sit against guard pages: above them, then below them."""
-        kept = None
-        for against_upper_guard in (True, False):
-            guarded = [(index, runtime.GuardedCopy(array, against_upper_guard), array) for index, array in arrays]
-            try:
-                guarded_values = self._with_addresses(values, {index: copy.address for index, copy, _ in guarded})
-                result = self._launch(grid, block, guarded_values, show_output=against_upper_guard)
-                self._raise_for(result, guarded)
-                if against_upper_guard:
-                    kept = [(copy, array) for _, copy, array in guarded]
-                    guarded = []
-            finally:
-                for _, copy, _ in guarded:
-                    copy.free()
-        for copy, array in kept:
-            copy.copy_into(array)
-            copy.free()
 
     def _with_addresses(self, values, addresses):
         """The argument values with the pointers of some array parameters replaced."""
@@ -245,44 +221,6 @@ class Function:
                 replaced[slot] = addresses[index]
             slot += 1
         return replaced
-
-    def _launch_twice_and_compare(self, grid, block, values, arrays):
-        """Run in the usual order and in the opposite one, on copies; report outputs that differ."""
-        outcomes = []
-        for reverse_order in (False, True):
-            copies = {index: array.copy() for index, array in arrays}
-            copied_values = self._with_addresses(values, {i: c.__array_interface__["data"][0] for i, c in copies.items()})
-            self._raise_for(self._launch(grid, block, copied_values, reverse_order, show_output=not reverse_order))
-            outcomes.append(copies)
-        forward, backward = outcomes
-        for index, array in arrays:
-            differ = _elements_that_differ(forward[index], backward[index])
-            if differ.size:
-                a, b, first = forward[index].ravel(), backward[index].ravel(), int(differ[0])
-                raise RaceError(
-                    f"kernel '{self.name}': '{self.parameters[index].name}' differs in {differ.size} of {a.size} "
-                    f"elements when the threads run in the opposite order (first at element {first}: "
-                    f"{a[first].item()!r} vs {b[first].item()!r}). A thread reads memory that another thread "
-                    "writes, with no __syncthreads() (or __syncwarp()) between them")
-        for index, array in arrays:
-            numpy.copyto(array, forward[index])
-
-
-# Floating-point results may differ in their last bits when atomicAdd sums in another order: that is
-# not a race. Differences larger than this, relative to the array's largest magnitude, are.
-RACE_RELATIVE_TOLERANCE = 1e-5
-
-
-def _elements_that_differ(a, b):
-    """Flat indices where two results of one launch differ by more than the order of float sums explains."""
-    a, b = a.ravel(), b.ravel()
-    if a.dtype.kind != "f":
-        return numpy.flatnonzero(a != b)
-    both_nan = numpy.isnan(a) & numpy.isnan(b)
-    with numpy.errstate(invalid="ignore"):
-        scale = max(float(numpy.nanmax(numpy.abs(a), initial=0.0)), float(numpy.nanmax(numpy.abs(b), initial=0.0)))
-        far = numpy.abs(a.astype(numpy.float64) - b) > RACE_RELATIVE_TOLERANCE * scale
-    return numpy.flatnonzero(~both_nan & (far | (numpy.isnan(a) != numpy.isnan(b))))
 
 
 def _kernel_library(code, options, entry_expressions, what):

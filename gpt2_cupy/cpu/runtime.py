@@ -2,6 +2,8 @@
 
 import ctypes
 import os
+
+import numpy
 from functools import lru_cache
 
 from . import toolchain
@@ -74,31 +76,49 @@ def launch(entry_address, packed_arguments, grid, block, reverse_order=False):
     return result, text
 
 
-class GuardedCopy:
-    """An array's bytes placed right against an inaccessible page above (or below) them."""
+def view(address, like):
+    """A numpy array over the memory at address, with like's dtype and shape (no copy)."""
+    if like.nbytes == 0:
+        return numpy.empty(like.shape, like.dtype)
+    memory = (ctypes.c_char * like.nbytes).from_address(address)
+    return numpy.frombuffer(memory, dtype=like.dtype).reshape(like.shape)
 
-    def __init__(self, array, against_upper_guard):
+
+class GuardedCopy:
+    """A copy of some bytes placed right against an inaccessible region above (or below) them."""
+
+    def __init__(self, source_address, nbytes, against_upper_guard):
         lib = library()
-        self.nbytes = array.nbytes
+        self.nbytes = nbytes
         self._mapping = ctypes.c_void_p()
         self._mapped_bytes = ctypes.c_ulonglong()
-        self.address = lib.gpt2cupy_guarded_alloc(self.nbytes, int(against_upper_guard),
+        self.address = lib.gpt2cupy_guarded_alloc(nbytes, int(against_upper_guard),
                                                   ctypes.byref(self._mapping), ctypes.byref(self._mapped_bytes))
         if not self.address:
-            raise MemoryError(f"no memory for a guarded copy of {self.nbytes} bytes")
-        ctypes.memmove(self.address, array.ctypes.data, self.nbytes)
+            raise MemoryError(f"no memory for a guarded copy of {nbytes} bytes")
+        ctypes.memmove(self.address, source_address, nbytes)
 
-    def copy_into(self, array):
-        ctypes.memmove(array.ctypes.data, self.address, self.nbytes)
-
-    def element_at(self, address, itemsize):
-        """The element index of an address relative to this copy (negative below it), or None if far off."""
-        offset = address - self.address
-        mapping_start = self._mapping.value
-        mapping_end = mapping_start + self._mapped_bytes.value
-        if not mapping_start <= address < mapping_end:
-            return None
-        return offset // itemsize
+    def in_guard(self, address):
+        """Whether address falls in the inaccessible memory around the copy."""
+        start = self._mapping.value
+        inside = self.address <= address < self.address + self.nbytes
+        return start <= address < start + self._mapped_bytes.value and not inside
 
     def free(self):
         library().gpt2cupy_guarded_free(self._mapping, self._mapped_bytes)
+
+
+class PlainCopy:
+    """A copy of some bytes in ordinary memory."""
+
+    def __init__(self, source_address, nbytes):
+        self._buffer = numpy.empty(max(nbytes, 1), dtype=numpy.uint8)
+        self.address = self._buffer.ctypes.data
+        self.nbytes = nbytes
+        ctypes.memmove(self.address, source_address, nbytes)
+
+    def in_guard(self, address):
+        return False
+
+    def free(self):
+        self._buffer = None

@@ -1,0 +1,138 @@
+"""The bounds and race checks: a launch run more than once, each time on fresh copies of its arrays.
+
+bounds  The arrays' bytes are copied right against an inaccessible region, above them and then below
+        them, so the first access past either end faults; the fault's address names the array, the element,
+        the block and the thread.
+races   The launch runs again with the threads (and blocks) in the opposite order; an output that differs
+        depended on an order CUDA does not promise.
+
+Arguments that share memory (an in-place kernel given the same array twice, or overlapping views) share
+one copy, so the kernel sees the aliasing it would see on a GPU. Every run starts from the original bytes,
+and the first run's results are the ones written back.
+"""
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy
+
+from . import runtime
+from .errors import RaceError
+
+# Floating-point results may differ in their last bits when atomicAdd sums in another order: that is
+# not a race. Differences larger than this, relative to the array's largest magnitude, are.
+RACE_RELATIVE_TOLERANCE = 1e-5
+
+
+@dataclass
+class Region:
+    """Bytes [start, end) of host memory, and the array arguments (index, array) that lie in them."""
+    start: int
+    end: int
+    members: list = field(default_factory=list)
+
+    @property
+    def nbytes(self):
+        return self.end - self.start
+
+
+def regions_of(arrays):
+    """The memory regions of the array arguments [(index, array)], overlapping arguments merged."""
+    spans = sorted((array.ctypes.data, array.ctypes.data + array.nbytes, index, array) for index, array in arrays)
+    regions = []
+    for start, end, index, array in spans:
+        if regions and start < regions[-1].end:
+            regions[-1].end = max(regions[-1].end, end)
+        else:
+            regions.append(Region(start, end))
+        regions[-1].members.append((index, array))
+    return regions
+
+
+def launch_checked(function, grid, block, values, arrays, bounds, races):
+    """Launch `function` (a kernel.Function) with the checks asked for; raise what they find."""
+    regions = regions_of(arrays)
+
+    def run(make_copy, reverse_order=False, show_output=False):
+        copies = [make_copy(region) for region in regions]
+        addresses = {index: copy.address + (array.ctypes.data - region.start)
+                     for region, copy in zip(regions, copies) for index, array in region.members}
+        result = function._launch(grid, block, function._with_addresses(values, addresses), reverse_order, show_output)
+        return result, copies
+
+    def above_guard(region):
+        return runtime.GuardedCopy(region.start, region.nbytes, against_upper_guard=True)
+
+    def below_guard(region):
+        return runtime.GuardedCopy(region.start, region.nbytes, against_upper_guard=False)
+
+    def plain(region):
+        return runtime.PlainCopy(region.start, region.nbytes)
+
+    result, kept = run(above_guard if bounds else plain, show_output=True)
+    try:
+        function._raise_for(result, locate=lambda address: _locate(address, regions, kept))
+        if bounds:
+            result, below = run(below_guard)
+            try:
+                function._raise_for(result, locate=lambda address: _locate(address, regions, below))
+            finally:
+                _free(below)
+        if races:
+            result, backward = run(plain, reverse_order=True)
+            try:
+                function._raise_for(result)
+                _compare(function, regions, kept, backward)
+            finally:
+                _free(backward)
+        for region, copy in zip(regions, kept):
+            ctypes.memmove(region.start, copy.address, region.nbytes)
+    finally:
+        _free(kept)
+
+
+def _free(copies):
+    for copy in copies:
+        copy.free()
+
+
+def _locate(address, regions, copies):
+    """(argument index, array, element index) of a faulting address in a guard, or None."""
+    for region, copy in zip(regions, copies):
+        if not copy.in_guard(address):
+            continue
+        above = address >= copy.address + copy.nbytes
+        # The argument whose end (or start) is the region's: the one the access ran off.
+        index, array = max(region.members, key=lambda m: m[1].ctypes.data + m[1].nbytes) if above else \
+            min(region.members, key=lambda m: m[1].ctypes.data)
+        start_in_copy = copy.address + (array.ctypes.data - region.start)
+        return index, array, (address - start_in_copy) // max(array.itemsize, 1)
+    return None
+
+
+def _compare(function, regions, forward_copies, backward_copies):
+    for region, forward, backward in zip(regions, forward_copies, backward_copies):
+        for index, array in region.members:
+            offset = array.ctypes.data - region.start
+            a = runtime.view(forward.address + offset, array)
+            b = runtime.view(backward.address + offset, array)
+            differ = elements_that_differ(a, b)
+            if differ.size:
+                a, b, first = a.ravel(), b.ravel(), int(differ[0])
+                raise RaceError(
+                    f"kernel '{function.name}': '{function.parameters[index].name}' differs in {differ.size} of "
+                    f"{a.size} elements when the threads run in the opposite order (first at element {first}: "
+                    f"{a[first].item()!r} vs {b[first].item()!r}). A thread reads memory that another thread "
+                    "writes, with no __syncthreads() (or __syncwarp()) between them")
+
+
+def elements_that_differ(a, b):
+    """Flat indices where two results of one launch differ by more than the order of float sums explains."""
+    a, b = a.ravel(), b.ravel()
+    if a.dtype.kind != "f":
+        return numpy.flatnonzero(a != b)
+    both_nan = numpy.isnan(a) & numpy.isnan(b)
+    with numpy.errstate(invalid="ignore"):
+        scale = max(float(numpy.nanmax(numpy.abs(a), initial=0.0)), float(numpy.nanmax(numpy.abs(b), initial=0.0)))
+        far = numpy.abs(a.astype(numpy.float64) - b) > RACE_RELATIVE_TOLERANCE * scale
+    return numpy.flatnonzero(~both_nan & (far | (numpy.isnan(a) != numpy.isnan(b))))
