@@ -419,3 +419,23 @@ def test_checks_keep_arguments_that_share_memory_shared(checks, rng):
     kernel((2,), (256,), (unchecked, w[1:], w[:-1], n))
     kernel((2,), (256,), (checked, w[1:], w[:-1], n), **checks)
     np.testing.assert_array_equal(checked, unchecked)
+
+
+def test_write_just_past_an_array_whose_size_is_not_a_multiple_of_16_bytes_is_reported():
+    """30 floats (120 bytes) keep their 16-byte alignment under the check, so 8 bytes lie between the
+    array and its guard: a write into them (element 30) is still reported, with the argument and element."""
+    code = r"""
+extern "C" __global__ void write_one_past(float* values, int n)
+{
+    if (threadIdx.x == 0) {
+        values[n] = 1.0f;
+    }
+}
+"""
+    values = np.zeros(30, dtype=np.float32)
+    with pytest.raises(OutOfBoundsError) as info:
+        RawKernel(code, "write_one_past")((1,), (32,), (values, np.int32(30)), check_bounds=True)
+    message = str(info.value)
+    assert "values" in message and "write" in message
+    assert_names_index(message, 30)
+    np.testing.assert_array_equal(values, 0)  # the failed launch wrote nothing back

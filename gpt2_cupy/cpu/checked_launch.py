@@ -2,7 +2,9 @@
 
 bounds  The arrays' bytes are copied right against an inaccessible region, above them and then below
         them, so the first access past either end faults; the fault's address names the array, the element,
-        the block and the thread.
+        the block and the thread. The copies keep the arrays' 16-byte alignment, as GPU memory does, which
+        can leave a few bytes between an array and its guard: a write there is found after the launch,
+        and a read there by one more pass with the bytes exactly against the guard, unaligned.
 races   The launch runs again with the threads (and blocks) in the opposite order; an output that differs
         depended on an order CUDA does not promise.
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy
 
 from . import runtime
-from .errors import RaceError
+from .errors import OutOfBoundsError, RaceError
 
 # Floating-point results may differ in their last bits when atomicAdd sums in another order: that is
 # not a race. Differences larger than this, relative to the array's largest magnitude, are.
@@ -63,6 +65,9 @@ def launch_checked(function, grid, block, values, arrays, bounds, races):
     def above_guard(region):
         return runtime.GuardedCopy(region.start, region.nbytes, against_upper_guard=True)
 
+    def exactly_above_guard(region):
+        return runtime.GuardedCopy(region.start, region.nbytes, against_upper_guard=True, keep_alignment=False)
+
     def below_guard(region):
         return runtime.GuardedCopy(region.start, region.nbytes, against_upper_guard=False)
 
@@ -73,11 +78,23 @@ def launch_checked(function, grid, block, values, arrays, bounds, races):
     try:
         function._raise_for(result, locate=lambda address: _locate(address, regions, kept))
         if bounds:
+            _raise_for_overwritten_canary(function, regions, kept)
             result, below = run(below_guard)
             try:
                 function._raise_for(result, locate=lambda address: _locate(address, regions, below))
+                _raise_for_overwritten_canary(function, regions, below)
             finally:
                 _free(below)
+            if any(copy.slack_bytes for copy in kept):
+                result, exact = run(exactly_above_guard)
+                try:
+                    # Only a fault in a guard counts here: any other is an aligned vector load of the
+                    # shifted bytes, which cannot happen on a GPU.
+                    found = _locate(result.fault_address, regions, exact) if result.failure == runtime.MEMORY_FAULT else None
+                    if found or result.failure not in (runtime.OK, runtime.MEMORY_FAULT):
+                        function._raise_for(result, locate=lambda address: found)
+                finally:
+                    _free(exact)
         if races:
             result, backward = run(plain, reverse_order=True)
             try:
@@ -99,7 +116,7 @@ def _free(copies):
 def _locate(address, regions, copies):
     """(argument index, array, element index) of a faulting address in a guard, or None."""
     for region, copy in zip(regions, copies):
-        if not copy.in_guard(address):
+        if not (copy.in_guard(address) or address == copy.first_overwritten_canary()):
             continue
         above = address >= copy.address + copy.nbytes
         # The argument whose end (or start) is the region's: the one the access ran off.
@@ -108,6 +125,18 @@ def _locate(address, regions, copies):
         start_in_copy = copy.address + (array.ctypes.data - region.start)
         return index, array, (address - start_in_copy) // max(array.itemsize, 1)
     return None
+
+
+def _raise_for_overwritten_canary(function, regions, copies):
+    """A write into the few bytes between an array and its guard, found after the launch."""
+    for copy in copies:
+        address = copy.first_overwritten_canary()
+        if address is not None:
+            index, array, element = _locate(address, regions, copies)
+            raise OutOfBoundsError(
+                f"kernel '{function.name}': out-of-bounds write of '{function.parameters[index].name}' at element "
+                f"{element}; it has {array.size} elements ({array.dtype}, valid indices 0..{array.size - 1}). "
+                "Found after the launch, in the bytes just past the array, so which thread wrote is not known")
 
 
 def _compare(function, regions, forward_copies, backward_copies):

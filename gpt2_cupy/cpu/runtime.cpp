@@ -805,11 +805,11 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
 
 void gpt2cupy_free(void* pointer) { std::free(pointer); }
 
-// Memory for the bounds check: the bytes of one array between two inaccessible regions, placed against
-// the upper one (an overrun faults at once) or the lower one (an underrun does). The guards are 64 KiB,
-// so an index a little past either end faults too, not only the very next element.
-void* gpt2cupy_guarded_alloc(unsigned long long bytes, int against_upper_guard, void** mapping,
-                             unsigned long long* mapped_bytes) {
+// Memory for the bounds check: an accessible stretch of at least `bytes` between two inaccessible
+// regions of 64 KiB, so that an index a little or a lot past either end faults. Returns the start of
+// the accessible stretch; the caller places the array's bytes in it, against one end.
+void* gpt2cupy_guarded_alloc(unsigned long long bytes, void** mapping, unsigned long long* mapped_bytes,
+                             unsigned long long* accessible_bytes) {
     size_t page = page_bytes();
     size_t guard = ((64 * 1024 + page - 1) / page) * page;
     size_t data = ((bytes + page - 1) / page) * page;
@@ -822,7 +822,8 @@ void* gpt2cupy_guarded_alloc(unsigned long long bytes, int against_upper_guard, 
     mprotect(first + guard + data, guard, PROT_NONE);
     *mapping = base;
     *mapped_bytes = total;
-    return against_upper_guard ? first + guard + data - bytes : first + guard;
+    *accessible_bytes = data;
+    return first + guard;
 }
 
 void gpt2cupy_guarded_free(void* mapping, unsigned long long mapped_bytes) { munmap(mapping, mapped_bytes); }

@@ -47,8 +47,8 @@ def library():
                                     ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_ulonglong)]
     lib.gpt2cupy_launch.restype = ctypes.c_int
     lib.gpt2cupy_free.argtypes = [ctypes.c_void_p]
-    lib.gpt2cupy_guarded_alloc.argtypes = [ctypes.c_ulonglong, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
-                                           ctypes.POINTER(ctypes.c_ulonglong)]
+    lib.gpt2cupy_guarded_alloc.argtypes = [ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_void_p),
+                                           ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong)]
     lib.gpt2cupy_guarded_alloc.restype = ctypes.c_void_p
     lib.gpt2cupy_guarded_free.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
     return lib
@@ -85,24 +85,56 @@ def view(address, like):
 
 
 class GuardedCopy:
-    """A copy of some bytes placed right against an inaccessible region above (or below) them."""
+    """A copy of some bytes placed against an inaccessible region above (or below) them.
 
-    def __init__(self, source_address, nbytes, against_upper_guard):
+    With keep_alignment (the default) the copy keeps the source's alignment modulo 16, as a GPU
+    allocation keeps vector loads aligned, so up to 15 bytes may lie between the bytes and the guard:
+    they are filled with a canary, and first_overwritten_canary() finds a write into them after the
+    launch. Without it, the bytes end exactly at the guard (above only).
+    """
+
+    ALIGNMENT = 16
+    CANARY = 0xA5
+
+    def __init__(self, source_address, nbytes, against_upper_guard, keep_alignment=True):
         lib = library()
         self.nbytes = nbytes
         self._mapping = ctypes.c_void_p()
         self._mapped_bytes = ctypes.c_ulonglong()
-        self.address = lib.gpt2cupy_guarded_alloc(nbytes, int(against_upper_guard),
-                                                  ctypes.byref(self._mapping), ctypes.byref(self._mapped_bytes))
-        if not self.address:
+        accessible_bytes = ctypes.c_ulonglong()
+        start = lib.gpt2cupy_guarded_alloc(nbytes + self.ALIGNMENT, ctypes.byref(self._mapping),
+                                           ctypes.byref(self._mapped_bytes), ctypes.byref(accessible_bytes))
+        if not start:
             raise MemoryError(f"no memory for a guarded copy of {nbytes} bytes")
+        end = start + accessible_bytes.value
+        if against_upper_guard:
+            self.address = end - nbytes
+            if keep_alignment:
+                self.address -= (self.address - source_address) % self.ALIGNMENT
+            self._slack = (self.address + nbytes, end)
+        else:
+            self.address = start + source_address % self.ALIGNMENT
+            self._slack = (start, self.address)
+        ctypes.memset(self._slack[0], self.CANARY, self._slack[1] - self._slack[0])
         ctypes.memmove(self.address, source_address, nbytes)
+
+    @property
+    def slack_bytes(self):
+        return self._slack[1] - self._slack[0]
 
     def in_guard(self, address):
         """Whether address falls in the inaccessible memory around the copy."""
         start = self._mapping.value
         inside = self.address <= address < self.address + self.nbytes
         return start <= address < start + self._mapped_bytes.value and not inside
+
+    def first_overwritten_canary(self):
+        """The address of the first slack byte a kernel wrote to, or None."""
+        low, high = self._slack
+        if high == low:
+            return None
+        changed = numpy.flatnonzero(view(low, numpy.empty(high - low, numpy.uint8)) != self.CANARY)
+        return low + int(changed[0]) if changed.size else None
 
     def free(self):
         library().gpt2cupy_guarded_free(self._mapping, self._mapped_bytes)
@@ -117,8 +149,15 @@ class PlainCopy:
         self.nbytes = nbytes
         ctypes.memmove(self.address, source_address, nbytes)
 
+    @property
+    def slack_bytes(self):
+        return self._slack[1] - self._slack[0]
+
     def in_guard(self, address):
         return False
+
+    def first_overwritten_canary(self):
+        return None
 
     def free(self):
         self._buffer = None
