@@ -40,7 +40,8 @@ setup: $(STAMP)
 GPT2_CUPY_CHECKS ?= bounds
 
 lab: setup
-	GPT2_CUPY_CHECKS="$(GPT2_CUPY_CHECKS)" $(VENV)/bin/jupyter lab chapters/
+	@# JupyterLab refuses root unless told; in a container root is the usual user.
+	GPT2_CUPY_CHECKS="$(GPT2_CUPY_CHECKS)" $(VENV)/bin/jupyter lab chapters/ $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 test: setup
 	$(PY) -m pytest tests/ chapters/ --nbval
