@@ -10,8 +10,6 @@ kernels/residual.cu (one element per thread, and float4), plus the chapter's gri
 Also the device's idle memory latency (a pointer chase), which the chapter uses with Little's law.
 """
 
-import datetime
-import json
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -149,8 +147,7 @@ def measure(sizes=SIZES):
             results.setdefault(name, []).append(benchmark.gigabytes_per_second(bytes_moved, seconds_per_call(run)))
         cupy.get_default_memory_pool().free_all_blocks()
     return {
-        "device": backend.device_name(),
-        "date": datetime.date.today().isoformat(),
+        **benchmark.measured_on(),
         "copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9,
         "idle_memory_latency_ns": idle_memory_latency() * 1e9,
         "multiprocessors": multiprocessors,
@@ -175,7 +172,7 @@ def main():
     measured = measure()
     print(report(measured))
     path = Path(__file__).with_suffix(".json")
-    path.write_text(json.dumps(measured, indent=1) + "\n")
+    benchmark.write_results(path, measured)
     print(f"written: {path}")
     return 0
 

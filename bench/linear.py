@@ -12,8 +12,6 @@ Sizes are GPT-2 small's (C = 768) with B = 32 sequences of T = 1024 tokens: ever
 H100's 50 MB L2 cache, so each call really reads memory.
 """
 
-import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -111,8 +109,7 @@ def main():
         return 1
     torch = _torch()
     report = {
-        "device": backend.device_name(),
-        "date": datetime.date.today().isoformat(),
+        **benchmark.measured_on(),
         "rows": ROWS,
         "copy_bandwidth_GBps": benchmark.copy_bandwidth() / 1e9,
         "torch": torch.__version__ if torch is not None else None,
@@ -127,7 +124,7 @@ def main():
         for name, rate in rates.items():
             print(f"linear {layer:10s}, N = {ROWS}: {name:20s} {rate:6.1f} TFLOP/s")
     path = Path(__file__).with_suffix(".json")
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    benchmark.write_results(path, report)
     print(f"wrote {path}")
     return 0
 

@@ -12,8 +12,6 @@ chapters/01_matmul.ipynb imports this file for its benchmark cell.
 """
 
 import argparse
-import datetime
-import json
 import os
 import sys
 from pathlib import Path
@@ -245,8 +243,7 @@ def main(argv=None):
 
     cupy = backend.xp
     results = {
-        "device": backend.device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **benchmark.measured_on(),
         "cupy": cupy.__version__,
         "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
         "CUPY_TF32": os.environ.get("CUPY_TF32"),
@@ -282,7 +279,7 @@ def main(argv=None):
     cublas = at_4096["cuBLAS (cupy.matmul)"]
     results["at_4096"] = {label: {"gflops": value, "percent_of_cublas": 100 * value / cublas}
                           for label, value in at_4096.items()}
-    Path(arguments.out).write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    benchmark.write_results(arguments.out, results)
     print(f"\n{results['device']}, 4096³ float32:")
     for label, row in results["at_4096"].items():
         print(f"  {label:40s} {row['gflops']:9,.0f} GFLOP/s  {row['percent_of_cublas']:5.1f} % of cuBLAS")

@@ -7,8 +7,6 @@ Writes bench/vector_add.json: for each n (float32 elements per array), the GB/s 
 device-to-device copy that is the memory's ceiling.
 """
 
-import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -81,15 +79,14 @@ def main():
     results = measure()
     copy = benchmark.copy_bandwidth()
     report = {
-        "device": backend.device_name(),
-        "date": datetime.date.today().isoformat(),
+        **benchmark.measured_on(),
         "bytes_per_element": BYTES_PER_ELEMENT,
         "threads_per_block": THREADS_PER_BLOCK,
         "grid_stride_blocks_per_multiprocessor": GRID_STRIDE_BLOCKS_PER_MULTIPROCESSOR,
         "copy_gigabytes_per_second": copy / 1e9,
         "results": results,
     }
-    OUTPUT.write_text(json.dumps(report, indent=2) + "\n")
+    benchmark.write_results(OUTPUT, report)
     print(f"{report['device']}: device-to-device copy {copy / 1e9:.0f} GB/s")
     print(f"{'n':>10} " + " ".join(f"{name:>23}" for name in results))
     for index, n in enumerate(SIZES):

@@ -4,7 +4,10 @@ Timings mean something only on a GPU: on the CPU executor `meaningful()` is Fals
 instead of plotting numbers.
 """
 
+import datetime
+import json
 from functools import lru_cache
+from pathlib import Path
 
 import numpy
 
@@ -58,3 +61,14 @@ def gigabytes_per_second(bytes_moved, seconds):
 
 def tflops(flops, seconds):
     return flops / seconds / 1e12
+
+
+def measured_on():
+    """The device and the time of a measurement, to stamp a results file with."""
+    return {"device": backend.device_name(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_results(path, results):
+    """Write a benchmark's results as JSON (bench/NAME.json beside bench/NAME.py)."""
+    Path(path).write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
