@@ -522,7 +522,8 @@ constexpr int stop_signal = SIGUSR2;  // sent to the workers when the launch is 
 void on_fault(int signal_number, siginfo_t* info, void* context) {
     BlockRunner* runner = this_thread_runner;
     if (this_thread_fault_recovery == nullptr || runner == nullptr || launch_in_flight == nullptr) {
-        // Not ours: give it to whoever handled it before (Python's faulthandler, say) and fault again.
+        // Not a kernel's fault: give it to whoever handled it before (Python's faulthandler, say), and
+        // fault again there. The next launch puts this handler back.
         sigaction(SIGSEGV, &previous_segv_action, nullptr);
         sigaction(SIGBUS, &previous_bus_action, nullptr);
         return;
@@ -576,32 +577,38 @@ void on_stop_signal(int) {
 }
 
 // Each thread that runs blocks handles its faults on a stack of its own: the faulting stack may be
-// the one that overflowed.
-struct AlternateSignalStack {
-    stack_t ours{}, previous{};
-    AlternateSignalStack() {
-        static thread_local std::vector<char> memory(64 * 1024);
-        ours.ss_sp = memory.data();
-        ours.ss_size = memory.size();
-        ours.ss_flags = 0;
-        sigaltstack(&ours, &previous);
-    }
-    ~AlternateSignalStack() {
-        if (!(previous.ss_flags & SS_DISABLE) && previous.ss_sp != nullptr) sigaltstack(&previous, nullptr);
-        else {
-            stack_t disable{};
-            disable.ss_flags = SS_DISABLE;
-            sigaltstack(&disable, nullptr);
-        }
-    }
-};
+// the one that overflowed. Set once per thread and kept (a handler installed by others with
+// SA_ONSTACK, such as Python's faulthandler, runs on it just as well).
+void use_alternate_signal_stack() {
+    static thread_local std::vector<char> memory;
+    if (!memory.empty()) return;
+    memory.resize(64 * 1024);
+    stack_t ours{};
+    ours.ss_sp = memory.data();
+    ours.ss_size = memory.size();
+    sigaltstack(&ours, nullptr);
+}
+
+// The fault handler stays installed between launches; a launch only checks that nobody replaced it.
+void install_fault_handler() {
+    struct sigaction current {};
+    sigaction(SIGSEGV, nullptr, &current);
+    if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_fault) return;
+    struct sigaction ours {};
+    ours.sa_sigaction = on_fault;
+    // SA_NODEFER: a handler left by siglongjmp leaves no signal blocked, so no mask needs restoring.
+    ours.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+    sigemptyset(&ours.sa_mask);
+    sigaction(SIGSEGV, &ours, &previous_segv_action);
+    sigaction(SIGBUS, &ours, &previous_bus_action);
+}
 
 // Runs blocks of the launch until none are left; returns when done or failed.
 void run_blocks(Launch& launch) {
     BlockRunner& runner = runner_of_this_thread();
-    AlternateSignalStack alternate_stack;
+    use_alternate_signal_stack();
     sigjmp_buf recovery;
-    if (sigsetjmp(recovery, 1) != 0) {
+    if (sigsetjmp(recovery, 0) != 0) {
         // A fault or an interrupt inside a kernel: the launch has recorded it.
         runner.abandon_block();
         this_thread_fault_recovery = nullptr;
@@ -753,12 +760,7 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     std::lock_guard<std::mutex> one_at_a_time(launch_mutex);
     Launch launch(*request);
 
-    struct sigaction ours {};
-    ours.sa_sigaction = on_fault;
-    ours.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
-    sigemptyset(&ours.sa_mask);
-    sigaction(SIGSEGV, &ours, &previous_segv_action);
-    sigaction(SIGBUS, &ours, &previous_bus_action);
+    install_fault_handler();
     struct sigaction interrupt_action {};
     interrupt_action.sa_handler = on_interrupt;
     interrupt_action.sa_flags = SA_ONSTACK | SA_NODEFER;
@@ -784,8 +786,6 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     else WorkerPool::instance().run(launch, helpers);
 
     launch_in_flight = nullptr;
-    sigaction(SIGSEGV, &previous_segv_action, nullptr);
-    sigaction(SIGBUS, &previous_bus_action, nullptr);
     sigaction(SIGINT, &previous_interrupt_action, nullptr);
 
     *result = launch.result();
