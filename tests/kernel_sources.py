@@ -26,3 +26,26 @@ extern "C" __global__ void tiled_matmul(const float* A, const float* B, float* C
     }
 }
 """
+
+
+# A block's sum by a tree reduction in shared memory (blocks of up to 256 threads, a power of two).
+# The barrier inside the loop is on a line of its own, so a test can take it out and get a race.
+LOOP_BARRIER = "        __syncthreads();  // each step reads the sums of the step before\n"
+BLOCK_SUM = r"""
+extern "C" __global__ void block_sum(const float* x, float* sums, int n)
+{
+    __shared__ float cache[256];
+    int t = threadIdx.x;
+    int i = blockIdx.x * blockDim.x + t;
+    cache[t] = (i < n) ? x[i] : 0.0f;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if (t < stride) {
+            cache[t] += cache[t + stride];
+        }
+""" + LOOP_BARRIER + r"""    }
+    if (t == 0) {
+        sums[blockIdx.x] = cache[0];
+    }
+}
+"""

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
-from kernel_sources import TILED_MATMUL
+from kernel_sources import BLOCK_SUM, TILED_MATMUL
 
 
 def blocks_for(n, block):
@@ -169,25 +169,6 @@ def test_syncthreads_lets_a_block_reverse_its_slice_through_shared_memory(rng, t
     np.testing.assert_array_equal(to_host(out), expected)
 
 
-TREE_REDUCTION = r"""
-extern "C" __global__ void block_sums(const float* x, float* partial, int n)
-{
-    __shared__ float cache[256];
-    int t = threadIdx.x;
-    int i = blockIdx.x * blockDim.x + t;
-    cache[t] = (i < n) ? x[i] : 0.0f;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-        if (t < stride) {
-            cache[t] += cache[t + stride];
-        }
-        __syncthreads();
-    }
-    if (t == 0) {
-        partial[blockIdx.x] = cache[0];
-    }
-}
-"""
 
 
 @pytest.mark.parametrize("block", [256, 64])
@@ -197,7 +178,7 @@ def test_shared_memory_tree_reduction(block, rng, to_device, to_host):
     x = rng.random(n, dtype=np.float32)
     blocks = blocks_for(n, block)
     partial = to_device(np.zeros(blocks, dtype=np.float32))
-    kernel = backend.RawKernel(TREE_REDUCTION, "block_sums")
+    kernel = backend.RawKernel(BLOCK_SUM, "block_sum")
     kernel((blocks,), (block,), (to_device(x), partial, np.int32(n)))
     padded = np.zeros(blocks * block, dtype=np.float64)
     padded[:n] = x

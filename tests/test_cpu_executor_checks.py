@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
-from kernel_sources import TILED_MATMUL
+from kernel_sources import BLOCK_SUM, LOOP_BARRIER, TILED_MATMUL
 
 pytestmark = pytest.mark.cpu_only
 
@@ -195,27 +195,8 @@ def test_bounds_check_sees_the_array_size_not_the_n_argument():
 # Races
 # ---------------------------------------------------------------------------------------------------------
 
-BLOCK_SUM = r"""
-extern "C" __global__ void block_sum(const float* x, float* sums, int n)
-{
-    __shared__ float cache[128];
-    int t = threadIdx.x;
-    int i = blockIdx.x * blockDim.x + t;
-    cache[t] = (i < n) ? x[i] : 0.0f;
-    __syncthreads();
-    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-        if (t < stride) {
-            cache[t] += cache[t + stride];
-        }
-        SYNC_AFTER_EACH_STEP
-    }
-    if (t == 0) {
-        sums[blockIdx.x] = cache[0];
-    }
-}
-"""
-RACY_BLOCK_SUM = BLOCK_SUM.replace("SYNC_AFTER_EACH_STEP", "// (missing __syncthreads(): the next step may read a sum not yet written)")
-CORRECT_BLOCK_SUM = BLOCK_SUM.replace("SYNC_AFTER_EACH_STEP", "__syncthreads();")
+RACY_BLOCK_SUM = BLOCK_SUM.replace(LOOP_BARRIER, "        // (missing __syncthreads(): the next step may read a sum not yet written)\n")
+assert RACY_BLOCK_SUM != BLOCK_SUM
 
 
 def block_sum_arguments(rng, n=1000, block=128):
@@ -237,7 +218,7 @@ def test_missing_syncthreads_in_a_reduction_is_a_race(rng):
 def test_correct_reduction_passes_the_race_check(rng):
     """With the barrier the result does not depend on thread order: no error, and the right sums."""
     x, sums, n, blocks = block_sum_arguments(rng)
-    RawKernel(CORRECT_BLOCK_SUM, "block_sum")((blocks,), (128,), (x, sums, n), check_races=True)
+    RawKernel(BLOCK_SUM, "block_sum")((blocks,), (128,), (x, sums, n), check_races=True)
     padded = np.zeros(blocks * 128)
     padded[: x.size] = x
     np.testing.assert_allclose(sums, padded.reshape(blocks, 128).sum(axis=1), rtol=1e-5)
