@@ -10,7 +10,6 @@ Sizes are not multiples of the kernels' block sizes (256 threads, 32-column stri
 import numpy as np
 import pytest
 
-from gpt2_cupy import backend
 from gpt2_cupy.ops.linear import add_bias, bias_backward, linear_backward, linear_forward
 
 

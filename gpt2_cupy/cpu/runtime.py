@@ -2,9 +2,9 @@
 
 import ctypes
 import os
+from functools import lru_cache
 
 import numpy
-from functools import lru_cache
 
 from . import toolchain
 
