@@ -57,13 +57,13 @@ def _teaching_kernel(file_name, kernel_name, block, grid_of):
 def versions(with_torch=True):
     """{label: launcher(a, b, c) -> run()} for C = A @ B, slowest first, the references last."""
     found = {
-        "naive, uncoalesced": _teaching_kernel("matmul_naive", "matmul_naive_uncoalesced", (32, 8),
+        "naive, uncoalesced": _teaching_kernel("steps/matmul_naive", "matmul_naive_uncoalesced", (32, 8),
                                                lambda M, N: (_blocks(M, 32), _blocks(N, 8))),
-        "naive": _teaching_kernel("matmul_naive", "matmul_naive", (32, 8),
+        "naive": _teaching_kernel("steps/matmul_naive", "matmul_naive", (32, 8),
                                   lambda M, N: (_blocks(N, 32), _blocks(M, 8))),
-        "shared-memory tiles": _teaching_kernel("matmul_tiled", "matmul_tiled", (32, 32),
+        "shared-memory tiles": _teaching_kernel("steps/matmul_tiled", "matmul_tiled", (32, 32),
                                                 lambda M, N: (_blocks(N, 32), _blocks(M, 32))),
-        "register blocking": _teaching_kernel("matmul_register_blocked", "matmul_register_blocked", (256,),
+        "register blocking": _teaching_kernel("steps/matmul_register_blocked", "matmul_register_blocked", (256,),
                                               lambda M, N: (_blocks(N, 128), _blocks(M, 128))),
         "package kernel (gpt2_cupy matmul)": lambda a, b, c: (lambda: matmul(a, b, out=c)),
         "cuBLAS (cupy.matmul)": lambda a, b, c: (lambda: backend.xp.matmul(a, b, out=c)),

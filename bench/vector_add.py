@@ -23,8 +23,8 @@ OUTPUT = Path(__file__).with_suffix(".json")
 
 def versions(cupy, n, a, b, out):
     """{name: function that runs one launch} for arrays of n elements."""
-    vector_add = kernels.function("vector_add", "vector_add")
-    vector_add_grid_stride = kernels.function("vector_add", "vector_add_grid_stride")
+    vector_add = kernels.function("steps/vector_add", "vector_add")
+    vector_add_grid_stride = kernels.function("steps/vector_add", "vector_add_grid_stride")
     blocks = (n + THREADS_PER_BLOCK - 1) // THREADS_PER_BLOCK
     multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
     grid_stride_blocks = GRID_STRIDE_BLOCKS_PER_MULTIPROCESSOR * multiprocessors

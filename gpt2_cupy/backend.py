@@ -6,6 +6,9 @@ Everything else imports the names below and never asks which backend is active:
     xp            the array module: cupy or numpy
     asnumpy(a)    a numpy copy of an array from either module
     synchronize() wait for launched kernels to finish (a no-op on the CPU, whose launches are synchronous)
+    address(a)    where an array's data starts (device memory on a GPU, host memory on the CPU)
+    multiprocessor_count()   the GPU's streaming multiprocessors; on the CPU an H100's 132, so that ops
+                  that size their grid by it take the same path (and give the same results) on both
     RawKernel(code, name, options=())
     RawModule(code=..., options=(), name_expressions=None) with .get_function(name)
 
@@ -65,6 +68,12 @@ if _cupy is not None:
         properties = _cupy.cuda.runtime.getDeviceProperties(_cupy.cuda.Device().id)
         return properties["name"].decode()
 
+    def address(array):
+        return array.data.ptr
+
+    def multiprocessor_count():
+        return _cupy.cuda.Device().attributes["MultiProcessorCount"]
+
 else:
     name = "cpu"
     xp = numpy
@@ -80,6 +89,12 @@ else:
         from .cpu import describe_host
 
         return describe_host()
+
+    def address(array):
+        return array.ctypes.data
+
+    def multiprocessor_count():
+        return 132  # an H100's: kernels sized by it split their work as they would on one
 
 
 @contextlib.contextmanager

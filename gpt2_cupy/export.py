@@ -1,13 +1,15 @@
-"""One source for every kernel: the chapter cell that teaches it, copied into kernels/ for the package.
+"""One source for every kernel: the chapter cell that teaches it, copied into gpt2_cupy/kernels/.
 
-A code cell whose first line is `# export: kernels/NAME.cu` exports the first string literal it assigns:
+A code cell whose first line is `# export: gpt2_cupy/kernels/NAME.cu` exports the first string literal it
+assigns. The package's kernels, one file per op named after it, go to gpt2_cupy/kernels/; teaching steps
+that only a chapter, its tests and its benchmark run (the naive matmul, say) go to gpt2_cupy/kernels/steps/:
 
-    # export: kernels/vector_add.cu
+    # export: gpt2_cupy/kernels/steps/vector_add.cu
     vector_add_source = r'''
     extern "C" __global__ void vector_add(...) { ... }
     '''
 
-    python -m gpt2_cupy.export chapters/          rewrite kernels/*.cu from the chapters
+    python -m gpt2_cupy.export chapters/          rewrite gpt2_cupy/kernels/**/*.cu from the chapters
     python -m gpt2_cupy.export --check chapters/  exit 1 and name the files that differ (what the tests do)
 """
 
@@ -18,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-EXPORT_MARK = re.compile(r"^#\s*export:\s*(kernels/[\w.-]+\.cu)\s*$")
+EXPORT_MARK = re.compile(r"^#\s*export:\s*(gpt2_cupy/kernels/(?:steps/)?[\w.-]+\.cu)\s*$")
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
@@ -36,7 +38,7 @@ def _first_string_assigned(code, where):
 
 
 def exported_kernels(notebook):
-    """[(kernels/NAME.cu, source text)] for the export cells of one notebook, in order."""
+    """[(gpt2_cupy/kernels/NAME.cu, source text)] for the export cells of one notebook, in order."""
     cells = json.loads(Path(notebook).read_text())["cells"]
     exports = []
     for number, cell in enumerate(cells):
@@ -51,7 +53,7 @@ def exported_kernels(notebook):
 
 
 def all_exports(notebooks):
-    """{kernels/NAME.cu: (notebook, source)} over notebooks; a file exported twice is an error."""
+    """{gpt2_cupy/kernels/NAME.cu: (notebook, source)} over notebooks; a file exported twice is an error."""
     found = {}
     for notebook in notebooks:
         for target, kernel_source in exported_kernels(notebook):

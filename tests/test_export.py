@@ -1,4 +1,4 @@
-"""Each kernel exists once: kernels/*.cu must equal the chapter cells that export them."""
+"""Each kernel exists once: gpt2_cupy/kernels/**/*.cu must equal the chapter cells that export them."""
 
 import shutil
 import subprocess
@@ -7,7 +7,7 @@ import pytest
 
 from gpt2_cupy.export import REPOSITORY, all_exports, notebooks_in
 
-KERNELS = REPOSITORY / "kernels"
+KERNELS = REPOSITORY / "gpt2_cupy" / "kernels"
 EXPORTS = all_exports(notebooks_in([REPOSITORY / "chapters"]))
 
 
@@ -18,7 +18,7 @@ def test_chapters_export_kernels():
 
 @pytest.mark.parametrize("target", sorted(EXPORTS))
 def test_kernel_file_equals_its_chapter_cell(target):
-    """kernels/NAME.cu is the text of the cell that exports it (run `make kernels` after editing a cell)."""
+    """gpt2_cupy/kernels/NAME.cu is the text of the cell that exports it (run `make kernels` after editing a cell)."""
     notebook, cell_source = EXPORTS[target]
     path = REPOSITORY / target
     assert path.exists(), f"{target} is exported by {notebook} but missing: run `make kernels`"
@@ -27,7 +27,7 @@ def test_kernel_file_equals_its_chapter_cell(target):
 
 def test_every_kernel_file_comes_from_a_chapter():
     """No kernel file is edited on its own: each one has its cell."""
-    files = {f"kernels/{path.name}" for path in KERNELS.glob("*.cu")}
+    files = {str(path.relative_to(REPOSITORY)) for path in KERNELS.rglob("*.cu")}
     assert files - set(EXPORTS) == set()
 
 

@@ -41,10 +41,10 @@ def blocks(n, size):
 
 
 TEACHING_KERNELS = {
-    "matmul_naive": ("matmul_naive", (32, 8), lambda M, N: (blocks(N, 32), blocks(M, 8))),
-    "matmul_naive_uncoalesced": ("matmul_naive", (32, 8), lambda M, N: (blocks(M, 32), blocks(N, 8))),
-    "matmul_tiled": ("matmul_tiled", (32, 32), lambda M, N: (blocks(N, 32), blocks(M, 32))),
-    "matmul_register_blocked": ("matmul_register_blocked", (256,), lambda M, N: (blocks(N, 128), blocks(M, 128))),
+    "matmul_naive": ("steps/matmul_naive", (32, 8), lambda M, N: (blocks(N, 32), blocks(M, 8))),
+    "matmul_naive_uncoalesced": ("steps/matmul_naive", (32, 8), lambda M, N: (blocks(M, 32), blocks(N, 8))),
+    "matmul_tiled": ("steps/matmul_tiled", (32, 32), lambda M, N: (blocks(N, 32), blocks(M, 32))),
+    "matmul_register_blocked": ("steps/matmul_register_blocked", (256,), lambda M, N: (blocks(N, 128), blocks(M, 128))),
 }
 
 

@@ -30,7 +30,7 @@ def assert_rounded_sum(out, a, b):
 @pytest.mark.parametrize("threads_per_block", [32, 256, 1024])
 @pytest.mark.parametrize("n", SIZES)
 def test_vector_add_matches_float64(n, threads_per_block, rng, to_device, to_host):
-    vector_add = kernels.function("vector_add", "vector_add")
+    vector_add = kernels.function("steps/vector_add", "vector_add")
     a, b = random_pair(rng, n)
     out = to_device(np.full(n, np.nan, dtype=np.float32))
     blocks = (n + threads_per_block - 1) // threads_per_block
@@ -42,7 +42,7 @@ def test_vector_add_matches_float64(n, threads_per_block, rng, to_device, to_hos
 @pytest.mark.parametrize("n", SIZES)
 def test_grid_stride_with_a_grid_smaller_than_the_data(n, blocks, rng, to_device, to_host):
     """A grid of blocks * 128 threads; for most sizes far fewer threads than elements."""
-    vector_add_grid_stride = kernels.function("vector_add", "vector_add_grid_stride")
+    vector_add_grid_stride = kernels.function("steps/vector_add", "vector_add_grid_stride")
     a, b = random_pair(rng, n)
     out = to_device(np.full(n, np.nan, dtype=np.float32))
     vector_add_grid_stride((blocks,), (128,), (to_device(a), to_device(b), out, np.int32(n)))
@@ -51,7 +51,7 @@ def test_grid_stride_with_a_grid_smaller_than_the_data(n, blocks, rng, to_device
 
 @pytest.mark.parametrize("n", [1, 257, 1000])
 def test_grid_stride_with_a_grid_larger_than_the_data(n, rng, to_device, to_host):
-    vector_add_grid_stride = kernels.function("vector_add", "vector_add_grid_stride")
+    vector_add_grid_stride = kernels.function("steps/vector_add", "vector_add_grid_stride")
     a, b = random_pair(rng, n)
     out = to_device(np.full(n, np.nan, dtype=np.float32))
     blocks = (n + 127) // 128 + 5
@@ -62,7 +62,7 @@ def test_grid_stride_with_a_grid_larger_than_the_data(n, rng, to_device, to_host
 @pytest.mark.parametrize("kernel_name, blocks", [("vector_add", 4), ("vector_add_grid_stride", 2)])
 def test_nothing_is_written_past_n(kernel_name, blocks, rng, to_device, to_host):
     """The threads past n (the last block's spare ones) leave memory beyond element n - 1 alone."""
-    kernel = kernels.function("vector_add", kernel_name)
+    kernel = kernels.function("steps/vector_add", kernel_name)
     n, spare = 1000, 200  # 4 blocks of 256 threads: 24 threads past n
     a, b = random_pair(rng, n + spare)
     out = to_device(np.full(n + spare, np.nan, dtype=np.float32))
@@ -78,6 +78,6 @@ def test_vector_add_passes_the_bounds_check(rng, to_device, to_host):
     a, b = random_pair(rng, 1000)
     out = np.zeros(1000, dtype=np.float32)
     with backend.checks(bounds=True):
-        kernels.function("vector_add", "vector_add")((4,), (256,), (a, b, out, np.int32(1000)))
-        kernels.function("vector_add", "vector_add_grid_stride")((3,), (100,), (a, b, out, np.int32(1000)))
+        kernels.function("steps/vector_add", "vector_add")((4,), (256,), (a, b, out, np.int32(1000)))
+        kernels.function("steps/vector_add", "vector_add_grid_stride")((3,), (100,), (a, b, out, np.int32(1000)))
     assert_rounded_sum(out, a, b)

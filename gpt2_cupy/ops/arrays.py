@@ -1,34 +1,106 @@
-"""What every op does with its arrays before a launch: check them, find their address, launch elementwise.
+"""The one check-and-launch layer every op uses: array checks with named sizes, output buffers, launch sizes.
 
-Errors name the op and the argument: a wrong type or dtype is a TypeError, a wrong layout a ValueError.
+    sizes = check("layernorm_forward", x=(x, ("...", "C")), weight=(weight, ("C",)), bias=(bias, ("C",)))
+    sizes["C"], sizes["..."]          # 768, (8, 1024): every name binds one size, "..." the leading axes
+    out = output("layernorm_forward", out, sizes["..."] + (sizes["C"],))
+    blocks = ceil_div(n, THREADS_PER_BLOCK)
+
+A public op checks its arguments once, then calls unchecked internal functions (which never check again).
+Errors name the op and the argument, in a learner's terms: a wrong type or dtype is a TypeError, a wrong
+shape or layout a ValueError.
 """
+
+import math
 
 import numpy
 
 from gpt2_cupy import backend, kernels
 
-LARGEST_INT = 2**31 - 1  # kernels index with int
-THREADS_PER_BLOCK = 256
+LARGEST_INT = 2**31 - 1   # kernels index with int: no array may have more elements
+THREADS_PER_BLOCK = 256   # the default block size of elementwise and row kernels
+ELLIPSIS = "..."          # in a shape pattern: any number of leading axes, the same in every argument
 
 
-def address(array):
-    """Where an array's data starts, on the device (cupy) or in host memory (numpy)."""
-    return array.data.ptr if backend.name == "cuda" else array.ctypes.data
+def ceil_div(numerator, denominator):
+    """⌈numerator / denominator⌉ for non-negative ints: how many blocks of `denominator` cover `numerator`."""
+    return -(-numerator // denominator)
 
 
-def check_float32(operation, name, array, contiguous=True):
-    """A float32 array of the active backend; C-contiguous unless contiguous=False; indexable with int."""
+def rows(array):
+    """The (N, C) view of a C-contiguous (..., C) array, N the product of the leading axes: no copy."""
+    return array.reshape(math.prod(array.shape[:-1]), array.shape[-1])  # -1 would fail when a size is 0
+
+
+def _check_one(operation, name, array, dtype, contiguous):
     if not isinstance(array, backend.xp.ndarray):
         raise TypeError(f"{operation}: {name} must be a {backend.xp.__name__}.ndarray (the active backend is "
                         f"{backend.name}), got {type(array).__module__}.{type(array).__name__}")
-    if array.dtype != numpy.float32:
-        raise TypeError(f"{operation}: {name} has dtype {array.dtype}; only float32 is supported")
+    if array.dtype != dtype:
+        raise TypeError(f"{operation}: {name} has dtype {array.dtype}; it must be {numpy.dtype(dtype).name}")
     if contiguous and not array.flags.c_contiguous:
         raise ValueError(f"{operation}: {name} (shape {array.shape}, strides {array.strides}) is not C-contiguous; "
                          "the kernels index memory as one flat array, so pass xp.ascontiguousarray(...)")
     if array.size > LARGEST_INT:
         raise ValueError(f"{operation}: {name} has {array.size} elements; the kernels index with int, "
                          f"at most {LARGEST_INT}")
+
+
+def _pattern_text(pattern):
+    return "(" + ", ".join(str(p) for p in pattern) + ("," if len(pattern) == 1 else "") + ")"
+
+
+def check(operation, **arguments):
+    """Check arrays against shape patterns that share named sizes; return the sizes they bind.
+
+    Each keyword is an argument's name, its value (array, pattern) or (array, pattern, dtype); dtype is
+    float32 unless given. An array of None is skipped (an optional argument left out). A pattern is a
+    tuple of ints (that exact size), names ("C": the same size wherever the name appears) and at most one
+    "..." first (any number of leading axes, the same in every argument). Arrays must be C-contiguous.
+    """
+    sizes, first_seen = {}, {}
+    for name, specification in arguments.items():
+        array, pattern, dtype = (*specification, numpy.float32) if len(specification) == 2 else specification
+        if array is None:
+            continue
+        _check_one(operation, name, array, dtype, contiguous=True)
+        shape = tuple(array.shape)
+        leading = pattern[0] == ELLIPSIS
+        fixed = pattern[1:] if leading else pattern
+        if len(shape) < len(fixed) or (not leading and len(shape) != len(fixed)):
+            raise ValueError(f"{operation}: {name} must have shape {_pattern_text(pattern)}, got {shape}")
+        bound = {ELLIPSIS: shape[:len(shape) - len(fixed)]} if leading else {}
+        bound.update(zip(fixed, shape[len(shape) - len(fixed):]))
+        for size_name, size in bound.items():
+            if isinstance(size_name, int):
+                if size != size_name:
+                    raise ValueError(f"{operation}: {name} must have shape {_pattern_text(pattern)}, got {shape}")
+                continue
+            if size_name in sizes and sizes[size_name] != size:
+                other = first_seen[size_name]
+                what = "leading axes" if size_name == ELLIPSIS else size_name
+                raise ValueError(f"{operation}: {name} has shape {shape}, which gives {what} = {size}, but "
+                                 f"{other[0]} has shape {other[1]}, which gives {what} = {sizes[size_name]}")
+            sizes.setdefault(size_name, size)
+            first_seen.setdefault(size_name, (name, shape))
+    return sizes
+
+
+def output(operation, out, shape, dtype=numpy.float32, name="out"):
+    """`out` checked to have `shape` and `dtype`, or a new uninitialised array of that shape when out is None."""
+    shape = tuple(shape)
+    if out is None:
+        return backend.xp.empty(shape, dtype=dtype)
+    _check_one(operation, name, out, dtype, contiguous=True)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"{operation}: {name} has shape {tuple(out.shape)}, but the inputs give {shape}")
+    return out
+
+
+# The helpers below are the elementwise ops' (GELU, the residual); new ops use check() and output().
+
+def check_float32(operation, name, array, contiguous=True):
+    """A float32 array of the active backend; C-contiguous unless contiguous=False; indexable with int."""
+    _check_one(operation, name, array, numpy.float32, contiguous)
 
 
 def output_like(operation, out, like, like_name="x"):
@@ -42,6 +114,11 @@ def output_like(operation, out, like, like_name="x"):
     return out
 
 
+def address(array):
+    """Where an array's data starts (kept for the old ops; new code calls backend.address)."""
+    return backend.address(array)
+
+
 def launch_elementwise(kernel_file, kernel_name, arrays, n, *scalars):
     """Launch an elementwise kernel over n elements of `arrays` (the output first), then `scalars`.
 
@@ -50,9 +127,8 @@ def launch_elementwise(kernel_file, kernel_name, arrays, n, *scalars):
     """
     if n == 0:
         return
-    if all(address(array) % 16 == 0 for array in arrays):
-        kernel, threads = kernels.function(kernel_file, kernel_name + "_float4"), (n + 3) // 4
+    if all(backend.address(array) % 16 == 0 for array in arrays):
+        kernel, threads = kernels.function(kernel_file, kernel_name + "_float4"), ceil_div(n, 4)
     else:
         kernel, threads = kernels.function(kernel_file, kernel_name), n
-    blocks = (threads + THREADS_PER_BLOCK - 1) // THREADS_PER_BLOCK
-    kernel((blocks,), (THREADS_PER_BLOCK,), (*arrays, numpy.int32(n), *scalars))
+    kernel((ceil_div(threads, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,), (*arrays, numpy.int32(n), *scalars))
