@@ -16,6 +16,9 @@ from pathlib import Path
 from .errors import CompileError
 
 HERE = Path(__file__).resolve().parent
+# The CUDA headers a kernel may #include (<cooperative_groups.h>, <cuda_fp16.h>, ...), written for the
+# executor; any other #include fails here as it would under NVRTC.
+INCLUDE_DIRECTORY = HERE / "include"
 HEADERS = ("executor_abi.h", "cuda_builtins.h")
 RUNTIME_SOURCE = "runtime.cpp"
 
@@ -74,6 +77,9 @@ def _fingerprint(*parts):
     digest.update(" ".join(COMMON_FLAGS + shared_library_flags()).encode())
     for name in HEADERS + (RUNTIME_SOURCE,):
         digest.update((HERE / name).read_bytes())
+    for header in sorted(INCLUDE_DIRECTORY.rglob("*")):  # the CUDA headers a kernel may #include
+        if header.is_file():
+            digest.update(str(header.relative_to(INCLUDE_DIRECTORY)).encode() + b"\0" + header.read_bytes())
     return digest.hexdigest()[:24]
 
 
@@ -86,6 +92,7 @@ def _build(library, translation_unit, flags, describe):
         source.write_text(translation_unit)
         partial = Path(work) / library.name
         command = [compiler(), *COMMON_FLAGS, *shared_library_flags(), *flags, "-I", str(HERE),
+                   "-I", str(INCLUDE_DIRECTORY),
                    "-o", str(partial), str(source)]
         result = subprocess.run(command, capture_output=True, text=True, cwd=work)
         if result.returncode != 0:
