@@ -1,6 +1,6 @@
 """Achieved bandwidth of chapter 03's elementwise kernels (GELU and the residual add) on a GPU.
 
-    python bench/elementwise.py          prints a table and writes bench/elementwise.json
+    python -m bench.elementwise     prints a table and writes bench/elementwise.json
 
 For each size, every kernel's GB/s (bytes it must read and write, over its median time per call, timed
 over 10 calls in a row so that Python's launch overhead overlaps the kernels' work) next to the
@@ -12,15 +12,14 @@ Also the device's idle memory latency (a pointer chase), which the chapter uses 
 
 import sys
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, kernels
+from gpt2_cupy.testing import torch_or_none
 
 THREADS_PER_BLOCK = 256
 SIZES = [2**k for k in range(10, 27)]
-CALLS_PER_TIMING = 10  # back to back, so that launching one call overlaps the previous call's work
 FLOAT = 4  # bytes
 
 # The chapter's teaching kernel (not in the package): a grid that fills the GPU once, each thread looping.
@@ -96,9 +95,8 @@ def candidates(n, cupy, multiprocessors):
             two, lambda: 0.5 * x * (1 + cupy.tanh(SQRT_2_OVER_PI * (x + CUBIC * x**3)))),
         "cupy: x + branch (cupy.add)": (three, lambda: cupy.add(x, dy, out=out)),
     }
-    try:
-        import torch
-    except ImportError:
+    torch = torch_or_none()
+    if torch is None:
         return runs
     x_torch, dy_torch = torch.from_dlpack(x), torch.from_dlpack(dy)
     runs["torch: gelu(approximate='tanh')"] = (
@@ -106,14 +104,6 @@ def candidates(n, cupy, multiprocessors):
     runs["torch: gelu_backward(approximate='tanh')"] = (
         three, lambda: torch.ops.aten.gelu_backward(dy_torch, x_torch, approximate="tanh"))
     return runs
-
-
-def seconds_per_call(run):
-    """Median time of one call, timed over CALLS_PER_TIMING calls in a row (CUDA events around them)."""
-    def calls():
-        for _ in range(CALLS_PER_TIMING):
-            run()
-    return benchmark.seconds_per_call(calls, warmup=2, repeat=20) / CALLS_PER_TIMING
 
 
 def idle_memory_latency(megabytes=1024, steps=200_000):
@@ -144,36 +134,31 @@ def measure(sizes=SIZES):
     results = {}
     for n in sizes:
         for name, (bytes_moved, run) in candidates(n, cupy, multiprocessors).items():
-            results.setdefault(name, []).append(benchmark.gigabytes_per_second(bytes_moved, seconds_per_call(run)))
+            results.setdefault(name, []).append(benchmark.gigabytes_per_second(bytes_moved, benchmark.seconds_per_call(run)))
         cupy.get_default_memory_pool().free_all_blocks()
     return {
-        **benchmark.measured_on(),
         "copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9,
         "idle_memory_latency_ns": idle_memory_latency() * 1e9,
         "multiprocessors": multiprocessors,
         "threads_per_block": THREADS_PER_BLOCK,
-        "calls_per_timing": CALLS_PER_TIMING,
         "sizes": list(sizes),
         "gb_per_s": results,
     }
 
 
-def report(measured, at=2**24):
+def table(measured, at=2**24):
     ceiling = measured["copy_bandwidth_gb_per_s"]
     column = measured["sizes"].index(at)
-    lines = [f"{measured['device']}, {measured['date']}: copy bandwidth {ceiling:.0f} GB/s, idle memory latency "
+    lines = [f"{backend.device_name()}: copy bandwidth {ceiling:.0f} GB/s, idle memory latency "
              f"{measured['idle_memory_latency_ns']:.0f} ns; at {at} elements:"]
     for name, values in measured["gb_per_s"].items():
         lines.append(f"  {name:<42s} {values[column]:7.0f} GB/s  {values[column] / ceiling:6.1%} of copy")
-    return "\n".join(lines)
+    return lines
 
 
 def main():
     measured = measure()
-    print(report(measured))
-    path = Path(__file__).with_suffix(".json")
-    benchmark.write_results(path, measured)
-    print(f"written: {path}")
+    benchmark.report("elementwise", measured, table(measured))
     return 0
 
 

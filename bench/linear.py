@@ -1,6 +1,6 @@
 """Benchmark of chapter 02 (Linear) on a GPU: the bias gradient, and the whole layer forward and backward.
 
-    python bench/linear.py        writes bench/linear.json (device, date, results) and prints a table
+    python -m bench.linear   writes bench/linear.json (device, date, results) and prints a table
 
 The bias gradient db = Σ_n dy[n, :] reads dy once, so it is measured in GB/s of dy read, next to the
 device's copy rate (bytes read plus written per second), cupy's dy.sum(axis=0) and, when installed,
@@ -13,36 +13,22 @@ H100's 50 MB L2 cache, so each call really reads memory.
 """
 
 import sys
-from pathlib import Path
 
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, kernels
 from gpt2_cupy.ops.linear import bias_backward, linear_backward, linear_forward
+from gpt2_cupy.testing import torch_or_none
 
 ROWS = 32 * 1024  # B * T
 BIAS_WIDTHS = (768, 2304, 3072)  # c_proj, c_attn, c_fc outputs
 LAYERS = ((768, 2304), (768, 3072), (3072, 768))  # (C_in, C_out) of c_attn, c_fc, the MLP's c_proj
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
-def seconds_per_call_in_a_row(run, calls=10):
-    """Seconds per call of `calls` calls launched back to back, as in a training step where the CPU runs
-    ahead of the GPU: the host's launch overhead then overlaps the GPU's work instead of adding to it."""
-    return benchmark.seconds_per_call(lambda: [run() for _ in range(calls)]) / calls
-
-
 def bias_gradient_rates(rows=ROWS, widths=BIAS_WIDTHS, seed=0):
     """{C_out: {implementation: GB/s of dy read}} for the column sum of a (rows, C_out) float32 dy."""
-    cupy, torch = backend.xp, _torch()
-    one_thread_per_column = kernels.function("bias_column_sum", "column_sum_accumulate")
+    cupy, torch = backend.xp, torch_or_none()
+    one_thread_per_column = kernels.function("bias_column_sum")
     rng = np.random.default_rng(seed)
     results = {}
     for columns in widths:
@@ -50,14 +36,14 @@ def bias_gradient_rates(rows=ROWS, widths=BIAS_WIDTHS, seed=0):
         dbias = cupy.zeros(columns, dtype=cupy.float32)
         runs = {
             "one thread per column (version 1)": lambda: one_thread_per_column(
-                (-(-columns // 256),), (256,), (dy, dbias, np.int32(rows), np.int32(columns))),
+                (-(-columns // 256),), (256,), (dbias, dy, np.int32(rows), np.int32(columns))),
             "gpt2_cupy bias_backward (version 2)": lambda: bias_backward(dy, dbias),
             "cupy dy.sum(axis=0)": lambda: dy.sum(axis=0),
         }
         if torch is not None:
             dy_torch = torch.from_dlpack(dy)
             runs["torch dy.sum(0)"] = lambda: dy_torch.sum(0)
-        results[columns] = {name: benchmark.gigabytes_per_second(dy.nbytes, seconds_per_call_in_a_row(run))
+        results[columns] = {name: benchmark.gigabytes_per_second(dy.nbytes, benchmark.seconds_per_call(run))
                             for name, run in runs.items()}
         del dy
     return results
@@ -65,7 +51,7 @@ def bias_gradient_rates(rows=ROWS, widths=BIAS_WIDTHS, seed=0):
 
 def layer_rates(rows=ROWS, layers=LAYERS, seed=0):
     """{"C_in->C_out": {implementation: TFLOP/s}} for the forward and the backward of one linear layer."""
-    cupy, torch = backend.xp, _torch()
+    cupy, torch = backend.xp, torch_or_none()
     rng = np.random.default_rng(seed)
     results = {}
     for c_in, c_out in layers:
@@ -84,7 +70,7 @@ def layer_rates(rows=ROWS, layers=LAYERS, seed=0):
 
         runs = {
             "gpt2_cupy forward": (lambda: linear_forward(x, weight, bias, out=y), forward_flops),
-            "gpt2_cupy backward": (lambda: linear_backward(dy, x, weight, dweight, dbias, dx=dx), 2 * forward_flops),
+            "gpt2_cupy backward": (lambda: linear_backward(dy, x, weight, dweight=dweight, dbias=dbias, out=dx), 2 * forward_flops),
             "cupy forward": (lambda: cupy.add(x @ weight.T, bias, out=y), forward_flops),
             "cupy backward": (cupy_backward, 2 * forward_flops),
         }
@@ -98,7 +84,7 @@ def layer_rates(rows=ROWS, layers=LAYERS, seed=0):
             runs["torch forward"] = (lambda: torch.nn.functional.linear(x_t, w_t, b_t), forward_flops)
             runs["torch backward"] = (
                 lambda: torch.autograd.grad(y_t, (x_t, w_t, b_t), dy_t, retain_graph=True), 2 * forward_flops)
-        results[f"{c_in}->{c_out}"] = {name: benchmark.tflops(flops, seconds_per_call_in_a_row(run, calls=3))
+        results[f"{c_in}->{c_out}"] = {name: benchmark.tflops(flops, benchmark.seconds_per_call(run))
                                        for name, (run, flops) in runs.items()}
     return results
 
@@ -107,25 +93,21 @@ def main():
     if not benchmark.meaningful():
         print("No GPU backend: timings on the CPU executor say nothing about a GPU. Run this on a GPU.")
         return 1
-    torch = _torch()
-    report = {
-        **benchmark.measured_on(),
+    torch = torch_or_none()
+    results = {
         "rows": ROWS,
         "copy_bandwidth_GBps": benchmark.copy_bandwidth() / 1e9,
         "torch": torch.__version__ if torch is not None else None,
         "bias_gradient_GBps": bias_gradient_rates(),
         "layer_TFLOPs": layer_rates(),
     }
-    print(f"{report['device']}, device copy rate {report['copy_bandwidth_GBps']:.0f} GB/s")
-    for columns, rates in report["bias_gradient_GBps"].items():
-        for name, rate in rates.items():
-            print(f"bias gradient, N = {ROWS}, C_out = {columns:5d}: {name:38s} {rate:7.0f} GB/s")
-    for layer, rates in report["layer_TFLOPs"].items():
-        for name, rate in rates.items():
-            print(f"linear {layer:10s}, N = {ROWS}: {name:20s} {rate:6.1f} TFLOP/s")
-    path = Path(__file__).with_suffix(".json")
-    benchmark.write_results(path, report)
-    print(f"wrote {path}")
+    table = [f"{backend.device_name()}, device copy rate {results['copy_bandwidth_GBps']:.0f} GB/s"]
+    for columns, rates in results["bias_gradient_GBps"].items():
+        table += [f"bias gradient, N = {ROWS}, C_out = {columns:5d}: {name:38s} {rate:7.0f} GB/s"
+                  for name, rate in rates.items()]
+    for layer, rates in results["layer_TFLOPs"].items():
+        table += [f"linear {layer:10s}, N = {ROWS}: {name:20s} {rate:6.1f} TFLOP/s" for name, rate in rates.items()]
+    benchmark.report("linear", results, table)
     return 0
 
 

@@ -1,6 +1,6 @@
 """GFLOP/s of chapter 01's matmul kernels against cuBLAS (cupy.matmul, float32) on a GPU.
 
-    GPT2_CUPY_BACKEND=cuda python bench/matmul.py [--out bench/matmul.json] [--tune]
+    GPT2_CUPY_BACKEND=cuda python -m bench.matmul [--tune]        writes bench/matmul.json
 
 Times each version of C = A @ B (naive, shared-memory tiles, register blocking, and the package's
 kernel) on square sizes and on GPT-2 small's Linear shapes (8192 rows = 8 sequences of 1024 tokens),
@@ -14,18 +14,16 @@ chapters/01_matmul.ipynb imports this file for its benchmark cell.
 import argparse
 import os
 import sys
-from pathlib import Path
 
 os.environ["CUPY_TF32"] = "0"  # before CuPy is imported: compare float32 with float32
 
-REPOSITORY = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY))
 
 import numpy  # noqa: E402
 
 from gpt2_cupy import backend, benchmark, kernels  # noqa: E402
 from gpt2_cupy.ops import matmul as ops_matmul  # noqa: E402
 from gpt2_cupy.ops.matmul import k_splits, matmul  # noqa: E402
+from gpt2_cupy.testing import relative_error, torch_or_none  # noqa: E402
 
 SQUARE_SIZES = (512, 1024, 2048, 4096)
 GPT2_ROWS = 8192  # B * T = 8 * 1024
@@ -48,7 +46,7 @@ def _teaching_kernel(file_name, kernel_name, block, grid_of):
         M, K = a.shape
         N = b.shape[1]
         grid = grid_of(M, N)
-        args = (a, b, c, numpy.int32(M), numpy.int32(N), numpy.int32(K))
+        args = (c, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K))
         return lambda: kernel(grid, block, args)
 
     return launcher
@@ -78,39 +76,15 @@ def versions(with_torch=True):
 
 
 def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32, like cuBLAS above
+    torch = torch_or_none()
+    if torch is not None:
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32, like cuBLAS above
     return torch
-
-
-def _seconds(run):
-    """Median seconds per call. Short calls are timed several in a row, as a training step issues them, so
-    that the launch's own Python overhead overlaps the GPU's work; slow versions are repeated fewer times."""
-    first = benchmark.seconds_per_call(run, warmup=1, repeat=1)
-    calls = max(1, int(2e-3 / first))
-
-    def runs():
-        for _ in range(calls):
-            run()
-
-    repeat = int(min(20, max(3, 0.5 / (first * calls))))
-    return benchmark.seconds_per_call(runs, warmup=2, repeat=repeat) / calls
 
 
 def _random(shape, seed):
     rng = numpy.random.default_rng(seed)
     return backend.xp.asarray(rng.standard_normal(shape, dtype=numpy.float32))
-
-
-def relative_error(c, reference):
-    """max |c - reference| / max |reference|, in float64."""
-    c, reference = (backend.asnumpy(x).astype(numpy.float64) for x in (c, reference))
-    return float(numpy.abs(c - reference).max() / numpy.abs(reference).max())
 
 
 def measure(M, N, K, chosen=None, with_torch=True):
@@ -128,7 +102,7 @@ def measure(M, N, K, chosen=None, with_torch=True):
         error = relative_error(c, reference)
         if not error < 1e-4:
             raise AssertionError(f"{label} at {M}x{N}x{K}: relative error {error:.2e} against cuBLAS")
-        result[label] = flops / _seconds(run) / 1e9
+        result[label] = flops / benchmark.seconds_per_call(run) / 1e9
     return result
 
 
@@ -152,11 +126,11 @@ def linear_products(C_in, C_out, rows=GPT2_ROWS):
     for product, (M, N, K, ours, cublas) in products.items():
         flop = 2 * M * N * K
         row = {"product": product, "M": M, "N": N, "K": K, "k_splits": k_splits(M, N, K)[0],
-               "matmul": flop / _seconds(ours) / 1e9, "cuBLAS": flop / _seconds(cublas) / 1e9}
+               "matmul": flop / benchmark.seconds_per_call(ours) / 1e9, "cuBLAS": flop / benchmark.seconds_per_call(cublas) / 1e9}
         if row["k_splits"] > 1:
             ops_matmul.k_splits = lambda *shape, **batch: (1, 0)  # the same kernel, one block per tile
             try:
-                row["matmul without split-K"] = flop / _seconds(ours) / 1e9
+                row["matmul without split-K"] = flop / benchmark.seconds_per_call(ours) / 1e9
             finally:
                 ops_matmul.k_splits = k_splits
         rows_out.append(row)
@@ -209,12 +183,12 @@ def tune():
             kernel = backend.RawModule(code=source, name_expressions=[name]).get_function(name)
             c = xp.empty((M, N), dtype=numpy.float32)
             grid = (_blocks(N, 128), _blocks(M, 128), 1)
-            args = (a, b, c, numpy.int32(M), numpy.int32(N), numpy.int32(K), *(numpy.int64(0),) * 3,
+            args = (c, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K), *(numpy.int64(0),) * 3,
                     numpy.int32(0), numpy.int32(0))
             run = lambda: kernel(grid, (256,), args)  # noqa: E731
             run()
             results[f"{shape}, {description}"] = {
-                "gflops": 2 * M * N * K / _seconds(run) / 1e9, "relative_error": relative_error(c, reference),
+                "gflops": 2 * M * N * K / benchmark.seconds_per_call(run) / 1e9, "relative_error": relative_error(c, reference),
                 "registers": getattr(kernel, "num_regs", None)}
         if M != N:
             for splits in (1, 2, 3, 4, 7, 12):
@@ -226,7 +200,7 @@ def tune():
                     run = lambda: matmul(a, b, out=c)  # noqa: E731
                     run()
                     results[f"{shape}, package matmul with K split in {splits}"] = {
-                        "gflops": 2 * M * N * K / _seconds(run) / 1e9, "relative_error": relative_error(c, reference),
+                        "gflops": 2 * M * N * K / benchmark.seconds_per_call(run) / 1e9, "relative_error": relative_error(c, reference),
                         "registers": None}
                 finally:
                     ops_matmul.k_splits = k_splits
@@ -235,7 +209,6 @@ def tune():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPOSITORY / "bench" / "matmul.json"))
     parser.add_argument("--tune", action="store_true", help="also time variants of the tile constants")
     arguments = parser.parse_args(argv)
     if not benchmark.meaningful():
@@ -243,7 +216,6 @@ def main(argv=None):
 
     cupy = backend.xp
     results = {
-        **benchmark.measured_on(),
         "cupy": cupy.__version__,
         "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
         "CUPY_TF32": os.environ.get("CUPY_TF32"),
@@ -279,11 +251,10 @@ def main(argv=None):
     cublas = at_4096["cuBLAS (cupy.matmul)"]
     results["at_4096"] = {label: {"gflops": value, "percent_of_cublas": 100 * value / cublas}
                           for label, value in at_4096.items()}
-    benchmark.write_results(arguments.out, results)
-    print(f"\n{results['device']}, 4096³ float32:")
-    for label, row in results["at_4096"].items():
-        print(f"  {label:40s} {row['gflops']:9,.0f} GFLOP/s  {row['percent_of_cublas']:5.1f} % of cuBLAS")
-    print(f"written: {arguments.out}")
+    table = [f"\n{backend.device_name()}, 4096³ float32:"]
+    table += [f"  {label:40s} {row['gflops']:9,.0f} GFLOP/s  {row['percent_of_cublas']:5.1f} % of cuBLAS"
+              for label, row in results["at_4096"].items()]
+    benchmark.report("matmul", results, table)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Bandwidth of kernels/vector_add.cu (chapter 00) against the device's copy bandwidth, cupy.add and torch.add.
+"""Bandwidth of gpt2_cupy/kernels/steps/vector_add.cu (chapter 00) against the device's copy bandwidth, cupy.add and torch.add.
 
-    python bench/vector_add.py            on a machine with an NVIDIA GPU and CuPy
+    python -m bench.vector_add       on a machine with an NVIDIA GPU and CuPy
 
 Writes bench/vector_add.json: for each n (float32 elements per array), the GB/s of each version, counting
 12 bytes per element (two 4-byte reads and one 4-byte write), next to benchmark.copy_bandwidth(), the
@@ -8,17 +8,16 @@ device-to-device copy that is the memory's ceiling.
 """
 
 import sys
-from pathlib import Path
 
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, kernels
+from gpt2_cupy.testing import torch_or_none
 
 SIZES = [2**k for k in range(12, 29, 2)]  # 4096 to 268 million elements (1 GiB per array)
 THREADS_PER_BLOCK = 256
 GRID_STRIDE_BLOCKS_PER_MULTIPROCESSOR = 4
 BYTES_PER_ELEMENT = 12
-OUTPUT = Path(__file__).with_suffix(".json")
 
 
 def versions(cupy, n, a, b, out):
@@ -29,14 +28,13 @@ def versions(cupy, n, a, b, out):
     multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
     grid_stride_blocks = GRID_STRIDE_BLOCKS_PER_MULTIPROCESSOR * multiprocessors
     runs = {
-        "vector_add": lambda: vector_add((blocks,), (THREADS_PER_BLOCK,), (a, b, out, np.int32(n))),
+        "vector_add": lambda: vector_add((blocks,), (THREADS_PER_BLOCK,), (out, a, b, np.int32(n))),
         "vector_add_grid_stride": lambda: vector_add_grid_stride(
-            (grid_stride_blocks,), (THREADS_PER_BLOCK,), (a, b, out, np.int32(n))),
+            (grid_stride_blocks,), (THREADS_PER_BLOCK,), (out, a, b, np.int32(n))),
         "cupy.add": lambda: cupy.add(a, b, out=out),
     }
-    try:
-        import torch
-    except ImportError:
+    torch = torch_or_none()
+    if torch is None:
         return runs
     # Views of the same memory; torch's default stream is the legacy default stream CuPy's events record on.
     a_torch, b_torch, out_torch = (torch.as_tensor(x, device="cuda") for x in (a, b, out))
@@ -79,19 +77,17 @@ def main():
     results = measure()
     copy = benchmark.copy_bandwidth()
     report = {
-        **benchmark.measured_on(),
         "bytes_per_element": BYTES_PER_ELEMENT,
         "threads_per_block": THREADS_PER_BLOCK,
         "grid_stride_blocks_per_multiprocessor": GRID_STRIDE_BLOCKS_PER_MULTIPROCESSOR,
         "copy_gigabytes_per_second": copy / 1e9,
         "results": results,
     }
-    benchmark.write_results(OUTPUT, report)
-    print(f"{report['device']}: device-to-device copy {copy / 1e9:.0f} GB/s")
-    print(f"{'n':>10} " + " ".join(f"{name:>23}" for name in results))
-    for index, n in enumerate(SIZES):
-        print(f"{n:>10} " + " ".join(f"{rows[index]['gigabytes_per_second']:>18.0f} GB/s" for rows in results.values()))
-    print(f"written: {OUTPUT}")
+    table = [f"{backend.device_name()}: device-to-device copy {copy / 1e9:.0f} GB/s",
+             f"{'n':>10} " + " ".join(f"{name:>23}" for name in results)]
+    table += [f"{n:>10} " + " ".join(f"{rows[index]['gigabytes_per_second']:>18.0f} GB/s" for rows in results.values())
+              for index, n in enumerate(SIZES)]
+    benchmark.report("vector_add", report, table)
     return 0
 
 

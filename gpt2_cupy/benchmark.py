@@ -1,7 +1,8 @@
 """Timing kernels on a GPU, and the device's measured ceilings to compare them with.
 
-Timings mean something only on a GPU: on the CPU executor `meaningful()` is False and the chapters say so
-instead of plotting numbers.
+Timings mean something only on a GPU: on the CPU executor `meaningful()` is False, and the chapters plot the
+results a GPU stored in bench/NAME.json instead. Each bench/NAME.py (`python -m bench.NAME` on a GPU) times
+with seconds_per_call and ends with report(), which prints its table and writes that file.
 """
 
 import datetime
@@ -20,7 +21,7 @@ def meaningful():
 
 
 def seconds_per_call(run, warmup=3, repeat=20):
-    """Median seconds of one run() call, timed with CUDA events.
+    """Median seconds of one run() call, timed with CUDA events: the one timing wrapper of the package.
 
     A short kernel finishes before Python has launched the next one, so timing calls one by one would
     count Python's launch time as GPU time. Each timing therefore covers as many calls back to back as
@@ -72,3 +73,17 @@ def measured_on():
 def write_results(path, results):
     """Write a benchmark's results as JSON (bench/NAME.json beside bench/NAME.py)."""
     Path(path).write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+
+
+def report(name, results, table):
+    """The tail of every bench/NAME.py: print the table, stamp results with measured_on(), write bench/NAME.json.
+
+    results: a JSON-able dict of what was measured; table: lines of text, a short summary to print.
+    Returns the path written.
+    """
+    for line in table:
+        print(line)
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.json"
+    write_results(path, {**measured_on(), **results})
+    print(f"written: {path}")
+    return path

@@ -103,11 +103,12 @@ def train_tokenizer(text_files, vocab_size, model_prefix):
     if not 0 < vocab_size <= MAX_VOCAB_SIZE:
         raise ValueError(f"vocab_size={vocab_size}: must be 1 to {MAX_VOCAB_SIZE}, as token files hold uint16 ids")
 
+    texts = [read_corpus_file(path) for path in text_files]  # refuse bad input before training starts
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         # Lines are handed over by an iterator rather than as file names because the trainer records its
         # input file names in the model: the same text in another folder would give different model bytes.
-        sentence_iterator=lines_of(text_files),
+        sentence_iterator=(line for text in texts for line in text.split("\n")),
         model_writer=model,
         vocab_size=int(vocab_size),
         **SENTENCEPIECE_OPTIONS,
@@ -117,10 +118,26 @@ def train_tokenizer(text_files, vocab_size, model_prefix):
     return model_file
 
 
-def lines_of(text_files):
-    """Every line of every file, without its newline: the sentences the trainer learns from."""
-    for path in text_files:
-        yield from path.read_text(encoding="utf-8").split("\n")
+def read_corpus_file(path):
+    """The text of one training file, refused with the file's name and the problem if it cannot be trained on:
+    an empty file, bytes that are not UTF-8, or a line longer than the trainer takes (it would drop it)."""
+    raw = Path(path).read_bytes()
+    if not raw.strip():
+        raise ValueError(f"{path}: the file is empty (or only whitespace): no text to train a tokenizer on")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not valid UTF-8 at byte offset {error.start} "
+                         f"(byte {raw[error.start]:#04x}: {error.reason})") from None
+    limit = SENTENCEPIECE_OPTIONS["max_sentence_length"]
+    offset = 0
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        if len(line) > limit:
+            raise ValueError(f"{path}: line {number} (at byte offset {offset}) is {len(line)} bytes long; the "
+                             f"tokenizer trainer takes lines of at most {limit} bytes and would drop it: "
+                             "split it at sentence or paragraph boundaries")
+        offset += len(line) + 1
+    return text
 
 
 def write_atomically(path, data):
@@ -190,11 +207,16 @@ class Tokenizer:
 
     def check_ids(self, ids):
         """ids as a list of Python ints, each a valid token id."""
-        ids = [int(token) for token in ids]
-        for token in ids:
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(f"token id {token} is outside this vocabulary (0 to {self.vocab_size - 1})")
-        return ids
+        return [check_id(token, self.vocab_size) for token in ids]
+
+
+def check_id(token, vocab_size):
+    """token as a Python int, refused unless it is an integer id in 0 to vocab_size - 1."""
+    if isinstance(token, bool) or not isinstance(token, (int, numpy.integer)):
+        raise TypeError(f"token ids must be integers, not {type(token).__name__} ({token!r})")
+    if not 0 <= token < vocab_size:
+        raise ValueError(f"token id {token} is outside this vocabulary (0 to {vocab_size - 1})")
+    return int(token)
 
 
 def bytes_of_token(processor, token):
@@ -222,7 +244,8 @@ class IncrementalDecoder:
 
     def feed(self, token):
         """The text completed by one more token: possibly "", possibly several characters."""
-        return self.utf8.decode(self.token_bytes[int(token)])
+        # check_id refuses -1, which Python's indexing would read as the last token.
+        return self.utf8.decode(self.token_bytes[check_id(token, len(self.token_bytes))])
 
     def pending_bytes(self):
         """The bytes held back: the start of a character whose remaining bytes have not arrived yet."""
@@ -385,6 +408,11 @@ def is_up_to_date(outputs, inputs, vocab_size):
 # ---------------------------------------------------------------------------------------------------------
 
 
+# Batches hold int32 ids, as the embedding kernels read them. The same limit as gpt2_cupy.ops.arrays.LARGEST_INT,
+# written here so that tokenizing and preparing data need no array backend.
+LARGEST_INT = 2**31 - 1
+
+
 class Batches:
     """(B, T) windows of token ids and their targets, the ids one position further on.
 
@@ -412,10 +440,20 @@ class Batches:
                 raise ValueError(f"{name} must be at least 1, not {value}")
         if not isinstance(seed, (int, numpy.integer)) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int, not {type(seed).__name__}")
-        if len(tokens) < B * T + 1:
+        tokens_per_batch = int(B) * int(T)  # Python ints: a product of numpy int32s would overflow silently
+        if tokens_per_batch > LARGEST_INT:
+            raise ValueError(f"B={B}, T={T}: B*T = {tokens_per_batch} tokens per batch do not fit the int32 "
+                             f"positions of a batch (at most {LARGEST_INT})")
+        dtype_range = numpy.iinfo(tokens.dtype)
+        may_not_fit = dtype_range.min < 0 or dtype_range.max > LARGEST_INT  # a uint16 token file always fits
+        if may_not_fit and len(tokens) and (tokens.min() < 0 or tokens.max() > LARGEST_INT):
+            at = int(numpy.argmax((tokens < 0) | (tokens > LARGEST_INT)))
+            problem = "is negative" if tokens[at] < 0 else f"does not fit in int32 (at most {LARGEST_INT})"
+            raise ValueError(f"token id {tokens[at]} at position {at} {problem}")
+        if len(tokens) < tokens_per_batch + 1:
             raise ValueError(
                 f"B={B}, T={T} is too big for {len(tokens)} tokens: "
-                f"a batch needs B*T + 1 = {B * T + 1} (each of B*T inputs needs the next token as its target)"
+                f"a batch needs B*T + 1 = {tokens_per_batch + 1} (each of B*T inputs needs the next token as its target)"
             )
         self.tokens = tokens
         self.B = int(B)

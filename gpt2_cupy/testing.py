@@ -97,12 +97,14 @@ def draw_graph(nodes, edges, title, size=(15, 4.6), notes=()):
            forward along it (black, above the arrow) and the gradient flowing back (red, below); bend
            curves the arrow (0 for straight, ±0.3 for a gentle arc).
     notes: [(x, y, text, colour)] placed as they are.
-    Labels sit at the middle of their arrow, offset along the arrow's normal, so they never cover it.
+    Labels sit at the middle of their arrow, offset along the arrow's normal, so they never cover it; where
+    a label would meet another arrow, bend one of the two edges apart.
+    Shows the figure and returns nothing, so that a call as a notebook cell's last line draws it once.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch
 
-    figure, axes = plt.subplots(figsize=size)
+    _, axes = plt.subplots(figsize=size)
     xs = [x for x, _, _ in nodes.values()]
     ys = [y for _, y, _ in nodes.values()]
     axes.set_xlim(min(xs) - 0.9, max(xs) + 0.9)
@@ -133,4 +135,3 @@ def draw_graph(nodes, edges, title, size=(15, 4.6), notes=()):
     for x, y, text, colour in notes:
         axes.text(x, y, text, ha="center", va="center", fontsize=12, color=colour)
     plt.show()
-    return figure

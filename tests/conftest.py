@@ -41,7 +41,8 @@ def to_device():
     """
 
     def copy(array):
-        return backend.xp.array(np.ascontiguousarray(array), copy=True)
+        # np.array, not np.ascontiguousarray: the latter turns a 0-d array (a loss) into shape (1,)
+        return backend.xp.array(np.array(array, order="C"), copy=True)
 
     return copy
 

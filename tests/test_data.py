@@ -402,3 +402,60 @@ def test_batches_from_a_token_file(tmp_path):
 def test_batches_refuse_bad_arguments(tokens, B, T, seed, error, words):
     with pytest.raises(error, match=words):
         data.Batches(tokens, B, T, seed)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input is refused, naming the file and the problem
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "contents, words",
+    [
+        (b"", "empty"),
+        (b"  \n\n", "empty"),
+        (b"fine text\n\xe6\xaa more", r"not valid UTF-8 at byte offset 10"),
+        (b"short line\n" + b"x" * ((1 << 20) + 1), r"line 2 \(at byte offset 11\) is 1048577 bytes long"),
+        (b"y" * ((1 << 20) + 5), "line 1 .* 1048581 bytes long"),  # only such lines: sentencepiece's INTERNAL error
+    ],
+)
+def test_train_tokenizer_refuses_a_bad_corpus_file(tmp_path, contents, words):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(contents)
+    with pytest.raises(ValueError, match=words) as raised:
+        data.train_tokenizer(corpus, 300, tmp_path / "tokenizer")
+    assert str(corpus) in str(raised.value)
+    assert not (tmp_path / "tokenizer.model").exists()
+
+
+@pytest.mark.parametrize(
+    "tokens, B, T, words",
+    [
+        (np.array([1, 2, 2**33 + 5, 4, 5], dtype=np.int64), 1, 2, r"2\*\*31|int32"),
+        (np.array([1, 2, -3, 4, 5]), 1, 2, "token id -3 at position 2 is negative"),
+        (np.array([1, 2, 3, 4, 5], dtype=np.uint64) + np.uint64(2**32), 1, 2, "does not fit in int32"),
+        (np.arange(100), np.int32(2**16), np.int32(2**16), r"B\*T = 4294967296 tokens per batch do not fit"),
+    ],
+)
+def test_batches_refuse_ids_and_sizes_beyond_int32(tokens, B, T, words):
+    with pytest.raises(ValueError, match=words):
+        data.Batches(tokens, B, T)
+
+
+def test_incremental_decoder_refuses_ids_outside_the_vocabulary(shakespeare_tokenizer):
+    decoder = shakespeare_tokenizer.decoder()
+    decoder.feed(shakespeare_tokenizer.encode("a")[0])
+    with pytest.raises(ValueError, match="-1 is outside this vocabulary"):
+        decoder.feed(-1)  # Python's indexing would have returned the last token's text
+    with pytest.raises(ValueError, match="1024 is outside this vocabulary"):
+        decoder.feed(shakespeare_tokenizer.vocab_size)
+    with pytest.raises(TypeError, match="float"):
+        decoder.feed(3.0)
+
+
+def test_decode_refuses_ids_that_are_not_integers(shakespeare_tokenizer):
+    with pytest.raises(TypeError, match=r"integers, not float \(65.5\)"):
+        shakespeare_tokenizer.decode([65, 65.5])
+    with pytest.raises(TypeError, match="str"):
+        shakespeare_tokenizer.decode(["65"])
+    assert shakespeare_tokenizer.decode(np.array([65, 66], dtype=np.int32)) == shakespeare_tokenizer.decode([65, 66])

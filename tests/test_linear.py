@@ -10,7 +10,8 @@ Sizes are not multiples of the kernels' block sizes (256 threads, 32-column stri
 import numpy as np
 import pytest
 
-from gpt2_cupy.ops.linear import add_bias, bias_backward, linear_backward, linear_forward
+from gpt2_cupy.ops.linear import bias_add, bias_backward, linear_backward, linear_forward
+from gpt2_cupy.testing import assert_within_summation_bound, finite_difference_gradient, relative_error, torch_or_none
 
 
 def forward_reference(x, weight, bias):
@@ -18,25 +19,9 @@ def forward_reference(x, weight, bias):
     return y if bias is None else y + bias
 
 
-def backward_reference(dy, x, weight):
-    dy_rows, x_rows = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-    return dy @ weight, dy_rows.T @ x_rows, dy_rows.sum(axis=0)
-
-
-def relative_error(got, reference):
-    got, reference = np.asarray(got, np.float64), np.asarray(reference, np.float64)
-    return np.abs(got - reference).max() / np.abs(reference).max()
-
-
-def assert_within_summation_bound(got, terms, start):
-    """got (float32) = start + column sums of terms, within the float32 rounding bound of any summation order."""
-    terms64, start64 = np.asarray(terms, np.float64), np.asarray(start, np.float64)
-    count = terms64.shape[0]  # additions, counting the one into `start`
-    u = 2.0**-24
-    gamma = count * u / (1 - count * u)
-    bound = gamma * (np.abs(terms64).sum(axis=0) + np.abs(start64))
-    error = np.abs(np.asarray(got, np.float64) - (start64 + terms64.sum(axis=0)))
-    assert np.all(error <= bound), f"largest error {error.max():.3g}, bound there {bound[error.argmax()]:.3g}"
+def backward_reference(dout, x, weight):
+    dout_rows, x_rows = dout.reshape(-1, dout.shape[-1]), x.reshape(-1, x.shape[-1])
+    return dout @ weight, dout_rows.T @ x_rows, dout_rows.sum(axis=0)
 
 
 def random_layer(rng, B, T, C_in, C_out):
@@ -50,17 +35,8 @@ def test_reference_backward_matches_central_finite_differences(rng):
     """The float64 formulas dx = dy W, dW = dyᵀ x, db = Σ dy are the gradient of L = Σ y * dy."""
     x, weight, bias, g = (a.astype(np.float64) for a in random_layer(rng, 2, 3, 4, 5))
     dx, dweight, dbias = backward_reference(g, x, weight)
-    h = 1e-6
     for analytic, array in ((dx, x), (dweight, weight), (dbias, bias)):
-        numeric = np.zeros_like(array)
-        for index in np.ndindex(array.shape):
-            saved = array[index]
-            array[index] = saved + h
-            plus = np.sum(forward_reference(x, weight, bias) * g)
-            array[index] = saved - h
-            minus = np.sum(forward_reference(x, weight, bias) * g)
-            array[index] = saved
-            numeric[index] = (plus - minus) / (2 * h)
+        numeric = finite_difference_gradient(lambda: np.sum(forward_reference(x, weight, bias) * g), array)
         assert relative_error(analytic, numeric) < 1e-7
 
 
@@ -73,7 +49,7 @@ def test_linear_forward_and_backward_match_float64(rng, to_device, to_host, C_ou
     assert relative_error(to_host(y), forward_reference(x64, weight64, bias64)) < 1e-4
 
     dweight, dbias = to_device(np.zeros_like(weight)), to_device(np.zeros_like(bias))
-    dx = linear_backward(to_device(dy), to_device(x), to_device(weight), dweight, dbias)
+    dx = linear_backward(to_device(dy), to_device(x), to_device(weight), dweight=dweight, dbias=dbias)
     dx_reference, dweight_reference, _ = backward_reference(dy64, x64, weight64)
     assert dx.shape == x.shape
     assert relative_error(to_host(dx), dx_reference) < 1e-4
@@ -86,7 +62,7 @@ def test_linear_without_bias(rng, to_device, to_host):
     y = linear_forward(to_device(x), to_device(weight))
     assert relative_error(to_host(y), x.astype(np.float64) @ weight.T.astype(np.float64)) < 1e-4
     dweight = to_device(np.zeros_like(weight))
-    dx = linear_backward(to_device(dy), to_device(x), to_device(weight), dweight)
+    dx = linear_backward(to_device(dy), to_device(x), to_device(weight), dweight=dweight)
     dx_reference, dweight_reference, _ = backward_reference(*(a.astype(np.float64) for a in (dy, x, weight)))
     assert relative_error(to_host(dx), dx_reference) < 1e-4
     assert relative_error(to_host(dweight), dweight_reference) < 1e-4
@@ -99,7 +75,7 @@ def test_backward_adds_into_parameter_gradients_and_sets_dx(rng, to_device, to_h
     dbias_before = rng.standard_normal(bias.shape).astype(np.float32)
     dweight, dbias = to_device(dweight_before.copy()), to_device(dbias_before.copy())
     dx = to_device(np.full(x.shape, 1e6, dtype=np.float32))
-    returned = linear_backward(to_device(dy), to_device(x), to_device(weight), dweight, dbias, dx=dx)
+    returned = linear_backward(to_device(dy), to_device(x), to_device(weight), dweight=dweight, dbias=dbias, out=dx)
     assert returned is dx
     dx_reference, dweight_reference, _ = backward_reference(*(a.astype(np.float64) for a in (dy, x, weight)))
     assert relative_error(to_host(dx), dx_reference) < 1e-4
@@ -147,11 +123,11 @@ def test_bias_backward_sums_over_batch_and_time(rng, to_device, to_host):
     assert_within_summation_bound(to_host(dbias), dy.reshape(-1, 40), np.zeros(40))
 
 
-def test_add_bias_matches_float64(rng, to_device, to_host):
+def test_bias_add_matches_float64(rng, to_device, to_host):
     y = rng.standard_normal((2, 37, 51)).astype(np.float32)
     bias = rng.standard_normal(51).astype(np.float32)
     y_device = to_device(y.copy())  # on the CPU, to_device would share y's memory
-    assert add_bias(y_device, to_device(bias)) is y_device
+    assert bias_add(y_device, to_device(bias)) is y_device
     assert relative_error(to_host(y_device), y.astype(np.float64) + bias) < 1e-5
 
 
@@ -166,18 +142,23 @@ def test_errors_name_the_problem(to_device):
         linear_forward(to_device(np.zeros((2, 3, 4))), weight)
     with pytest.raises(ValueError, match="C-contiguous"):
         linear_forward(to_device(np.zeros((2, 4, 3), dtype=np.float32)).transpose(0, 2, 1), weight)
-    with pytest.raises(ValueError, match=r"dy has shape \(2, 3, 4\)"):
+    with pytest.raises(ValueError, match=r"weight has shape \(5, 4\).*dout has shape \(2, 3, 4\)"):
         linear_backward(to_device(np.zeros((2, 3, 4), dtype=np.float32)), x, weight,
-                        to_device(np.zeros((5, 4), dtype=np.float32)))
+                        dweight=to_device(np.zeros((5, 4), dtype=np.float32)))
     with pytest.raises(ValueError, match=r"dweight has shape \(4, 5\)"):
         linear_backward(to_device(np.zeros((2, 3, 5), dtype=np.float32)), x, weight,
-                        to_device(np.zeros((4, 5), dtype=np.float32)))
+                        dweight=to_device(np.zeros((4, 5), dtype=np.float32)))
+    with pytest.raises(TypeError, match="positional"):
+        linear_backward(to_device(np.zeros((2, 3, 5), dtype=np.float32)), x, weight,
+                        to_device(np.zeros((5, 4), dtype=np.float32)))  # parameter gradients by keyword only
+    with pytest.raises(ValueError, match="dweight overlaps weight"):
+        linear_backward(to_device(np.zeros((2, 3, 5), dtype=np.float32)), x, weight, dweight=weight)
     with pytest.raises(TypeError, match="must be a"):
         linear_forward(np.zeros((2, 3, 4), dtype=np.float32).tolist(), weight)
 
 
 def test_matches_torch_linear_autograd(rng, to_device, to_host):
-    torch = pytest.importorskip("torch")
+    torch = torch_or_none() or pytest.skip("PyTorch is not installed")
     x, weight, bias, dy = random_layer(rng, 2, 31, 24, 52)
     x_t, weight_t, bias_t = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (x, weight, bias))
     y_t = torch.nn.functional.linear(x_t, weight_t, bias_t)
@@ -185,7 +166,7 @@ def test_matches_torch_linear_autograd(rng, to_device, to_host):
 
     y = linear_forward(to_device(x), to_device(weight), to_device(bias))
     dweight, dbias = to_device(np.zeros_like(weight)), to_device(np.zeros_like(bias))
-    dx = linear_backward(to_device(dy), to_device(x), to_device(weight), dweight, dbias)
+    dx = linear_backward(to_device(dy), to_device(x), to_device(weight), dweight=dweight, dbias=dbias)
     assert relative_error(to_host(y), y_t.detach().numpy()) < 1e-4
     assert relative_error(to_host(dx), x_t.grad.numpy()) < 1e-4
     assert relative_error(to_host(dweight), weight_t.grad.numpy()) < 1e-4

@@ -1,4 +1,4 @@
-"""kernels/vector_add.cu (chapter 00) against float64 numpy, on sizes that are not multiples of the block size.
+"""gpt2_cupy/kernels/steps/vector_add.cu (chapter 00) against float64 numpy, on sizes that are not multiples of the block size.
 
 float32 addition rounds the exact sum once, so every element must lie within 2^-24 (relative) of the float64
 sum, and equal numpy's own float32 sum bit for bit.
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend, kernels
+from gpt2_cupy.ops.arrays import ceil_div
 
 SIZES = [1, 31, 255, 257, 1000, 65_537]
 UNIT_ROUNDOFF = 2.0**-24
@@ -27,36 +28,33 @@ def assert_rounded_sum(out, a, b):
     np.testing.assert_array_equal(out, a + b)
 
 
+def launched_sum(kernel_name, n, blocks, threads_per_block, rng, to_device, to_host):
+    """(out, a, b) after one launch of kernel_name on n random elements; out starts as NaN everywhere."""
+    a, b = random_pair(rng, n)
+    out = to_device(np.full(n, np.nan, dtype=np.float32))
+    kernel = kernels.function("steps/vector_add", kernel_name)
+    kernel((blocks,), (threads_per_block,), (out, to_device(a), to_device(b), np.int32(n)))
+    return to_host(out), a, b
+
+
 @pytest.mark.parametrize("threads_per_block", [32, 256, 1024])
 @pytest.mark.parametrize("n", SIZES)
 def test_vector_add_matches_float64(n, threads_per_block, rng, to_device, to_host):
-    vector_add = kernels.function("steps/vector_add", "vector_add")
-    a, b = random_pair(rng, n)
-    out = to_device(np.full(n, np.nan, dtype=np.float32))
-    blocks = (n + threads_per_block - 1) // threads_per_block
-    vector_add((blocks,), (threads_per_block,), (to_device(a), to_device(b), out, np.int32(n)))
-    assert_rounded_sum(to_host(out), a, b)
+    blocks = ceil_div(n, threads_per_block)
+    assert_rounded_sum(*launched_sum("vector_add", n, blocks, threads_per_block, rng, to_device, to_host))
 
 
 @pytest.mark.parametrize("blocks", [1, 3, 7])
 @pytest.mark.parametrize("n", SIZES)
 def test_grid_stride_with_a_grid_smaller_than_the_data(n, blocks, rng, to_device, to_host):
     """A grid of blocks * 128 threads; for most sizes far fewer threads than elements."""
-    vector_add_grid_stride = kernels.function("steps/vector_add", "vector_add_grid_stride")
-    a, b = random_pair(rng, n)
-    out = to_device(np.full(n, np.nan, dtype=np.float32))
-    vector_add_grid_stride((blocks,), (128,), (to_device(a), to_device(b), out, np.int32(n)))
-    assert_rounded_sum(to_host(out), a, b)
+    assert_rounded_sum(*launched_sum("vector_add_grid_stride", n, blocks, 128, rng, to_device, to_host))
 
 
 @pytest.mark.parametrize("n", [1, 257, 1000])
 def test_grid_stride_with_a_grid_larger_than_the_data(n, rng, to_device, to_host):
-    vector_add_grid_stride = kernels.function("steps/vector_add", "vector_add_grid_stride")
-    a, b = random_pair(rng, n)
-    out = to_device(np.full(n, np.nan, dtype=np.float32))
-    blocks = (n + 127) // 128 + 5
-    vector_add_grid_stride((blocks,), (128,), (to_device(a), to_device(b), out, np.int32(n)))
-    assert_rounded_sum(to_host(out), a, b)
+    blocks = ceil_div(n, 128) + 5
+    assert_rounded_sum(*launched_sum("vector_add_grid_stride", n, blocks, 128, rng, to_device, to_host))
 
 
 @pytest.mark.parametrize("kernel_name, blocks", [("vector_add", 4), ("vector_add_grid_stride", 2)])
@@ -66,7 +64,7 @@ def test_nothing_is_written_past_n(kernel_name, blocks, rng, to_device, to_host)
     n, spare = 1000, 200  # 4 blocks of 256 threads: 24 threads past n
     a, b = random_pair(rng, n + spare)
     out = to_device(np.full(n + spare, np.nan, dtype=np.float32))
-    kernel((blocks,), (256,), (to_device(a), to_device(b), out, np.int32(n)))
+    kernel((blocks,), (256,), (out, to_device(a), to_device(b), np.int32(n)))
     out = to_host(out)
     assert_rounded_sum(out[:n], a[:n], b[:n])
     assert np.all(np.isnan(out[n:])), f"elements past n written: {np.flatnonzero(~np.isnan(out[n:]))[:5] + n}"
@@ -78,6 +76,6 @@ def test_vector_add_passes_the_bounds_check(rng, to_device, to_host):
     a, b = random_pair(rng, 1000)
     out = np.zeros(1000, dtype=np.float32)
     with backend.checks(bounds=True):
-        kernels.function("steps/vector_add", "vector_add")((4,), (256,), (a, b, out, np.int32(1000)))
-        kernels.function("steps/vector_add", "vector_add_grid_stride")((3,), (100,), (a, b, out, np.int32(1000)))
+        kernels.function("steps/vector_add", "vector_add")((4,), (256,), (out, a, b, np.int32(1000)))
+        kernels.function("steps/vector_add", "vector_add_grid_stride")((3,), (100,), (out, a, b, np.int32(1000)))
     assert_rounded_sum(out, a, b)

@@ -104,7 +104,7 @@ __device__ __forceinline__ void store_four(float* C, int M, int N, int row, int 
 
 template <bool TRANSPOSE_A, bool TRANSPOSE_B, bool VECTOR_LOADS>
 __global__ void __launch_bounds__(256, 2) matmul(
-    const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C, int M, int N, int K,
+    float* __restrict__ C, const float* __restrict__ A, const float* __restrict__ B, int M, int N, int K,
     long long batch_stride_a, long long batch_stride_b, long long batch_stride_c, int k_per_split, int accumulate)
 {
     __shared__ __align__(16) float a_tiles[2][TILE_K][TILE_M + PADDING];
@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(256, 2) matmul(
 
 // Split-K, second step: C = the sum of the `splits` partial products (+ C when accumulate), count floats
 // each, added in a fixed order so that the result does not depend on which block finished first.
-extern "C" __global__ void matmul_sum_splits(const float* partial, float* C, int count, int splits, int accumulate)
+extern "C" __global__ void matmul_sum_splits(float* C, const float* partial, int count, int splits, int accumulate)
 {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count) {

@@ -64,7 +64,7 @@ def check(operation, **arguments):
             continue
         _check_one(operation, name, array, dtype, contiguous=True)
         shape = tuple(array.shape)
-        leading = pattern[0] == ELLIPSIS
+        leading = len(pattern) > 0 and pattern[0] == ELLIPSIS
         fixed = pattern[1:] if leading else pattern
         if len(shape) < len(fixed) or (not leading and len(shape) != len(fixed)):
             raise ValueError(f"{operation}: {name} must have shape {_pattern_text(pattern)}, got {shape}")
@@ -94,29 +94,6 @@ def output(operation, out, shape, dtype=numpy.float32, name="out"):
     if tuple(out.shape) != shape:
         raise ValueError(f"{operation}: {name} has shape {tuple(out.shape)}, but the inputs give {shape}")
     return out
-
-
-# The helpers below are the elementwise ops' (GELU, the residual); new ops use check() and output().
-
-def check_float32(operation, name, array, contiguous=True):
-    """A float32 array of the active backend; C-contiguous unless contiguous=False; indexable with int."""
-    _check_one(operation, name, array, numpy.float32, contiguous)
-
-
-def output_like(operation, out, like, like_name="x"):
-    """`out` checked against `like`'s shape, or a new array of that shape when out is None."""
-    if out is None:
-        return backend.xp.empty_like(like)
-    check_float32(operation, "out", out)
-    if out.shape != like.shape:
-        raise ValueError(f"{operation}: out has shape {out.shape} but {like_name} has shape {like.shape}; "
-                         "they must be equal")
-    return out
-
-
-def address(array):
-    """Where an array's data starts (kept for the old ops; new code calls backend.address)."""
-    return backend.address(array)
 
 
 def launch_elementwise(kernel_file, kernel_name, arrays, n, *scalars):

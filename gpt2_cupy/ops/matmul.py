@@ -8,15 +8,15 @@
 
 The transposes cost nothing: the kernel reads the stored matrix in the other order (no copy is made).
 With accumulate=True the product is added to `out` (out += op(a) @ op(b)), which must then be given.
-A product whose 128 x 128 tiles of C would leave much of the GPU idle (a weight gradient dyᵀ x: a small
+A product whose 128 x 128 tiles of C would leave much of the GPU idle (a weight gradient doutᵀ x: a small
 output and K = the number of tokens) is split along K into stretches computed in parallel and summed in
 a fixed order afterwards (see k_splits): the result is the same from run to run.
 
-A Linear layer y = x Wᵀ + b, with x: (N, C_in), W: (C_out, C_in), dy: (N, C_out), uses all three forms:
+A Linear layer y = x Wᵀ + b, with x: (N, C_in), W: (C_out, C_in), dout: (N, C_out), uses all three forms:
 
-    y  = matmul(x, W, transpose_b=True)                        # x Wᵀ           (N, C_out)
-    dx = matmul(dy, W)                                         # dy W           (N, C_in)
-    matmul(dy, x, transpose_a=True, out=dW, accumulate=True)   # dW += dyᵀ x    (C_out, C_in)
+    y  = matmul(x, W, transpose_b=True)                          # x Wᵀ             (N, C_out)
+    dx = matmul(dout, W)                                         # dout W           (N, C_in)
+    matmul(dout, x, transpose_a=True, out=dW, accumulate=True)   # dW += doutᵀ x    (C_out, C_in)
 
 accumulate=True lets gradients of a parameter used several times (or over several micro-batches) add up
 in place, without a temporary and a separate addition.
@@ -24,26 +24,22 @@ in place, without a temporary and a separate addition.
 Arrays are the backend's (cupy on a GPU, numpy on the CPU), float32. Inputs should be C-contiguous; a 2-D
 input that is the transpose of a C-contiguous array (a.T of one) is used as it is stored, by flipping its
 transpose flag, and any other layout is first copied into a contiguous array. `out` must be C-contiguous
-and must not overlap a or b. The kernel is kernels/matmul.cu, from chapters/01_matmul.ipynb.
+and must not overlap a or b. The kernel is gpt2_cupy/kernels/matmul.cu, from chapters/01_matmul.ipynb.
 """
-
-from functools import lru_cache
 
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import address, check_float32
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output
 
 TILE = 128        # a block computes a TILE x TILE tile of C (kernels/matmul.cu: TILE_M)
 TILE_K = 8        # K is read in slices of 8 (kernels/matmul.cu: TILE_K)
-THREADS = 256
-BLOCKS_PER_MULTIPROCESSOR = 2  # __launch_bounds__(256, 2)
+THREADS = 256     # the kernel's block size: __launch_bounds__(256, 2)
+BLOCKS_PER_MULTIPROCESSOR = 2
 MIN_K_PER_SPLIT = 128
 MAX_SPLITS = 16
 MACHINE_BALANCE = 13  # FLOP per byte: this kernel's 39 TFLOP/s over 3 TB/s of memory bandwidth on an H100
-CPU_MULTIPROCESSORS = 132  # on the CPU executor, split as on an H100, so both backends take the same path
-_MAX_ELEMENTS = 2**31 - 1  # the kernel indexes inside one matrix with 32-bit ints
-_MAX_GRID_Y_Z = 65535
+LARGEST_GRID_Y_Z = 65535
 
 
 def _kernel_name(transpose_a, transpose_b, vector_loads):
@@ -51,21 +47,12 @@ def _kernel_name(transpose_a, transpose_b, vector_loads):
     return f"matmul<{flags}>"
 
 
+# One module holds all eight versions of the template and the split-K sum: compiled once, on first use.
 _NAMES = tuple(_kernel_name(ta, tb, v) for ta in (False, True) for tb in (False, True) for v in (False, True))
 
 
-@lru_cache(maxsize=None)
-def _kernel(transpose_a, transpose_b, vector_loads):
-    # One module holds all eight versions: compiled once, on first use.
-    return kernels.module("matmul", name_expressions=_NAMES).get_function(
-        _kernel_name(transpose_a, transpose_b, vector_loads))
-
-
-@lru_cache(maxsize=None)
-def _multiprocessors():
-    if backend.name == "cuda":
-        return backend.xp.cuda.Device().attributes["MultiProcessorCount"]
-    return CPU_MULTIPROCESSORS
+def _kernel(name):
+    return kernels.function("matmul", name, name_expressions=_NAMES)
 
 
 def k_splits(M, N, K, batch=1):
@@ -78,12 +65,13 @@ def k_splits(M, N, K, batch=1):
     into C). 36 tiles (a 768 x 768 weight gradient) fill 14 % of one round and 7 stretches 95 % of it;
     384 tiles (an 8192 x 768 output) take 2 rounds with the second one half empty, and 2 stretches make 3
     full rounds. A split is taken when the estimate saves at least a fifth of the time. Each stretch is at
-    least MIN_K_PER_SPLIT long and a multiple of TILE_K.
+    least MIN_K_PER_SPLIT long and a multiple of TILE_K. The CPU executor reports an H100's 132
+    multiprocessors, so both backends take the same path.
     """
-    tiles = -(-M // TILE) * -(-N // TILE)
+    tiles = ceil_div(M, TILE) * ceil_div(N, TILE)
     if batch != 1 or tiles == 0:
         return 1, 0
-    slots = BLOCKS_PER_MULTIPROCESSOR * _multiprocessors()
+    slots = BLOCKS_PER_MULTIPROCESSOR * backend.multiprocessor_count()
     # Times in bytes of memory traffic: a round of full-K blocks does 2 TILE² K slots FLOP, which take as
     # long as moving that many / MACHINE_BALANCE bytes; a partial product's float is 4 bytes.
     round_time = 2 * TILE * TILE * K * slots / MACHINE_BALANCE
@@ -91,87 +79,67 @@ def k_splits(M, N, K, batch=1):
 
     def time(splits):
         partials = (2 * splits + 1) * M * N * float_time if splits > 1 else 0.0
-        return -(-tiles * splits // slots) / splits * round_time + partials
+        return ceil_div(tiles * splits, slots) / splits * round_time + partials
 
     candidates = range(1, max(1, min(MAX_SPLITS, K // MIN_K_PER_SPLIT)) + 1)
     best = min(candidates, key=lambda splits: (time(splits), splits))
     if best == 1 or time(best) > 0.8 * time(1):
         return 1, 0
-    k_per_split = -(-K // (best * TILE_K)) * TILE_K
-    return -(-K // k_per_split), k_per_split
-
-
-@lru_cache(maxsize=None)
-def _sum_splits():
-    return kernels.module("matmul", name_expressions=_NAMES).get_function("matmul_sum_splits")
-
-
-def _check_array(name, array, function):
-    check_float32(function, name, array, contiguous=False)  # other layouts are read in place or copied
+    k_per_split = ceil_div(K, best * TILE_K) * TILE_K
+    return ceil_div(K, k_per_split), k_per_split
 
 
 def _as_stored(array, transposed):
-    """(C-contiguous array, transpose flag) that describe the same op(array) without a copy if possible."""
-    if array.flags.c_contiguous:
-        return array, transposed
+    """(C-contiguous array, transpose flag) that describe the same op(array), without a copy if possible."""
+    if not isinstance(array, backend.xp.ndarray) or array.flags.c_contiguous:
+        return array, transposed  # check() explains anything that is not an array
     if array.ndim == 2 and array.flags.f_contiguous:
         return array.T, not transposed  # a.T of a C-contiguous matrix: read that matrix the other way
     return backend.xp.ascontiguousarray(array), transposed
 
 
-def _product(function, a, b, transpose_a, transpose_b, out, accumulate, ndim):
-    _check_array("a", a, function)
-    _check_array("b", b, function)
-    if a.ndim != ndim or b.ndim != ndim:
-        what = "2-D matrices" if ndim == 2 else "3-D stacks of matrices (batch, rows, columns)"
-        raise ValueError(f"{function}: a and b must be {what}, got shapes {a.shape} and {b.shape}")
-    batch = a.shape[0] if ndim == 3 else 1
-    if ndim == 3 and b.shape[0] != batch:
-        raise ValueError(f"{function}: batch sizes differ: a {a.shape}, b {b.shape}")
-    M, K = a.shape[-1:-3:-1] if transpose_a else a.shape[-2:]
-    K_b, N = b.shape[-1:-3:-1] if transpose_b else b.shape[-2:]
-    if K != K_b:
+def _checked(operation, a, b, transpose_a, transpose_b, out, accumulate, batched):
+    """The public ops' checks: (a, b, transpose_a, transpose_b, out), a and b now C-contiguous."""
+    a, transpose_a = _as_stored(a, transpose_a)
+    b, transpose_b = _as_stored(b, transpose_b)
+    batch = ("batch",) if batched else ()
+    sizes = check(operation,
+                  a=(a, batch + (("K", "M") if transpose_a else ("M", "K"))),
+                  b=(b, batch + (("N", "K_of_b") if transpose_b else ("K_of_b", "N"))))
+    M, N, K = sizes["M"], sizes["N"], sizes["K"]
+    if K != sizes["K_of_b"]:
         raise ValueError(
-            f"{function}: op(a) is {M} x {K} and op(b) is {K_b} x {N}, so their inner dimensions {K} and {K_b} "
-            f"differ (a {a.shape} with transpose_a={transpose_a}, b {b.shape} with transpose_b={transpose_b})")
-    out_shape = (batch, M, N) if ndim == 3 else (M, N)
-    for name, size in (("a", a.size), ("b", b.size), ("out", batch * M * N)):
-        if size // max(batch, 1) > _MAX_ELEMENTS:
-            raise ValueError(f"{function}: each matrix of {name} has more than 2**31 - 1 elements")
-    if -(-M // TILE) > _MAX_GRID_Y_Z or batch > _MAX_GRID_Y_Z:
-        raise ValueError(f"{function}: M={M} or batch={batch} is too large for one launch "
-                         f"(at most {_MAX_GRID_Y_Z * TILE} rows and {_MAX_GRID_Y_Z} matrices)")
+            f"{operation}: op(a) is {M} x {K} and op(b) is {sizes['K_of_b']} x {N}, so their inner dimensions "
+            f"{K} and {sizes['K_of_b']} differ (a {a.shape} with transpose_a={transpose_a}, b {b.shape} with "
+            f"transpose_b={transpose_b})")
+    if ceil_div(M, TILE) > LARGEST_GRID_Y_Z or sizes.get("batch", 1) > LARGEST_GRID_Y_Z:
+        raise ValueError(f"{operation}: M={M} or batch={sizes.get('batch', 1)} is too large for one launch "
+                         f"(at most {LARGEST_GRID_Y_Z * TILE} rows and {LARGEST_GRID_Y_Z} matrices)")
+    if out is None and accumulate:
+        raise ValueError(f"{operation}: accumulate=True adds the product to `out`, so out must be given")
+    out = output(operation, out, tuple(sizes[name] for name in batch) + (M, N))
+    if backend.xp.may_share_memory(out, a) or backend.xp.may_share_memory(out, b):
+        raise ValueError(f"{operation}: out overlaps a or b; the kernel would read values it has already "
+                         "overwritten")
+    return a, b, transpose_a, transpose_b, out
 
-    if out is None:
-        if accumulate:
-            raise ValueError(f"{function}: accumulate=True adds the product to `out`, so out must be given")
-        out = backend.xp.empty(out_shape, dtype=numpy.float32)
-    else:
-        _check_array("out", out, function)
-        if out.shape != out_shape:
-            raise ValueError(f"{function}: out has shape {out.shape}, but op(a) @ op(b) has shape {out_shape} "
-                             f"(a {a.shape}, transpose_a={transpose_a}; b {b.shape}, transpose_b={transpose_b})")
-        if not out.flags.c_contiguous:
-            raise ValueError(f"{function}: out must be C-contiguous (the kernel writes rows of {N} floats)")
-        if backend.xp.may_share_memory(out, a) or backend.xp.may_share_memory(out, b):
-            raise ValueError(f"{function}: out overlaps a or b; the kernel would read values it has already "
-                             "overwritten")
+
+def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False):
+    """out = op(a) @ op(b), or out += ... with accumulate; 2-D or batched 3-D. Unchecked: for ops that have
+    checked their arguments already (a, b, out C-contiguous float32 of matching shapes, out apart from both)."""
+    M, N = out.shape[-2:]
+    K = a.shape[-2] if transpose_a else a.shape[-1]
+    batch = a.shape[0] if a.ndim == 3 else 1
     if out.size == 0:
         return out
     if K == 0:  # an empty sum
         if not accumulate:
             out.fill(0)
         return out
-
-    if ndim == 2:
-        a, transpose_a = _as_stored(a, transpose_a)
-        b, transpose_b = _as_stored(b, transpose_b)
-    else:
-        a, b = backend.xp.ascontiguousarray(a), backend.xp.ascontiguousarray(b)
     # float4 loads and stores need rows of a multiple of 4 floats and 16-byte aligned starting addresses.
     vector_loads = (a.shape[-1] % 4 == 0 and b.shape[-1] % 4 == 0 and N % 4 == 0
-                    and all(address(x) % 16 == 0 for x in (a, b, out)))
-    kernel = _kernel(bool(transpose_a), bool(transpose_b), vector_loads)
+                    and all(backend.address(x) % 16 == 0 for x in (a, b, out)))
+    kernel = _kernel(_kernel_name(bool(transpose_a), bool(transpose_b), vector_loads))
     splits, k_per_split = k_splits(M, N, K, batch)
     if splits > 1:
         # Each stretch of K writes its partial product to its own slab; matmul_sum_splits adds them up.
@@ -179,14 +147,16 @@ def _product(function, a, b, transpose_a, transpose_b, out, accumulate, ndim):
         strides, depth = (0, 0, M * N), splits
     else:
         target = out
-        strides, depth = ((M * K, K * N, M * N) if ndim == 3 else (0, 0, 0)), batch
-    grid = (-(-N // TILE), -(-M // TILE), depth)
-    kernel(grid, (THREADS,), (a, b, target, numpy.int32(M), numpy.int32(N), numpy.int32(K),
+        strides, depth = ((M * K, K * N, M * N) if a.ndim == 3 else (0, 0, 0)), batch
+    grid = (ceil_div(N, TILE), ceil_div(M, TILE), depth)
+    kernel(grid, (THREADS,), (target, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K),
                               *(numpy.int64(s) for s in strides), numpy.int32(k_per_split),
                               numpy.int32(bool(accumulate) and splits == 1)))
     if splits > 1:
-        _sum_splits()((-(-(M * N) // THREADS),), (THREADS,),
-                      (target, out, numpy.int32(M * N), numpy.int32(splits), numpy.int32(bool(accumulate))))
+        count = M * N  # fits an int: out passed check()
+        _kernel("matmul_sum_splits")((ceil_div(count, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+                                     (out, target, numpy.int32(count), numpy.int32(splits),
+                                      numpy.int32(bool(accumulate))))
     return out
 
 
@@ -195,7 +165,9 @@ def matmul(a, b, transpose_a=False, transpose_b=False, out=None, accumulate=Fals
 
     a: (M, K), or (K, M) if transpose_a.  b: (K, N), or (N, K) if transpose_b.  Returns out: (M, N).
     """
-    return _product("matmul", a, b, transpose_a, transpose_b, out, accumulate, ndim=2)
+    arguments = _checked("matmul", a, b, transpose_a, transpose_b, out, accumulate, batched=False)
+    a, b, transpose_a, transpose_b, out = arguments
+    return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)
 
 
 def batched_matmul(a, b, transpose_a=False, transpose_b=False, out=None, accumulate=False):
@@ -204,4 +176,6 @@ def batched_matmul(a, b, transpose_a=False, transpose_b=False, out=None, accumul
     a: (batch, M, K), or (batch, K, M) if transpose_a.  b: (batch, K, N), or (batch, N, K) if transpose_b.
     Returns out: (batch, M, N).
     """
-    return _product("batched_matmul", a, b, transpose_a, transpose_b, out, accumulate, ndim=3)
+    arguments = _checked("batched_matmul", a, b, transpose_a, transpose_b, out, accumulate, batched=True)
+    a, b, transpose_a, transpose_b, out = arguments
+    return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)

@@ -12,36 +12,31 @@ residual_backward returns the same array twice, not copies: write into neither w
 needed. `out=` writes into an existing array, which may be one of the inputs (fork_backward(dout,
 dx_branch, out=dx_branch) sums in place, without a new allocation).
 
-The kernels are kernels/residual.cu, taught in chapters/03_gelu_residual.ipynb. Arrays that start at a
+The kernels are gpt2_cupy/kernels/residual.cu, taught in chapters/03_gelu_residual.ipynb. Arrays that start at a
 16-byte aligned address go through the float4 kernel, the others through the one-element-per-thread one.
 """
 
-from .arrays import check_float32, launch_elementwise, output_like
+from .arrays import check, launch_elementwise, output
 
 
 def residual_forward(x, branch, out=None):
     """x + branch, elementwise. x, branch: float32, C-contiguous, one shape (in the model (B, T, C))."""
-    return _add("residual_forward", ("x", x), ("branch", branch), out)
+    return _add("residual_forward", "x", x, "branch", branch, out)
 
 
 def residual_backward(dout):
     """The add node's backward: the gradient of out goes unchanged to x and to branch (the same array)."""
-    check_float32("residual_backward", "dout", dout)
+    check("residual_backward", dout=(dout, ("...",)))
     return dout, dout
 
 
 def fork_backward(dout, dx_branch, out=None):
     """dx = dout + dx_branch: the gradient of a value used twice is the sum of what each use sends back."""
-    return _add("fork_backward", ("dout", dout), ("dx_branch", dx_branch), out)
+    return _add("fork_backward", "dout", dout, "dx_branch", dx_branch, out)
 
 
-def _add(operation, first, second, out):
-    (first_name, a), (second_name, b) = first, second
-    check_float32(operation, first_name, a)
-    check_float32(operation, second_name, b)
-    if a.shape != b.shape:
-        raise ValueError(f"{operation}: {first_name} has shape {a.shape} but {second_name} has shape {b.shape}; "
-                         "they must be equal")
-    out = output_like(operation, out, a, first_name)
-    launch_elementwise("residual", "residual_add", (out, a, b), a.size)
+def _add(operation, first_name, first, second_name, second, out):
+    check(operation, **{first_name: (first, ("...",)), second_name: (second, ("...",))})
+    out = output(operation, out, first.shape)
+    launch_elementwise("residual", "residual_add", (out, first, second), first.size)
     return out

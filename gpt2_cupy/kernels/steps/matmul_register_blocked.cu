@@ -6,7 +6,7 @@ constexpr int TILE_K = 8;        // depth of one slice of K
 constexpr int THREAD_TILE = 8;   // rows and columns of C per thread
 
 extern "C" __global__ void __launch_bounds__(256) matmul_register_blocked(
-    const float* A, const float* B, float* C, int M, int N, int K)
+    float* C, const float* A, const float* B, int M, int N, int K)
 {
     __shared__ float a_tile[BLOCK_TILE][TILE_K];
     __shared__ float b_tile[TILE_K][BLOCK_TILE];

@@ -3,7 +3,7 @@
 // matmul_naive.
 constexpr int TILE = 32;
 
-extern "C" __global__ void matmul_tiled(const float* A, const float* B, float* C, int M, int N, int K)
+extern "C" __global__ void matmul_tiled(float* C, const float* A, const float* B, int M, int N, int K)
 {
     __shared__ float a_tile[TILE][TILE];
     __shared__ float b_tile[TILE][TILE];

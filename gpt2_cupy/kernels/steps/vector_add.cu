@@ -1,7 +1,7 @@
 // out = a + b elementwise over n floats: GPT-2's residual connection on a flattened (B, T, C) tensor.
 
 // One thread per element: launch ceil(n / blockDim.x) blocks (or more).
-extern "C" __global__ void vector_add(const float* a, const float* b, float* out, int n)
+extern "C" __global__ void vector_add(float* out, const float* a, const float* b, int n)
 {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     // The grid has ceil(n / blockDim.x) blocks: the last one may have threads past the end.
@@ -12,7 +12,7 @@ extern "C" __global__ void vector_add(const float* a, const float* b, float* out
 
 // Any grid covers any n: each thread moves on by the number of threads in the whole grid, so that
 // in every pass neighbouring threads still read neighbouring elements.
-extern "C" __global__ void vector_add_grid_stride(const float* a, const float* b, float* out, int n)
+extern "C" __global__ void vector_add_grid_stride(float* out, const float* a, const float* b, int n)
 {
     int stride = gridDim.x * blockDim.x;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {

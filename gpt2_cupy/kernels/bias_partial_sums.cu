@@ -1,8 +1,8 @@
 // The fast column sum behind the bias gradient db = sum over rows of dy, in two launches:
-//   column_partial_sums<WIDTH>   grid (ceil(columns / 32), ceil(rows / rows_per_block)), any multiple of 32
+//   bias_partial_sums<WIDTH>     grid (ceil(columns / 32), ceil(rows / rows_per_block)), any multiple of 32
 //                                threads up to 1024: block (s, r) writes the sums of strip s (32 columns)
 //                                over its range r of rows to partial_sums[r, strip columns]
-//   column_sum_accumulate        (kernels/bias_column_sum.cu) then adds up the columns of partial_sums.
+//   bias_column_sum              (bias_column_sum.cu) then adds up the columns of partial_sums.
 
 // WIDTH floats that the compiler loads with one instruction (16 bytes when WIDTH is 4).
 template <int WIDTH>
@@ -12,8 +12,8 @@ struct alignas(sizeof(float) * WIDTH) Floats {
 
 // WIDTH is 4 (needs columns % 4 == 0 and matrix 16-byte aligned) or 1 (any shape).
 template <int WIDTH>
-__global__ void column_partial_sums(const float* matrix, float* partial_sums, int rows, int columns,
-                                    int rows_per_block)
+__global__ void bias_partial_sums(float* partial_sums, const float* matrix, int rows, int columns,
+                                  int rows_per_block)
 {
     constexpr int LANES_PER_ROW = 32 / WIDTH;  // lanes that cover the 32 columns of one row
     const int lane = threadIdx.x % 32;

@@ -1,0 +1,239 @@
+// Cross-entropy of softmax(logits) against integer targets, fused with its gradient.
+// logits (N, V) float32, targets (N,) int32; rows whose target equals ignore_index count for nothing.
+//   loss    = (1 / count) * sum over counted rows i of (lse_i - logits[i, t_i]),  lse_i = log sum_j exp(logits[i, j])
+//   dlogits = (softmax(logits[i]) - onehot(t_i)) * dout / count on counted rows, 0 on ignored rows
+// One block of ROW_THREADS threads per row. A target outside [0, V) (and not ignore_index) makes its
+// row's loss and gradient NaN: the error shows in the loss without a check that would stop the GPU.
+
+#define ROW_THREADS 1024
+#define WARPS_PER_ROW (ROW_THREADS / 32)
+#define NEGATIVE_INFINITY __int_as_float(0xff800000)  // NVRTC has no math.h, so no INFINITY
+#define NOT_A_NUMBER __int_as_float(0x7fc00000)
+#ifndef LOADS_IN_FLIGHT  // (a compile option may set it: bench/cross_entropy.py compares 4, 8 and 16)
+#define LOADS_IN_FLIGHT 16      // loads a thread issues before it uses the first: 64 KiB in flight per SM
+#endif
+
+// The running (maximum, sum of exp(x - maximum)) of the online softmax, merged with another such pair.
+__device__ __forceinline__ void merge_softmax_state(float& maximum, float& sum, float other_maximum, float other_sum)
+{
+    float largest = fmaxf(maximum, other_maximum);
+    if (largest == NEGATIVE_INFINITY) {
+        return;  // both empty (or all -inf): nothing to rescale
+    }
+    sum = sum * expf(maximum - largest) + other_sum * expf(other_maximum - largest);
+    maximum = largest;
+}
+
+// One element into the running pair: one exp, and a rescale only when the maximum grows.
+__device__ __forceinline__ void add_to_softmax_state(float& maximum, float& sum, float x)
+{
+    if (x > maximum) {
+        sum = sum * expf(maximum - x) + 1.0f;
+        maximum = x;
+    } else if (x != NEGATIVE_INFINITY) {
+        sum += expf(x - maximum);
+    }
+}
+
+// The (maximum, sum) of the whole block, returned to every thread: shuffles within each warp, then warp 0.
+__device__ void block_softmax_state(float& maximum, float& sum)
+{
+    __shared__ float warp_maximum[WARPS_PER_ROW];
+    __shared__ float warp_sum[WARPS_PER_ROW];
+    for (int offset = 16; offset > 0; offset /= 2) {
+        float other_maximum = __shfl_xor_sync(0xffffffff, maximum, offset);
+        float other_sum = __shfl_xor_sync(0xffffffff, sum, offset);
+        merge_softmax_state(maximum, sum, other_maximum, other_sum);
+    }
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        warp_maximum[warp] = maximum;
+        warp_sum[warp] = sum;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        maximum = warp_maximum[lane];
+        sum = warp_sum[lane];
+        for (int offset = 16; offset > 0; offset /= 2) {
+            float other_maximum = __shfl_xor_sync(0xffffffff, maximum, offset);
+            float other_sum = __shfl_xor_sync(0xffffffff, sum, offset);
+            merge_softmax_state(maximum, sum, other_maximum, other_sum);
+        }
+        if (lane == 0) {
+            warp_maximum[0] = maximum;
+            warp_sum[0] = sum;
+        }
+    }
+    __syncthreads();
+    maximum = warp_maximum[0];
+    sum = warp_sum[0];
+}
+
+// The online softmax over one row, read from `row` (global memory); with `cached` not null each value is
+// also stored there (shared memory), so that the gradient pass reads the row from the chip, not again from DRAM.
+__device__ void row_softmax_state(float& maximum, float& sum, const float* row, float* cached, int V)
+{
+    maximum = NEGATIVE_INFINITY;
+    sum = 0.0f;
+    for (int first = threadIdx.x; first < V; first += LOADS_IN_FLIGHT * ROW_THREADS) {
+        float x[LOADS_IN_FLIGHT];
+#pragma unroll
+        for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {  // all loads first: they overlap in the memory system
+            int j = first + u * ROW_THREADS;
+            x[u] = j < V ? row[j] : NEGATIVE_INFINITY;
+        }
+#pragma unroll
+        for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
+            int j = first + u * ROW_THREADS;
+            if (j < V) {
+                if (cached != nullptr) {
+                    cached[j] = x[u];
+                }
+                add_to_softmax_state(maximum, sum, x[u]);
+            }
+        }
+    }
+    block_softmax_state(maximum, sum);
+}
+
+__device__ __forceinline__ bool target_in_range(int target, int V)
+{
+    return 0 <= target && target < V;
+}
+
+// Forward only: lse[i] and the row's loss (0 for an ignored row). Reads each logit once.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+cross_entropy_forward_rows(float* lse, float* row_losses, const float* logits, const int* targets, int V, int ignore_index)
+{
+    int i = blockIdx.x;
+    const float* row = logits + (long long)i * V;
+    float maximum, sum;
+    row_softmax_state(maximum, sum, row, nullptr, V);
+    if (threadIdx.x == 0) {
+        float log_sum_exp = maximum + logf(sum);
+        int target = targets[i];
+        lse[i] = log_sum_exp;
+        if (target == ignore_index) {
+            row_losses[i] = 0.0f;
+        } else {
+            row_losses[i] = target_in_range(target, V) ? log_sum_exp - row[target] : NOT_A_NUMBER;
+        }
+    }
+}
+
+// How many targets are not ignore_index, in one block (fixed order: the same count, and no atomics).
+extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+cross_entropy_count(int* count, const int* targets, int N, int ignore_index)
+{
+    __shared__ int warp_count[WARPS_PER_ROW];
+    int counted = 0;
+    for (int i = threadIdx.x; i < N; i += ROW_THREADS) {
+        counted += targets[i] != ignore_index;
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+        counted += __shfl_xor_sync(0xffffffff, counted, offset);
+    }
+    if (threadIdx.x % 32 == 0) {
+        warp_count[threadIdx.x / 32] = counted;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int w = 0; w < WARPS_PER_ROW; ++w) {
+            total += warp_count[w];
+        }
+        count[0] = total;
+    }
+}
+
+// loss = sum(row_losses) / count, summed in a fixed order (deterministic); NaN when count is 0, as in torch.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+cross_entropy_mean(float* loss, const float* row_losses, const int* count, int N)
+{
+    __shared__ float warp_total[WARPS_PER_ROW];
+    float total = 0.0f;
+    for (int i = threadIdx.x; i < N; i += ROW_THREADS) {
+        total += row_losses[i];
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+        total += __shfl_xor_sync(0xffffffff, total, offset);
+    }
+    if (threadIdx.x % 32 == 0) {
+        warp_total[threadIdx.x / 32] = total;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (int w = 0; w < WARPS_PER_ROW; ++w) {
+            sum += warp_total[w];
+        }
+        loss[0] = count[0] > 0 ? sum / (float)count[0] : NOT_A_NUMBER;
+    }
+}
+
+// The gradient of one counted row from its log-sum-exp: (exp(x - lse) - onehot) * scale, x read from `source`.
+// dlogits may be the logits themselves: every thread reads its element before it writes it.
+__device__ void write_row_gradient(float* dlogits_row, const float* source, int V, float log_sum_exp, int target,
+                                   float scale)
+{
+    for (int j = threadIdx.x; j < V; j += ROW_THREADS) {
+        float probability = expf(source[j] - log_sum_exp);
+        dlogits_row[j] = (probability - (j == target ? 1.0f : 0.0f)) * scale;
+    }
+}
+
+__device__ void write_zero_row(float* dlogits_row, int V)
+{
+    for (int j = threadIdx.x; j < V; j += ROW_THREADS) {
+        dlogits_row[j] = 0.0f;
+    }
+}
+
+// Backward from a saved lse: dlogits = (softmax - onehot) * dout / count. Reads and writes each element once.
+extern "C" __global__ void __launch_bounds__(ROW_THREADS)
+cross_entropy_backward_rows(float* dlogits, const float* logits, const int* targets, const float* lse,
+                            const float* dout, const int* count, int V, int ignore_index)
+{
+    int i = blockIdx.x;
+    int target = targets[i];
+    float* dlogits_row = dlogits + (long long)i * V;
+    if (target == ignore_index) {
+        write_zero_row(dlogits_row, V);
+        return;
+    }
+    float scale = target_in_range(target, V) ? dout[0] / (float)count[0] : NOT_A_NUMBER;
+    write_row_gradient(dlogits_row, logits + (long long)i * V, V, lse[i], target, scale);
+}
+
+// Forward and backward in one pass over the logits, as if dout = 1. CACHE_ROW keeps the row in dynamic
+// shared memory (V floats: 196 KiB at V = 50257) so that DRAM sees each logit read once and each gradient
+// written once; without it the gradient pass reads the row a second time (from L2 if it is still there).
+template <bool CACHE_ROW>
+__global__ void __launch_bounds__(ROW_THREADS)
+cross_entropy_fused_rows(float* dlogits, float* row_losses, const float* logits, const int* targets,
+                         const int* count, int V, int ignore_index)
+{
+    extern __shared__ float cached_row[];
+    int i = blockIdx.x;
+    int target = targets[i];
+    const float* row = logits + (long long)i * V;
+    float* dlogits_row = dlogits + (long long)i * V;
+    if (target == ignore_index) {  // nothing to read: the gradient is 0 and the loss does not count the row
+        write_zero_row(dlogits_row, V);
+        if (threadIdx.x == 0) {
+            row_losses[i] = 0.0f;
+        }
+        return;
+    }
+    float maximum, sum;
+    row_softmax_state(maximum, sum, row, CACHE_ROW ? cached_row : nullptr, V);
+    float log_sum_exp = maximum + logf(sum);
+    bool valid = target_in_range(target, V);
+    if (threadIdx.x == 0) {
+        float target_logit = valid ? (CACHE_ROW ? cached_row[target] : row[target]) : 0.0f;
+        row_losses[i] = valid ? log_sum_exp - target_logit : NOT_A_NUMBER;
+    }
+    __syncthreads();  // thread 0 has read row[target] before any thread overwrites it (in place)
+    float scale = valid ? 1.0f / (float)count[0] : NOT_A_NUMBER;
+    write_row_gradient(dlogits_row, CACHE_ROW ? cached_row : row, V, log_sum_exp, target, scale);
+}

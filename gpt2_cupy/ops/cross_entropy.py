@@ -1,0 +1,113 @@
+"""Cross-entropy loss of GPT-2's logits against the next tokens, fused with the softmax it contains.
+
+    loss, lse = cross_entropy_forward(logits, targets, ignore_index=-100)
+    dlogits   = cross_entropy_backward(dout, logits, targets, lse, ignore_index=-100, out=None)
+    loss, dlogits = cross_entropy_fused(logits, targets, ignore_index=-100, dlogits=None)
+
+logits: (N, V) float32 (N = B·T tokens, V the vocabulary); targets: (N,) int32. The loss is a float32
+array of shape () on the device: the mean over the rows whose target is not ignore_index of
+lse_i - logits[i, target_i], with lse_i = log Σ_j exp(logits[i, j]); NaN when every target is ignored,
+as torch.nn.functional.cross_entropy gives. dout is a float32 array of shape () (the loss's gradient).
+cross_entropy_fused does the forward and the backward in one pass, as if dout = 1; dlogits (or out) may
+be the logits array itself, which then holds the gradient afterwards: the (N, V) gradient needs no memory
+of its own. A target outside [0, V) that is not ignore_index makes the loss NaN (the kernels cannot stop
+the GPU to raise an error without waiting for it).
+
+Nothing here copies to the host: the count of counted targets and the mean are computed on the device.
+The kernels are kernels/cross_entropy.cu, taught in chapters/09_cross_entropy.ipynb.
+"""
+
+from functools import lru_cache
+
+import numpy as np
+
+from gpt2_cupy import backend, kernels
+from gpt2_cupy.ops.arrays import check, output
+
+ROW_THREADS = 1024                # kernels/cross_entropy.cu: one block of 1024 threads per row
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of dynamic shared memory a block may opt into (H100)
+STATIC_SHARED_BYTES = 2 * 32 * 4  # the block reduction's own shared arrays
+_FUSED_NAMES = ("cross_entropy_fused_rows<true>", "cross_entropy_fused_rows<false>")
+
+
+def row_fits_in_shared_memory(V):
+    """Whether the fused kernel can keep a whole row of V logits on the chip (V ≤ 58 000 or so)."""
+    return 4 * V + STATIC_SHARED_BYTES <= SHARED_MEMORY_LIMIT
+
+
+def cross_entropy_forward(logits, targets, *, ignore_index=-100):
+    """(loss, lse): the mean cross-entropy (float32, shape ()) and each row's log-sum-exp (N,)."""
+    N, V = _check("cross_entropy_forward", logits, targets, ignore_index)
+    lse = backend.xp.empty((N,), dtype=np.float32)
+    row_losses = backend.xp.empty((N,), dtype=np.float32)
+    count = backend.xp.empty((1,), dtype=np.int32)
+    loss = backend.xp.empty((), dtype=np.float32)
+    ignore = np.int32(ignore_index)
+    if N > 0:
+        _kernel("cross_entropy_forward_rows")((N,), (ROW_THREADS,), (lse, row_losses, logits, targets,
+                                                                     np.int32(V), ignore))
+    _count(count, targets, N, ignore)
+    _mean(loss, row_losses, count, N)
+    return loss, lse
+
+
+def cross_entropy_backward(dout, logits, targets, lse, *, ignore_index=-100, out=None):
+    """dlogits = (softmax(logits) - onehot(targets)) * dout / count, 0 on ignored rows. out may be logits."""
+    N, V = _check("cross_entropy_backward", logits, targets, ignore_index)
+    check("cross_entropy_backward", lse=(lse, (N,)))
+    if check("cross_entropy_backward", dout=(dout, ("...",)))["..."] != ():
+        raise ValueError(f"cross_entropy_backward: dout must have shape () (the loss's gradient), got {dout.shape}")
+    out = output("cross_entropy_backward", out, (N, V))
+    count = backend.xp.empty((1,), dtype=np.int32)
+    _count(count, targets, N, np.int32(ignore_index))
+    if N > 0 and V > 0:
+        _kernel("cross_entropy_backward_rows")((N,), (ROW_THREADS,), (out, logits, targets, lse, dout, count,
+                                                                      np.int32(V), np.int32(ignore_index)))
+    return out
+
+
+def cross_entropy_fused(logits, targets, *, ignore_index=-100, dlogits=None):
+    """(loss, dlogits) in one pass over the logits, as if dout = 1. dlogits may be logits itself (in place)."""
+    N, V = _check("cross_entropy_fused", logits, targets, ignore_index)
+    dlogits = output("cross_entropy_fused", dlogits, (N, V), name="dlogits")
+    row_losses = backend.xp.empty((N,), dtype=np.float32)
+    count = backend.xp.empty((1,), dtype=np.int32)
+    loss = backend.xp.empty((), dtype=np.float32)
+    ignore = np.int32(ignore_index)
+    _count(count, targets, N, ignore)
+    if N > 0:
+        cache_row = row_fits_in_shared_memory(V)
+        kernel = _fused_kernel(cache_row)
+        kernel((N,), (ROW_THREADS,), (dlogits, row_losses, logits, targets, count, np.int32(V), ignore),
+               shared_mem=4 * V if cache_row else 0)
+    _mean(loss, row_losses, count, N)
+    return loss, dlogits
+
+
+def _check(operation, logits, targets, ignore_index):
+    sizes = check(operation, logits=(logits, ("N", "V")), targets=(targets, ("N",), np.int32))
+    if not isinstance(ignore_index, (int, np.integer)) or not -2**31 <= ignore_index < 2**31:
+        raise TypeError(f"{operation}: ignore_index must be an int (a 32-bit one), got {ignore_index!r}")
+    if sizes["V"] == 0:
+        raise ValueError(f"{operation}: logits has shape {tuple(logits.shape)}; a vocabulary of 0 has no softmax")
+    return sizes["N"], sizes["V"]
+
+
+def _count(count, targets, N, ignore):
+    _kernel("cross_entropy_count")((1,), (ROW_THREADS,), (count, targets, np.int32(N), ignore))
+
+
+def _mean(loss, row_losses, count, N):
+    _kernel("cross_entropy_mean")((1,), (ROW_THREADS,), (loss, row_losses, count, np.int32(N)))
+
+
+def _kernel(name):
+    return kernels.module("cross_entropy", name_expressions=_FUSED_NAMES).get_function(name)
+
+
+@lru_cache(maxsize=None)
+def _fused_kernel(cache_row):
+    kernel = _kernel(_FUSED_NAMES[0] if cache_row else _FUSED_NAMES[1])
+    if cache_row:  # past 48 KiB a block must opt in to more dynamic shared memory
+        kernel.max_dynamic_shared_size_bytes = SHARED_MEMORY_LIMIT - STATIC_SHARED_BYTES
+    return kernel

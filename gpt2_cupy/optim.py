@@ -1,0 +1,254 @@
+"""Optimizers with PyTorch's interface, on one flat buffer of parameters and one of gradients.
+
+    optimizer = optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = optim.AdamW([{"params": matrices, "weight_decay": 0.1},
+                             {"params": biases_and_norms, "weight_decay": 0.0}], lr=6e-4)
+    optimizer.zero_grad()                     # one memset over all gradients
+    loss.backward()
+    norm = optimizer.clip_grad_norm_(1.0)     # the norm before clipping: a device array of shape ()
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate           # takes effect at the next step
+    optimizer.step()                          # one launch for every parameter (after a one-thread launch
+                                              # that advances the step count)
+    checkpoint = optimizer.state_dict()       # numpy arrays; load_state_dict(checkpoint) resumes bit for bit
+
+A parameter is any object with `.data` (a float32 array of the backend) and `.grad` (an array or None).
+At construction the optimizer copies every parameter into ONE flat buffer, `optimizer.flat_params`, and
+makes `p.data` a view into it; likewise every `p.grad` becomes a view into ONE zeroed buffer,
+`optimizer.flat_grads` (a gradient already there is copied in). Code that computes gradients must
+therefore add into `p.grad` in place and never assign a new array to it. Groups are consecutive stretches
+of the buffers, each parameter starting at a multiple of 16 elements (64 bytes), so one kernel launch
+updates every group, each with its own hyperparameters. A parameter listed twice (tied weights) is
+packed once, in the first group that lists it.
+
+The hyperparameters of every group live in a small float64 device array, copied from `param_groups`
+at a step where one of them changed; the step count and the bias corrections are computed on the device.
+"""
+
+import numpy as np
+
+from gpt2_cupy import backend
+from gpt2_cupy.ops import adamw as kernels_of
+from gpt2_cupy.ops.arrays import LARGEST_INT
+
+ALIGNMENT = 16  # elements: every parameter starts 64 bytes into the buffer, so float4 never straddles two
+
+
+class Optimizer:
+    """What AdamW and SGD share: parameter groups, the flat buffers, zero_grad, the gradient norm, checkpoints."""
+
+    name = "Optimizer"
+    state_names = ()  # the subclass's flat state buffers, each as long as the parameters' buffer
+
+    def __init__(self, params_or_groups, defaults):
+        self.defaults = dict(defaults)
+        self.param_groups = [self._group(number, group) for number, group in enumerate(_as_groups(self.name, params_or_groups))]
+        self._pack()
+        xp = backend.xp
+        self.state = {name: xp.zeros_like(self.flat_params) for name in self.state_names}
+        self._hyperparameters = xp.zeros((len(self.param_groups), kernels_of.HYPERPARAMETERS), dtype=np.float64)
+        self._uploaded = None
+        self._norm = xp.zeros((), dtype=np.float32)
+        self._partial_sums = xp.zeros(kernels_of.norm_blocks(self.flat_params.size), dtype=np.float32)
+
+    # ---- parameter groups and the flat buffers ----------------------------------------------------------
+
+    def _group(self, number, group):
+        unknown = set(group) - set(self.defaults) - {"params"}
+        if unknown:
+            raise ValueError(f"{self.name}: param_groups[{number}] has keys {sorted(unknown)} that {self.name} does "
+                             f"not know; it knows {sorted(self.defaults)}")
+        group = {**self.defaults, **group, "params": list(group["params"])}
+        self._check_hyperparameters(group, number)
+        return group
+
+    def _pack(self):
+        xp = backend.xp
+        seen, offsets, end = set(), [], 0
+        for number, group in enumerate(self.param_groups):
+            kept = []
+            for index, p in enumerate(group["params"]):
+                _check_parameter(self.name, number, index, p)
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                kept.append(p)
+                offsets.append((p, end))
+                end += -(-p.data.size // ALIGNMENT) * ALIGNMENT
+            group["params"] = kept
+            group["_end"] = end
+        if end > LARGEST_INT:
+            raise ValueError(f"{self.name}: {end} parameters; the kernels index with int, at most {LARGEST_INT}")
+        self.flat_params = xp.zeros(end, dtype=np.float32)
+        self.flat_grads = xp.zeros(end, dtype=np.float32)
+        for p, offset in offsets:
+            shape, size = p.data.shape, p.data.size
+            self.flat_params[offset:offset + size] = p.data.reshape(-1)
+            gradient = self.flat_grads[offset:offset + size].reshape(shape)
+            if p.grad is not None:
+                gradient[...] = p.grad
+            p.data = self.flat_params[offset:offset + size].reshape(shape)
+            p.grad = gradient
+        self._group_ends = xp.asarray(np.array([group.pop("_end") for group in self.param_groups], dtype=np.int32))
+
+    def _upload_hyperparameters(self):
+        """Copy the groups' hyperparameters to the device when one changed since the last step."""
+        values = tuple(tuple(self._hyperparameter_values(group)) for group in self.param_groups)
+        if values != self._uploaded:
+            for number, group in enumerate(self.param_groups):
+                self._check_hyperparameters(group, number)
+            table = np.zeros((len(values), kernels_of.HYPERPARAMETERS), dtype=np.float64)
+            table[:, :len(values[0])] = values
+            self._hyperparameters[...] = backend.xp.asarray(table)
+            self._uploaded = values
+
+    # ---- what every step needs ---------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none=False):
+        """Zero every gradient: one memset over the flat buffer (the views stay; set_to_none is refused)."""
+        if set_to_none:
+            raise ValueError(f"{self.name}: gradients are views into one flat buffer and cannot be set to None")
+        self.flat_grads.fill(0)
+
+    def clip_grad_norm_(self, max_norm):
+        """Scale all gradients by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does.
+
+        Returns the global norm before clipping as a float32 device array of shape () (no host sync).
+        """
+        if not max_norm > 0:
+            raise ValueError(f"{self.name}.clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        kernels_of.gradient_norm(self.flat_grads, self._partial_sums, self._norm)
+        kernels_of.clip_gradients(self.flat_grads, self._norm, max_norm)
+        return self._norm
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+
+    def state_dict(self):
+        """{"state": {name: numpy array}, "param_groups": [hyperparameters and parameter indices]}."""
+        state = {name: backend.asnumpy(buffer).copy() for name, buffer in self.state.items()}
+        groups, first = [], 0
+        for group in self.param_groups:
+            count = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(first, first + count))})
+            first += count
+        return {"state": state, "param_groups": groups, "flat_size": int(self.flat_params.size)}
+
+    def load_state_dict(self, state_dict):
+        """Restore the state and the hyperparameters of state_dict(): the next step continues bit for bit."""
+        if state_dict.get("flat_size") != self.flat_params.size or len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"{self.name}.load_state_dict: the checkpoint holds {len(state_dict['param_groups'])} "
+                             f"groups over {state_dict.get('flat_size')} elements; this optimizer has "
+                             f"{len(self.param_groups)} groups over {self.flat_params.size}: not the same parameters")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"{self.name}.load_state_dict: a group of {len(saved['params'])} parameters in the "
+                                 f"checkpoint, {len(group['params'])} here")
+        for name in self.state:
+            saved = np.asarray(state_dict["state"][name])
+            if saved.shape != tuple(self.state[name].shape):
+                raise ValueError(f"{self.name}.load_state_dict: state {name!r} has shape {saved.shape}, "
+                                 f"expected {tuple(self.state[name].shape)}")
+            self.state[name][...] = backend.xp.asarray(saved.astype(self.state[name].dtype))
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self._uploaded = None
+
+    def __repr__(self):
+        groups = "\n".join(f"  group {n}: {len(g['params'])} parameters, "
+                           + ", ".join(f"{k}={v}" for k, v in g.items() if k != "params")
+                           for n, g in enumerate(self.param_groups))
+        return f"{self.name} over {self.flat_params.size} elements (one flat buffer)\n{groups}"
+
+
+class AdamW(Optimizer):
+    """torch.optim.AdamW: m, v with bias corrections, eps outside the square root, decoupled weight decay.
+
+    For each element, at step t (t = 1 first), with g its gradient:
+        θ ← θ - lr·λ·θ
+        m ← β₁ m + (1 - β₁) g          v ← β₂ v + (1 - β₂) g²
+        θ ← θ - lr / (1 - β₁ᵗ) · m / (√v / √(1 - β₂ᵗ) + ε)
+    """
+
+    name = "AdamW"
+    state_names = ("exp_avg", "exp_avg_sq")   # m and v; the step count is state["step"], an int32 (1,)
+
+    def __init__(self, params_or_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None):
+        # fused: accepted as torch.optim.AdamW accepts it (nanoGPT passes fused=True); the update here is
+        # always one fused kernel.
+        super().__init__(params_or_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.state["step"] = backend.xp.zeros(1, dtype=np.int32)
+        self._step_scalars = backend.xp.zeros((len(self.param_groups), 2), dtype=np.float32)
+
+    def _hyperparameter_values(self, group):
+        beta1, beta2 = group["betas"]
+        return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+
+    def _check_hyperparameters(self, group, number):
+        lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        where = f"{self.name}: param_groups[{number}]"
+        if not lr >= 0:
+            raise ValueError(f"{where}: lr = {lr}; it must be >= 0")
+        if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"{where}: betas = {betas}; both must be in [0, 1)")
+        if not eps >= 0 or not weight_decay >= 0:
+            raise ValueError(f"{where}: eps = {eps}, weight_decay = {weight_decay}; both must be >= 0")
+
+    def step(self):
+        """One AdamW update of every parameter from its gradient (a one-thread launch, then one launch)."""
+        self._upload_hyperparameters()
+        kernels_of.adamw_prepare_step(self._step_scalars, self.state["step"], self._hyperparameters)
+        kernels_of.adamw_update(self.flat_params, self.state["exp_avg"], self.state["exp_avg_sq"], self.flat_grads,
+                                self._hyperparameters, self._step_scalars, self._group_ends)
+
+
+class SGD(Optimizer):
+    """torch.optim.SGD with momentum (no dampening, no Nesterov): b ← μ b + (g + λθ), θ ← θ - lr·b."""
+
+    name = "SGD"
+    state_names = ("momentum_buffer",)
+
+    def __init__(self, params_or_groups, lr=1e-3, momentum=0.0, weight_decay=0.0):
+        super().__init__(params_or_groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    def _hyperparameter_values(self, group):
+        return (float(group["lr"]), float(group["momentum"]), float(group["weight_decay"]))
+
+    def _check_hyperparameters(self, group, number):
+        for key in ("lr", "momentum", "weight_decay"):
+            if not group[key] >= 0:
+                raise ValueError(f"{self.name}: param_groups[{number}]: {key} = {group[key]}; it must be >= 0")
+
+    def step(self):
+        """One SGD update of every parameter (one launch)."""
+        self._upload_hyperparameters()
+        kernels_of.sgd_update(self.flat_params, self.state["momentum_buffer"], self.flat_grads,
+                              self._hyperparameters, self._group_ends)
+
+
+def _as_groups(name, params_or_groups):
+    """A list of group dicts from an iterable of parameters or of dicts (torch's two forms)."""
+    items = list(params_or_groups)
+    if not items:
+        raise ValueError(f"{name}: got an empty list of parameters")
+    if all(isinstance(item, dict) for item in items):
+        for number, group in enumerate(items):
+            if "params" not in group:
+                raise ValueError(f"{name}: param_groups[{number}] has no 'params'")
+        return [dict(group) for group in items]
+    if any(isinstance(item, dict) for item in items):
+        raise TypeError(f"{name}: pass either parameters or dicts of parameter groups, not a mixture")
+    return [{"params": items}]
+
+
+def _check_parameter(name, group_number, index, p):
+    where = f"{name}: param_groups[{group_number}]['params'][{index}]"
+    data = getattr(p, "data", None)
+    if not isinstance(data, backend.xp.ndarray):
+        raise TypeError(f"{where} must have .data, a {backend.xp.__name__}.ndarray (the active backend is "
+                        f"{backend.name}); got {type(p).__name__} with .data of type {type(data).__name__}")
+    if data.dtype != np.float32:
+        raise TypeError(f"{where}.data has dtype {data.dtype}; the optimizer works on float32")
+    grad = getattr(p, "grad", None)
+    if grad is not None and (not isinstance(grad, backend.xp.ndarray) or grad.shape != data.shape):
+        raise ValueError(f"{where}.grad must be None or an array of .data's shape {data.shape}")
