@@ -5,8 +5,12 @@ bounds  The arrays' bytes are copied right against an inaccessible region, above
         the block and the thread. The copies keep the arrays' 16-byte alignment, as GPU memory does, which
         can leave a few bytes between an array and its guard: a write there is found after the launch,
         and a read there by one more pass with the bytes exactly against the guard, unaligned.
-races   The launch runs again with the threads (and blocks) in the opposite order; an output that differs
-        depended on an order CUDA does not promise.
+races   The launch runs again, with the threads (and blocks) in the opposite order, built so that every load,
+        store and atomic of the kernel is reported to the runtime (the compiler's -fsanitize=thread
+        instrumentation, answered by runtime.cpp). Two threads touching one place, at least one writing,
+        with no barrier between them and not through atomics, is a race: reported with the place, the two
+        threads, and what to do. Outputs that differ between the runs with no such pair found differ only
+        by the order of atomic operations (stream compaction, float atomicAdd sums), which CUDA allows.
 
 Arguments that share memory (an in-place kernel given the same array twice, or overlapping views) share
 one copy, so the kernel sees the aliasing it would see on a GPU. Every run starts from the original bytes,
@@ -55,11 +59,13 @@ def launch_checked(function, grid, block, values, arrays, bounds, races):
     """Launch `function` (a kernel.Function) with the checks asked for; raise what they find."""
     regions = regions_of(arrays)
 
-    def run(make_copy, reverse_order=False, show_output=False):
+    def run(make_copy, reverse_order=False, show_output=False, track_races=False):
         copies = [make_copy(region) for region in regions]
         addresses = {index: copy.address + (array.ctypes.data - region.start)
                      for region, copy in zip(regions, copies) for index, array in region.members}
-        result = function._launch(grid, block, function._with_addresses(values, addresses), reverse_order, show_output)
+        ranges = [(copy.address, copy.address + copy.nbytes) for copy in copies] if track_races else ()
+        result = function._launch(grid, block, function._with_addresses(values, addresses), reverse_order,
+                                  show_output, track_races, ranges)
         return result, copies
 
     def above_guard(region):
@@ -76,12 +82,12 @@ def launch_checked(function, grid, block, values, arrays, bounds, races):
 
     result, kept = run(above_guard if bounds else plain, show_output=True)
     try:
-        function._raise_for(result, locate=lambda address: _locate(address, regions, kept))
+        function._raise_for(result, locate=lambda address: _locate(address, regions, kept), bounds_checked=bounds)
         if bounds:
             _raise_for_overwritten_canary(function, regions, kept)
             result, below = run(below_guard)
             try:
-                function._raise_for(result, locate=lambda address: _locate(address, regions, below))
+                function._raise_for(result, locate=lambda address: _locate(address, regions, below), bounds_checked=True)
                 _raise_for_overwritten_canary(function, regions, below)
             finally:
                 _free(below)
@@ -92,14 +98,14 @@ def launch_checked(function, grid, block, values, arrays, bounds, races):
                     # shifted bytes, which cannot happen on a GPU.
                     found = _locate(result.fault_address, regions, exact) if result.failure == runtime.MEMORY_FAULT else None
                     if found or result.failure not in (runtime.OK, runtime.MEMORY_FAULT):
-                        function._raise_for(result, locate=lambda address: found)
+                        function._raise_for(result, locate=lambda address: found, bounds_checked=True)
                 finally:
                     _free(exact)
         if races:
-            result, backward = run(plain, reverse_order=True)
+            result, backward = run(plain, reverse_order=True, track_races=True)
             try:
                 function._raise_for(result)
-                _compare(function, regions, kept, backward)
+                _raise_for_race(function, result, regions, kept, backward)
             finally:
                 _free(backward)
         for region, copy in zip(regions, kept):
@@ -139,6 +145,66 @@ def _raise_for_overwritten_canary(function, regions, copies):
                 "Found after the launch, in the bytes just past the array, so which thread wrote is not known")
 
 
+def _inside(address, regions, copies):
+    """(argument index, array, element) of an address inside an array argument's copy, or None."""
+    for region, copy in zip(regions, copies):
+        for index, array in region.members:
+            start = copy.address + (array.ctypes.data - region.start)
+            if start <= address < start + array.nbytes:
+                return index, array, (address - start) // max(array.itemsize, 1)
+    return None
+
+
+_RACE_STORIES = {
+    runtime.READ_MODIFY_WRITE: (
+        "{first} and {second} both read it and write it back with no atomic operation, so one thread's update "
+        "can overwrite the other's (a GPU loses such updates: many threads doing `x += 1` count far less than "
+        "they should). Use atomicAdd (or atomicMax, atomicCAS...), or give each thread an element of its own"),
+    runtime.WRITE_THEN_WRITE: (
+        "{first} and {second} both write it between the same barriers: which value stays depends on an order "
+        "CUDA does not promise. Let one thread write it, or use an atomic operation"),
+    runtime.WRITE_THEN_READ: (
+        "{first} writes it and {second} reads it with no __syncthreads() (or __syncwarp() within a warp) "
+        "between them, so the read may come before the write"),
+    runtime.READ_THEN_WRITE: (
+        "{first} reads it and {second} writes it with no __syncthreads() (or __syncwarp() within a warp) "
+        "between them, so the read may see the new value or the old one"),
+}
+
+
+def _raise_for_race(function, result, regions, forward_copies, backward_copies):
+    """The race check's verdict. A run built so that every access is checked found two threads touching one
+    place with nothing ordering them (raise, naming the place, the threads and the fix), or none: then
+    outputs that differ between the runs differ only by the order of atomic operations, which is allowed.
+    Where the compiler could not build the checked kernel, outputs that differ are reported."""
+    if function.race_check_entry_address() is None:
+        _compare(function, regions, forward_copies, backward_copies)
+        return
+    if result.race_kind == runtime.NO_RACE:
+        return
+    found = _inside(result.race_address, regions, backward_copies)
+    place = (f"'{function.parameters[found[0]].name}' element {found[2]}" if found
+             else "shared memory (or another variable outside the array arguments)")
+    differ = ""
+    for region, forward, backward in zip(regions, forward_copies, backward_copies):
+        for index, array in region.members:
+            offset = array.ctypes.data - region.start
+            changed = elements_that_differ(runtime.view(forward.address + offset, array),
+                                           runtime.view(backward.address + offset, array))
+            if changed.size and not differ:
+                differ = (f" '{function.parameters[index].name}' differs in {changed.size} of {array.size} elements "
+                          f"when the threads run in another order (first at element {int(changed[0])}).")
+
+    def coordinates(values):
+        return f"({', '.join(map(str, values))})"
+
+    first = f"thread {coordinates(result.other_thread)} of block {coordinates(result.other_block)}"
+    second = f"thread {coordinates(result.thread)} of block {coordinates(result.block)}"
+    kind = "read-modify-write race" if result.race_kind == runtime.READ_MODIFY_WRITE else "race"
+    story = _RACE_STORIES[result.race_kind].format(first=first, second=second)
+    raise RaceError(f"kernel '{function.name}': {kind} on {place}:{differ} {story[0].upper()}{story[1:]}")
+
+
 def _compare(function, regions, forward_copies, backward_copies):
     for region, forward, backward in zip(regions, forward_copies, backward_copies):
         for index, array in region.members:
@@ -152,7 +218,8 @@ def _compare(function, regions, forward_copies, backward_copies):
                     f"kernel '{function.name}': '{function.parameters[index].name}' differs in {differ.size} of "
                     f"{a.size} elements when the threads run in the opposite order (first at element {first}: "
                     f"{a[first].item()!r} vs {b[first].item()!r}). A thread reads memory that another thread "
-                    "writes, with no __syncthreads() (or __syncwarp()) between them")
+                    "writes, with no __syncthreads() (or __syncwarp()) between them, or several threads update "
+                    "it without an atomic operation")
 
 
 def elements_that_differ(a, b):

@@ -1,7 +1,8 @@
 """The teaching checks, off by default: switched on per call, by a `with` block, or by GPT2_CUPY_CHECKS.
 
     bounds  an out-of-bounds read or write of an array argument is reported with kernel, block and thread
-    races   the launch runs again with the threads in the opposite order; outputs that differ are reported
+    races   the launch runs again with every memory access checked: two threads touching one place with no
+            barrier or atomic between them (a missing __syncthreads(), a lost `x += 1`) are reported
 """
 
 import contextlib

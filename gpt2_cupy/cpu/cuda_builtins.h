@@ -87,6 +87,26 @@ float frexpf(float, int*) noexcept;
 double frexp(double, int*) noexcept;
 void sincosf(float, float*, float*) noexcept;
 void sincos(double, double*, double*) noexcept;
+long lrintf(float) noexcept;
+long lrint(double) noexcept;
+long long llrintf(float) noexcept;
+long long llrint(double) noexcept;
+long lroundf(float) noexcept;
+long lround(double) noexcept;
+long long llroundf(float) noexcept;
+long long llround(double) noexcept;
+float scalbnf(float, int) noexcept;
+double scalbn(double, int) noexcept;
+int ilogbf(float) noexcept;
+int ilogb(double) noexcept;
+float logbf(float) noexcept;
+double logb(double) noexcept;
+float modff(float, float*) noexcept;
+double modf(double, double*) noexcept;
+float remquof(float, float, int*) noexcept;
+double remquo(double, double, int*) noexcept;
+float nanf(const char*) noexcept;
+double nan(const char*) noexcept;
 void* memcpy(void*, const void*, unsigned long) noexcept;
 void* memset(void*, int, unsigned long) noexcept;
 }
@@ -112,7 +132,8 @@ __forceinline__ float __fsub_rn(float x, float y) { return x - y; }
 __forceinline__ float __fmul_rn(float x, float y) { return x * y; }
 __forceinline__ float __fdiv_rn(float x, float y) { return x / y; }
 __forceinline__ float __fmaf_rn(float x, float y, float z) { return fmaf(x, y, z); }
-__forceinline__ float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
+// Clamped to [0, 1]; a NaN becomes 0, as the GPU's .sat modifier does.
+__forceinline__ float __saturatef(float x) { return x >= 0.0f ? (x <= 1.0f ? x : 1.0f) : 0.0f; }
 __forceinline__ float exp2f_fast(float x) { return exp2f(x); }
 
 template <class To, class From>
@@ -129,11 +150,153 @@ __forceinline__ float __uint_as_float(unsigned int x) { return gpt2cupy_bit_cast
 __forceinline__ long long __double_as_longlong(double x) { return gpt2cupy_bit_cast<long long>(x); }
 __forceinline__ double __longlong_as_double(long long x) { return gpt2cupy_bit_cast<double>(x); }
 
-__forceinline__ int __float2int_rn(float x) { return (int)rintf(x); }
-__forceinline__ int __float2int_rz(float x) { return (int)x; }
-__forceinline__ int __float2int_rd(float x) { return (int)floorf(x); }
-__forceinline__ int __float2int_ru(float x) { return (int)ceilf(x); }
-__forceinline__ float __int2float_rn(int x) { return (float)x; }
+// Conversions with a rounding mode in the name: _rn to nearest (ties to even), _rz toward zero, _rd down,
+// _ru up. Float to integer saturates as the GPU does: out-of-range values give the type's smallest or
+// largest value, a NaN gives 0. (A plain C cast such as (int)x does not: out of range it is undefined.)
+template <class I>
+__forceinline__ I gpt2cupy_saturate(double integral, I lowest, I highest) {
+    if (integral != integral) return 0;
+    if (integral <= (double)lowest) return lowest;
+    if (integral >= (double)highest) return highest;
+    return (I)integral;
+}
+#define GPT2CUPY_TO_INTEGER(from, F, to, I, lowest, highest)                                                      \
+    __forceinline__ I __##from##2##to##_rn(F x) { return gpt2cupy_saturate<I>(rint((double)x), lowest, highest); }  \
+    __forceinline__ I __##from##2##to##_rz(F x) { return gpt2cupy_saturate<I>(trunc((double)x), lowest, highest); } \
+    __forceinline__ I __##from##2##to##_rd(F x) { return gpt2cupy_saturate<I>(floor((double)x), lowest, highest); } \
+    __forceinline__ I __##from##2##to##_ru(F x) { return gpt2cupy_saturate<I>(ceil((double)x), lowest, highest); }
+GPT2CUPY_TO_INTEGER(float, float, int, int, -2147483647 - 1, 2147483647)
+GPT2CUPY_TO_INTEGER(float, float, uint, unsigned int, 0u, 4294967295u)
+GPT2CUPY_TO_INTEGER(float, float, ll, long long, -9223372036854775807LL - 1, 9223372036854775807LL)
+GPT2CUPY_TO_INTEGER(float, float, ull, unsigned long long, 0ull, 18446744073709551615ull)
+GPT2CUPY_TO_INTEGER(double, double, int, int, -2147483647 - 1, 2147483647)
+GPT2CUPY_TO_INTEGER(double, double, uint, unsigned int, 0u, 4294967295u)
+GPT2CUPY_TO_INTEGER(double, double, ll, long long, -9223372036854775807LL - 1, 9223372036854775807LL)
+GPT2CUPY_TO_INTEGER(double, double, ull, unsigned long long, 0ull, 18446744073709551615ull)
+#undef GPT2CUPY_TO_INTEGER
+
+__forceinline__ float gpt2cupy_next_toward(float x, float direction) { return nextafterf(x, direction); }
+__forceinline__ double gpt2cupy_next_toward(double x, double direction) { return nextafter(x, direction); }
+// `nearest` is the exact value rounded to nearest; `exact_above` says whether the exact value is greater
+// than it (+1), less (-1) or equal (0). The result is rounded toward zero (mode 'z'), down ('d') or up ('u').
+template <class F>
+__forceinline__ F gpt2cupy_round_directed(F nearest, int exact_above, char mode) {
+    const F infinity = (F)1e300 * (F)1e300;
+    bool toward_minus = (mode == 'd' && exact_above < 0) || (mode == 'z' && exact_above < 0 && nearest > 0);
+    bool toward_plus = (mode == 'u' && exact_above > 0) || (mode == 'z' && exact_above > 0 && nearest < 0);
+    if (toward_minus) return gpt2cupy_next_toward(nearest, -infinity);
+    if (toward_plus) return gpt2cupy_next_toward(nearest, infinity);
+    return nearest;
+}
+template <class F, class I>
+__forceinline__ F gpt2cupy_integer_to_floating(I x, char mode) {
+    F nearest = (F)x;  // the C++ conversion rounds to nearest, ties to even
+    if (mode == 'n') return nearest;
+    __int128 exact = x;
+    // nearest is a whole number (or 2^64, for the largest unsigned long long): exact in __int128.
+    __int128 rounded = (__int128)nearest;
+    return gpt2cupy_round_directed(nearest, exact > rounded ? 1 : (exact < rounded ? -1 : 0), mode);
+}
+#define GPT2CUPY_FROM_INTEGER(from, I, to, F)                                                                          \
+    __forceinline__ F __##from##2##to##_rn(I x) { return gpt2cupy_integer_to_floating<F>(x, 'n'); }                   \
+    __forceinline__ F __##from##2##to##_rz(I x) { return gpt2cupy_integer_to_floating<F>(x, 'z'); }                   \
+    __forceinline__ F __##from##2##to##_rd(I x) { return gpt2cupy_integer_to_floating<F>(x, 'd'); }                   \
+    __forceinline__ F __##from##2##to##_ru(I x) { return gpt2cupy_integer_to_floating<F>(x, 'u'); }
+GPT2CUPY_FROM_INTEGER(int, int, float, float)
+GPT2CUPY_FROM_INTEGER(uint, unsigned int, float, float)
+GPT2CUPY_FROM_INTEGER(ll, long long, float, float)
+GPT2CUPY_FROM_INTEGER(ull, unsigned long long, float, float)
+GPT2CUPY_FROM_INTEGER(ll, long long, double, double)
+GPT2CUPY_FROM_INTEGER(ull, unsigned long long, double, double)
+#undef GPT2CUPY_FROM_INTEGER
+__forceinline__ double __int2double_rn(int x) { return x; }
+__forceinline__ double __uint2double_rn(unsigned int x) { return x; }
+__forceinline__ float gpt2cupy_double_to_float(double x, char mode) {
+    float nearest = (float)x;
+    if (mode == 'n' || x != x) return nearest;
+    return gpt2cupy_round_directed(nearest, x > (double)nearest ? 1 : (x < (double)nearest ? -1 : 0), mode);
+}
+__forceinline__ float __double2float_rn(double x) { return gpt2cupy_double_to_float(x, 'n'); }
+__forceinline__ float __double2float_rz(double x) { return gpt2cupy_double_to_float(x, 'z'); }
+__forceinline__ float __double2float_rd(double x) { return gpt2cupy_double_to_float(x, 'd'); }
+__forceinline__ float __double2float_ru(double x) { return gpt2cupy_double_to_float(x, 'u'); }
+__forceinline__ int __double2hiint(double x) { return (int)(gpt2cupy_bit_cast<unsigned long long>(x) >> 32); }
+__forceinline__ int __double2loint(double x) { return (int)gpt2cupy_bit_cast<unsigned long long>(x); }
+__forceinline__ double __hiloint2double(int high, int low) {
+    return gpt2cupy_bit_cast<double>(((unsigned long long)(unsigned int)high << 32) | (unsigned int)low);
+}
+__forceinline__ double __fma_rn(double x, double y, double z) { return fma(x, y, z); }
+__forceinline__ double __dadd_rn(double x, double y) { return x + y; }
+__forceinline__ double __dsub_rn(double x, double y) { return x - y; }
+__forceinline__ double __dmul_rn(double x, double y) { return x * y; }
+__forceinline__ double __ddiv_rn(double x, double y) { return x / y; }
+__forceinline__ double __drcp_rn(double x) { return 1.0 / x; }
+__forceinline__ double __dsqrt_rn(double x) { return sqrt(x); }
+
+// ---- more math --------------------------------------------------------------------------------------
+__forceinline__ float fdividef(float x, float y) { return x / y; }
+__forceinline__ float rcbrtf(float x) { return (float)(1.0 / cbrt((double)x)); }
+__forceinline__ double rcbrt(double x) { return 1.0 / cbrt(x); }
+__forceinline__ float rhypotf(float x, float y) { return (float)(1.0 / hypot((double)x, (double)y)); }
+__forceinline__ float norm3df(float x, float y, float z) { return (float)sqrt((double)x * x + (double)y * y + (double)z * z); }
+__forceinline__ float rnorm3df(float x, float y, float z) { return (float)(1.0 / sqrt((double)x * x + (double)y * y + (double)z * z)); }
+// sin(pi x) and cos(pi x), exact at whole and half numbers (sinpif(1) is 0, not sin of a rounded pi).
+__forceinline__ double gpt2cupy_sinpi(double x) {
+    if (__builtin_isinf(x)) return x - x;
+    double r = remainder(x, 2.0);  // in [-1, 1], exact
+    if (r == trunc(r)) return copysign(0.0, x);
+    if (r == 0.5 || r == -1.5) return 1.0;
+    if (r == -0.5 || r == 1.5) return -1.0;
+    return sin(3.14159265358979323846 * r);
+}
+__forceinline__ double gpt2cupy_cospi(double x) {
+    if (__builtin_isinf(x)) return x - x;
+    double r = fabs(remainder(x, 2.0));
+    if (r == 0.5) return 0.0;
+    if (r == 0.0) return 1.0;
+    if (r == 1.0) return -1.0;
+    return cos(3.14159265358979323846 * r);
+}
+__forceinline__ float sinpif(float x) { return (float)gpt2cupy_sinpi(x); }
+__forceinline__ float cospif(float x) { return (float)gpt2cupy_cospi(x); }
+__forceinline__ double sinpi(double x) { return gpt2cupy_sinpi(x); }
+__forceinline__ double cospi(double x) { return gpt2cupy_cospi(x); }
+__forceinline__ void sincospif(float x, float* s, float* c) { *s = sinpif(x); *c = cospif(x); }
+__forceinline__ void sincospi(double x, double* s, double* c) { *s = sinpi(x); *c = cospi(x); }
+__forceinline__ void __sincosf(float x, float* s, float* c) { sincosf(x, s, c); }
+// The inverses of erf and erfc by Newton's method in double precision, each from a start on the side
+// where the function's curvature makes every step after the first approach the root from one side.
+__forceinline__ double gpt2cupy_newton_inverse(double x, double y, bool complement) {
+    for (int step = 0; step < 100; ++step) {
+        double value = complement ? y - erfc(x) : erf(x) - y;
+        double next = x - value / (1.1283791670955126 * exp(-x * x));
+        if (fabs(next - x) <= 1e-16 * fabs(next)) return next;
+        x = next;
+    }
+    return x;
+}
+// erfc(x) = y for y in (0, 0.5]: from sqrt(-log y), which lies right of the root.
+__forceinline__ double gpt2cupy_erfcinv_tail(double y) { return gpt2cupy_newton_inverse(sqrt(-log(y)), y, true); }
+__forceinline__ double gpt2cupy_erfinv(double y) {
+    if (!(y > -1.0 && y < 1.0)) return y == 1.0 ? __builtin_inf() : (y == -1.0 ? -__builtin_inf() : __builtin_nan(""));
+    if (y == 0.0) return y;
+    if (fabs(y) < 0.5) return gpt2cupy_newton_inverse(y * 0.88622692545275801365, y, false);
+    return copysign(gpt2cupy_erfcinv_tail(1.0 - fabs(y)), y);
+}
+__forceinline__ double gpt2cupy_erfcinv(double y) {
+    if (!(y > 0.0 && y < 2.0)) return y == 0.0 ? __builtin_inf() : (y == 2.0 ? -__builtin_inf() : __builtin_nan(""));
+    if (y < 0.5) return gpt2cupy_erfcinv_tail(y);
+    if (y > 1.5) return -gpt2cupy_erfcinv_tail(2.0 - y);
+    return gpt2cupy_erfinv(1.0 - y);  // exact for y in [0.5, 1.5]
+}
+__forceinline__ float erfcinvf(float y) { return (float)gpt2cupy_erfcinv(y); }
+__forceinline__ float erfinvf(float y) { return (float)gpt2cupy_erfinv(y); }
+__forceinline__ double erfcinv(double y) { return gpt2cupy_erfcinv(y); }
+__forceinline__ double erfinv(double y) { return gpt2cupy_erfinv(y); }
+__forceinline__ float normcdff(float x) { return (float)(0.5 * erfc(-(double)x * 0.70710678118654752440)); }
+__forceinline__ double normcdf(double x) { return 0.5 * erfc(-x * 0.70710678118654752440); }
+__forceinline__ float normcdfinvf(float p) { return (float)(-1.41421356237309504880 * gpt2cupy_erfcinv(2.0 * (double)p)); }
+__forceinline__ double normcdfinv(double p) { return -1.41421356237309504880 * gpt2cupy_erfcinv(2.0 * p); }
 
 __forceinline__ bool isnan(float x) { return __builtin_isnan(x); }
 __forceinline__ bool isnan(double x) { return __builtin_isnan(x); }
@@ -162,11 +325,16 @@ GPT2CUPY_MIN_MAX(long long, long long, long long)
 GPT2CUPY_MIN_MAX(unsigned long long, unsigned long long, unsigned long long)
 GPT2CUPY_MIN_MAX(long, long, long)
 GPT2CUPY_MIN_MAX(unsigned long, unsigned long, unsigned long)
-GPT2CUPY_MIN_MAX(float, float, float)
-GPT2CUPY_MIN_MAX(double, double, double)
-GPT2CUPY_MIN_MAX(float, double, double)
-GPT2CUPY_MIN_MAX(double, float, double)
 #undef GPT2CUPY_MIN_MAX
+// On floating point they are fminf/fmaxf (fmin/fmax): a NaN argument is ignored, the other one returned.
+__forceinline__ float min(float a, float b) { return fminf(a, b); }
+__forceinline__ float max(float a, float b) { return fmaxf(a, b); }
+__forceinline__ double min(double a, double b) { return fmin(a, b); }
+__forceinline__ double max(double a, double b) { return fmax(a, b); }
+__forceinline__ double min(float a, double b) { return fmin(a, b); }
+__forceinline__ double max(float a, double b) { return fmax(a, b); }
+__forceinline__ double min(double a, float b) { return fmin(a, b); }
+__forceinline__ double max(double a, float b) { return fmax(a, b); }
 __forceinline__ unsigned int umin(unsigned int a, unsigned int b) { return a < b ? a : b; }
 __forceinline__ unsigned int umax(unsigned int a, unsigned int b) { return a > b ? a : b; }
 
@@ -186,25 +354,98 @@ __forceinline__ unsigned int __umulhi(unsigned int a, unsigned int b) {
     return (unsigned int)(((unsigned long long)a * b) >> 32);
 }
 __forceinline__ int __mulhi(int a, int b) { return (int)(((long long)a * b) >> 32); }
+__forceinline__ unsigned long long __brevll(unsigned long long x) {
+    return ((unsigned long long)__brev((unsigned int)x) << 32) | __brev((unsigned int)(x >> 32));
+}
+__forceinline__ long long __mul64hi(long long a, long long b) { return (long long)(((__int128)a * b) >> 64); }
+__forceinline__ unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+    return (unsigned long long)(((unsigned __int128)a * b) >> 64);
+}
+// 24-bit multiplies: the low 24 bits of each operand (sign-extended for __mul24), the low 32 bits of the product.
+__forceinline__ int __mul24(int a, int b) {
+    return (int)((unsigned int)((a << 8) >> 8) * (unsigned int)((b << 8) >> 8));
+}
+__forceinline__ unsigned int __umul24(unsigned int a, unsigned int b) { return (a & 0xffffffu) * (b & 0xffffffu); }
+// Averages without overflow: (a + b) >> 1, and rounded up for the r versions.
+__forceinline__ int __hadd(int a, int b) { return (int)(((long long)a + b) >> 1); }
+__forceinline__ int __rhadd(int a, int b) { return (int)(((long long)a + b + 1) >> 1); }
+__forceinline__ unsigned int __uhadd(unsigned int a, unsigned int b) { return (unsigned int)(((unsigned long long)a + b) >> 1); }
+__forceinline__ unsigned int __urhadd(unsigned int a, unsigned int b) { return (unsigned int)(((unsigned long long)a + b + 1) >> 1); }
+__forceinline__ unsigned int __sad(int a, int b, unsigned int c) { return c + (unsigned int)(a > b ? (long long)a - b : (long long)b - a); }
+__forceinline__ unsigned int __usad(unsigned int a, unsigned int b, unsigned int c) { return c + (a > b ? a - b : b - a); }
+// The shift amount is taken modulo 32 (the plain versions) or clamped to 32 (the c versions).
+__forceinline__ unsigned int __funnelshift_l(unsigned int low, unsigned int high, unsigned int shift) {
+    return (unsigned int)((((unsigned long long)high << 32 | low) << (shift & 31)) >> 32);
+}
+__forceinline__ unsigned int __funnelshift_lc(unsigned int low, unsigned int high, unsigned int shift) {
+    return (unsigned int)((((unsigned long long)high << 32 | low) << (shift < 32 ? shift : 32)) >> 32);
+}
+__forceinline__ unsigned int __funnelshift_r(unsigned int low, unsigned int high, unsigned int shift) {
+    return (unsigned int)(((unsigned long long)high << 32 | low) >> (shift & 31));
+}
+__forceinline__ unsigned int __funnelshift_rc(unsigned int low, unsigned int high, unsigned int shift) {
+    return (unsigned int)(((unsigned long long)high << 32 | low) >> (shift < 32 ? shift : 32));
+}
+// Byte i of the result is byte (selector >> 4i) & 7 of the eight bytes of (y, x).
+__forceinline__ unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int selector) {
+    unsigned long long bytes = (unsigned long long)y << 32 | x;
+    unsigned int result = 0;
+    for (int i = 0; i < 4; ++i) result |= (unsigned int)((bytes >> (8 * ((selector >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+    return result;
+}
 
 // ---- memory ----------------------------------------------------------------------------------------
 template <class T>
 __forceinline__ T __ldg(const T* address) { return *address; }
 __forceinline__ void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 __forceinline__ void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+__forceinline__ void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+// Loads and stores with a cache hint (streaming, cache-global, ...): on the CPU a plain load or store.
+template <class T> __forceinline__ T __ldcg(const T* address) { return *address; }
+template <class T> __forceinline__ T __ldca(const T* address) { return *address; }
+template <class T> __forceinline__ T __ldcs(const T* address) { return *address; }
+template <class T> __forceinline__ T __ldlu(const T* address) { return *address; }
+template <class T> __forceinline__ T __ldcv(const T* address) { return *address; }
+template <class T> __forceinline__ void __stwb(T* address, T value) { *address = value; }
+template <class T> __forceinline__ void __stcg(T* address, T value) { *address = value; }
+template <class T> __forceinline__ void __stcs(T* address, T value) { *address = value; }
+template <class T> __forceinline__ void __stwt(T* address, T value) { *address = value; }
 
-// Atomics: blocks run on several OS threads at once, so these are real atomic instructions.
-#define GPT2CUPY_ATOMIC_INTEGER(T)                                                                       \
+// ---- time ------------------------------------------------------------------------------------------
+typedef long clock_t;
+// A cycle counter that only goes up; its rate is the CPU's, not the GPU's.
+__forceinline__ long long clock64() {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned int low, high;
+    __asm__ __volatile__("rdtsc" : "=a"(low), "=d"(high));
+    return (long long)((unsigned long long)high << 32 | low);
+#elif defined(__aarch64__)
+    unsigned long long ticks;
+    __asm__ __volatile__("mrs %0, cntvct_el0" : "=r"(ticks));
+    return (long long)ticks;
+#else
+    static thread_local long long ticks = 0;
+    return ++ticks;
+#endif
+}
+__forceinline__ clock_t clock() { return (clock_t)clock64(); }
+__forceinline__ void __nanosleep(unsigned int) { gpt2cupy_yield(); }  // lets the block's other threads run
+__forceinline__ void __trap() { gpt2cupy_assert_failed("__trap()", "kernel", 0); }
+
+// Atomics: blocks run on several OS threads at once, so these are real atomic instructions. Each type has
+// the atomics CUDA gives it and no others, so that what compiles here compiles for a GPU.
+#define GPT2CUPY_ATOMIC_ADD_EXCH_CAS(T)                                                                 \
     __forceinline__ T atomicAdd(T* a, T v) { return __atomic_fetch_add(a, v, __ATOMIC_RELAXED); }         \
-    __forceinline__ T atomicSub(T* a, T v) { return __atomic_fetch_sub(a, v, __ATOMIC_RELAXED); }         \
     __forceinline__ T atomicExch(T* a, T v) { return __atomic_exchange_n(a, v, __ATOMIC_RELAXED); }       \
-    __forceinline__ T atomicAnd(T* a, T v) { return __atomic_fetch_and(a, v, __ATOMIC_RELAXED); }         \
-    __forceinline__ T atomicOr(T* a, T v) { return __atomic_fetch_or(a, v, __ATOMIC_RELAXED); }           \
-    __forceinline__ T atomicXor(T* a, T v) { return __atomic_fetch_xor(a, v, __ATOMIC_RELAXED); }         \
     __forceinline__ T atomicCAS(T* a, T expected, T desired) {                                            \
         __atomic_compare_exchange_n(a, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);     \
         return expected;                                                                                   \
-    }                                                                                                      \
+    }
+#define GPT2CUPY_ATOMIC_BITS(T)                                                                          \
+    __forceinline__ T atomicAnd(T* a, T v) { return __atomic_fetch_and(a, v, __ATOMIC_RELAXED); }         \
+    __forceinline__ T atomicOr(T* a, T v) { return __atomic_fetch_or(a, v, __ATOMIC_RELAXED); }           \
+    __forceinline__ T atomicXor(T* a, T v) { return __atomic_fetch_xor(a, v, __ATOMIC_RELAXED); }
+#define GPT2CUPY_ATOMIC_MIN_MAX(T)                                                                       \
     __forceinline__ T atomicMax(T* a, T v) {                                                              \
         T old = __atomic_load_n(a, __ATOMIC_RELAXED);                                                      \
         while (old < v && !__atomic_compare_exchange_n(a, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} \
@@ -215,11 +456,25 @@ __forceinline__ void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_
         while (old > v && !__atomic_compare_exchange_n(a, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {} \
         return old;                                                                                        \
     }
-GPT2CUPY_ATOMIC_INTEGER(int)
-GPT2CUPY_ATOMIC_INTEGER(unsigned int)
-GPT2CUPY_ATOMIC_INTEGER(unsigned long long)
-GPT2CUPY_ATOMIC_INTEGER(long long)
-#undef GPT2CUPY_ATOMIC_INTEGER
+GPT2CUPY_ATOMIC_ADD_EXCH_CAS(int) GPT2CUPY_ATOMIC_BITS(int) GPT2CUPY_ATOMIC_MIN_MAX(int)
+GPT2CUPY_ATOMIC_ADD_EXCH_CAS(unsigned int) GPT2CUPY_ATOMIC_BITS(unsigned int) GPT2CUPY_ATOMIC_MIN_MAX(unsigned int)
+GPT2CUPY_ATOMIC_ADD_EXCH_CAS(unsigned long long) GPT2CUPY_ATOMIC_BITS(unsigned long long)
+GPT2CUPY_ATOMIC_MIN_MAX(unsigned long long)
+GPT2CUPY_ATOMIC_BITS(long long) GPT2CUPY_ATOMIC_MIN_MAX(long long)
+#undef GPT2CUPY_ATOMIC_ADD_EXCH_CAS
+#undef GPT2CUPY_ATOMIC_BITS
+#undef GPT2CUPY_ATOMIC_MIN_MAX
+__forceinline__ int atomicSub(int* a, int v) { return __atomic_fetch_sub(a, v, __ATOMIC_RELAXED); }
+__forceinline__ unsigned int atomicSub(unsigned int* a, unsigned int v) { return __atomic_fetch_sub(a, v, __ATOMIC_RELAXED); }
+__forceinline__ unsigned short atomicCAS(unsigned short* a, unsigned short expected, unsigned short desired) {
+    __atomic_compare_exchange_n(a, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return expected;
+}
+long long atomicAdd(long long*, long long) = delete;  // CUDA has no atomicAdd for long long: use unsigned long long
+long long atomicSub(long long*, long long) = delete;  // CUDA has no atomicSub for long long
+long long atomicExch(long long*, long long) = delete;  // CUDA has no atomicExch for long long: use unsigned long long
+long long atomicCAS(long long*, long long, long long) = delete;  // CUDA has no atomicCAS for long long: use unsigned long long
+unsigned long long atomicSub(unsigned long long*, unsigned long long) = delete;  // CUDA has no atomicSub for unsigned long long: add the negation
 
 // Floating-point atomics as a compare-and-swap loop on the bits.
 template <class F, class Bits>
@@ -315,6 +570,95 @@ __forceinline__ int __all_sync(unsigned int mask, int predicate) {
         if (((table->arrived & mask) >> lane & 1u) && !table->value[lane]) return 0;
     return 1;
 }
+
+// __syncthreads() that also counts the threads whose predicate is non-zero. The counts live in the block's
+// shared memory (thread_local, one per block), three of them in turn: a thread clears the next call's
+// count before the barrier, when every thread has read the previous call's result (they all passed the
+// barrier after it) and none has added to the next one yet (they have not passed this barrier). The first
+// vote of each block starts from clean counts, even after a block that failed halfway through a vote.
+__forceinline__ int gpt2cupy_block_count(int predicate) {
+    static thread_local int counts[3];
+    static thread_local unsigned int call;
+    static thread_local unsigned long long block = ~0ull;
+    if (block != gpt2cupy_block_serial()) {
+        block = gpt2cupy_block_serial();
+        counts[0] = counts[1] = counts[2] = 0;
+        call = 0;
+    }
+    unsigned int mine = call;
+    counts[(mine + 1) % 3] = 0;
+    counts[mine % 3] += predicate != 0;
+    __syncthreads();
+    call = mine + 1;
+    return counts[mine % 3];
+}
+__forceinline__ int __syncthreads_count(int predicate) { return gpt2cupy_block_count(predicate); }
+__forceinline__ int __syncthreads_and(int predicate) { return gpt2cupy_block_count(predicate == 0) == 0; }
+__forceinline__ int __syncthreads_or(int predicate) { return gpt2cupy_block_count(predicate) != 0; }
+
+// The lanes of the calling thread's warp that exist (a block of 48 threads has a warp of 16 in the end).
+// A GPU gives only the lanes that run this instruction together; inside divergent code that can be fewer.
+__forceinline__ unsigned int __activemask() {
+    unsigned int threads = blockDim.x * blockDim.y * blockDim.z;
+    unsigned int thread = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+    unsigned int lanes = threads - (thread & ~31u);
+    return lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u;
+}
+
+// Warp reductions over the lanes in mask: every lane gets the result.
+#define GPT2CUPY_WARP_REDUCE(name, T, START, COMBINE)                                                     \
+    __forceinline__ T name(unsigned int mask, T value) {                                                 \
+        const gpt2cupy::WarpExchange* table = gpt2cupy_warp_exchange(mask, gpt2cupy_to_slot(value));      \
+        T result = START;                                                                                 \
+        for (unsigned int lanes = table->arrived & mask; lanes != 0; lanes &= lanes - 1) {                \
+            T other;                                                                                      \
+            __builtin_memcpy(&other, &table->value[__builtin_ctz(lanes)], sizeof(T));                     \
+            result = COMBINE;                                                                             \
+        }                                                                                                 \
+        return result;                                                                                    \
+    }
+GPT2CUPY_WARP_REDUCE(__reduce_add_sync, unsigned int, 0u, result + other)
+GPT2CUPY_WARP_REDUCE(__reduce_add_sync, int, 0, (int)((unsigned int)result + (unsigned int)other))
+GPT2CUPY_WARP_REDUCE(__reduce_min_sync, unsigned int, 0xffffffffu, other < result ? other : result)
+GPT2CUPY_WARP_REDUCE(__reduce_min_sync, int, 2147483647, other < result ? other : result)
+GPT2CUPY_WARP_REDUCE(__reduce_max_sync, unsigned int, 0u, other > result ? other : result)
+GPT2CUPY_WARP_REDUCE(__reduce_max_sync, int, -2147483647 - 1, other > result ? other : result)
+GPT2CUPY_WARP_REDUCE(__reduce_and_sync, unsigned int, 0xffffffffu, result & other)
+GPT2CUPY_WARP_REDUCE(__reduce_or_sync, unsigned int, 0u, result | other)
+GPT2CUPY_WARP_REDUCE(__reduce_xor_sync, unsigned int, 0u, result ^ other)
+#undef GPT2CUPY_WARP_REDUCE
+
+// The lanes in mask whose value has the same bits as the caller's.
+template <class T>
+__forceinline__ unsigned int gpt2cupy_match_any(unsigned int mask, T value) {
+    const gpt2cupy::WarpExchange* table = gpt2cupy_warp_exchange(mask, gpt2cupy_to_slot(value));
+    unsigned long long mine = gpt2cupy_to_slot(value);
+    unsigned int same = 0;
+    for (unsigned int lanes = table->arrived & mask; lanes != 0; lanes &= lanes - 1)
+        if (table->value[__builtin_ctz(lanes)] == mine) same |= 1u << __builtin_ctz(lanes);
+    return same;
+}
+// mask if every lane in mask has the same value (and *predicate = 1), else 0 (and *predicate = 0).
+template <class T>
+__forceinline__ unsigned int gpt2cupy_match_all(unsigned int mask, T value, int* predicate) {
+    const gpt2cupy::WarpExchange* table = gpt2cupy_warp_exchange(mask, gpt2cupy_to_slot(value));
+    unsigned long long mine = gpt2cupy_to_slot(value);
+    bool all = true;
+    for (unsigned int lanes = table->arrived & mask; lanes != 0; lanes &= lanes - 1)
+        all = all && table->value[__builtin_ctz(lanes)] == mine;
+    *predicate = all;
+    return all ? mask : 0u;
+}
+
+// The types CUDA matches (a bool or a char is ambiguous there, and here).
+#define GPT2CUPY_MATCH(T)                                                                                       \
+    __forceinline__ unsigned int __match_any_sync(unsigned int mask, T value) { return gpt2cupy_match_any(mask, value); } \
+    __forceinline__ unsigned int __match_all_sync(unsigned int mask, T value, int* predicate) {                   \
+        return gpt2cupy_match_all(mask, value, predicate);                                                        \
+    }
+GPT2CUPY_MATCH(unsigned int) GPT2CUPY_MATCH(int) GPT2CUPY_MATCH(unsigned long) GPT2CUPY_MATCH(long)
+GPT2CUPY_MATCH(unsigned long long) GPT2CUPY_MATCH(long long) GPT2CUPY_MATCH(float) GPT2CUPY_MATCH(double)
+#undef GPT2CUPY_MATCH
 
 // ---- printf and assert -----------------------------------------------------------------------------
 // Output is kept per block and printed in block order when the launch returns.

@@ -28,19 +28,24 @@ struct WarpExchange {
 };
 
 // How the Python side reads a kernel's parameter list: one ParameterType each.
-// kind: 'p' pointer, 'i' signed integer, 'u' unsigned integer, 'f' floating point, 'b' bool,
-//       's' any other type passed by value (a struct, a vector type)
+// kind: 'p' pointer, 'i' signed integer (or an enum of one), 'u' unsigned integer, 'f' floating point,
+//       'b' bool, 's' any other type passed by value (a struct, a vector type such as float4)
 // element_kind / element_size: for a pointer, what it points at ('v' for void); for a vector type
 //       such as float4, its component ('f', 4); for a scalar, the scalar itself.
+// alignment: where the argument sits in the packed buffer, which is laid out like a C struct of the
+//       parameters: each at the next multiple of its alignment.
+// type_name: the parameter's type as the compiler spells it, for messages (inside a longer text).
 struct ParameterType {
     char kind;
     char element_kind;
     unsigned short size;
     unsigned short element_size;
+    unsigned short alignment;
+    const char* type_name;
 };
 
 constexpr int max_parameters = 64;
-// Every argument travels in an 8-byte slot of one packed buffer.
+// Kept for the built-ins header's own entry helpers; arguments now travel as laid out above.
 constexpr int argument_slot_bytes = 8;
 
 struct KernelEntry {
@@ -61,4 +66,9 @@ const gpt2cupy::WarpExchange* gpt2cupy_warp_exchange(unsigned int mask, unsigned
 void* gpt2cupy_dynamic_shared_memory(void);
 int gpt2cupy_printf(const char* format, ...);
 [[noreturn]] void gpt2cupy_assert_failed(const char* condition, const char* file, int line);
+// Let the block's other threads run before this one goes on (a thread waiting for something they do).
+void gpt2cupy_yield(void);
+// Grows by one each time a block starts on this OS thread: block-shared state kept by the built-ins
+// (in thread_local storage) can tell a new block from the one before, even one abandoned after a fault.
+unsigned long long gpt2cupy_block_serial(void);
 }

@@ -9,6 +9,7 @@ kernel to the end. Errors name what is wrong in the learner's terms.
 """
 
 import ctypes
+import re
 import struct
 import sys
 
@@ -17,20 +18,53 @@ import numpy
 from . import checked_launch, checks, runtime, source, toolchain
 from .errors import CompileError, KernelError, KernelNotFoundError, LaunchError, OutOfBoundsError
 
+# What a launch raises about the learner's kernel or call (as opposed to a bug of the executor).
+LEARNER_ERRORS = (CompileError, KernelError, KernelNotFoundError, LaunchError, TypeError, ValueError)
+
 # A GPU's limits (compute capability 9.0, H100), which a launch here must respect too.
 MAX_BLOCK_DIMENSIONS = (1024, 1024, 64)
 MAX_GRID_DIMENSIONS = (2**31 - 1, 65535, 65535)
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024
 MAX_DYNAMIC_SHARED_BYTES = 227 * 1024
+STATIC_SHARED_LIMIT_BYTES = 48 * 1024
 
 _C_NAMES = {("i", 1): "signed char", ("u", 1): "unsigned char", ("i", 2): "short", ("u", 2): "unsigned short",
             ("i", 4): "int", ("u", 4): "unsigned int", ("i", 8): "long long", ("u", 8): "unsigned long long",
-            ("f", 4): "float", ("f", 8): "double", ("b", 1): "bool", ("v", 0): "void"}
+            ("f", 2): "__half", ("f", 4): "float", ("f", 8): "double", ("b", 1): "bool", ("v", 0): "void"}
 _NUMPY_TYPES = {("i", 1): numpy.int8, ("u", 1): numpy.uint8, ("i", 2): numpy.int16, ("u", 2): numpy.uint16,
                 ("i", 4): numpy.int32, ("u", 4): numpy.uint32, ("i", 8): numpy.int64, ("u", 8): numpy.uint64,
-                ("f", 4): numpy.float32, ("f", 8): numpy.float64, ("b", 1): numpy.bool_}
+                ("f", 2): numpy.float16, ("f", 4): numpy.float32, ("f", 8): numpy.float64, ("b", 1): numpy.bool_}
 _STRUCT_CODES = {("i", 1): "b", ("u", 1): "B", ("i", 2): "h", ("u", 2): "H", ("i", 4): "i", ("u", 4): "I",
-                 ("i", 8): "q", ("u", 8): "Q", ("f", 4): "f", ("f", 8): "d", ("b", 1): "?"}
+                 ("i", 8): "q", ("u", 8): "Q", ("f", 2): "e", ("f", 4): "f", ("f", 8): "d", ("b", 1): "?"}
+
+
+_ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
+
+
+def ordinal(index):
+    """'first' for 0, 'second' for 1, ...: how a person counts a kernel's arguments."""
+    if index < len(_ORDINALS):
+        return _ORDINALS[index]
+    suffix = "th" if 10 <= (index + 1) % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get((index + 1) % 10, "th")
+    return f"{index + 1}{suffix}"
+
+
+def with_article(noun):
+    """'an int', 'a float': the article a noun takes."""
+    return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
+
+
+def _compiler_type_name(described):
+    """The parameter's type as the compiler spelled it (`const float*`), from `... [with T = const float*]`."""
+    text = (described.type_name or b"").decode(errors="replace")
+    start = text.find("T = ")
+    if start < 0:
+        return None
+    name = text[start + 4:]
+    for end in (";", "]"):
+        if end in name:
+            name = name[:name.rindex(end)] if end == "]" else name[:name.index(end)]
+    return name.strip().replace(" *", "*") or None
 
 
 class Parameter:
@@ -41,14 +75,21 @@ class Parameter:
         self.kind = described.kind.decode()
         self.element = (described.element_kind.decode(), described.element_size)
         self.is_pointer = self.kind == "p"
-        self.c_type = _C_NAMES.get(self.element, "a struct") + (" *" if self.is_pointer else "")
+        self.is_by_value_struct = self.kind == "s"
+        self.size = described.size
+        self.alignment = max(1, described.alignment)
+        self.c_type = _compiler_type_name(described) or (
+            _C_NAMES.get(self.element, "struct") + ("*" if self.is_pointer else ""))
         if self.is_pointer:
             self.struct_code = "Q"
-        elif (self.kind, described.size) in _STRUCT_CODES:
-            self.struct_code = _STRUCT_CODES[(self.kind, described.size)] + "x" * (8 - described.size)
-        else:
-            self.struct_code = None  # a struct or vector type by value: nothing from Python fits
-        self.numpy_type = _NUMPY_TYPES.get(self.element)
+        elif self.is_by_value_struct:
+            self.struct_code = f"{self.size}s"  # a struct, vector type by value: its bytes
+        elif (self.kind, self.size) in _STRUCT_CODES:
+            self.struct_code = _STRUCT_CODES[(self.kind, self.size)]
+        else:  # a scalar type with no struct code: passed by its bytes, like a struct
+            self.is_by_value_struct = True
+            self.struct_code = f"{self.size}s"
+        self.numpy_type = _NUMPY_TYPES.get(self.element) if not self.is_by_value_struct else None
         self._accepted_dtypes = {}
 
     def accepts_dtype(self, dtype):
@@ -66,6 +107,16 @@ class Parameter:
         return dtype.itemsize == size and dtype_kind == {"i": "i", "u": "i", "f": "f", "b": "b", "s": None}.get(kind)
 
 
+def _argument_layout(parameters):
+    """The struct format of the packed arguments: laid out as a C struct of the parameters would be."""
+    layout, end = "=", 0
+    for parameter in parameters:
+        padding = -end % parameter.alignment
+        layout += "x" * padding + parameter.struct_code
+        end += padding + parameter.size
+    return layout
+
+
 class Function:
     """A compiled kernel, launched like CuPy's: function(grid, block, args, shared_mem=0)."""
 
@@ -73,13 +124,24 @@ class Function:
         self.name = name
         self.max_threads_per_block = signature.max_threads_per_block if signature else 1024
         self.max_dynamic_shared_size_bytes = DEFAULT_DYNAMIC_SHARED_BYTES
+        self.static_shared_bytes = 0
         names = signature.parameter_names if signature else []
         self.parameters = [Parameter(names[i] if i < len(names) else f"argument {i}", entry.parameters[i])
                            for i in range(entry.parameter_count)]
         self._entry_address = entry_address
-        self._pack = struct.Struct("=" + "".join(p.struct_code or "8x" for p in self.parameters)).pack
+        self._pack = struct.Struct(_argument_layout(self.parameters)).pack
+        # The entry of the same kernel built for the race check (set by RawModule.get_function).
+        self.race_check_entry_address = lambda: None
 
     def __call__(self, grid, block, args, shared_mem=0, *, check_bounds=None, check_races=None):
+        try:
+            self._call(grid, block, args, shared_mem, check_bounds, check_races)
+        except LEARNER_ERRORS as error:
+            # Raised afresh here, so that the traceback shows the learner's launch, then the message,
+            # rather than the executor's insides.
+            raise error.with_traceback(None) from None
+
+    def _call(self, grid, block, args, shared_mem, check_bounds, check_races):
         grid = self._dimensions("grid", grid, MAX_GRID_DIMENSIONS)
         block = self._dimensions("block", block, MAX_BLOCK_DIMENSIONS)
         self._check_launch(block, shared_mem)
@@ -102,7 +164,14 @@ class Function:
                             f"{type(value).__name__} {value!r} (CuPy refuses anything else)")
         if not 1 <= len(value) <= 3:
             raise LaunchError(f"kernel '{self.name}': {what} must have 1 to 3 dimensions, got {value!r}")
+        for size in value:
+            if not isinstance(size, (int, numpy.integer)) or isinstance(size, bool):
+                raise TypeError(f"kernel '{self.name}': {what} sizes must be integers, got {type(size).__name__} "
+                                f"{size!r} in {value!r} (CuPy refuses it too: use // rather than /)")
         value = tuple(int(v) for v in value) + (1,) * (3 - len(value))
+        if what == "grid":
+            # CuPy launches max(1, n) blocks, so `(n + 255) // 256` blocks with n = 0 runs one block.
+            value = tuple(max(1, size) for size in value)
         for axis, (size, limit) in enumerate(zip(value, limits)):
             if not 1 <= size <= limit:
                 raise LaunchError(f"kernel '{self.name}': {what} size {size} along {'xyz'[axis]} is outside "
@@ -115,12 +184,20 @@ class Function:
             why = ("its __launch_bounds__" if self.max_threads_per_block < 1024 else "a block")
             raise LaunchError(f"kernel '{self.name}': a block of {threads} threads ({block[0]}x{block[1]}x{block[2]}), "
                               f"but {why} allows at most {self.max_threads_per_block}; a GPU refuses this launch")
-        limit = min(self.max_dynamic_shared_size_bytes, MAX_DYNAMIC_SHARED_BYTES)
+        # As on a GPU: without raising max_dynamic_shared_size_bytes, static and dynamic shared memory
+        # together get 48 KiB; raised, the dynamic part gets what was asked for, up to 227 KiB in all.
+        raised = self.max_dynamic_shared_size_bytes != DEFAULT_DYNAMIC_SHARED_BYTES
+        if raised:
+            limit = min(self.max_dynamic_shared_size_bytes, MAX_DYNAMIC_SHARED_BYTES - self.static_shared_bytes)
+        else:
+            limit = DEFAULT_DYNAMIC_SHARED_BYTES - self.static_shared_bytes
         if not 0 <= int(shared_mem) <= limit:
             hint = (" (raise kernel.max_dynamic_shared_size_bytes to go past 48 KiB, up to 227 KiB)"
-                    if limit == DEFAULT_DYNAMIC_SHARED_BYTES and shared_mem <= MAX_DYNAMIC_SHARED_BYTES else "")
-            raise LaunchError(f"kernel '{self.name}': shared_mem={shared_mem} bytes of dynamic shared memory, "
-                              f"more than the {limit} a block may have{hint}")
+                    if not raised and shared_mem + self.static_shared_bytes <= MAX_DYNAMIC_SHARED_BYTES else "")
+            static = (f" besides the kernel's {self.static_shared_bytes} bytes of __shared__ arrays"
+                      if self.static_shared_bytes else "")
+            raise LaunchError(f"kernel '{self.name}': shared_mem={shared_mem} bytes of dynamic shared memory"
+                              f"{static}, more than the {limit} a block may have{hint}")
 
     def _argument_values(self, args):
         """What goes into each 8-byte argument slot, after checking each argument against its parameter."""
@@ -132,12 +209,26 @@ class Function:
         for index, (parameter, value) in enumerate(zip(self.parameters, args)):
             if parameter.is_pointer:
                 values.append(self._pointer(index, parameter, value))
-            elif parameter.struct_code is not None:
+            elif parameter.is_by_value_struct:
+                values.append(self._by_value_struct(index, parameter, value))
+            else:
                 values.append(self._scalar(index, parameter, value))
         return values
 
     def _where(self, index, parameter):
-        return f"kernel '{self.name}', argument {index} ('{parameter.c_type} {parameter.name}')"
+        return f"kernel '{self.name}', the {ordinal(index)} argument ('{parameter.c_type} {parameter.name}')"
+
+    def _by_value_struct(self, index, parameter, value):
+        """A struct or vector type by value takes a numpy scalar of its size, as CuPy does: its bytes are passed
+        (numpy.complex64 for a float2, a scalar of a structured dtype with the struct's layout for others)."""
+        if isinstance(value, numpy.generic) and value.dtype.itemsize == parameter.size:
+            return value.tobytes()
+        got = (f"numpy.{type(value).__name__} of {value.dtype.itemsize} bytes" if isinstance(value, numpy.generic)
+               else with_article(type(value).__name__))
+        raise TypeError(
+            f"{self._where(index, parameter)}: got {got}; a {parameter.c_type} passed by value takes a numpy scalar "
+            f"of {parameter.size} bytes laid out like it (numpy.complex64 for a float2, numpy.complex128 for a "
+            f"double2, or numpy.zeros((), dtype=numpy.dtype([...]))[()] with the struct's fields)")
 
     def _pointer(self, index, parameter, value):
         if not isinstance(value, numpy.ndarray):
@@ -147,23 +238,28 @@ class Function:
                              "sliced view?); a kernel indexes raw memory, so pass numpy.ascontiguousarray(...)")
         if not parameter.accepts_dtype(value.dtype):
             raise TypeError(f"{self._where(index, parameter)}: got an array of {value.dtype}; its elements would "
-                            f"be read as {parameter.c_type[:-2]} and give garbage (on a GPU, silently)")
+                            f"be read as {parameter.c_type.rstrip('* ')} and give garbage (on a GPU, silently)")
         return value.__array_interface__["data"][0]
 
     def _scalar(self, index, parameter, value):
         expected = parameter.numpy_type
         if type(value) is expected:
             return value
+        if (isinstance(value, numpy.integer) and parameter.kind in "iu"
+                and value.dtype.itemsize == parameter.size):
+            return value.view(expected)  # numpy.int32 for an unsigned int: CuPy passes its bits
         if isinstance(value, bool) and expected is numpy.bool_:
             return value
         if type(value) is int and expected in (numpy.int64, numpy.uint64):
             return value
         if type(value) is float and expected is numpy.float64:
             return value
-        if type(value) is int and parameter.kind in "iu":
+        if (type(value) is int or isinstance(value, numpy.integer)) and parameter.kind in "iu":
+            what = "a Python int" if type(value) is int else f"numpy.{type(value).__name__}"
+            bits = 64 if type(value) is int else 8 * value.dtype.itemsize
             raise TypeError(
-                f"{self._where(index, parameter)}: got a Python int. CuPy passes a Python int as a 64-bit "
-                f"integer, of which a {parameter.c_type} parameter reads the first {parameter.element[1]} bytes: "
+                f"{self._where(index, parameter)}: got {what}. CuPy passes it as a {bits}-bit "
+                f"integer, of which {with_article(parameter.c_type)} parameter reads the first {parameter.size} bytes: "
                 f"right while the value fits, by the luck of byte order, and never checked. Say what the kernel "
                 f"takes: numpy.{expected.__name__}(...)")
         if type(value) is int:
@@ -177,18 +273,22 @@ class Function:
         else:
             got = type(value).__name__
         fix = f"; pass numpy.{expected.__name__}(...)" if expected is not None else ""
-        raise TypeError(f"{self._where(index, parameter)}: got {got}, which does not match the parameter's "
+        raise TypeError(f"{self._where(index, parameter)}: got {got}, which does not match the parameter's type "
                         f"{parameter.c_type}: the kernel would read its bytes as garbage{fix}")
 
     # ---- launching -----------------------------------------------------------------------------------
-    def _launch(self, grid, block, values, reverse_order=False, show_output=True):
-        result, output = runtime.launch(self._entry_address, self._pack(*values), grid, block, reverse_order)
+    def _launch(self, grid, block, values, reverse_order=False, show_output=True, track_races=False, global_ranges=()):
+        """track_races: run the build whose every memory access is checked (see checked_launch)."""
+        entry_address = (self.race_check_entry_address() if track_races else None) or self._entry_address
+        track_races = track_races and entry_address != self._entry_address
+        result, output = runtime.launch(entry_address, self._pack(*values), grid, block, reverse_order, track_races,
+                                        global_ranges)
         if output and show_output:
             sys.stdout.write(output)
             sys.stdout.flush()
         return result
 
-    def _raise_for(self, result, locate=None):
+    def _raise_for(self, result, locate=None, bounds_checked=False):
         """The Python exception for a failed launch. locate(address) -> (index, array, element) or None
         says which array argument a faulting address ran off (the bounds check's guard pages)."""
         if result.failure == runtime.OK:
@@ -206,6 +306,9 @@ class Function:
                 f"element {element}; it has {array.size} elements ({array.dtype}, valid indices 0..{array.size - 1})")
         if result.failure == runtime.ASSERTION_FAILED:
             raise KernelError(f"kernel '{self.name}', {where}: {message}")
+        if result.failure == runtime.MEMORY_FAULT and bounds_checked:
+            raise KernelError(f"kernel '{self.name}', {where}: {message}; it is in no array argument's reach "
+                              "(2^32 elements either side): a pointer not from the arguments, or uninitialised?")
         if result.failure == runtime.MEMORY_FAULT:
             raise KernelError(f"kernel '{self.name}', {where}: {message}. Run with the bounds check on "
                               "(check_bounds=True, or `with backend.checks(bounds=True):`) to learn which array")
@@ -213,21 +316,49 @@ class Function:
 
     def _with_addresses(self, values, addresses):
         """The argument values with the pointers of some array parameters replaced."""
-        replaced, slot = list(values), 0
-        for index, parameter in enumerate(self.parameters):
-            if parameter.struct_code is None:
-                continue
-            if index in addresses:
-                replaced[slot] = addresses[index]
-            slot += 1
+        replaced = list(values)
+        for index, address in addresses.items():
+            replaced[index] = address
         return replaced
 
 
-def _kernel_library(code, options, entry_expressions, what):
-    unit = source.translation_unit(code, entry_expressions)
+def _kernel_library(code, prepared, options, entry_expressions, what, for_race_check=False):
+    unit = source.translation_unit(prepared, entry_expressions)
     flags = source.compiler_flags(options)
-    library = toolchain.build_kernel(unit, flags, lambda log: source.describe_compile_failure(log, code, what))
-    return ctypes.CDLL(str(library))
+    library = toolchain.build_kernel(unit, flags, lambda log: source.describe_compile_failure(log, code, what),
+                                     for_race_check)
+    return ctypes.CDLL(str(library)), toolchain.thread_local_sizes(library)
+
+
+def _function_of_local_variable(symbol):
+    """The mangled function a function-local static belongs to: `_ZZ6matmulILb0EEvPfE6a_tile` ->
+    `6matmulILb0EEvPf`; None for another symbol."""
+    if not symbol.startswith("_ZZ"):
+        return None
+    for end in range(len(symbol) - 1, 2, -1):
+        if symbol[end] != "E":
+            continue
+        digits = re.match(r"\d+", symbol[end + 1:])
+        if digits and re.fullmatch(r"(_\d*_?)?", symbol[end + 1 + len(digits.group()) + int(digits.group()):]):
+            return symbol[3:end]
+    return None
+
+
+def _static_shared_bytes(thread_local_sizes, kernel_name):
+    """The bytes of the __shared__ variables declared in a kernel's body (what a GPU counts as its static
+    shared memory); those of __device__ functions it calls are not counted here. For a template kernel,
+    whose instances cannot be told apart by name here, the largest instance's."""
+    base = kernel_name.split("<")[0].strip()
+    per_function = {}
+    for symbol, size in thread_local_sizes.items():
+        function = _function_of_local_variable(symbol)
+        if function is not None:
+            per_function[function] = per_function.get(function, 0) + size
+    plain = per_function.get(f"{len(base)}{base}", 0)
+    if "<" not in kernel_name:
+        return plain
+    instances = [size for function, size in per_function.items() if function.startswith(f"{len(base)}{base}I")]
+    return max(instances, default=0)
 
 
 def _entry(library, index):
@@ -246,17 +377,56 @@ class RawModule:
         self.code = code
         self.options = tuple(options)
         self.name_expressions = tuple(name_expressions or ())
-        self._kernels = source.find_kernels(code)
-        plain = [name for name, kernel in self._kernels.items() if not kernel.is_template]
-        self._expressions = plain + [e for e in self.name_expressions if e not in plain]
+        self._prepared = None
         self._library = None
+        self._race_check_library = None
         self._functions = {}
+
+    @property
+    def _source(self):
+        """The source after the preprocessor, with the kernels it defines (prepared once, on first need)."""
+        if self._prepared is None:
+            self._prepared = source.prepare(self.code, self.options)
+        return self._prepared
+
+    @property
+    def _kernels(self):
+        return self._source.kernels
+
+    @property
+    def _expressions(self):
+        plain = [name for name, kernel in self._kernels.items() if not kernel.is_template]
+        return plain + [e for e in self.name_expressions if e not in plain]
 
     def compile(self, log_stream=None):
         runtime.library()  # kernels resolve their calls into the runtime when loaded
         if self._library is None:
-            self._library = _kernel_library(self.code, self.options, self._expressions, "the module")
+            self._library, self._thread_local_sizes = _kernel_library(
+                self.code, self._source, self.options, self._expressions, "the module")
         return self
+
+    def _race_check_entry_address(self, name):
+        """The entry of kernel `name` in the module built for the race check (built on first need), or None
+        where this compiler cannot build it (the check then compares the outputs of two orders)."""
+        if self._race_check_library is None:
+            try:
+                self._race_check_library, _ = _kernel_library(self.code, self._source, self.options,
+                                                              self._expressions, "the module", for_race_check=True)
+            except (CompileError, OSError):
+                self._race_check_library = False
+        if not self._race_check_library:
+            return None
+        return _entry(self._race_check_library, self._expressions.index(name))[0]
+
+    def get_global(self, name):
+        """The memory of a __device__ or __constant__ variable, to fill or read from Python."""
+        self.compile()
+        try:
+            address = ctypes.addressof(ctypes.c_char.in_dll(self._library, name))
+        except ValueError:
+            raise KernelNotFoundError(f"no __device__ or __constant__ variable '{name}' in the module "
+                                      "(declared at file scope, outside any namespace?)") from None
+        return GlobalMemory(address, _symbol_size(address), self._library)
 
     def get_function(self, name):
         if name in self._functions:
@@ -274,9 +444,66 @@ class RawModule:
                 f"kernel '{name}' is not declared extern \"C\", so its compiled name is mangled and CuPy cannot "
                 f"find it either: write extern \"C\" __global__ void {name}(...), or pass it in name_expressions")
         address, entry = _entry(self._library, self._expressions.index(name))
+        static_shared = _static_shared_bytes(self._thread_local_sizes, name)
+        if static_shared > STATIC_SHARED_LIMIT_BYTES:
+            raise CompileError(
+                f"kernel '{name}' declares {static_shared} bytes of __shared__ arrays, more than the "
+                f"{STATIC_SHARED_LIMIT_BYTES} (48 KiB) a kernel may declare statically (ptxas refuses: 'uses too "
+                "much shared data'). Beyond 48 KiB, use extern __shared__ (dynamic) memory and raise "
+                "max_dynamic_shared_size_bytes")
         function = Function(name, signature, address, entry)
+        function.static_shared_bytes = static_shared
+        function.race_check_entry_address = lambda: self._race_check_entry_address(name)
         self._functions[name] = function
         return function
+
+
+class GlobalMemory:
+    """A __device__ or __constant__ variable of a compiled module: what CuPy's RawModule.get_global returns
+    (a cupy.cuda.MemoryPointer), with the same ways to fill and read it from the host."""
+
+    def __init__(self, address, size, keep_alive):
+        self.ptr = address
+        self.size = size
+        self._library = keep_alive  # the variable lives as long as its library is loaded
+
+    def copy_from_host(self, memory, size):
+        ctypes.memmove(self.ptr, _host_address(memory), self._checked(size))
+
+    def copy_to_host(self, memory, size):
+        ctypes.memmove(_host_address(memory), self.ptr, self._checked(size))
+
+    def memset(self, value, size):
+        ctypes.memset(self.ptr, value, self._checked(size))
+
+    def _checked(self, size):
+        if self.size is not None and not 0 <= size <= self.size:
+            raise ValueError(f"{size} bytes do not fit the variable's {self.size}")
+        return size
+
+
+def _host_address(memory):
+    if isinstance(memory, numpy.ndarray):
+        return memory.ctypes.data
+    return memory.value if isinstance(memory, ctypes.c_void_p) else int(memory)
+
+
+def _symbol_size(address):
+    """The size in bytes of the variable at address, from the library's symbol table (glibc), or None."""
+    try:
+        dladdr1 = ctypes.CDLL(None).dladdr1
+    except AttributeError:
+        return None
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    info, symbol = DlInfo(), ctypes.c_void_p()
+    dladdr1.argtypes = [ctypes.c_void_p, ctypes.POINTER(DlInfo), ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    if not dladdr1(address, ctypes.byref(info), ctypes.byref(symbol), 1) or not symbol.value:  # RTLD_DL_SYMENT
+        return None
+    return ctypes.c_uint64.from_address(symbol.value + 16).value  # Elf64_Sym.st_size
 
 
 class RawKernel:
@@ -291,10 +518,10 @@ class RawKernel:
 
     def compile(self, log_stream=None):
         if self._function is None:
-            if self.name not in source.find_kernels(self.code):
-                raise KernelNotFoundError(f"no __global__ function named '{self.name}' in the kernel source")
             module = RawModule(code=self.code, options=self.options)
             try:
+                if self.name not in module._kernels:
+                    raise KernelNotFoundError(f"no __global__ function named '{self.name}' in the kernel source")
                 self._function = module.get_function(self.name)
             except CompileError as error:
                 raise CompileError(str(error).replace("the module", f"kernel '{self.name}'", 1)) from None
@@ -319,5 +546,8 @@ class RawKernel:
         return self.compile().max_threads_per_block
 
     def __call__(self, grid, block, args, shared_mem=0, **checks_wanted):
-        function = self._function or self.compile()
-        function(grid, block, args, shared_mem, **checks_wanted)
+        try:
+            function = self._function or self.compile()
+            function(grid, block, args, shared_mem, **checks_wanted)
+        except LEARNER_ERRORS as error:
+            raise error.with_traceback(None) from None  # the learner's line first, then the message

@@ -1,7 +1,9 @@
 // The CPU executor's runtime: runs a kernel's grid of blocks on a few OS threads, and each block's
 // threads as fibers (cooperative user-space threads) on one OS thread, so that GPU semantics hold:
 // a thread runs until it reaches a barrier (__syncthreads, or a warp operation), then the next thread
-// runs; when every thread of the block (or of the warp) has arrived, they all go on.
+// runs; when every thread of the block (or of the warp) has arrived, they all go on. A thread that runs
+// on for a while without reaching one is preempted by a watchdog, so a thread waiting for a flag that
+// another warp raises gets there.
 //
 // Compiled once into a shared library that the Python side loads; each kernel's own library calls
 // the functions declared in executor_abi.h.
@@ -15,6 +17,8 @@
 #include <condition_variable>
 #include <csetjmp>
 #include <csignal>
+#include <cerrno>
+#include <chrono>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +26,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__linux__) && defined(__x86_64__)
@@ -98,7 +103,12 @@ using gpt2cupy::WarpExchange;
 
 constexpr unsigned max_threads_per_block = 1024;
 constexpr unsigned warps_per_block = max_threads_per_block / 32;
-constexpr size_t fiber_stack_bytes = 256 * 1024;
+// A GPU gives a thread up to 512 KiB of local memory; a fiber's stack has room for that and the calls
+// around it. Only the pages a thread touches take memory: the rest is reserved address space.
+constexpr size_t fiber_stack_bytes = 1024 * 1024;
+// Below each stack, inaccessible pages. Kernels are compiled with -fstack-clash-protection, which
+// touches a large frame page by page, so an overflow faults here rather than in a neighbour's stack.
+constexpr size_t stack_guard_bytes = 64 * 1024;
 // What a GPU block may use at most (H100: 227 KiB); the Python side enforces the per-launch limit.
 constexpr size_t dynamic_shared_bytes = 227 * 1024;
 constexpr size_t page_bytes_fallback = 4096;
@@ -120,6 +130,8 @@ enum Failure : int {
     stack_overflow = 4,
     cpp_exception = 5,
     interrupted = 6,
+    arithmetic_fault = 7,
+    misaligned_access = 8,
 };
 
 }  // namespace
@@ -132,6 +144,12 @@ struct gpt2cupy_launch_result {
     unsigned long long fault_address;
     int fault_is_write;  // 1 write, 0 read, -1 unknown
     char message[1024];
+    // The race check's first finding (race_kind 0: none): the address both threads touched, the thread
+    // that touched it second (block, thread above) and the one before it.
+    int race_kind;
+    unsigned long long race_address;
+    unsigned other_block[3];
+    unsigned other_thread[3];
 };
 
 struct gpt2cupy_launch_request {
@@ -141,6 +159,11 @@ struct gpt2cupy_launch_request {
     unsigned block[3];
     int reverse_order;  // the race check runs the threads (and blocks) in the opposite order
     int worker_count;   // OS threads to use; 0: all cores
+    int track_races;    // a kernel built with -fsanitize=thread reports its accesses: look for races
+    // For the race check: [start, end) pairs of the array arguments' memory. Other memory a kernel
+    // touches is its block's shared memory (or a variable of its own), which the next block reuses.
+    const unsigned long long* global_ranges;
+    int global_range_count;
 };
 }
 
@@ -151,9 +174,12 @@ enum class FiberState { not_started, ready, at_block_barrier, at_warp_barrier, d
 struct Stack {
     void* mapping = nullptr;  // guard page, then the stack
     size_t mapped_bytes = 0;
-    char* top() const { return static_cast<char*>(mapping) + mapped_bytes; }
+    // Where the thread's stack starts: a little below the mapping's end, by a different amount for each
+    // stack, so that the busiest bytes of many stacks do not all fall in the same cache sets.
+    size_t colour = 0;
+    char* top() const { return static_cast<char*>(mapping) + mapped_bytes - colour; }
     char* guard_begin() const { return static_cast<char*>(mapping); }
-    char* guard_end() const { return static_cast<char*>(mapping) + page_bytes(); }
+    char* guard_end() const { return static_cast<char*>(mapping) + stack_guard_bytes; }
 };
 
 struct Fiber {
@@ -161,8 +187,10 @@ struct Fiber {
     void* saved_stack_pointer = nullptr;
     Stack* stack = nullptr;
     FiberState state = FiberState::not_started;
-    unsigned warp_wait_mask = 0;
-    unsigned exchange_parity = 0;
+    unsigned warp_syncs = 0;                    // warp operations it has been released from
+    unsigned warp_wait_mask = 0;                // the mask of the warp operation it waits in
+    unsigned long long exchange_value = 0;      // what it puts on the table there
+    const WarpExchange* exchange = nullptr;     // the table of the lanes it was released with
 };
 
 class Launch;
@@ -190,6 +218,10 @@ public:
         return false;
     }
     Fiber* current_fiber() const { return current_; }
+    // How many times a thread was resumed: the watchdog sees a thread that runs on and on without
+    // reaching a barrier when this stands still.
+    unsigned long long resumes() const { return resumes_; }
+    void preempt_current();
     // After a jump out of kernel code (a fault, an interrupt): the block's threads are abandoned.
     void abandon_block() {
         for (Fiber& fiber : fibers_) {
@@ -208,6 +240,7 @@ private:
     void resume(Fiber& fiber);
     void yield_to_scheduler();
     bool release_warps(unsigned thread_count);
+    void release_group(unsigned first, unsigned leader, unsigned group);
 
     Launch* launch_ = nullptr;
     Fiber fibers_[max_threads_per_block];
@@ -215,9 +248,25 @@ private:
     void* scheduler_stack_pointer_ = nullptr;
     std::vector<Stack*> free_stacks_;
     std::vector<Stack*> all_stacks_;
-    WarpExchange exchanges_[2][warps_per_block];
+    // One table per (warp, lowest lane of a group released together): lanes of one warp waiting at
+    // different masks are released as separate groups, each with its own table.
+    WarpExchange exchanges_[warps_per_block][32];
     std::string output_;  // printf output of the block in hand
     bool block_failed_ = false;
+    volatile unsigned long long resumes_ = 0;
+
+public:
+    // For the race check: which barrier interval of which block the running threads are in.
+    unsigned long long epoch_ = 0;
+    unsigned long long block_linear_ = 0;
+    const Fiber& fiber(unsigned linear) const { return fibers_[linear]; }
+    unsigned linear_index(const Fiber* fiber) const { return static_cast<unsigned>(fiber - fibers_); }
+    bool in_own_stack(const void* address) const {
+        const Fiber* fiber = current_;
+        return fiber != nullptr && fiber->stack != nullptr && address >= fiber->stack->guard_begin() &&
+               address < fiber->stack->top();
+    }
+    Launch* launch() const { return launch_; }
 };
 
 thread_local BlockRunner* this_thread_runner = nullptr;
@@ -226,9 +275,17 @@ thread_local sigjmp_buf* this_thread_fault_recovery = nullptr;
 // interrupt must not jump out; it is then acted on when the thread leaves.
 thread_local volatile sig_atomic_t this_thread_in_runtime = 0;
 thread_local volatile sig_atomic_t this_thread_interrupt_pending = 0;
+// Set while a fiber runs the kernel's own code (not the runtime's): only then may it be preempted.
+thread_local volatile sig_atomic_t this_thread_in_kernel_code = 0;
+thread_local unsigned long long this_thread_block_serial = 0;
+
+void register_runner(BlockRunner* runner);
 
 BlockRunner& runner_of_this_thread() {
-    if (this_thread_runner == nullptr) this_thread_runner = new BlockRunner();  // lives as long as the thread
+    if (this_thread_runner == nullptr) {
+        this_thread_runner = new BlockRunner();  // lives as long as the thread
+        register_runner(this_thread_runner);
+    }
     return *this_thread_runner;
 }
 
@@ -292,6 +349,19 @@ public:
         return all;
     }
     gpt2cupy_launch_result result() const { return result_; }
+    // The race check keeps its first finding; the launch runs on, so its outputs can be compared too.
+    void report_race(int kind, unsigned long long address, const ThreadCoordinates& second,
+                     const ThreadCoordinates& first) {
+        // The first finding is kept, unless a lost update (a read, then a write back) comes later: the
+        // read that began it was reported as a read of another thread's write.
+        if (result_.race_kind != 0 && !(kind == 3 && result_.race_kind != 3)) return;
+        result_.race_kind = kind;
+        result_.race_address = address;
+        result_.block[0] = second.block_idx.x; result_.block[1] = second.block_idx.y; result_.block[2] = second.block_idx.z;
+        result_.thread[0] = second.thread_idx.x; result_.thread[1] = second.thread_idx.y; result_.thread[2] = second.thread_idx.z;
+        result_.other_block[0] = first.block_idx.x; result_.other_block[1] = first.block_idx.y; result_.other_block[2] = first.block_idx.z;
+        result_.other_thread[0] = first.thread_idx.x; result_.other_thread[1] = first.thread_idx.y; result_.other_thread[2] = first.thread_idx.z;
+    }
 
 private:
     gpt2cupy_launch_request request_;
@@ -313,14 +383,16 @@ Stack* BlockRunner::take_stack() {
         return stack;
     }
     Stack* stack = new Stack();
-    stack->mapped_bytes = fiber_stack_bytes + page_bytes();
-    stack->mapping = mmap(nullptr, stack->mapped_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    stack->mapped_bytes = fiber_stack_bytes + stack_guard_bytes;
+    stack->mapping = mmap(nullptr, stack->mapped_bytes, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (stack->mapping == MAP_FAILED) {
         delete stack;
         return nullptr;
     }
-    // The lowest page stays unmapped-in-effect, so a thread that overflows its stack faults there.
-    mprotect(stack->mapping, page_bytes(), PROT_NONE);
+    // The lowest pages stay inaccessible, so a thread that overflows its stack faults there.
+    mprotect(stack->mapping, stack_guard_bytes, PROT_NONE);
+    stack->colour = (all_stacks_.size() % 61) * (page_bytes() + 64);
     all_stacks_.push_back(stack);
     return stack;
 }
@@ -354,8 +426,10 @@ void BlockRunner::start(Fiber& fiber) {
 
 void BlockRunner::resume(Fiber& fiber) {
     current_ = &fiber;
+    resumes_ = resumes_ + 1;
     gpt2cupy_current_thread = &fiber.coordinates;
     gpt2cupy_switch(&scheduler_stack_pointer_, fiber.saved_stack_pointer);
+    this_thread_in_kernel_code = 0;
     current_ = nullptr;
     if (fiber.state == FiberState::done && fiber.stack != nullptr) {
         free_stacks_.push_back(fiber.stack);  // a finished thread's stack serves the next one
@@ -369,9 +443,22 @@ void BlockRunner::yield_to_scheduler() {
     gpt2cupy_current_thread = &fiber->coordinates;
 }
 
+// A thread that has run for a while without reaching a barrier (spinning on a flag that another warp
+// will set, say) steps aside, as a GPU's warps are scheduled independently: called from the preemption
+// signal's handler, on the thread's own stack; it returns there when the thread is resumed.
+void BlockRunner::preempt_current() {
+    Fiber* fiber = current_;
+    fiber->state = FiberState::ready;
+    this_thread_in_kernel_code = 0;
+    gpt2cupy_switch(&fiber->saved_stack_pointer, scheduler_stack_pointer_);
+    gpt2cupy_current_thread = &fiber->coordinates;
+}
+
 void BlockRunner::fiber_main(Fiber* fiber) {
     try {
+        this_thread_in_kernel_code = 1;
         launch_->request().entry->invoke(launch_->request().packed_arguments);
+        this_thread_in_kernel_code = 0;
     } catch (int) {
         // gpt2cupy_assert_failed (or another failure) has recorded what happened; the block stops.
         block_failed_ = true;
@@ -396,19 +483,30 @@ void BlockRunner::syncthreads() {
 
 const WarpExchange* BlockRunner::warp_exchange(unsigned mask, unsigned long long value) {
     Fiber* fiber = current_;
-    unsigned lane = fiber->coordinates.lane;
-    unsigned linear = static_cast<unsigned>(fiber - fibers_);
-    WarpExchange& table = exchanges_[fiber->exchange_parity][linear / 32];
-    fiber->exchange_parity ^= 1u;
-    table.value[lane] = value;
-    fiber->warp_wait_mask = mask | (1u << lane);
+    fiber->exchange_value = value;
+    fiber->warp_wait_mask = mask | (1u << fiber->coordinates.lane);
     fiber->state = FiberState::at_warp_barrier;
     yield_to_scheduler();
     if (block_failed_) throw 0;
-    return &table;
+    return fiber->exchange;
 }
 
-// A warp's waiting lanes go on when every lane they wait for has arrived or has finished.
+// A warp's waiting lanes go on as a GPU's shfl.sync/vote.sync/bar.warp.sync let them: a group of lanes
+// that wait with the same mask goes on when every lane named in that mask waits with that mask too (or
+// has finished). Lanes that wait with other masks wait on: after divergent code, lanes at different
+// warp operations are never paired up.
+void BlockRunner::release_group(unsigned first, unsigned leader, unsigned group) {
+    WarpExchange& table = exchanges_[first / 32][leader];
+    table.arrived = group;
+    for (unsigned lanes = group; lanes != 0; lanes &= lanes - 1) {
+        Fiber& fiber = fibers_[first + __builtin_ctz(lanes)];
+        table.value[__builtin_ctz(lanes)] = fiber.exchange_value;
+        fiber.exchange = &table;
+        fiber.warp_syncs += 1;
+        fiber.state = FiberState::ready;
+    }
+}
+
 bool BlockRunner::release_warps(unsigned thread_count) {
     bool released = false;
     for (unsigned first = 0; first < thread_count; first += 32) {
@@ -425,15 +523,30 @@ bool BlockRunner::release_warps(unsigned thread_count) {
         }
         if (waiting == 0) continue;
         unsigned existing = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
-        if ((wanted & existing & ~finished & ~waiting) != 0) continue;  // someone it waits for is elsewhere
-        for (unsigned lane = 0; lane < lanes; ++lane) {
-            Fiber& fiber = fibers_[first + lane];
-            if (fiber.state != FiberState::at_warp_barrier) continue;
-            // The table this lane wrote to is the one of the parity before its flip.
-            exchanges_[fiber.exchange_parity ^ 1u][first / 32].arrived = waiting;
-            fiber.state = FiberState::ready;
+        unsigned alive = existing & ~finished;
+        bool released_in_warp = false;
+        for (unsigned candidates = waiting; candidates != 0;) {
+            unsigned leader = __builtin_ctz(candidates);
+            unsigned mask = fibers_[first + leader].warp_wait_mask;
+            unsigned group = mask & alive;
+            bool all_there = (group & ~waiting) == 0;
+            for (unsigned members = group; all_there && members != 0; members &= members - 1)
+                all_there = fibers_[first + __builtin_ctz(members)].warp_wait_mask == mask;
+            if (all_there) {
+                release_group(first, leader, group);
+                candidates &= ~group;
+                released_in_warp = true;
+            } else {
+                candidates &= ~(1u << leader);
+            }
         }
-        released = true;
+        // Masks that do not agree (lane 0 names lanes 0-1, lane 1 names lanes 0-2): undefined on a GPU.
+        // Rather than hang, the lanes go on together, as long as none waits for a lane at __syncthreads().
+        if (!released_in_warp && (wanted & alive & ~waiting) == 0) {
+            release_group(first, __builtin_ctz(waiting), waiting);
+            released_in_warp = true;
+        }
+        released = released || released_in_warp;
     }
     return released;
 }
@@ -455,9 +568,13 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
         fiber.coordinates.grid_dim = dim3(request.grid[0], request.grid[1], request.grid[2]);
         fiber.coordinates.lane = t % 32;
         fiber.state = FiberState::not_started;
-        fiber.exchange_parity = 0;
+        fiber.exchange = nullptr;
+        fiber.warp_syncs = 0;
         fiber.stack = nullptr;
     }
+    block_linear_ = block_linear;
+    epoch_ += 1;
+    this_thread_block_serial += 1;
     for (;;) {
         // Run every thread that can run until it finishes or reaches a barrier.
         for (unsigned k = 0; k < thread_count && !block_failed_; ++k) {
@@ -466,22 +583,25 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
             if (fiber.state == FiberState::ready) resume(fiber);
         }
         if (block_failed_ || launch.failed()) break;
-        unsigned done = 0, at_block = 0, at_warp = 0;
+        unsigned done = 0, at_block = 0, at_warp = 0, preempted = 0;
         for (unsigned t = 0; t < thread_count; ++t) {
             switch (fibers_[t].state) {
                 case FiberState::done: ++done; break;
                 case FiberState::at_block_barrier: ++at_block; break;
                 case FiberState::at_warp_barrier: ++at_warp; break;
+                case FiberState::ready: ++preempted; break;
                 default: break;
             }
         }
         if (done == thread_count) break;
+        if (preempted > 0) continue;  // no barrier opens while a thread is still on its way to it
         if (at_warp > 0 && release_warps(thread_count)) continue;
         if (at_warp == 0) {
             // Every thread still running is at __syncthreads(): the barrier opens. (Threads that have
             // returned count as arrived, as on current GPUs.)
             for (unsigned t = 0; t < thread_count; ++t)
                 if (fibers_[t].state == FiberState::at_block_barrier) fibers_[t].state = FiberState::ready;
+            epoch_ += 1;  // accesses before the barrier are ordered before those after it
             continue;
         }
         // Some threads wait in a warp operation for lanes that wait at __syncthreads(): on a GPU this hangs.
@@ -515,17 +635,19 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
 }
 
 // ---- faults: a bad address becomes a reported failure, not a dead Python process --------------------
-struct sigaction previous_segv_action, previous_bus_action, previous_interrupt_action;
+struct sigaction previous_segv_action, previous_bus_action, previous_fpe_action, previous_interrupt_action;
 Launch* launch_in_flight = nullptr;
 constexpr int stop_signal = SIGUSR2;  // sent to the workers when the launch is interrupted
 
 void on_fault(int signal_number, siginfo_t* info, void* context) {
+    this_thread_in_kernel_code = 0;  // no preemption from here on: this handler's frame is on the signal stack
     BlockRunner* runner = this_thread_runner;
     if (this_thread_fault_recovery == nullptr || runner == nullptr || launch_in_flight == nullptr) {
         // Not a kernel's fault: give it to whoever handled it before (Python's faulthandler, say), and
         // fault again there. The next launch puts this handler back.
         sigaction(SIGSEGV, &previous_segv_action, nullptr);
         sigaction(SIGBUS, &previous_bus_action, nullptr);
+        sigaction(SIGFPE, &previous_fpe_action, nullptr);
         return;
     }
     const void* address = info->si_addr;
@@ -536,17 +658,38 @@ void on_fault(int signal_number, siginfo_t* info, void* context) {
     (void)context;
 #endif
     Fiber* fiber = runner->current_fiber();
-    const bool overflow = runner->address_in_stack_guard(address);
-    char message[256];
-    if (overflow)
+    const bool overflow = signal_number != SIGFPE && runner->address_in_stack_guard(address);
+    int failure = memory_fault;
+    char message[320];
+    if (signal_number == SIGFPE) {
+        // A GPU does not trap on an integer division by zero (it gives a meaningless number); a CPU
+        // does. Either way the kernel divides by zero: report where.
+        failure = arithmetic_fault;
+        // (x86-64 reports the most negative int divided by -1 as a division by zero too.)
+        std::snprintf(message, sizeof(message), "%s",
+                      "integer division by zero (/ or % by 0), or of the most negative integer by -1; "
+                      "a GPU would go on with a meaningless number");
+        address = nullptr;
+    } else if (overflow) {
+        failure = stack_overflow;
         std::snprintf(message, sizeof(message),
-                      "stack overflow: a thread used more than %zu KiB of local memory (a large local array?)",
+                      "stack overflow: a thread used more than %zu KiB of local memory (a large local array? "
+                      "a GPU allows at most 512 KiB per thread), or recursed too deep",
                       fiber_stack_bytes / 1024);
-    else
+    } else if (signal_number == SIGSEGV && info->si_code == SI_KERNEL && address == nullptr) {
+        // x86-64 reports a misaligned vector access (and an address outside the address space) as a
+        // general protection fault, which carries no address.
+        failure = misaligned_access;
+        std::snprintf(message, sizeof(message),
+                      "misaligned access: a vector load or store (float4, float2, double2, int4, ...) at an address "
+                      "that is not a multiple of its size (a float4 must start at a multiple of 16 bytes: is the "
+                      "index a multiple of 4 floats, the array's start aligned?), or a pointer far outside memory");
+    } else {
         std::snprintf(message, sizeof(message), "%s of address %p, which is not memory the kernel may use (%s)",
                       is_write == 1 ? "write" : (is_write == 0 ? "read" : "access"), address,
                       signal_number == SIGBUS ? "SIGBUS" : "SIGSEGV");
-    launch_in_flight->fail(overflow ? stack_overflow : memory_fault, fiber != nullptr ? &fiber->coordinates : nullptr,
+    }
+    launch_in_flight->fail(failure, fiber != nullptr ? &fiber->coordinates : nullptr,
                            message, reinterpret_cast<unsigned long long>(address), is_write);
     siglongjmp(*this_thread_fault_recovery, 1);
 }
@@ -599,8 +742,64 @@ void install_fault_handler() {
     // SA_NODEFER: a handler left by siglongjmp leaves no signal blocked, so no mask needs restoring.
     ours.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
     sigemptyset(&ours.sa_mask);
+    sigaddset(&ours.sa_mask, SIGURG);  // no preemption (see on_preempt) while on the signal stack
     sigaction(SIGSEGV, &ours, &previous_segv_action);
     sigaction(SIGBUS, &ours, &previous_bus_action);
+    sigaction(SIGFPE, &ours, &previous_fpe_action);
+}
+
+constexpr int preempt_signal = SIGURG;  // ignored by default, so a stray one does no harm
+
+void on_preempt(int) {
+    BlockRunner* runner = this_thread_runner;
+    if (runner == nullptr || !this_thread_in_kernel_code || runner->current_fiber() == nullptr) return;
+    int saved_errno = errno;
+    runner->preempt_current();
+    this_thread_in_kernel_code = 1;
+    errno = saved_errno;
+}
+
+// The watchdog: while a launch runs, every few milliseconds it looks at each OS thread that runs blocks;
+// one whose thread has not changed since the last look gets the preemption signal.
+std::mutex runners_mutex;
+std::vector<std::pair<pthread_t, BlockRunner*>> runners;
+std::atomic<bool> launch_running{false};
+
+void register_runner(BlockRunner* runner) {
+    std::lock_guard<std::mutex> lock(runners_mutex);
+    runners.emplace_back(pthread_self(), runner);
+}
+
+void watch_for_threads_that_never_yield() {
+    constexpr auto look_every = std::chrono::milliseconds(10);
+    std::vector<unsigned long long> last_seen;
+    for (;;) {
+        std::this_thread::sleep_for(look_every);
+        std::lock_guard<std::mutex> lock(runners_mutex);
+        last_seen.resize(runners.size(), ~0ull);
+        for (size_t k = 0; k < runners.size(); ++k) {
+            BlockRunner* runner = runners[k].second;
+            unsigned long long resumes = runner->resumes();
+            if (launch_running.load() && runner->current_fiber() != nullptr && resumes == last_seen[k])
+                pthread_kill(runners[k].first, preempt_signal);
+            last_seen[k] = resumes;
+        }
+    }
+}
+
+void start_watchdog_once() {
+    static bool started = [] {
+        struct sigaction preempt_action {};
+        preempt_action.sa_handler = on_preempt;
+        // Not on the alternate stack: the handler switches away and must keep its frame on the thread's
+        // own stack. SA_NODEFER: the signal stays deliverable while the thread is switched out.
+        preempt_action.sa_flags = SA_NODEFER | SA_RESTART;
+        sigemptyset(&preempt_action.sa_mask);
+        sigaction(preempt_signal, &preempt_action, nullptr);
+        std::thread(watch_for_threads_that_never_yield).detach();
+        return true;
+    }();
+    (void)started;
 }
 
 // Runs blocks of the launch until none are left; returns when done or failed.
@@ -609,7 +808,13 @@ void run_blocks(Launch& launch) {
     use_alternate_signal_stack();
     sigjmp_buf recovery;
     if (sigsetjmp(recovery, 0) != 0) {
-        // A fault or an interrupt inside a kernel: the launch has recorded it.
+        // A fault or an interrupt inside a kernel: the launch has recorded it. Its handler blocked the
+        // preemption signal, and the jump here did not restore the mask.
+        this_thread_in_kernel_code = 0;
+        sigset_t preemption;
+        sigemptyset(&preemption);
+        sigaddset(&preemption, SIGURG);
+        pthread_sigmask(SIG_UNBLOCK, &preemption, nullptr);
         runner.abandon_block();
         this_thread_fault_recovery = nullptr;
         gpt2cupy_current_thread = nullptr;
@@ -662,6 +867,7 @@ private:
         sigdelset(&blocked, SIGFPE);
         sigdelset(&blocked, SIGILL);
         sigdelset(&blocked, stop_signal);
+        sigdelset(&blocked, preempt_signal);
         pthread_sigmask(SIG_BLOCK, &blocked, nullptr);
         unsigned long long seen = 0;
         unsigned my_index;
@@ -705,11 +911,170 @@ private:
 
 std::mutex launch_mutex;  // one launch at a time, like one CUDA stream
 
+pthread_t launching_thread;  // the thread that called gpt2cupy_launch: it runs blocks too
+
 void stop_workers() {
     WorkerPool& pool = WorkerPool::instance();
     for (unsigned w = 0; w < pool.worker_count_; ++w) pthread_kill(pool.worker_handles_[w], stop_signal);
+    // Python may launch from a thread other than the one Ctrl-C lands on.
+    if (!pthread_equal(launching_thread, pthread_self())) pthread_kill(launching_thread, stop_signal);
 }
 
+// ---- the race check: every access of a kernel built with -fsanitize=thread comes here -----------------
+// The race pass runs on one OS thread. For each 4-byte granule of memory it keeps the last write and the
+// last read: which thread, in which barrier interval (epoch) of which block, after how many warp
+// operations. Two accesses by different threads, at least one a write and neither atomic, race unless a
+// barrier lies between them: a __syncthreads() (another epoch) or, within a warp, a warp operation the
+// earlier thread has been through since. Atomics are not recorded: their order is free by design.
+enum RaceKind : int { no_race = 0, write_then_read = 1, write_then_write = 2, read_modify_write = 3, read_then_write = 4 };
+
+struct Access {
+    unsigned long long block = ~0ull, epoch = 0;
+    unsigned thread = 0, warp_syncs = 0;
+    bool valid = false;
+};
+struct Granule {
+    Access write, read;
+};
+std::unordered_map<unsigned long long, Granule> race_shadow;
+bool tracking_races = false;
+
+const gpt2cupy_launch_request* race_request = nullptr;
+
+bool in_global_memory(unsigned long long address) {
+    for (int k = 0; k < race_request->global_range_count; ++k)
+        if (address >= race_request->global_ranges[2 * k] && address < race_request->global_ranges[2 * k + 1])
+            return true;
+    return false;
+}
+
+bool ordered(const BlockRunner& runner, const Access& earlier, unsigned now_thread, unsigned long long address) {
+    // Blocks are never ordered (but by atomics) in global memory; shared memory is a new block's own.
+    if (earlier.block != runner.block_linear_) return !in_global_memory(address);
+    if (earlier.epoch != runner.epoch_) return true;          // a __syncthreads() lies between
+    if (earlier.thread / 32 == now_thread / 32)               // the same warp: a warp operation between?
+        return runner.fiber(earlier.thread).warp_syncs > earlier.warp_syncs;
+    return false;
+}
+
+void record_access_unpreempted(const void* address, unsigned long long size, bool is_write);
+
+// Called from kernel code, but runtime code itself: the watchdog must not switch threads in the middle.
+void record_access(const void* address, unsigned long long size, bool is_write) {
+    if (!tracking_races) return;
+    sig_atomic_t was_in_kernel_code = this_thread_in_kernel_code;
+    this_thread_in_kernel_code = 0;
+    record_access_unpreempted(address, size, is_write);
+    this_thread_in_kernel_code = was_in_kernel_code;
+}
+
+void record_access_unpreempted(const void* address, unsigned long long size, bool is_write) {
+    BlockRunner* runner = this_thread_runner;
+    if (runner == nullptr || runner->current_fiber() == nullptr || runner->in_own_stack(address)) return;
+    const Fiber* fiber = runner->current_fiber();
+    unsigned thread = runner->linear_index(fiber);
+    Access now{runner->block_linear_, runner->epoch_, thread, fiber->warp_syncs, true};
+    unsigned long long first = reinterpret_cast<unsigned long long>(address) / 4;
+    unsigned long long last = (reinterpret_cast<unsigned long long>(address) + (size ? size : 1) - 1) / 4;
+    for (unsigned long long key = first; key <= last; ++key) {
+        Granule& granule = race_shadow[key];
+        int kind = no_race;
+        const Access* other = nullptr;
+        const unsigned long long at = key * 4;
+        const bool read_it_first = granule.read.valid && granule.read.thread == thread &&
+                                   granule.read.block == now.block && granule.read.epoch == now.epoch;
+        if (granule.write.valid && (granule.write.thread != thread || granule.write.block != now.block) &&
+            !ordered(*runner, granule.write, thread, at)) {
+            kind = !is_write ? write_then_read : (read_it_first ? read_modify_write : write_then_write);
+            other = &granule.write;
+        } else if (is_write && granule.read.valid && (granule.read.thread != thread || granule.read.block != now.block) &&
+                   !ordered(*runner, granule.read, thread, at)) {
+            kind = read_then_write;
+            other = &granule.read;
+        }
+        if (kind != no_race && runner->launch() != nullptr) {
+            // The other thread's coordinates, rebuilt from its block and linear index.
+            const gpt2cupy_launch_request& request = runner->launch()->request();
+            ThreadCoordinates then = fiber->coordinates;
+            unsigned bx = request.block[0], by = request.block[1], gx = request.grid[0], gy = request.grid[1];
+            unsigned long long b = other->block;
+            then.block_idx = uint3{(unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / ((unsigned long long)gx * gy))};
+            then.thread_idx = uint3{other->thread % bx, (other->thread / bx) % by, other->thread / (bx * by)};
+            runner->launch()->report_race(kind, key * 4, fiber->coordinates, then);
+        }
+        if (is_write) {
+            granule.write = now;
+        } else {
+            granule.read = now;
+        }
+    }
+}
+
+}  // namespace
+
+// ---- the ABI of -fsanitize=thread: what an instrumented kernel calls at each access and atomic ----------
+extern "C" {
+#define GPT2CUPY_TSAN_ACCESS(N)                                                                   \
+    void __tsan_read##N(void* a) { record_access(a, N, false); }                                  \
+    void __tsan_write##N(void* a) { record_access(a, N, true); }                                  \
+    void __tsan_unaligned_read##N(void* a) { record_access(a, N, false); }                        \
+    void __tsan_unaligned_write##N(void* a) { record_access(a, N, true); }                        \
+    void __tsan_volatile_read##N(void* a) { record_access(a, N, false); }                         \
+    void __tsan_volatile_write##N(void* a) { record_access(a, N, true); }
+GPT2CUPY_TSAN_ACCESS(1) GPT2CUPY_TSAN_ACCESS(2) GPT2CUPY_TSAN_ACCESS(4) GPT2CUPY_TSAN_ACCESS(8)
+GPT2CUPY_TSAN_ACCESS(16)
+#undef GPT2CUPY_TSAN_ACCESS
+void __tsan_read_range(void* a, unsigned long size) { record_access(a, size, false); }
+void __tsan_write_range(void* a, unsigned long size) { record_access(a, size, true); }
+void* __tsan_memcpy(void* to, const void* from, unsigned long size) {
+    record_access(from, size, false);
+    record_access(to, size, true);
+    return std::memcpy(to, from, size);
+}
+void* __tsan_memmove(void* to, const void* from, unsigned long size) {
+    record_access(from, size, false);
+    record_access(to, size, true);
+    return std::memmove(to, from, size);
+}
+void* __tsan_memset(void* to, int value, unsigned long size) {
+    record_access(to, size, true);
+    return std::memset(to, value, size);
+}
+void __tsan_init() {}
+void __tsan_func_entry(void*) {}
+void __tsan_func_exit() {}
+void __tsan_vptr_update(void**, void*) {}
+void __tsan_vptr_read(void**) {}
+void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
+// The atomics themselves, done for real (relaxed ordering as CUDA's atomics, sequentially consistent
+// where asked: the memory-order argument follows C++'s numbering, which __atomic builtins share).
+#define GPT2CUPY_TSAN_ATOMIC(N, T)                                                                           \
+    T __tsan_atomic##N##_load(const volatile T* a, int) { return __atomic_load_n(a, __ATOMIC_SEQ_CST); }   \
+    void __tsan_atomic##N##_store(volatile T* a, T v, int) { __atomic_store_n(a, v, __ATOMIC_SEQ_CST); }   \
+    T __tsan_atomic##N##_exchange(volatile T* a, T v, int) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
+    T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); } \
+    T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); } \
+    T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); } \
+    T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }   \
+    T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); } \
+    T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int) { return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST); } \
+    int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) {                    \
+        return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);             \
+    }                                                                                                        \
+    int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {                      \
+        return __atomic_compare_exchange_n(a, c, v, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);              \
+    }                                                                                                        \
+    T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {                          \
+        __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                   \
+        return c;                                                                                            \
+    }
+GPT2CUPY_TSAN_ATOMIC(8, unsigned char) GPT2CUPY_TSAN_ATOMIC(16, unsigned short)
+GPT2CUPY_TSAN_ATOMIC(32, unsigned int) GPT2CUPY_TSAN_ATOMIC(64, unsigned long long)
+#undef GPT2CUPY_TSAN_ATOMIC
+}  // extern "C"
+
+namespace {
 }  // namespace
 
 // ---- the ABI the kernels call ---------------------------------------------------------------------------
@@ -720,10 +1085,17 @@ const int gpt2cupy_warp_size = 32;
 
 void gpt2cupy_fiber_main(Fiber* fiber) { this_thread_runner->fiber_main(fiber); }
 
-void gpt2cupy_syncthreads(void) { this_thread_runner->syncthreads(); }
+void gpt2cupy_syncthreads(void) {
+    this_thread_in_kernel_code = 0;
+    this_thread_runner->syncthreads();
+    this_thread_in_kernel_code = 1;
+}
 
 const gpt2cupy::WarpExchange* gpt2cupy_warp_exchange(unsigned int mask, unsigned long long value) {
-    return this_thread_runner->warp_exchange(mask, value);
+    this_thread_in_kernel_code = 0;
+    const gpt2cupy::WarpExchange* table = this_thread_runner->warp_exchange(mask, value);
+    this_thread_in_kernel_code = 1;
+    return table;
 }
 
 void* gpt2cupy_dynamic_shared_memory(void) {
@@ -733,22 +1105,45 @@ void* gpt2cupy_dynamic_shared_memory(void) {
 }
 
 int gpt2cupy_printf(const char* format, ...) {
+    this_thread_in_kernel_code = 0;
     this_thread_in_runtime = 1;
     char buffer[1024];
-    va_list arguments;
+    va_list arguments, again;
     va_start(arguments, format);
+    va_copy(again, arguments);
     int length = std::vsnprintf(buffer, sizeof(buffer), format, arguments);
     va_end(arguments);
-    if (length > 0) this_thread_runner->output().append(buffer, std::min<size_t>(length, sizeof(buffer) - 1));
+    if (length >= (int)sizeof(buffer)) {  // a long line: format it again, whole
+        std::string& output = this_thread_runner->output();
+        size_t before = output.size();
+        output.resize(before + length + 1);
+        std::vsnprintf(&output[before], length + 1, format, again);
+        output.resize(before + length);
+    } else if (length > 0) {
+        this_thread_runner->output().append(buffer, length);
+    }
+    va_end(again);
     this_thread_in_runtime = 0;
     if (this_thread_interrupt_pending) {
         this_thread_interrupt_pending = 0;
         throw 0;  // the launch was interrupted while this thread was printing
     }
+    this_thread_in_kernel_code = 1;
     return length;
 }
 
+void gpt2cupy_yield(void) {
+    BlockRunner* runner = this_thread_runner;
+    if (runner == nullptr || runner->current_fiber() == nullptr) return;
+    this_thread_in_kernel_code = 0;
+    runner->preempt_current();
+    this_thread_in_kernel_code = 1;
+}
+
+unsigned long long gpt2cupy_block_serial(void) { return this_thread_block_serial; }
+
 void gpt2cupy_assert_failed(const char* condition, const char* file, int line) {
+    this_thread_in_kernel_code = 0;
     this_thread_runner->fail_current(assertion_failed, std::string(file) + ":" + std::to_string(line) +
                                                            ": Assertion `" + condition + "` failed.");
     throw 0;  // unwinds the thread's own stack to fiber_main
@@ -765,27 +1160,40 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     interrupt_action.sa_handler = on_interrupt;
     interrupt_action.sa_flags = SA_ONSTACK | SA_NODEFER;
     sigemptyset(&interrupt_action.sa_mask);
+    sigaddset(&interrupt_action.sa_mask, SIGURG);
     sigaction(SIGINT, &interrupt_action, &previous_interrupt_action);
     static bool stop_signal_installed = [] {
         struct sigaction stop_action {};
         stop_action.sa_handler = on_stop_signal;
         stop_action.sa_flags = SA_ONSTACK | SA_NODEFER;
         sigemptyset(&stop_action.sa_mask);
+        sigaddset(&stop_action.sa_mask, SIGURG);
         return sigaction(stop_signal, &stop_action, nullptr) == 0;
     }();
     (void)stop_signal_installed;
+    launching_thread = pthread_self();
+    start_watchdog_once();
+    tracking_races = request->track_races != 0;
+    race_request = request;
+    race_shadow.clear();
     launch_in_flight = &launch;
+    launch_running.store(true);
 
     // Asking the system for its core count reads files: once is enough.
     static const unsigned all_cores = std::max(1u, std::thread::hardware_concurrency());
     unsigned cores = request->worker_count > 0 ? (unsigned)request->worker_count : all_cores;
     unsigned long long blocks = launch.block_count();
     unsigned helpers = (unsigned)std::min<unsigned long long>(cores - 1, blocks > 0 ? blocks - 1 : 0);
-    if (request->reverse_order) helpers = 0;  // the race check wants one fixed order
+    if (request->reverse_order || request->track_races) helpers = 0;  // the race check wants one fixed order
     if (helpers == 0) run_blocks(launch);
     else WorkerPool::instance().run(launch, helpers);
 
+    launch_running.store(false);
     launch_in_flight = nullptr;
+    if (tracking_races) {
+        tracking_races = false;
+        race_shadow = std::unordered_map<unsigned long long, Granule>();  // its memory back
+    }
     sigaction(SIGINT, &previous_interrupt_action, nullptr);
 
     *result = launch.result();
@@ -806,24 +1214,30 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
 void gpt2cupy_free(void* pointer) { std::free(pointer); }
 
 // Memory for the bounds check: an accessible stretch of at least `bytes` between two inaccessible
-// regions of 64 KiB, so that an index a little or a lot past either end faults. Returns the start of
-// the accessible stretch; the caller places the array's bytes in it, against one end.
+// regions as large as any 32-bit index can reach (2^32 elements of 16 bytes: 64 GiB), so that an index
+// a little or a lot past either end faults, and faults in this array's guard, not in another array.
+// Inaccessible address space costs no memory. Where the system refuses that much, smaller guards.
+// Returns the start of the accessible stretch; the caller places the array's bytes in it, against one end.
 void* gpt2cupy_guarded_alloc(unsigned long long bytes, void** mapping, unsigned long long* mapped_bytes,
                              unsigned long long* accessible_bytes) {
     size_t page = page_bytes();
-    size_t guard = ((64 * 1024 + page - 1) / page) * page;
     size_t data = ((bytes + page - 1) / page) * page;
     if (data == 0) data = page;
-    size_t total = guard + data + guard;
-    void* base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (base == MAP_FAILED) return nullptr;
-    char* first = static_cast<char*>(base);
-    mprotect(first, guard, PROT_NONE);
-    mprotect(first + guard + data, guard, PROT_NONE);
-    *mapping = base;
-    *mapped_bytes = total;
-    *accessible_bytes = data;
-    return first + guard;
+    for (size_t guard = size_t(1) << 36; guard >= 64 * 1024; guard >>= 2) {
+        size_t total = guard + data + guard;
+        void* base = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (base == MAP_FAILED) continue;
+        char* first = static_cast<char*>(base);
+        if (mprotect(first + guard, data, PROT_READ | PROT_WRITE) != 0) {
+            munmap(base, total);
+            return nullptr;
+        }
+        *mapping = base;
+        *mapped_bytes = total;
+        *accessible_bytes = data;
+        return first + guard;
+    }
+    return nullptr;
 }
 
 void gpt2cupy_guarded_free(void* mapping, unsigned long long mapped_bytes) { munmap(mapping, mapped_bytes); }

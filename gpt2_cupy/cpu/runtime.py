@@ -11,7 +11,8 @@ from . import toolchain
 
 class ParameterType(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_char), ("element_kind", ctypes.c_char),
-                ("size", ctypes.c_ushort), ("element_size", ctypes.c_ushort)]
+                ("size", ctypes.c_ushort), ("element_size", ctypes.c_ushort),
+                ("alignment", ctypes.c_ushort), ("type_name", ctypes.c_char_p)]
 
 
 MAX_PARAMETERS = 64
@@ -26,17 +27,25 @@ class KernelEntry(ctypes.Structure):
 class LaunchRequest(ctypes.Structure):
     _fields_ = [("entry", ctypes.c_void_p), ("packed_arguments", ctypes.c_char_p),
                 ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("reverse_order", ctypes.c_int), ("worker_count", ctypes.c_int)]
+                ("reverse_order", ctypes.c_int), ("worker_count", ctypes.c_int), ("track_races", ctypes.c_int),
+                ("global_ranges", ctypes.POINTER(ctypes.c_ulonglong)), ("global_range_count", ctypes.c_int)]
 
 
 class LaunchResult(ctypes.Structure):
     _fields_ = [("failure", ctypes.c_int), ("block", ctypes.c_uint * 3), ("thread", ctypes.c_uint * 3),
                 ("fault_address", ctypes.c_ulonglong), ("fault_is_write", ctypes.c_int),
-                ("message", ctypes.c_char * 1024)]
+                ("message", ctypes.c_char * 1024),
+                ("race_kind", ctypes.c_int), ("race_address", ctypes.c_ulonglong),
+                ("other_block", ctypes.c_uint * 3), ("other_thread", ctypes.c_uint * 3)]
+
+
+# LaunchResult.race_kind: what the race check found first
+NO_RACE, WRITE_THEN_READ, WRITE_THEN_WRITE, READ_MODIFY_WRITE, READ_THEN_WRITE = range(5)
 
 
 # LaunchResult.failure
-OK, ASSERTION_FAILED, MEMORY_FAULT, DEADLOCK, STACK_OVERFLOW, CPP_EXCEPTION, INTERRUPTED = range(7)
+OK, ASSERTION_FAILED, MEMORY_FAULT, DEADLOCK, STACK_OVERFLOW, CPP_EXCEPTION, INTERRUPTED, ARITHMETIC_FAULT, \
+    MISALIGNED_ACCESS = range(9)
 
 
 @lru_cache(maxsize=None)
@@ -60,10 +69,14 @@ def worker_count():
     return int(configured) if configured else 0
 
 
-def launch(entry_address, packed_arguments, grid, block, reverse_order=False):
-    """Run a kernel to the end. Returns (LaunchResult, printf output as text)."""
+def launch(entry_address, packed_arguments, grid, block, reverse_order=False, track_races=False, global_ranges=()):
+    """Run a kernel to the end. Returns (LaunchResult, printf output as text).
+    track_races: the kernel was built for the race check, and its accesses are to be checked;
+    global_ranges: then, the [start, end) addresses of its array arguments."""
     lib = library()
-    request = LaunchRequest(entry_address, packed_arguments, grid, block, int(reverse_order), worker_count())
+    ranges = (ctypes.c_ulonglong * max(1, 2 * len(global_ranges)))(*[bound for pair in global_ranges for bound in pair])
+    request = LaunchRequest(entry_address, packed_arguments, grid, block, int(reverse_order), worker_count(),
+                            int(track_races), ranges, len(global_ranges))
     result = LaunchResult()
     output = ctypes.c_void_p()
     output_length = ctypes.c_ulonglong()

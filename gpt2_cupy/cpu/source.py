@@ -2,28 +2,55 @@
 
 Three jobs: find the kernels in the source (name, parameter names, __launch_bounds__), translate the
 NVRTC options the C++ compiler understands, and assemble the unit that is compiled: the CUDA built-ins
-header, the source as written (line numbers kept, so compiler messages point at the learner's lines),
-and one small entry function per kernel that tells the runtime its parameter types.
+header, the source (line numbers kept, so compiler messages point at the learner's lines), and one small
+entry function per kernel that tells the runtime its parameter types.
+
+Kernels are found in the preprocessor's output, not in the source as written: a kernel inside `#if 0` is
+not there, one defined by a macro is. For that one run, __global__, __shared__ and __launch_bounds__ expand
+to markers that survive preprocessing; the marked text is then both read and compiled.
 """
 
 import re
 from dataclasses import dataclass, field
 
+from . import toolchain
 from .errors import CompileError
 
 SOURCE_NAME = "kernel.cu"
 ENTRIES_NAME = "gpt2cupy-entries"
 
-# `extern __shared__ float buffer[];`: every such array starts at the block's dynamic shared memory.
+GLOBAL_MARKER = "__gpt2cupy_global__"
+SHARED_MARKER = "__gpt2cupy_shared__"
+BOUNDS_MARKER = "__gpt2cupy_launch_bounds__"
+
+# What the learner's source sees before its first line: the built-ins, the markers, and the two names
+# NVRTC knows without any #include.
+_PRELUDE = f"""#include "cuda_builtins.h"
+typedef decltype(sizeof(0)) size_t;
+namespace gpt2cupy {{
+// `extern __shared__ T name[];` becomes a pointer to the block's dynamic shared memory, of whatever type.
+struct DynamicShared {{
+    void* memory;
+    template <class T> operator T*() const {{ return static_cast<T*>(memory); }}
+}};
+}}
+#undef __global__
+#define __global__ {GLOBAL_MARKER}
+#undef __shared__
+#define __shared__ {SHARED_MARKER}
+#undef __launch_bounds__
+#define __launch_bounds__(...) {BOUNDS_MARKER}(__VA_ARGS__)
+#line 1 "{SOURCE_NAME}"
+"""
+
+# `extern __shared__ float buffer[];` (with any __align__ or other attribute): every such array starts at
+# the block's dynamic shared memory.
 _EXTERN_SHARED = re.compile(
-    r"extern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?(?P<type>[A-Za-z_][\w\s:<>,*]*?)\s*"
-    r"(?:__align__\s*\(\s*\d+\s*\)\s*)?(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;"
-)
+    rf"extern\s+{SHARED_MARKER}\b(?P<declaration>[^;{{}}]*?)\b(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;")
 _GLOBAL_FUNCTION = re.compile(
-    r"__global__\s+(?:__launch_bounds__\s*\((?P<bounds_before>[^)]*)\)\s*)?void\s+"
-    r"(?:__launch_bounds__\s*\((?P<bounds_after>[^)]*)\)\s*)?(?P<name>[A-Za-z_]\w*)\s*\("
-)
-_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+    rf"{GLOBAL_MARKER}\b(?P<head>(?:[^;{{}}()]|\((?:[^()]|\([^()]*\))*\))*?)\b(?!(?:{BOUNDS_MARKER}|__attribute__|__declspec|alignas)\b)(?P<name>[A-Za-z_]\w*)\s*\(")
+_LAUNCH_BOUNDS = re.compile(rf"{BOUNDS_MARKER}\s*\((?P<arguments>(?:[^()]|\([^()]*\))*)\)")
+_LINE_MARKER = re.compile(r'^# (\d+) "([^"]*)"', re.M)
 
 # NVRTC options with no meaning on a CPU: accepted and ignored.
 _IGNORED_OPTION_PREFIXES = (
@@ -42,11 +69,6 @@ class KernelSignature:
     parameter_names: list = field(default_factory=list)
     max_threads_per_block: int = 1024
     is_template: bool = False
-
-
-def _blank_comments(code):
-    """Comments replaced by spaces of the same shape, so offsets and line numbers stay put."""
-    return _COMMENT.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), code)
 
 
 def _parameter_list(code, open_paren):
@@ -93,26 +115,92 @@ def _is_template(code, start):
     return re.search(r"\btemplate\s*<", preceding[boundary + 1:]) is not None
 
 
-def find_kernels(code):
-    """Every __global__ function in the source, by name."""
-    text = _blank_comments(code)
+def _first_number(expression):
+    """The value of a __launch_bounds__ argument such as `256` or `(32 * 8)`, or None if not a plain number."""
+    first = expression.split(",")[0].strip()
+    if re.fullmatch(r"[\d\s+\-*/()uUlL]+", first):
+        try:
+            return int(eval(re.sub(r"(?<=\d)[uUlL]+", "", first).replace("/", "//"), {"__builtins__": {}}))
+        except (SyntaxError, ZeroDivisionError, TypeError):
+            return None
+    return None
+
+
+def find_kernels(preprocessed):
+    """Every __global__ function in the preprocessed source, by name."""
     kernels = {}
-    for match in _GLOBAL_FUNCTION.finditer(text):
+    for match in _GLOBAL_FUNCTION.finditer(preprocessed):
         name = match.group("name")
-        parameters = _split_parameters(_parameter_list(text, match.end() - 1))
-        bounds = match.group("bounds_before") or match.group("bounds_after")
+        parameters = _split_parameters(_parameter_list(preprocessed, match.end() - 1))
         max_threads = 1024
+        bounds = _LAUNCH_BOUNDS.search(match.group("head"))
         if bounds:
-            first = bounds.split(",")[0].strip()
-            if first.isdigit():
-                max_threads = min(1024, int(first))
+            first = _first_number(bounds.group("arguments"))
+            if first:
+                max_threads = min(1024, first)
         kernels[name] = KernelSignature(
             name=name,
             parameter_names=[_parameter_name(p, i) for i, p in enumerate(parameters)],
             max_threads_per_block=max_threads,
-            is_template=_is_template(text, match.start()),
+            is_template=_is_template(preprocessed, match.start()),
         )
     return kernels
+
+
+def _source_line(preprocessed, offset):
+    """The learner's line number of a place in the preprocessor's output (from its line markers)."""
+    line, file = 1, None
+    for marker in _LINE_MARKER.finditer(preprocessed, 0, offset):
+        line, file = int(marker.group(1)), marker.group(2)
+        marker_end = marker.end()
+    if file is None:
+        return None
+    return line + preprocessed.count("\n", marker_end, offset) - 1 if file == SOURCE_NAME else None
+
+
+def _without_launch_bounds(text):
+    return _LAUNCH_BOUNDS.sub("", text)
+
+
+def _refuse_initialized_shared(preprocessed, code):
+    """NVRTC refuses `__shared__ float total = 0;`: shared memory is not initialised at a block's start."""
+    for marker in re.finditer(rf"{SHARED_MARKER}\b", preprocessed):
+        statement = preprocessed[marker.end():preprocessed.find(";", marker.end())]
+        if re.search(r"(?<![=!<>])=(?!=)", statement):
+            line = _source_line(preprocessed, marker.start())
+            lines = code.splitlines()
+            shown = f"\n\nthe line in question:\n{line:4d} | {lines[line - 1]}" if line and 0 < line <= len(lines) else ""
+            raise CompileError(
+                f"{SOURCE_NAME}:{line}: error: a __shared__ variable cannot have an initializer (NVRTC refuses it: "
+                "shared memory holds no value when a block starts). Declare it without one and let one thread "
+                f"assign it, then __syncthreads(){shown}")
+
+
+@dataclass
+class PreparedSource:
+    """A kernel source after the preprocessor: the kernels it defines and the text to compile."""
+    kernels: dict
+    body: str
+
+
+def prepare(code, options):
+    """Preprocess `code` with the NVRTC `options`, find its kernels, and rewrite it into compilable C++."""
+    flags = compiler_flags(options)
+    preprocessed = toolchain.preprocess(_PRELUDE + code, flags,
+                                        lambda log: describe_compile_failure(log, code, "the module"))
+    user_start = preprocessed.find(f'"{SOURCE_NAME}"')
+    user_start = preprocessed.rfind("\n", 0, user_start) + 1 if user_start >= 0 else 0
+    header, user = preprocessed[:user_start], preprocessed[user_start:]
+    kernels = find_kernels(user)
+    _refuse_initialized_shared(user, code)
+
+    def pointer_to_dynamic_shared(match):
+        return (f"static thread_local {match.group('declaration').strip()}* const {match.group('name')} = "
+                "gpt2cupy::DynamicShared{gpt2cupy_dynamic_shared_memory()};")
+
+    body = _EXTERN_SHARED.sub(pointer_to_dynamic_shared, user)
+    body = _without_launch_bounds(body).replace(GLOBAL_MARKER, "").replace(SHARED_MARKER, "static thread_local")
+    return PreparedSource(kernels=kernels, body=header + body)
 
 
 def compiler_flags(options):
@@ -140,24 +228,88 @@ def compiler_flags(options):
     return tuple(flags)
 
 
-def translation_unit(code, entry_expressions):
-    """The C++ that is compiled: header, the learner's source with its own line numbers, the entries.
+# How the runtime calls a kernel: gpt2cupy_entry_<i>() describes the kernel's parameters (kind, size,
+# alignment, the type's name as the compiler spells it) and gives a function that unpacks a buffer laid
+# out like a C struct of the parameters and calls the kernel with them. The parameters' types come from
+# the compiler, so a struct, a vector type or an enum by value is passed by its bytes, at its alignment.
+ENTRY_SUPPORT = r"""
+namespace gpt2cupy { namespace {
+template <class T> constexpr const char* type_name() { return __PRETTY_FUNCTION__; }
+template <class T, bool = __is_enum(T)> struct ParameterOf {
+    static constexpr ParameterType type() {
+        ParameterType described = Describe<T>::type();
+        described.alignment = alignof(T);
+        described.type_name = type_name<T>();
+        return described;
+    }
+};
+template <class T> struct ParameterOf<T, true> {  // an enum: its underlying integer, named as the enum
+    static constexpr ParameterType type() {
+        ParameterType described = Describe<__underlying_type(T)>::type();
+        described.alignment = alignof(T);
+        described.type_name = type_name<T>();
+        return described;
+    }
+};
+template <class... A> struct ArgumentLayout {
+    struct Offsets { unsigned long at[sizeof...(A) + 1]; };
+    static constexpr Offsets offsets() {
+        const unsigned long sizes[] = {sizeof(A)..., 0};
+        const unsigned long alignments[] = {alignof(A)..., 1};
+        Offsets result{};
+        unsigned long end = 0;
+        for (unsigned long i = 0; i < sizeof...(A); ++i) {
+            end = (end + alignments[i] - 1) / alignments[i] * alignments[i];
+            result.at[i] = end;
+            end += sizes[i];
+        }
+        return result;
+    }
+};
+template <class T> inline __attribute__((always_inline)) const T& argument_at(const unsigned char* packed, unsigned long offset, void* room) {
+    __builtin_memcpy(room, packed + offset, sizeof(T));
+    return *static_cast<const T*>(room);
+}
+template <auto Kernel, class Signature> struct KernelCall;
+template <auto Kernel, class... A> struct KernelCall<Kernel, void (*)(A...)> {
+    static_assert(sizeof...(A) <= max_parameters, "too many kernel parameters");
+    template <unsigned... I>
+    static void call(const unsigned char* packed, Indices<I...>) {
+        constexpr auto offsets = ArgumentLayout<A...>::offsets();
+        constexpr unsigned long sizes[] = {sizeof(A)..., 1};
+        constexpr unsigned long largest = [&] {
+            unsigned long most = 1;
+            for (unsigned long size : sizes) most = size > most ? size : most;
+            return most;
+        }();
+        // Each argument is copied into aligned room of its own (the packed buffer's own alignment is unknown).
+        struct alignas(16) alignas(A...) Room { unsigned char bytes[largest]; };
+        Room rooms[sizeof...(A) + 1];
+        (void)offsets; (void)rooms;
+        Kernel(argument_at<A>(packed, offsets.at[I], rooms[I].bytes)...);
+    }
+    static void invoke(const unsigned char* packed) { call(packed, typename MakeIndices<sizeof...(A)>::type{}); }
+    static const KernelEntry* entry() {
+        static const KernelEntry description = {(int)sizeof...(A), {ParameterOf<A>::type()...}, &invoke};
+        return &description;
+    }
+};
+} }  // namespace gpt2cupy::(unnamed)
+"""
+
+
+def translation_unit(prepared, entry_expressions):
+    """The C++ that is compiled: the preprocessed source (with its line markers) and the entries.
 
     entry_expressions: C++ expressions naming kernels (`vector_add`, `softmax<float, 256>`); the entry
     for the i-th is the C function gpt2cupy_entry_<i>.
     """
-    def pointer_to_dynamic_shared(match):
-        return (f"static thread_local {match.group('type').strip()}* const {match.group('name')} = "
-                f"reinterpret_cast<{match.group('type').strip()}*>(gpt2cupy_dynamic_shared_memory());")
-
-    rewritten = _EXTERN_SHARED.sub(pointer_to_dynamic_shared, code)
     entries = "\n".join(
         f'extern "C" const gpt2cupy::KernelEntry* gpt2cupy_entry_{index}() '
-        f"{{ return gpt2cupy::Entry<&{expression}, decltype(&{expression})>::entry(); }}"
+        f"{{ return gpt2cupy::KernelCall<&{expression}, decltype(&{expression})>::entry(); }}"
         for index, expression in enumerate(entry_expressions)
     )
-    return (f'#include "cuda_builtins.h"\n#line 1 "{SOURCE_NAME}"\n{rewritten}\n'
-            f'#line 1 "{ENTRIES_NAME}"\n{entries}\n')
+    return f'{prepared.body}\n#line 1 "{ENTRIES_NAME}"\n{ENTRY_SUPPORT}\n{entries}\n'
 
 
 def describe_compile_failure(log, code, what):

@@ -8,6 +8,7 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 from functools import lru_cache
@@ -65,7 +66,11 @@ def shared_library_flags():
     if platform.system() == "Darwin":
         # The kernels' calls into the runtime are resolved when the library is loaded.
         return ("-dynamiclib", "-undefined", "dynamic_lookup") + unique
-    return ("-shared",) + unique
+    # -Bsymbolic: a kernel's library calls its own functions, so a kernel named like a C library
+    # function (div, index, random, time) is the kernel, not libc's function of that name.
+    # -fstack-clash-protection: a thread's large local array touches its stack page by page, so
+    # running past the stack faults in the guard below it instead of in a neighbour's stack.
+    return ("-shared", "-Wl,-Bsymbolic", "-fstack-clash-protection") + unique
 
 
 def _fingerprint(*parts):
@@ -83,7 +88,16 @@ def _fingerprint(*parts):
     return digest.hexdigest()[:24]
 
 
-def _build(library, translation_unit, flags, describe):
+# For the race check: every load and store of the kernel calls the runtime (__tsan_read4(address), ...),
+# and so does every atomic. Compiled, then linked without the sanitizer's own library: the runtime
+# answers those calls.
+def race_check_flags():
+    if "clang" in compiler_version().lower():
+        return ("-fsanitize=thread",)
+    return ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0")
+
+
+def _build(library, translation_unit, flags, describe, compile_flags=(), cuda_headers=True):
     """Compile one C++ translation unit into `library`, atomically, unless it is already there."""
     if library.exists():
         return library
@@ -91,24 +105,82 @@ def _build(library, translation_unit, flags, describe):
         source = Path(work) / "unit.cpp"
         source.write_text(translation_unit)
         partial = Path(work) / library.name
-        command = [compiler(), *COMMON_FLAGS, *shared_library_flags(), *flags, "-I", str(HERE),
-                   "-I", str(INCLUDE_DIRECTORY),
+        # The CUDA headers are for kernels; the runtime includes the system's own.
+        include = ["-I", str(HERE)] + (["-I", str(INCLUDE_DIRECTORY)] if cuda_headers else [])
+        if compile_flags:
+            objects = Path(work) / "unit.o"
+            steps = [[compiler(), "-c", *COMMON_FLAGS, *compile_flags, *flags, *include, "-o", str(objects), str(source)],
+                     [compiler(), *COMMON_FLAGS, *shared_library_flags(), "-o", str(partial), str(objects)]]
+        else:
+            steps = [[compiler(), *COMMON_FLAGS, *shared_library_flags(), *flags, *include,
+                      "-o", str(partial), str(source)]]
+        for command in steps:
+            result = subprocess.run(command, capture_output=True, text=True, cwd=work)
+            if result.returncode != 0:
+                raise CompileError(describe(result.stderr))
+        os.replace(partial, library)  # another process may have built the same library: either is fine
+    return library
+
+
+def preprocess(text, flags, describe):
+    """The C preprocessor's output for `text` (macros expanded, #if'd-out code gone, line markers kept),
+    cached like a library; `describe` turns the compiler's log into a message."""
+    # -nostdinc: no system header either; #include <cstdint> fails here as it does under NVRTC.
+    options = ("-E", "-nostdinc", "-nostdinc++")
+    output = cache_directory() / f"preprocessed-{_fingerprint(text, *options, *flags)}.ii"
+    if output.exists():
+        return output.read_text()
+    with tempfile.TemporaryDirectory(dir=output.parent) as work:
+        source = Path(work) / "unit.cpp"
+        source.write_text(text)
+        partial = Path(work) / output.name
+        command = [compiler(), *options, *COMMON_FLAGS, *flags,
+                   "-I", str(HERE), "-I", str(INCLUDE_DIRECTORY),
                    "-o", str(partial), str(source)]
         result = subprocess.run(command, capture_output=True, text=True, cwd=work)
         if result.returncode != 0:
             raise CompileError(describe(result.stderr))
-        os.replace(partial, library)  # another process may have built the same library: either is fine
-    return library
+        os.replace(partial, output)
+    return output.read_text()
 
 
 def build_runtime():
     """The executor's runtime library, built on first use."""
     library = cache_directory() / f"runtime-{_fingerprint('runtime')}.so"
     code = (HERE / RUNTIME_SOURCE).read_text()
-    return _build(library, code, ("-pthread",), lambda log: "building the CPU executor's runtime failed:\n" + log)
+    return _build(library, code, ("-pthread",), lambda log: "building the CPU executor's runtime failed:\n" + log,
+                  cuda_headers=False)
 
 
-def build_kernel(translation_unit, flags, describe):
-    """A kernel library from the translation unit; `describe` turns the compiler's log into a message."""
+def build_kernel(translation_unit, flags, describe, for_race_check=False):
+    """A kernel library from the translation unit; `describe` turns the compiler's log into a message.
+    for_race_check: built so that its every memory access is reported to the runtime."""
+    if for_race_check:
+        extra = race_check_flags()
+        library = cache_directory() / f"kernel-races-{_fingerprint(translation_unit, *extra, *flags)}.so"
+        return _build(library, translation_unit, flags, describe, compile_flags=extra)
     library = cache_directory() / f"kernel-{_fingerprint(translation_unit, *flags)}.so"
     return _build(library, translation_unit, flags, describe)
+
+
+def thread_local_sizes(library):
+    """{symbol name: bytes} of the thread-local variables in a built library's symbol table: the
+    __shared__ variables of its kernels (a kernel's own are named _ZZ<length><kernel>E...). Empty where
+    the library is not 64-bit little-endian ELF."""
+    data = Path(library).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return {}
+    section_offset, = struct.unpack_from("<Q", data, 0x28)
+    section_size, section_count = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, section_offset + k * section_size) for k in range(section_count)]
+    sizes = {}
+    for _, kind, _, _, offset, size, link, _, _, entry_size in sections:
+        if kind != 2 or entry_size == 0:  # SHT_SYMTAB
+            continue
+        names_offset = sections[link][4]
+        for at in range(offset, offset + size, entry_size):
+            name_index, info, _, _, _, symbol_size = struct.unpack_from("<IBBHQQ", data, at)
+            if info & 0xF == 6:  # STT_TLS
+                end = data.index(b"\0", names_offset + name_index)
+                sizes[data[names_offset + name_index:end].decode()] = symbol_size
+    return sizes
