@@ -1,0 +1,172 @@
+"""Chapter 08's attention on a GPU: fused against naive against PyTorch, forward + backward, float32.
+
+    python -m bench.attention          prints a table and writes bench/attention.json
+
+GPT-2 small's shape, B = 8, H = 12, T = 1024, d = 64: the fused kernels (gpt2_cupy.ops.attention) and the
+naive version (batched matmuls and chapter 04's softmax, the (B, H, T, T) scores written out), both
+variants, and PyTorch's scaled_dot_product_attention(is_causal=True) in float32 with TF32 off, each timed
+forward alone and forward + backward. TFLOP/s counts the causal half of the four T x T x d products of
+the backward and the two of the forward that a causal kernel must do: 2 B H T² d FLOP forward (S and
+P V, each half of 2 B H T² d), 5 half-products in the backward (S and dP recomputed, dV, dK, and dQ).
+
+Then longer sequences, T = 4096, 8192, 16384 at the same B and H: the naive version needs two (B, H, T, T)
+float32 arrays (P, and dP, which becomes dS in place), 6.4 GB each at T = 4096 and 103 GB each at
+T = 16384; the fused one needs O(T) beyond its inputs. The naive one runs where its arrays fit the
+GPU and the kernels' int indexing (at most 2^31 elements), and the reason is recorded where they do not.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from gpt2_cupy import backend, benchmark
+from gpt2_cupy.ops.arrays import LARGEST_INT
+from gpt2_cupy.ops.attention import (attention_backward, attention_backward_naive, attention_forward,
+                                     attention_forward_naive)
+
+B, H, T, D = 8, 12, 1024, 64
+LONG_T = (4096, 8192, 16384)
+FLOAT = 4
+
+
+def causal_flop(T, products):
+    """FLOP of `products` causal T x T x d matrix products over all heads: half of 2 T² d each."""
+    return products * B * H * T * T * D
+
+
+def inputs(T, cupy):
+    random = cupy.random.default_rng(0)
+    return [random.standard_normal((B, H, T, D), dtype=cupy.float32) for _ in range(4)]  # q, k, v, dout
+
+
+def ours(T, cupy, variant):
+    """{name: function}: the fused and naive versions, forward alone and forward + backward."""
+    q, k, v, dout = inputs(T, cupy)
+
+    def fused_both():
+        out, lse = attention_forward(q, k, v, variant=variant)
+        attention_backward(dout, q, k, v, out, lse, variant=variant)
+
+    def naive_both():
+        _, p = attention_forward_naive(q, k, v, variant=variant)
+        attention_backward_naive(dout, q, k, v, p, variant=variant)
+
+    return {f"fused {variant}, forward": lambda: attention_forward(q, k, v, variant=variant),
+            f"fused {variant}, forward + backward": fused_both,
+            f"naive {variant}, forward": lambda: attention_forward_naive(q, k, v, variant=variant),
+            f"naive {variant}, forward + backward": naive_both}
+
+
+def torch_runs(T):
+    """{name: function} for PyTorch's scaled_dot_product_attention in float32, TF32 off; {} without torch."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", generator=generator, requires_grad=True) for _ in range(3))
+    dout = torch.randn(B, H, T, D, device="cuda", generator=generator)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def both():
+        q.grad = k.grad = v.grad = None
+        sdpa(q, k, v, is_causal=True).backward(dout)
+
+    def forward():
+        with torch.no_grad():
+            sdpa(q, k, v, is_causal=True)
+
+    return {"torch scaled_dot_product_attention, forward": forward,
+            "torch scaled_dot_product_attention, forward + backward": both}
+
+
+def flop_of(name, T):
+    return causal_flop(T, 2 if name.endswith(", forward") else 7)
+
+
+def measure_gpt2_shape(cupy):
+    seconds = {}
+    for variant in ("softmax", "relu"):
+        for name, run in ours(T, cupy, variant).items():
+            seconds[name] = benchmark.seconds_per_call(run, warmup=2, repeat=10)
+        cupy.get_default_memory_pool().free_all_blocks()
+    for name, run in torch_runs(T).items():
+        seconds[name] = benchmark.seconds_per_call(run, warmup=2, repeat=10)
+    return seconds
+
+
+def measure_long(cupy):
+    """{T: {name: seconds, or why it did not run}} for the softmax variant, forward + backward."""
+    _, gpu_bytes = cupy.cuda.runtime.memGetInfo()
+    results = {}
+    for long_T in LONG_T:
+        runs = ours(long_T, cupy, "softmax")
+        results[long_T] = {"fused softmax, forward + backward":
+                           benchmark.seconds_per_call(runs["fused softmax, forward + backward"], warmup=1, repeat=3)}
+        naive_bytes = 2 * B * H * long_T * long_T * FLOAT  # P and dP (dS in place)
+        name = "naive softmax, forward + backward"
+        if naive_bytes > gpu_bytes:
+            results[long_T][name] = (f"out of memory: P and dP need {naive_bytes / 1e9:.0f} GB, "
+                                     f"the GPU has {gpu_bytes / 1e9:.0f} GB")
+        elif B * H * long_T * long_T > LARGEST_INT:
+            results[long_T][name] = "not run: P has more than 2^31 elements, beyond the kernels' int indexing"
+        else:
+            try:
+                results[long_T][name] = benchmark.seconds_per_call(runs[name], warmup=1, repeat=3)
+            except cupy.cuda.memory.OutOfMemoryError:
+                results[long_T][name] = "out of memory"
+        del runs
+        cupy.get_default_memory_pool().free_all_blocks()
+    return results
+
+
+def measure():
+    if not benchmark.meaningful():
+        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    cupy = backend.xp
+    seconds = measure_gpt2_shape(cupy)
+    long = measure_long(cupy)
+    square_bytes = {t: B * H * t * t * FLOAT for t in (T, *LONG_T)}
+    return {**benchmark.measured_on(), "shape": {"B": B, "H": H, "T": T, "d": D},
+            "seconds": seconds,
+            "tflops": {name: benchmark.tflops(flop_of(name, T), s) for name, s in seconds.items()},
+            "long_sequences_seconds": {str(t): r for t, r in long.items()},
+            "bytes_of_one_B_H_T_T_array": {str(t): b for t, b in square_bytes.items()}}
+
+
+def report(measured):
+    seconds = measured["seconds"]
+    lines = [f"{measured['device']}, {measured['date']}: B={B} H={H} T={T} d={D}, float32"]
+    for name, s in seconds.items():
+        lines.append(f"  {name:<56s} {s * 1e3:8.2f} ms  {measured['tflops'][name]:6.1f} TFLOP/s")
+    fused = seconds["fused softmax, forward + backward"]
+    lines.append(f"  fused vs naive, forward + backward: {seconds['naive softmax, forward + backward'] / fused:.2f}x "
+                 "faster (target >= 3x)")
+    torch_name = "torch scaled_dot_product_attention, forward + backward"
+    if torch_name in seconds:
+        lines.append(f"  fused vs torch, forward + backward: {seconds[torch_name] / fused:.2f}x "
+                     "(target >= 1x: at least as fast)")
+    lines.append("  long sequences, softmax, forward + backward:")
+    for t, results in measured["long_sequences_seconds"].items():
+        square = measured["bytes_of_one_B_H_T_T_array"][t] / 1e9
+        cells = ", ".join(f"{name.split(' ')[0]} " + (f"{r * 1e3:.1f} ms" if isinstance(r, float) else r)
+                          for name, r in results.items())
+        lines.append(f"    T = {t:>5s}: {cells}   (one (B, H, T, T) array: {square:.1f} GB)")
+    return "\n".join(lines)
+
+
+def main():
+    measured = measure()
+    print(report(measured))
+    path = Path(__file__).with_suffix(".json")
+    benchmark.write_results(path, measured)
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

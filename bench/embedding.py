@@ -1,0 +1,144 @@
+"""Benchmark of chapter 06 (embedding) on a GPU: the lookup forward and the scatter-add backward.
+
+    python -m bench.embedding   writes bench/embedding.json (device, date, results) and prints a table
+
+Sizes are GPT-2 small's: V = 50257 tokens, C = 768 columns, T = 1024 positions, B·T = 8192 rows.
+Forward in GB/s (the N rows read from the table and the N rows written, plus the ids) against the
+device's copy bandwidth and torch.nn.functional.embedding. Backward in microseconds per call, at the
+same sizes, for every version of the chapter (atomicAdd, a thread per column, sorted groups: the package's
+embedding_backward, its sort included) and for PyTorch's embedding backward
+(aten.embedding_dense_backward, which returns a fresh gradient table: its time includes zeroing V·C
+floats, which ours, adding into an existing buffer, does not do). Ids are drawn two ways: uniformly from
+the vocabulary, and from a Zipf-like law as in text (a few ids take a large share of the positions), the
+harder case for one warp per id. Also: how many elements of dweight differ between two runs of the
+atomicAdd version, and of the sorted version, on the same inputs.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from gpt2_cupy import backend, benchmark, kernels
+from gpt2_cupy.ops.embedding import (embedding_backward, embedding_forward, sorted_position_keys,
+                                     token_position_embedding_backward, token_position_embedding_forward)
+
+V, C, T, B = 50257, 768, 1024, 8
+N = B * T
+FLOAT = 4
+CALLS_PER_TIMING = 10
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def seconds_per_call(run):
+    def calls():
+        for _ in range(CALLS_PER_TIMING):
+            run()
+    return benchmark.seconds_per_call(calls, warmup=2, repeat=10) / CALLS_PER_TIMING
+
+
+def text_like_ids(rng, count):
+    """Ids with Zipf's law over the vocabulary: the r-th most frequent id has probability ~ 1 / r."""
+    weights = 1.0 / np.arange(1, V + 1)
+    return rng.choice(V, size=count, p=weights / weights.sum()).astype(np.int32)
+
+
+def measure():
+    if not benchmark.meaningful():
+        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    cupy, torch = backend.xp, _torch()
+    rng = np.random.default_rng(0)
+    wte = cupy.asarray(rng.standard_normal((V, C), dtype=np.float32))
+    wpe = cupy.asarray(rng.standard_normal((T, C), dtype=np.float32))
+    dout = cupy.asarray(rng.standard_normal((B, T, C), dtype=np.float32))
+    out = cupy.empty((B, T, C), dtype=cupy.float32)
+    dwte, dwpe = cupy.zeros_like(wte), cupy.zeros_like(wpe)
+    id_draws = {"uniform": rng.integers(0, V, N).astype(np.int32), "text-like (Zipf)": text_like_ids(rng, N)}
+    steps = kernels.module("steps/embedding_backward")
+    lookup_bytes = 2 * N * C * FLOAT + N * 4
+    results = {"copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9, "forward_gb_per_s": {},
+               "backward_microseconds": {}, "elements_differing_between_two_runs": {}}
+    for draw, ids_host in id_draws.items():
+        ids = cupy.asarray(ids_host.reshape(B, T))
+        forward = {
+            "embedding_forward (float4)": (lookup_bytes, lambda: embedding_forward(ids, wte, out=out, check_ids=False)),
+            "token_position_embedding_forward (fused, float4)": (
+                lookup_bytes + T * C * FLOAT,
+                lambda: token_position_embedding_forward(ids, wte, wpe, out=out, check_ids=False)),
+            "embedding_forward with the id check (one sync)": (lookup_bytes, lambda: embedding_forward(ids, wte, out=out)),
+            "cupy wte[ids]": (lookup_bytes, lambda: cupy.take(wte, ids, axis=0, out=out)),
+        }
+        flat = ids.reshape(-1)
+        backward = {
+            "version 1: atomicAdd": lambda: steps.get_function("embedding_backward_atomic")(
+                ((N * C + 255) // 256,), (256,), (dwte, dout, flat, np.int32(N), np.int32(C))),
+            "version 2: a thread per column": lambda: steps.get_function("embedding_backward_per_column")(
+                ((C + 255) // 256,), (256,), (dwte, dout, flat, np.int32(N), np.int32(C))),
+            "version 3: embedding_backward (sorted, sort included)": lambda: embedding_backward(
+                dout, ids, dweight=dwte, check_ids=False),
+            "  of which the sort": lambda: sorted_position_keys(ids),
+            "token_position_embedding_backward (wte and wpe)": lambda: token_position_embedding_backward(
+                dout, ids, dwte=dwte, dwpe=dwpe, check_ids=False),
+        }
+        if torch is not None:
+            ids_torch = torch.from_dlpack(ids).long()
+            wte_torch, dout_torch = torch.from_dlpack(wte), torch.from_dlpack(dout)
+            forward["torch embedding"] = (lookup_bytes, lambda: torch.nn.functional.embedding(ids_torch, wte_torch))
+            backward["torch embedding backward (embedding_dense_backward)"] = (
+                lambda: torch.ops.aten.embedding_dense_backward(dout_torch, ids_torch, V, -1, False))
+
+            def torch_deterministic():
+                torch.use_deterministic_algorithms(True)
+                try:
+                    torch.ops.aten.embedding_dense_backward(dout_torch, ids_torch, V, -1, False)
+                finally:
+                    torch.use_deterministic_algorithms(False)
+            backward["torch embedding backward, deterministic mode"] = torch_deterministic
+        results["forward_gb_per_s"][draw] = {
+            name: benchmark.gigabytes_per_second(moved, seconds_per_call(run)) for name, (moved, run) in forward.items()}
+        results["backward_microseconds"][draw] = {name: seconds_per_call(run) * 1e6 for name, run in backward.items()}
+        differing = {}
+        for name in ("version 1: atomicAdd", "version 3: embedding_backward (sorted, sort included)"):
+            runs = []
+            for _ in range(2):
+                dwte.fill(0)
+                backward[name]()
+                runs.append(cupy.asnumpy(dwte))
+            differing[name] = int(np.count_nonzero(runs[0] != runs[1]))
+        results["elements_differing_between_two_runs"][draw] = differing
+    return {**benchmark.measured_on(), "V": V, "C": C, "T": T, "B": B, **results}
+
+
+def report(measured):
+    ceiling = measured["copy_bandwidth_gb_per_s"]
+    lines = [f"{measured['device']}, {measured['date']}: copy bandwidth {ceiling:.0f} GB/s; "
+             f"B·T = {measured['B'] * measured['T']}, V = {measured['V']}, C = {measured['C']}"]
+    for draw, rates in measured["forward_gb_per_s"].items():
+        lines.append(f"forward, {draw} ids:")
+        lines += [f"  {name:<55s} {rate:7.0f} GB/s  {rate / ceiling:6.1%} of copy" for name, rate in rates.items()]
+    for draw, times in measured["backward_microseconds"].items():
+        lines.append(f"backward, {draw} ids:")
+        lines += [f"  {name:<55s} {us:9.1f} µs" for name, us in times.items()]
+        for name, count in measured["elements_differing_between_two_runs"][draw].items():
+            lines.append(f"  two runs of {name}: {count} elements of dweight differ")
+    return "\n".join(lines)
+
+
+def main():
+    measured = measure()
+    print(report(measured))
+    path = Path(__file__).with_suffix(".json")
+    benchmark.write_results(path, measured)
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

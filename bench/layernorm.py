@@ -1,0 +1,127 @@
+"""Achieved bandwidth of chapter 05's LayerNorm and DyT kernels on a GPU, against the copy and PyTorch.
+
+    python -m bench.layernorm          prints a table and writes bench/layernorm.json
+
+At GPT-2's (B, T, C) = (8, 1024, 768). Bytes counted are what each kernel must move, N = B·T rows:
+  LayerNorm forward   read x, write y, mean, rstd          4 (2 N C + 2 N)
+  LayerNorm backward  read dout, x, mean, rstd, write dx   4 (3 N C + 2 N)
+  DyT forward         read x, write y                      4 (2 N C)
+  DyT backward        read dout, x, write dx               4 (3 N C)
+(the parameters, C floats, and the partial sums stay in the cache and are not counted). PyTorch's figures
+use the same byte counts for its kernels (aten native_layer_norm and native_layer_norm_backward, and
+`weight * tanh(alpha * x) + bias` as eager tensor expressions for DyT), so that GB/s compare times.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from gpt2_cupy import backend, benchmark, kernels
+from gpt2_cupy.ops import layernorm as layernorm_ops
+from gpt2_cupy.ops.dyt import dyt_backward, dyt_forward
+from gpt2_cupy.ops.layernorm import layernorm_backward, layernorm_forward
+
+B, T, C = 8, 1024, 768
+FLOAT = 4  # bytes
+CALLS_PER_TIMING = 10  # back to back, so that launching one call overlaps the previous call's work
+
+
+def seconds_per_call(run):
+    def calls():
+        for _ in range(CALLS_PER_TIMING):
+            run()
+    return benchmark.seconds_per_call(calls, warmup=2, repeat=20) / CALLS_PER_TIMING
+
+
+def candidates(cupy):
+    """{name: (bytes moved, function that runs it once)}."""
+    N = B * T
+    random = cupy.random.default_rng(0)
+    x = random.standard_normal((B, T, C), dtype=cupy.float32)
+    dout = random.standard_normal((B, T, C), dtype=cupy.float32)
+    weight = 1 + 0.1 * random.standard_normal(C, dtype=cupy.float32)
+    bias = 0.1 * random.standard_normal(C, dtype=cupy.float32)
+    alpha = cupy.full((1,), 0.5, dtype=cupy.float32)
+    y, dx = cupy.empty_like(x), cupy.empty_like(x)
+    dweight, dbias, dalpha = cupy.zeros_like(weight), cupy.zeros_like(bias), cupy.zeros_like(alpha)
+    _, mean, rstd = layernorm_forward(x, weight, bias, out=y)
+    forward_bytes, backward_bytes = FLOAT * (2 * N * C + 2 * N), FLOAT * (3 * N * C + 2 * N)
+    elementwise_forward, elementwise_backward = FLOAT * 2 * N * C, FLOAT * 3 * N * C
+
+    step = backend.RawKernel(kernels.source("steps/layernorm_forward_warp_per_row"), "layernorm_forward_warp_per_row")
+    rows = np.int32(N)
+
+    def scalar_loads():  # the package's kernel with one float per load: layernorm_forward<1, 32>
+        layernorm_ops._forward((1, 32), y, mean, rstd, x, weight, bias, N, C, 1e-5)
+
+    runs = {
+        "LayerNorm forward, a warp per row (step)": (forward_bytes, lambda: step(
+            (N // 8,), (256,), (y, mean, rstd, x, weight, rows, np.int32(C), np.float32(1e-5)))),
+        "LayerNorm forward, row in registers, float loads": (forward_bytes, scalar_loads),
+        "LayerNorm forward": (forward_bytes, lambda: layernorm_forward(x, weight, bias, out=y)),
+        "LayerNorm backward": (backward_bytes, lambda: layernorm_backward(
+            dout, x, weight, mean, rstd, dweight=dweight, dbias=dbias, out=dx)),
+        "DyT forward": (elementwise_forward, lambda: dyt_forward(x, alpha, weight, bias, out=y)),
+        "DyT backward": (elementwise_backward, lambda: dyt_backward(
+            dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias, out=dx)),
+    }
+    try:
+        import torch
+    except ImportError:
+        return runs
+    x_t, dout_t, weight_t, bias_t = (torch.from_dlpack(a) for a in (x, dout, weight, bias))
+    alpha_t = torch.from_dlpack(alpha)
+    _, mean_t, rstd_t = torch.ops.aten.native_layer_norm(x_t, (C,), weight_t, bias_t, 1e-5)
+    runs["torch LayerNorm forward (native_layer_norm)"] = (
+        forward_bytes, lambda: torch.ops.aten.native_layer_norm(x_t, (C,), weight_t, bias_t, 1e-5))
+    runs["torch LayerNorm backward (native_layer_norm_backward)"] = (
+        backward_bytes, lambda: torch.ops.aten.native_layer_norm_backward(
+            dout_t, x_t, (C,), mean_t, rstd_t, weight_t, bias_t, [True, True, True]))
+    runs["torch DyT forward (tensor expression)"] = (
+        elementwise_forward, lambda: weight_t * torch.tanh(alpha_t * x_t) + bias_t)
+    return runs
+
+
+def measure():
+    if not benchmark.meaningful():
+        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    cupy = backend.xp
+    results = {}
+    for name, (bytes_moved, run) in candidates(cupy).items():
+        seconds = seconds_per_call(run)
+        results[name] = {"gb_per_s": benchmark.gigabytes_per_second(bytes_moved, seconds), "microseconds": seconds * 1e6}
+    return {**benchmark.measured_on(), "copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9,
+            "shape": [B, T, C], "results": results}
+
+
+def report(measured):
+    ceiling = measured["copy_bandwidth_gb_per_s"]
+    lines = [f"{measured['device']}, {measured['date']}: copy bandwidth {ceiling:.0f} GB/s; (B, T, C) = "
+             f"{tuple(measured['shape'])}"]
+    results = measured["results"]
+    for name, value in results.items():
+        lines.append(f"  {name:<56s} {value['microseconds']:8.1f} µs {value['gb_per_s']:7.0f} GB/s "
+                     f"{value['gb_per_s'] / ceiling:6.1%} of copy")
+    ours = results["LayerNorm forward"]["microseconds"] + results["LayerNorm backward"]["microseconds"]
+    lines.append(f"  LayerNorm forward + backward: {ours:.1f} µs")
+    if "torch LayerNorm forward (native_layer_norm)" in results:
+        theirs = (results["torch LayerNorm forward (native_layer_norm)"]["microseconds"]
+                  + results["torch LayerNorm backward (native_layer_norm_backward)"]["microseconds"])
+        lines.append(f"  torch LayerNorm forward + backward: {theirs:.1f} µs")
+    dyt = results["DyT forward"]["microseconds"] + results["DyT backward"]["microseconds"]
+    lines.append(f"  DyT forward + backward: {dyt:.1f} µs")
+    return "\n".join(lines)
+
+
+def main():
+    measured = measure()
+    print(report(measured))
+    path = Path(__file__).with_suffix(".json")
+    benchmark.write_results(path, measured)
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

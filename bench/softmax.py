@@ -1,0 +1,116 @@
+"""Achieved bandwidth of chapter 04's softmax kernels on a GPU, against the copy, PyTorch and CuPy.
+
+    python -m bench.softmax          prints a table and writes bench/softmax.json
+
+Two shapes: GPT-2's attention scores, (B·H·T, T) = (8·12·1024, 1024), and its logits, (B·T, V) =
+(8·1024, 50257). Bytes counted are what each direction must move: the forward reads x and writes y
+(8 bytes per element), the backward reads dout and y and writes dx (12 bytes per element); the causal
+forward reads only the lower triangle (about half of x) and writes all of y. GB/s is those bytes over the
+median time per call, next to the device's copy bandwidth (benchmark.copy_bandwidth()). At the logits
+shape, the long-row kernels also run with three grids (one block per row; 1 or 2 blocks per multiprocessor,
+each looping over rows): the package uses softmax.LONG_ROW_BLOCKS_PER_MULTIPROCESSOR.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from gpt2_cupy import backend, benchmark
+from gpt2_cupy.ops import softmax as softmax_ops
+from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
+
+SHAPES = {"attention scores (8*12*1024, 1024)": (8 * 12 * 1024, 1024),
+          "logits (8*1024, 50257)": (8 * 1024, 50257)}
+FLOAT = 4  # bytes
+CALLS_PER_TIMING = 5  # back to back, so that launching one call overlaps the previous call's work
+
+
+def seconds_per_call(run):
+    def calls():
+        for _ in range(CALLS_PER_TIMING):
+            run()
+    return benchmark.seconds_per_call(calls, warmup=2, repeat=10) / CALLS_PER_TIMING
+
+
+def candidates(rows, columns, cupy):
+    """{name: (bytes moved, function that runs it once)} for a (rows, columns) float32 input."""
+    random = cupy.random.default_rng(0)
+    x = random.standard_normal((rows, columns), dtype=cupy.float32)
+    dout = random.standard_normal((rows, columns), dtype=cupy.float32)
+    y, dx = cupy.empty_like(x), cupy.empty_like(x)
+    elements = rows * columns
+    forward_bytes, backward_bytes = 2 * elements * FLOAT, 3 * elements * FLOAT
+    softmax_forward(x, out=y)
+    runs = {
+        "forward": (forward_bytes, lambda: softmax_forward(x, out=y)),
+        "backward": (backward_bytes, lambda: softmax_backward(dout, y, out=dx)),
+    }
+    if columns > softmax_ops.LONGEST_WARP_ROW:  # the long-row kernels' grid: blocks per multiprocessor
+        one, no_causal = np.float32(1.0), np.int32(0)
+        for per_multiprocessor, label in ((0, "one block per row"), (1, "1 block per SM"), (2, "2 blocks per SM")):
+            runs[f"forward, {label}"] = (forward_bytes, lambda p=per_multiprocessor: softmax_ops._forward(
+                y, x, rows, columns, one, no_causal, blocks_per_multiprocessor=p))
+            runs[f"backward, {label}"] = (backward_bytes, lambda p=per_multiprocessor: softmax_ops._backward(
+                dx, dout, y, rows, columns, one, blocks_per_multiprocessor=p))
+    if rows % columns == 0:  # square blocks of rows: the causal version applies
+        T = columns
+        read = rows // T * T * (T + 1) // 2 * FLOAT
+        x_square = x.reshape(rows // T, T, T)
+        y_square = y.reshape(rows // T, T, T)
+        runs["forward, causal"] = (read + elements * FLOAT,
+                                   lambda: softmax_forward(x_square, causal=True, out=y_square))
+
+    def cupy_softmax():
+        e = cupy.exp(x - x.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
+
+    runs["cupy: exp(x - max) / sum, forward"] = (forward_bytes, cupy_softmax)
+    runs["cupy: y * (dout - sum(dout * y)), backward"] = (
+        backward_bytes, lambda: y * (dout - (dout * y).sum(axis=-1, keepdims=True)))
+    try:
+        import torch
+    except ImportError:
+        return runs
+    x_torch, y_torch, dout_torch = (torch.from_dlpack(a) for a in (x, y, dout))
+    runs["torch.softmax, forward"] = (forward_bytes, lambda: torch.softmax(x_torch, dim=-1))
+    runs["torch softmax backward (_softmax_backward_data)"] = (
+        backward_bytes, lambda: torch._softmax_backward_data(dout_torch, y_torch, -1, torch.float32))
+    return runs
+
+
+def measure():
+    if not benchmark.meaningful():
+        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    cupy = backend.xp
+    results = {}
+    for label, (rows, columns) in SHAPES.items():
+        results[label] = {}
+        for name, (bytes_moved, run) in candidates(rows, columns, cupy).items():
+            results[label][name] = benchmark.gigabytes_per_second(bytes_moved, seconds_per_call(run))
+        cupy.get_default_memory_pool().free_all_blocks()
+    return {**benchmark.measured_on(), "copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9,
+            "shapes": {label: list(shape) for label, shape in SHAPES.items()}, "gb_per_s": results}
+
+
+def report(measured):
+    ceiling = measured["copy_bandwidth_gb_per_s"]
+    lines = [f"{measured['device']}, {measured['date']}: copy bandwidth {ceiling:.0f} GB/s"]
+    for label, results in measured["gb_per_s"].items():
+        lines.append(f"  {label}:")
+        for name, value in results.items():
+            lines.append(f"    {name:<50s} {value:7.0f} GB/s  {value / ceiling:6.1%} of copy")
+    return "\n".join(lines)
+
+
+def main():
+    measured = measure()
+    print(report(measured))
+    path = Path(__file__).with_suffix(".json")
+    benchmark.write_results(path, measured)
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+// LayerNorm over the last axis of float32 rows (GPT-2's ln_1, ln_2, ln_f), forward and backward.
+//   forward:  y = (x - mean) * rstd * weight + bias, rstd = 1 / sqrt(variance + eps), per row of C;
+//             mean and rstd are saved per row for the backward.
+//   backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = weight * dout, xhat = (x - mean) * rstd;
+//             dweight += sum over rows of dout * xhat, dbias += sum over rows of dout.
+// A warp per row, the row kept in registers, so that x (and dout) are read from memory once.
+// Lane `lane` holds the groups of WIDTH neighbouring columns that start at (lane + 32 k) WIDTH, k < K:
+// WIDTH = 4 moves them with one 16-byte load (C a multiple of 4, arrays 16-byte aligned), WIDTH = 1 with
+// one 4-byte load each. The template parameters are compile-time constants, so the loops unroll and the
+// arrays below live in registers. Launch with C <= 32 K WIDTH.
+
+#define WARP_SIZE 32
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float warp_sum(float value)
+{
+    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
+        value += __shfl_xor_sync(FULL_MASK, value, offset);
+    }
+    return value;
+}
+
+// WIDTH floats from source to destination, or zeros for a group past the end of the row.
+template <int WIDTH>
+__device__ __forceinline__ void load_group(float* destination, const float* source, bool inside)
+{
+    if (!inside) {
+        for (int w = 0; w < WIDTH; ++w) {
+            destination[w] = 0.0f;
+        }
+    } else if (WIDTH == 4) {
+        float4 group = *reinterpret_cast<const float4*>(source);
+        destination[0] = group.x;
+        destination[1] = group.y;
+        destination[2] = group.z;
+        destination[3] = group.w;
+    } else {
+        for (int w = 0; w < WIDTH; ++w) {
+            destination[w] = source[w];
+        }
+    }
+}
+
+template <int WIDTH>
+__device__ __forceinline__ void store_group(float* destination, const float* source)
+{
+    if (WIDTH == 4) {
+        *reinterpret_cast<float4*>(destination) = make_float4(source[0], source[1], source[2], source[3]);
+    } else {
+        for (int w = 0; w < WIDTH; ++w) {
+            destination[w] = source[w];
+        }
+    }
+}
+
+template <int WIDTH, int K>
+__global__ void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* weight,
+                                  const float* bias, int rows, int columns, float eps, int has_bias)
+{
+    int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE;
+    int lane = threadIdx.x % WARP_SIZE;
+    if (row >= rows) {
+        return;  // the whole warp leaves together: the shuffles below see all 32 lanes
+    }
+    const float* x_row = x + (long long)row * columns;
+    float* y_row = y + (long long)row * columns;
+
+    float values[K * WIDTH];
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int column = (lane + k * WARP_SIZE) * WIDTH;
+        load_group<WIDTH>(values + k * WIDTH, x_row + column, column < columns);
+#pragma unroll
+        for (int w = 0; w < WIDTH; ++w) {
+            sum += values[k * WIDTH + w];
+        }
+    }
+    float row_mean = warp_sum(sum) / columns;
+
+    // The variance from the deviations, a second pass over registers: E[x^2] - mean^2 would cancel when
+    // the mean is large against the spread.
+    float squares = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int column = (lane + k * WARP_SIZE) * WIDTH;
+#pragma unroll
+        for (int w = 0; w < WIDTH; ++w) {
+            float deviation = column < columns ? values[k * WIDTH + w] - row_mean : 0.0f;
+            squares += deviation * deviation;
+        }
+    }
+    float row_rstd = rsqrtf(warp_sum(squares) / columns + eps);
+
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int column = (lane + k * WARP_SIZE) * WIDTH;
+        if (column < columns) {
+            float scale[WIDTH], shift[WIDTH], result[WIDTH];
+            load_group<WIDTH>(scale, weight + column, true);
+            load_group<WIDTH>(shift, bias + column, has_bias != 0);
+#pragma unroll
+            for (int w = 0; w < WIDTH; ++w) {
+                result[w] = (values[k * WIDTH + w] - row_mean) * row_rstd * scale[w] + shift[w];
+            }
+            store_group<WIDTH>(y_row + column, result);
+        }
+    }
+    if (lane == 0) {
+        mean[row] = row_mean;
+        rstd[row] = row_rstd;
+    }
+}
+
+// Block b handles rows [b rows_per_block, (b + 1) rows_per_block), its warps taking turns. Each lane adds its
+// columns' dweight and dbias terms in registers; at the end the block's warps add theirs into shared memory
+// one warp after the other (a fixed order: the same sums on every run), and the block writes one row of
+// partial sums. column_sums_accumulate then adds the blocks' rows into dweight and dbias.
+// Dynamic shared memory: 2 * columns floats.
+template <int WIDTH, int K>
+__global__ void layernorm_backward(float* dx, float* weight_partials, float* bias_partials, const float* dout,
+                                   const float* x, const float* weight, const float* mean, const float* rstd,
+                                   int rows, int columns, int rows_per_block)
+{
+    extern __shared__ float shared[];
+    float* weight_sums = shared;
+    float* bias_sums = shared + columns;
+    int warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+
+    float scale[K * WIDTH], dweight[K * WIDTH], dbias[K * WIDTH];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int column = (lane + k * WARP_SIZE) * WIDTH;
+        load_group<WIDTH>(scale + k * WIDTH, weight + column, column < columns);
+#pragma unroll
+        for (int w = 0; w < WIDTH; ++w) {
+            dweight[k * WIDTH + w] = 0.0f;
+            dbias[k * WIDTH + w] = 0.0f;
+        }
+    }
+
+    int first = blockIdx.x * rows_per_block;
+    int last = min(first + rows_per_block, rows);
+    for (int row = first + warp; row < last; row += warps) {
+        long long start = (long long)row * columns;
+        float row_mean = mean[row], row_rstd = rstd[row];
+        float x_hat[K * WIDTH], g[K * WIDTH];
+        float g_sum = 0.0f, g_x_hat_sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int column = (lane + k * WARP_SIZE) * WIDTH;
+            float d[WIDTH];
+            load_group<WIDTH>(x_hat + k * WIDTH, x + start + column, column < columns);
+            load_group<WIDTH>(d, dout + start + column, column < columns);
+#pragma unroll
+            for (int w = 0; w < WIDTH; ++w) {
+                int i = k * WIDTH + w;
+                x_hat[i] = (x_hat[i] - row_mean) * row_rstd;  // recomputed, not stored by the forward
+                g[i] = scale[i] * d[w];                        // 0 past the row's end, where d is 0
+                g_sum += g[i];
+                g_x_hat_sum += g[i] * x_hat[i];
+                dweight[i] += d[w] * x_hat[i];
+                dbias[i] += d[w];
+            }
+        }
+        float g_mean = warp_sum(g_sum) / columns;
+        float g_x_hat_mean = warp_sum(g_x_hat_sum) / columns;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int column = (lane + k * WARP_SIZE) * WIDTH;
+            if (column < columns) {
+                float result[WIDTH];
+#pragma unroll
+                for (int w = 0; w < WIDTH; ++w) {
+                    int i = k * WIDTH + w;
+                    result[w] = row_rstd * (g[i] - g_mean - x_hat[i] * g_x_hat_mean);
+                }
+                store_group<WIDTH>(dx + start + column, result);
+            }
+        }
+    }
+
+    for (int turn = 0; turn < warps; ++turn) {
+        if (warp == turn) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                int column = (lane + k * WARP_SIZE) * WIDTH;
+                if (column < columns) {
+#pragma unroll
+                    for (int w = 0; w < WIDTH; ++w) {
+                        int i = k * WIDTH + w;
+                        weight_sums[column + w] = turn == 0 ? dweight[i] : weight_sums[column + w] + dweight[i];
+                        bias_sums[column + w] = turn == 0 ? dbias[i] : bias_sums[column + w] + dbias[i];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    for (int column = threadIdx.x; column < columns; column += blockDim.x) {
+        weight_partials[(long long)blockIdx.x * columns + column] = weight_sums[column];
+        bias_partials[(long long)blockIdx.x * columns + column] = bias_sums[column];
+    }
+}
+
+// sums[c] += sum over p of partials[p][c], for partials of shape (parts, columns): the finishing step of a
+// deterministic column sum. Blocks of (32, 32) threads: threadIdx.x picks a column, the 32 rows of threads
+// each add every 32nd part, then row 0 adds the 32 results in order.
+extern "C" __global__ void column_sums_accumulate(float* sums, const float* partials, int parts, int columns)
+{
+    __shared__ float stripes[WARP_SIZE][WARP_SIZE + 1];  // +1: no two threads of a warp share a bank
+    int column = blockIdx.x * WARP_SIZE + threadIdx.x;
+    float sum = 0.0f;
+    if (column < columns) {
+        for (int part = threadIdx.y; part < parts; part += blockDim.y) {
+            sum += partials[(long long)part * columns + column];
+        }
+    }
+    stripes[threadIdx.y][threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.y == 0 && column < columns) {
+        float total = 0.0f;
+        for (int stripe = 0; stripe < blockDim.y; ++stripe) {
+            total += stripes[stripe][threadIdx.x];
+        }
+        sums[column] += total;  // add, not set: a parameter's gradient accumulates
+    }
+}

@@ -1,0 +1,180 @@
+"""Causal self-attention on float32 heads, forward and backward (chapter 08).
+
+    out, lse = attention_forward(q, k, v, causal=True, variant="softmax")
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=True, variant="softmax")
+
+q, k, v: (..., T, d), any leading axes (GPT-2: (B, H, T, d)), d = 32 or 64. The scores are S = q kᵀ / √d;
+causal=True lets query t see keys 0..t.
+    variant="softmax":  out = softmax(S) v; lse, the log-sum-exp of each row of S, (..., T), is saved for
+                        the backward.
+    variant="relu":     out = ReLU(S) v on the visible keys, no normalisation; lse is None.
+
+These are the fused kernels (kernels/attention.cu): S and P = softmax(S) are never written to memory, so
+the only memory beyond the inputs and outputs is lse and the backward's row sums, O(T) per head. The
+backward recomputes P from lse; dk and dv come from one kernel, dq from a second, each row summed by one
+thread in a fixed order (no atomics): the same bits on every run.
+
+attention_forward_naive / attention_backward_naive compute the same thing from chapter 01's batched
+matmul and chapter 04's softmax, writing the (..., T, T) scores and probabilities: the version the fused
+one is measured against, and a second, independent check of it.
+"""
+
+import math
+
+import numpy as np
+
+from gpt2_cupy import backend, kernels
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output
+from gpt2_cupy.ops.matmul import batched_matmul
+from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
+
+TILE = 64                  # queries (or keys) per block, keys (or queries) per tile: kernels/attention.cu
+THREADS = 256              # eight warps
+PAD = 4                    # floats of padding after each row of a tile in shared memory
+FLOAT = 4                  # bytes
+HEAD_SIZES = (32, 64)      # d, a template parameter of the kernels
+VARIANTS = ("softmax", "relu")
+ROWDOT_WARPS_PER_BLOCK = 8
+LARGEST_GRID_Y = 65535
+
+
+# The tiles each kernel keeps in shared memory: (tiles of TILE x (d + PAD) floats, tiles of TILE x TILE).
+_TILES = {"attention_forward": (3, 1), "attention_backward_dk_dv": (4, 2), "attention_backward_dq": (4, 1)}
+
+
+def _shared_bytes(name, d):
+    rows_tiles, square_tiles = _TILES[name]
+    return (rows_tiles * TILE * (d + PAD) + square_tiles * TILE * TILE) * FLOAT
+
+
+def _kernel(name, d, variant):
+    """(kernel, bytes of shared memory it needs): one module per instantiation, so that a run compiles
+    only the versions it uses."""
+    full_name = f"{name}<{d}, {'true' if variant == 'relu' else 'false'}>"
+    kernel = kernels.function("attention", full_name, name_expressions=(full_name,))
+    shared = _shared_bytes(name, d)
+    if kernel.max_dynamic_shared_size_bytes < shared:
+        # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
+        kernel.max_dynamic_shared_size_bytes = shared
+    return kernel, shared
+
+
+def _check_options(operation, variant, d):
+    if variant not in VARIANTS:
+        raise ValueError(f"{operation}: variant must be one of {VARIANTS}, got {variant!r}")
+    if d not in HEAD_SIZES:
+        raise ValueError(f"{operation}: the head size d (the last axis of q, k, v) must be one of {HEAD_SIZES}, "
+                         f"got {d}")
+
+
+def _heads_and_tiles(operation, sizes):
+    heads, T = math.prod(sizes["..."]), sizes["T"]
+    if ceil_div(T, TILE) > LARGEST_GRID_Y:
+        raise ValueError(f"{operation}: T = {T} is too long for one launch (at most {LARGEST_GRID_Y * TILE})")
+    return heads, T
+
+
+def attention_forward(q, k, v, *, causal=True, variant="softmax", out=None):
+    """(out, lse): attention of queries q over keys k and values v, all (..., T, d); lse is None for "relu"."""
+    name = "attention_forward"
+    sizes = check(name, q=(q, ("...", "T", "d")), k=(k, ("...", "T", "d")), v=(v, ("...", "T", "d")))
+    _check_options(name, variant, sizes["d"])
+    heads, T = _heads_and_tiles(name, sizes)
+    out = output(name, out, q.shape)
+    lse = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
+    _forward(out, lse, q, k, v, heads, T, sizes["d"], causal, variant)
+    return out, lse
+
+
+def _forward(out, lse, q, k, v, heads, T, d, causal, variant):
+    if heads * T == 0:
+        return
+    # The ReLU variant has no lse: the kernel never touches that pointer, so out stands in for it.
+    kernel, shared = _kernel("attention_forward", d, variant)
+    kernel((heads, ceil_div(T, TILE)), (THREADS,),
+           (out, lse if lse is not None else out, q, k, v, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax"):
+    """(dq, dk, dv): the gradients of q, k, v, given dout = dL/dout and the forward's out and lse."""
+    name = "attention_backward"
+    pattern = ("...", "T", "d")
+    sizes = check(name, dout=(dout, pattern), q=(q, pattern), k=(k, pattern), v=(v, pattern), out=(out, pattern),
+                  lse=(lse, ("...", "T")))
+    _check_options(name, variant, sizes["d"])
+    if variant == "softmax" and lse is None:
+        raise ValueError(f"{name}: the softmax variant needs the lse that attention_forward returned")
+    heads, T = _heads_and_tiles(name, sizes)
+    dq, dk, dv = (backend.xp.empty(q.shape, dtype=np.float32) for _ in range(3))
+    rowdot = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
+    _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, sizes["d"], causal, variant)
+    return dq, dk, dv
+
+
+def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, d, causal, variant):
+    if heads * T == 0:
+        return
+    causal = np.int32(bool(causal))
+    if variant == "softmax":
+        rows = heads * T
+        kernels.function("attention", "attention_backward_rowdot")(
+            (ceil_div(rows, ROWDOT_WARPS_PER_BLOCK),), (ROWDOT_WARPS_PER_BLOCK * 32,),
+            (rowdot, dout, out, np.int32(rows), np.int32(d)))
+    else:  # the ReLU kernels never read lse or rowdot: dout stands in for both pointers
+        lse = rowdot = dout
+    grid = (heads, ceil_div(T, TILE))
+    kernel, shared = _kernel("attention_backward_dk_dv", d, variant)
+    kernel(grid, (THREADS,), (dk, dv, dout, q, k, v, lse, rowdot, np.int32(T), causal), shared_mem=shared)
+    kernel, shared = _kernel("attention_backward_dq", d, variant)
+    kernel(grid, (THREADS,), (dq, dout, q, k, v, lse, rowdot, np.int32(T), causal), shared_mem=shared)
+
+
+# ---- The naive version: scores and probabilities written out, (..., T, T) each ----
+
+def _three_axes(array):
+    """The (heads, rows, columns) view of a (..., rows, columns) array, for batched_matmul."""
+    return array.reshape(-1, *array.shape[-2:])
+
+
+def attention_forward_naive(q, k, v, *, causal=True, variant="softmax"):
+    """(out, p): the same result as attention_forward, and the probabilities P, (..., T, T), it wrote."""
+    name = "attention_forward_naive"
+    sizes = check(name, q=(q, ("...", "T", "d")), k=(k, ("...", "T", "d")), v=(v, ("...", "T", "d")))
+    _check_options(name, variant, sizes["d"])
+    T, scale = sizes["T"], 1.0 / math.sqrt(sizes["d"])
+    scores = batched_matmul(_three_axes(q), _three_axes(k), transpose_b=True)    # q kᵀ, not yet scaled
+    if variant == "softmax":
+        p = softmax_forward(scores, scale=scale, causal=causal, out=scores)       # in place: S is not needed again
+    else:
+        p = scores
+        n = p.size
+        if n:
+            kernels.function("steps/attention_relu_naive", "relu_scores_forward")(
+                (ceil_div(n, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+                (p, scores, np.int32(n), np.int32(T), np.float32(scale), np.int32(bool(causal))))
+    out = batched_matmul(p, _three_axes(v))
+    return out.reshape(q.shape), p.reshape(*q.shape[:-1], T)
+
+
+def attention_backward_naive(dout, q, k, v, p, *, variant="softmax"):
+    """(dq, dk, dv) from the graph of the naive forward, given its probabilities p (masked ones are 0)."""
+    name = "attention_backward_naive"
+    pattern = ("...", "T", "d")
+    sizes = check(name, dout=(dout, pattern), q=(q, pattern), k=(k, pattern), v=(v, pattern),
+                  p=(p, ("...", "T", "T")))
+    _check_options(name, variant, sizes["d"])
+    scale = 1.0 / math.sqrt(sizes["d"])
+    dout3, q3, k3, v3, p3 = (_three_axes(a) for a in (dout, q, k, v, p))
+    dv = batched_matmul(p3, dout3, transpose_a=True)          # dV = Pᵀ dO
+    dp = batched_matmul(dout3, v3, transpose_b=True)          # dP = dO Vᵀ, (..., T, T)
+    if variant == "softmax":
+        ds = softmax_backward(dp, p3, scale=scale, out=dp)    # dS = scale P ⊙ (dP - rowsum(dP ⊙ P)), in place
+    else:
+        ds, n = dp, dp.size
+        if n:
+            kernels.function("steps/attention_relu_naive", "relu_scores_backward")(
+                (ceil_div(n, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+                (ds, dp, p3, np.int32(n), np.float32(scale)))
+    dq = batched_matmul(ds, k3)                               # dQ = dS K   (the scale is already in dS)
+    dk = batched_matmul(ds, q3, transpose_a=True)             # dK = dSᵀ Q
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

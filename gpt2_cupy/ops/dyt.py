@@ -1,0 +1,68 @@
+"""DyT, Dynamic Tanh (Zhu, Chen, He, LeCun and Liu, 2025), forward and backward, on float32 arrays (chapter 05).
+
+    y = dyt_forward(x, alpha, weight, bias)          weight * tanh(alpha * x) + bias
+    dx = dyt_backward(dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias)
+
+A drop-in replacement for LayerNorm with no row statistics. Shapes: x, y, dout, dx (..., C); weight and
+bias (C,), bias may be None; alpha, the learnable scale of the input, a float32 device array of shape (1,)
+(a device array, not a Python number: it changes at every optimizer step, and the kernels read it where it
+lives). The backward returns dx and ADDS into dalpha (shape (1,)), dweight and dbias (may be None),
+deterministically: per-block partial sums, then a fixed-order sum (kernels/dyt.cu).
+"""
+
+import math
+
+import numpy as np
+
+from gpt2_cupy import backend, kernels
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output
+from gpt2_cupy.ops.layernorm import (BACKWARD_WARPS_PER_BLOCK, GROUPS_PER_LANE, WARP_SIZE, add_column_sums,
+                                     backward_blocks, require_gradient_buffers, row_layout)
+
+NAMES = tuple(f"dyt_backward<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
+
+
+def _kernel(name):
+    return kernels.function("dyt", name, name_expressions=NAMES)
+
+
+def dyt_forward(x, alpha, weight, bias, *, out=None):
+    """y = weight * tanh(alpha * x) + bias, weight and bias along the last axis."""
+    sizes = check("dyt_forward", x=(x, ("...", "C")), alpha=(alpha, (1,)), weight=(weight, ("C",)),
+                  bias=(bias, ("C",)))
+    out = output("dyt_forward", out, x.shape)
+    n, columns = x.size, sizes["C"]
+    if n == 0:
+        return out
+    arrays = (out, x, alpha, weight, weight if bias is None else bias)
+    vectors = columns % 4 == 0 and all(backend.address(a) % 16 == 0 for a in (out, x, weight, arrays[4]))
+    name, threads = ("dyt_forward_float4", n // 4) if vectors else ("dyt_forward", n)
+    _kernel(name)((ceil_div(threads, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+                  (*arrays, np.int32(n), np.int32(columns), np.int32(bias is not None)))
+    return out
+
+
+def dyt_backward(dout, x, alpha, weight, *, dalpha, dweight, dbias=None, out=None):
+    """dx = dout * weight * alpha * (1 - tanh(alpha x)^2); adds into dalpha, dweight, dbias. Returns dx."""
+    require_gradient_buffers("dyt_backward", dalpha=dalpha, dweight=dweight)
+    sizes = check("dyt_backward", dout=(dout, ("...", "C")), x=(x, ("...", "C")), alpha=(alpha, (1,)),
+                  weight=(weight, ("C",)), dalpha=(dalpha, (1,)), dweight=(dweight, ("C",)), dbias=(dbias, ("C",)))
+    out = output("dyt_backward", out, x.shape)
+    rows, columns = math.prod(sizes["..."]), sizes["C"]
+    width, k = row_layout("dyt_backward", columns, (dout, x, out, weight))
+    if rows == 0 or columns == 0:
+        return out
+    blocks, rows_per_block = backward_blocks(rows)
+    partials = backend.xp.empty((2 * blocks * columns + blocks,), dtype=np.float32)
+    weight_partials = partials[:blocks * columns].reshape(blocks, columns)
+    bias_partials = partials[blocks * columns:2 * blocks * columns].reshape(blocks, columns)
+    alpha_partials = partials[2 * blocks * columns:].reshape(blocks, 1)
+    _kernel(f"dyt_backward<{width}, {k}>")(
+        (blocks,), (BACKWARD_WARPS_PER_BLOCK * WARP_SIZE,),
+        (out, weight_partials, bias_partials, alpha_partials, dout, x, alpha, weight, np.int32(rows),
+         np.int32(columns), np.int32(rows_per_block)), shared_mem=2 * columns * 4)
+    add_column_sums(dweight, weight_partials)
+    add_column_sums(dalpha, alpha_partials)
+    if dbias is not None:
+        add_column_sums(dbias, bias_partials)
+    return out

@@ -1,0 +1,125 @@
+"""LayerNorm over the last axis, forward and backward, on float32 arrays (chapter 05).
+
+    y, mean, rstd = layernorm_forward(x, weight, bias, eps=1e-5)
+    dx = layernorm_backward(dout, x, weight, mean, rstd, dweight=dweight, dbias=dbias)
+
+Shapes: x, y, dout, dx (..., C), in GPT-2 (B, T, C); weight and bias (C,), bias may be None; mean and rstd
+(...,), one per row, saved by the forward for the backward (rstd = 1 / sqrt(variance + eps)). The backward
+returns dx and ADDS the parameter gradients into dweight and dbias (dbias may be None), deterministically:
+the same sums, bit for bit, on every run.
+
+Kernels (kernels/layernorm.cu): a warp per row, the row in registers. When C is a multiple of 4 (at most
+2048) and the arrays are 16-byte aligned, lanes move four floats per load (layernorm_forward<4, K>);
+otherwise one (layernorm_forward<1, K>, C at most 1024). The backward's blocks write one row of partial
+column sums each, and column_sums_accumulate adds them up in a fixed order.
+"""
+
+import math
+
+import numpy as np
+
+from gpt2_cupy import backend, kernels
+from gpt2_cupy.ops.arrays import ceil_div, check, output
+
+WARP_SIZE = 32
+WARPS_PER_BLOCK = 8            # forward: 256 threads, eight rows at a time per block
+GROUPS_PER_LANE = {4: (1, 2, 3, 4, 6, 8, 12, 16), 1: (1, 2, 4, 8, 16, 32)}   # K, by WIDTH
+# The backward holds five arrays of 4K floats per lane in registers (about 170 registers per thread at
+# C = 768): blocks of 4 warps, 3 of them resident per multiprocessor, one wave of blocks that each write a
+# row of partial sums (more blocks would mean more partial sums to add up).
+BACKWARD_WARPS_PER_BLOCK = 4
+BLOCKS_PER_MULTIPROCESSOR = 3
+
+
+def _names(kernel):
+    return tuple(f"{kernel}<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
+
+
+NAMES = _names("layernorm_forward") + _names("layernorm_backward")
+
+
+def row_layout(operation, columns, arrays):
+    """(WIDTH, K) of the warp-per-row kernels for rows of `columns`: float4 groups when they fit and align."""
+    aligned = all(backend.address(a) % 16 == 0 for a in arrays if a is not None)
+    for width in (4, 1):
+        if width == 4 and (columns % 4 or not aligned):
+            continue
+        for k in GROUPS_PER_LANE[width]:
+            if WARP_SIZE * k * width >= columns:
+                return width, k
+    raise ValueError(f"{operation}: rows of C = {columns} are longer than the kernels hold in registers "
+                     f"(at most {WARP_SIZE * 4 * GROUPS_PER_LANE[4][-1]} when C is a multiple of 4, "
+                     f"{WARP_SIZE * GROUPS_PER_LANE[1][-1]} otherwise)")
+
+
+def require_gradient_buffers(operation, **buffers):
+    """A TypeError naming the argument when a parameter gradient buffer, which the caller must own, is None."""
+    for name, buffer in buffers.items():
+        if buffer is None:
+            raise TypeError(f"{operation}: {name} is None; pass the parameter's gradient buffer, into which the "
+                            "gradient is added")
+
+
+def _kernel(name):
+    return kernels.function("layernorm", name, name_expressions=NAMES)
+
+
+def layernorm_forward(x, weight, bias, *, eps=1e-5, out=None):
+    """y = (x - mean) * rstd * weight + bias over the last axis; returns (y, mean, rstd)."""
+    sizes = check("layernorm_forward", x=(x, ("...", "C")), weight=(weight, ("C",)), bias=(bias, ("C",)))
+    out = output("layernorm_forward", out, x.shape)
+    rows, columns = math.prod(sizes["..."]), sizes["C"]
+    layout = row_layout("layernorm_forward", columns, (x, out, weight, bias))
+    mean = backend.xp.empty(sizes["..."], dtype=np.float32)
+    rstd = backend.xp.empty(sizes["..."], dtype=np.float32)
+    if rows and columns:
+        _forward(layout, out, mean, rstd, x, weight, bias, rows, columns, eps)
+    return out, mean, rstd
+
+
+def layernorm_backward(dout, x, weight, mean, rstd, *, dweight, dbias=None, out=None):
+    """dx of LayerNorm; dweight += sum(dout * xhat), dbias += sum(dout) over all rows. Returns dx."""
+    require_gradient_buffers("layernorm_backward", dweight=dweight)
+    sizes = check("layernorm_backward", dout=(dout, ("...", "C")), x=(x, ("...", "C")), weight=(weight, ("C",)),
+                  mean=(mean, ("...",)), rstd=(rstd, ("...",)), dweight=(dweight, ("C",)), dbias=(dbias, ("C",)))
+    out = output("layernorm_backward", out, x.shape)
+    rows, columns = math.prod(sizes["..."]), sizes["C"]
+    layout = row_layout("layernorm_backward", columns, (dout, x, out, weight))
+    if rows and columns:
+        _backward(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns)
+    return out
+
+
+def _forward(layout, out, mean, rstd, x, weight, bias, rows, columns, eps):
+    width, k = layout
+    kernel = _kernel(f"layernorm_forward<{width}, {k}>")
+    kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
+           (out, mean, rstd, x, weight, weight if bias is None else bias, np.int32(rows), np.int32(columns),
+            np.float32(eps), np.int32(bias is not None)))
+
+
+def backward_blocks(rows):
+    """(blocks, rows per block) of the backward: enough blocks to fill the GPU, each a row of partial sums."""
+    blocks = min(ceil_div(rows, BACKWARD_WARPS_PER_BLOCK), BLOCKS_PER_MULTIPROCESSOR * backend.multiprocessor_count())
+    rows_per_block = ceil_div(rows, blocks)
+    return ceil_div(rows, rows_per_block), rows_per_block
+
+
+def add_column_sums(sums, partials):
+    """sums += partials summed over its first axis, in a fixed order (kernels/layernorm.cu)."""
+    parts, columns = partials.shape
+    _kernel("column_sums_accumulate")((ceil_div(columns, WARP_SIZE),), (WARP_SIZE, WARP_SIZE),
+                                      (sums, partials, np.int32(parts), np.int32(columns)))
+
+
+def _backward(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns):
+    width, k = layout
+    blocks, rows_per_block = backward_blocks(rows)
+    partials = backend.xp.empty((2, blocks, columns), dtype=np.float32)  # dweight's, then dbias's
+    kernel = _kernel(f"layernorm_backward<{width}, {k}>")
+    kernel((blocks,), (BACKWARD_WARPS_PER_BLOCK * WARP_SIZE,),
+           (out, partials[0], partials[1], dout, x, weight, mean, rstd, np.int32(rows), np.int32(columns),
+            np.int32(rows_per_block)), shared_mem=2 * columns * 4)
+    add_column_sums(dweight, partials[0])
+    if dbias is not None:
+        add_column_sums(dbias, partials[1])

@@ -1,0 +1,97 @@
+"""Softmax over the last axis, forward and backward, on float32 arrays (chapter 04).
+
+    y = softmax_forward(x, scale=1.0, causal=False)    softmax(scale * x) along the last axis
+    dx = softmax_backward(dout, y, scale=1.0)           dout's gradient pushed back through it
+
+Any shape (..., C) works: in GPT-2, attention scores (B, H, T, T) with scale 1/sqrt(head size), and the
+logits (B, T, V). causal=True takes x of shape (..., T, T) and lets row t see columns 0..t only: the
+kernels skip the masked upper triangle instead of reading it, and write 0 there. The backward needs no
+causal flag: y is 0 in the masked triangle, and so is dx.
+
+Rows of at most 1024 elements go to a warp per row, the row held in registers (kernels/softmax.cu,
+softmax_forward_warp<K> with K = 1, 2, 4, ..., 32 elements per lane); longer rows to a block of 1024 threads
+per row and the online softmax (a grid of one block per multiprocessor, each looping over rows).
+`out=` writes into an existing array, which may be the input itself.
+"""
+
+import numpy as np
+
+from gpt2_cupy import backend, kernels
+from gpt2_cupy.ops.arrays import ceil_div, check, output
+
+WARP_SIZE = 32
+WARPS_PER_BLOCK = 8             # rows per block for the warp kernels: 256 threads
+ELEMENTS_PER_LANE = (1, 2, 4, 8, 16, 32)
+LONGEST_WARP_ROW = WARP_SIZE * ELEMENTS_PER_LANE[-1]   # 1024: longer rows take a block each
+THREADS_PER_LONG_ROW = 1024
+# Long rows: a grid of this many blocks per multiprocessor, each looping over rows, rather than one block
+# per row. Fewer rows in flight (132 rows of 50257 floats are 27 MB) let the output pass find its row still
+# in the L2 cache (50 MB on an H100); bench/softmax.py measures 1, 2 and one block per row.
+LONG_ROW_BLOCKS_PER_MULTIPROCESSOR = 1
+
+
+def _names(direction):
+    return tuple(f"softmax_{direction}_warp<{k}>" for k in ELEMENTS_PER_LANE)
+
+
+_NAMES = _names("forward") + _names("backward")
+
+
+def _warp_kernel(direction, columns):
+    k = next(k for k in ELEMENTS_PER_LANE if WARP_SIZE * k >= columns)
+    return kernels.function("softmax", f"softmax_{direction}_warp<{k}>", name_expressions=_NAMES)
+
+
+def softmax_forward(x, *, scale=1.0, causal=False, out=None):
+    """softmax(scale * x) along the last axis; causal: x is (..., T, T) and row t keeps columns <= t."""
+    sizes = check("softmax_forward", x=(x, ("...", "C")))
+    if causal and (x.ndim < 2 or x.shape[-2] != x.shape[-1]):
+        raise ValueError(f"softmax_forward: causal=True needs x of shape (..., T, T), got {x.shape}")
+    out = output("softmax_forward", out, x.shape)
+    rows, columns = x.size // max(sizes["C"], 1), sizes["C"]
+    _forward(out, x, rows, columns, np.float32(scale), np.int32(bool(causal)))
+    return out
+
+
+def softmax_backward(dout, y, *, scale=1.0, out=None):
+    """dx = scale * y * (dout - sum(dout * y)) along the last axis; y is the forward's output."""
+    sizes = check("softmax_backward", dout=(dout, ("...", "C")), y=(y, ("...", "C")))
+    out = output("softmax_backward", out, y.shape)
+    rows, columns = y.size // max(sizes["C"], 1), sizes["C"]
+    _backward(out, dout, y, rows, columns, np.float32(scale))
+    return out
+
+
+def long_row_blocks(rows, blocks_per_multiprocessor=None):
+    """How many blocks the long-row kernels launch; blocks_per_multiprocessor=0 means one block per row."""
+    per_multiprocessor = (LONG_ROW_BLOCKS_PER_MULTIPROCESSOR if blocks_per_multiprocessor is None
+                          else blocks_per_multiprocessor)
+    if per_multiprocessor == 0:
+        return rows
+    return min(rows, per_multiprocessor * backend.multiprocessor_count())
+
+
+def _forward(out, x, rows, columns, scale, causal, blocks_per_multiprocessor=None):
+    if rows == 0 or columns == 0:
+        return
+    if columns <= LONGEST_WARP_ROW:
+        kernel = _warp_kernel("forward", columns)
+        kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
+               (out, x, np.int32(rows), np.int32(columns), scale, causal))
+    else:
+        kernel = kernels.function("softmax", "softmax_forward_block", name_expressions=_NAMES)
+        kernel((long_row_blocks(rows, blocks_per_multiprocessor),), (THREADS_PER_LONG_ROW,),
+               (out, x, np.int32(rows), np.int32(columns), scale, causal))
+
+
+def _backward(out, dout, y, rows, columns, scale, blocks_per_multiprocessor=None):
+    if rows == 0 or columns == 0:
+        return
+    if columns <= LONGEST_WARP_ROW:
+        kernel = _warp_kernel("backward", columns)
+        kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
+               (out, dout, y, np.int32(rows), np.int32(columns), scale))
+    else:
+        kernel = kernels.function("softmax", "softmax_backward_block", name_expressions=_NAMES)
+        kernel((long_row_blocks(rows, blocks_per_multiprocessor),), (THREADS_PER_LONG_ROW,),
+               (out, dout, y, np.int32(rows), np.int32(columns), scale))

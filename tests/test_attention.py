@@ -1,0 +1,193 @@
+"""Causal self-attention (chapter 08): gpt2_cupy.ops.attention, fused and naive, softmax and ReLU variants.
+
+Every result is compared with a float64 numpy reference, whose backward is itself checked against central
+finite differences; the fused kernels' gradients are also checked against finite differences directly.
+Sequence lengths 1, 17, 65 and 1000 are not multiples of the kernels' 64-row tiles; head sizes 32 and 64
+are the two the kernels are built for. The error measure is max |result - reference| / max |reference|.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from gpt2_cupy import backend
+from gpt2_cupy.ops.attention import (TILE, attention_backward, attention_backward_naive, attention_forward,
+                                     attention_forward_naive)
+from gpt2_cupy.testing import finite_difference_gradient, relative_error, torch_or_none
+
+TOLERANCE = 1e-5
+VARIANTS = ("softmax", "relu")
+
+
+def reference_forward(q, k, v, causal=True, variant="softmax"):
+    """(out, P) in float64: S = q kᵀ / √d; softmax or ReLU of S on the visible keys; out = P v."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    T, d = q.shape[-2:]
+    scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(d)
+    visible = np.tril(np.ones((T, T), bool)) if causal else np.ones((T, T), bool)
+    if variant == "softmax":
+        scores = np.where(visible, scores, -np.inf)
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+    else:
+        p = np.where(visible, np.maximum(scores, 0.0), 0.0)
+    return p @ v, p
+
+
+def reference_backward(dout, q, k, v, causal=True, variant="softmax"):
+    """(dq, dk, dv) in float64, from the graph: dV = Pᵀ dO, dP = dO Vᵀ, dS, dQ = dS K / √d, dK = dSᵀ Q / √d."""
+    dout, q, k, v = (np.asarray(a, np.float64) for a in (dout, q, k, v))
+    _, p = reference_forward(q, k, v, causal, variant)
+    dv = np.swapaxes(p, -1, -2) @ dout
+    dp = dout @ np.swapaxes(v, -1, -2)
+    if variant == "softmax":
+        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    else:
+        ds = np.where(p > 0, dp, 0.0)  # ReLU's derivative: 1 where the (visible) score is positive
+    ds /= math.sqrt(q.shape[-1])
+    return ds @ k, np.swapaxes(ds, -1, -2) @ q, dv
+
+
+def random_inputs(rng, shape):
+    return [rng.normal(size=shape).astype(np.float32) for _ in range(4)]  # q, k, v, dout
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_backward_matches_finite_differences(rng, variant, causal):
+    q, k, v, dout = (a.astype(np.float64) for a in random_inputs(rng, (2, 5, 3)))
+
+    def loss():
+        return float((dout * reference_forward(q, k, v, causal, variant)[0]).sum())
+
+    expected = reference_backward(dout, q, k, v, causal, variant)
+    for array, gradient in zip((q, k, v), expected):
+        assert relative_error(gradient, finite_difference_gradient(loss, array)) < 1e-7
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("d", [32, 64])
+def test_fused_gradients_match_finite_differences(rng, to_device, to_host, variant, d):
+    T = 5
+    q, k, v, dout = random_inputs(rng, (1, T, d))
+    out, lse = attention_forward(to_device(q), to_device(k), to_device(v), variant=variant)
+    got = attention_backward(to_device(dout), to_device(q), to_device(k), to_device(v), out, lse, variant=variant)
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+
+    def loss():
+        return float((dout * reference_forward(q64, k64, v64, True, variant)[0]).sum())
+
+    for name, array, gradient in zip("qkv", (q64, k64, v64), got):
+        error = relative_error(to_host(gradient), finite_difference_gradient(loss, array))
+        assert error < 1e-5, f"d{name}: {error:.3g}"
+
+
+CASES = [(T, d, variant) for T in (1, 17, 65) for d in (32, 64) for variant in VARIANTS]
+CASES += [(1000, 64, variant) for variant in VARIANTS]
+
+
+@pytest.mark.parametrize("T, d, variant", CASES)
+def test_fused_matches_float64(rng, to_device, to_host, T, d, variant):
+    heads = 2 if T < 1000 else 1
+    q, k, v, dout = random_inputs(rng, (heads, T, d))
+    out, lse = attention_forward(to_device(q), to_device(k), to_device(v), variant=variant)
+    expected, p = reference_forward(q, k, v, True, variant)
+    assert relative_error(to_host(out), expected) < TOLERANCE
+    if variant == "softmax":
+        scores = np.where(np.tril(np.ones((T, T), bool)), q.astype(np.float64) @ np.swapaxes(k, -1, -2), -np.inf)
+        scores /= math.sqrt(d)
+        largest = scores.max(axis=-1)
+        lse_expected = largest + np.log(np.exp(scores - largest[..., None]).sum(axis=-1))
+        assert relative_error(to_host(lse), lse_expected) < TOLERANCE
+    else:
+        assert lse is None
+    got = attention_backward(to_device(dout), to_device(q), to_device(k), to_device(v), out, lse, variant=variant)
+    references = reference_backward(dout, q, k, v, True, variant)
+    for name, gradient, reference in zip("qkv", got, references):
+        if np.abs(reference).max() == 0:
+            # T = 1, softmax: dq = dk = 0 (one key, P = 1 whatever S is); the kernel's P (dP - rowdot) is
+            # rounding, to be measured against the size of the gradients that are not zero.
+            # (ReLU with every score negative: all three are 0, exactly.)
+            error = np.abs(to_host(gradient)).max() / max(max(np.abs(r).max() for r in references), 1.0)
+        else:
+            error = relative_error(to_host(gradient), reference)
+        assert error < TOLERANCE, f"d{name}: {error:.3g}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_not_causal_and_leading_axes(rng, to_device, to_host, variant):
+    for shape in [(2, 3, 33, 32), (40, 64)]:
+        q, k, v, dout = random_inputs(rng, shape)
+        out, lse = attention_forward(to_device(q), to_device(k), to_device(v), causal=False, variant=variant)
+        assert out.shape == shape
+        assert relative_error(to_host(out), reference_forward(q, k, v, False, variant)[0]) < TOLERANCE
+        got = attention_backward(to_device(dout), to_device(q), to_device(k), to_device(v), out, lse,
+                                 causal=False, variant=variant)
+        for gradient, reference in zip(got, reference_backward(dout, q, k, v, False, variant)):
+            assert relative_error(to_host(gradient), reference) < TOLERANCE
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_naive_matches_float64(rng, to_device, to_host, variant):
+    q, k, v, dout = random_inputs(rng, (2, 3, 65, 32))
+    out, p = attention_forward_naive(to_device(q), to_device(k), to_device(v), variant=variant)
+    expected, p_expected = reference_forward(q, k, v, True, variant)
+    assert relative_error(to_host(out), expected) < TOLERANCE
+    assert relative_error(to_host(p), p_expected) < TOLERANCE
+    got = attention_backward_naive(to_device(dout), to_device(q), to_device(k), to_device(v), p, variant=variant)
+    for gradient, reference in zip(got, reference_backward(dout, q, k, v, True, variant)):
+        assert relative_error(to_host(gradient), reference) < TOLERANCE
+
+
+def test_backward_is_deterministic(rng, to_device, to_host):
+    q, k, v, dout = (to_device(a) for a in random_inputs(rng, (2, 100, 64)))
+    out, lse = attention_forward(q, k, v)
+    first = [to_host(g) for g in attention_backward(dout, q, k, v, out, lse)]
+    second = [to_host(g) for g in attention_backward(dout, q, k, v, out, lse)]
+    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+
+
+def test_tiles_above_the_diagonal_are_never_read(rng, to_device, to_host):
+    # NaN in every key and value after the first tile: the queries of the first tile must not see them,
+    # so the kernel must skip those tiles rather than multiply them by a zero probability.
+    q, k, v, _ = random_inputs(rng, (1, TILE + 6, 32))
+    k[0, TILE:], v[0, TILE:] = np.nan, np.nan
+    for variant in VARIANTS:
+        out, _ = attention_forward(to_device(q), to_device(k), to_device(v), variant=variant)
+        expected, _ = reference_forward(q[:, :TILE], k[:, :TILE], v[:, :TILE], variant=variant)
+        assert relative_error(to_host(out)[:, :TILE], expected) < TOLERANCE
+
+
+def test_bad_arguments(to_device):
+    q = to_device(np.zeros((2, 8, 32), np.float32))
+    with pytest.raises(TypeError, match="attention_forward: k"):
+        attention_forward(q, to_device(np.zeros((2, 8, 32), np.float64)), q)
+    with pytest.raises(ValueError, match="attention_forward: v"):
+        attention_forward(q, q, to_device(np.zeros((2, 9, 32), np.float32)))
+    with pytest.raises(ValueError, match="head size"):
+        attention_forward(*(to_device(np.zeros((8, 48), np.float32)),) * 3)
+    with pytest.raises(ValueError, match="variant"):
+        attention_forward(q, q, q, variant="sigmoid")
+    out, _ = attention_forward(q, q, q)
+    with pytest.raises(ValueError, match="attention_backward: .*lse"):
+        attention_backward(q, q, q, q, out, None)
+    with pytest.raises(ValueError, match="attention_backward: lse"):
+        attention_backward(q, q, q, q, out, to_device(np.zeros((2, 7), np.float32)))
+
+
+def test_against_torch(rng, to_device, to_host):
+    torch = torch_or_none()
+    if torch is None or backend.name != "cuda":
+        pytest.skip("needs PyTorch and a GPU (the comparison runs on the GPU machine)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    q, k, v, dout = random_inputs(rng, (2, 3, 1000, 64))
+    tensors = [torch.tensor(a, device="cuda", requires_grad=True) for a in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*tensors, is_causal=True)
+    expected.backward(torch.tensor(dout, device="cuda"))
+    out, lse = attention_forward(to_device(q), to_device(k), to_device(v))
+    assert relative_error(to_host(out), expected.detach().cpu().numpy()) < TOLERANCE
+    got = attention_backward(to_device(dout), to_device(q), to_device(k), to_device(v), out, lse)
+    for gradient, tensor in zip(got, tensors):
+        assert relative_error(to_host(gradient), tensor.grad.cpu().numpy()) < TOLERANCE

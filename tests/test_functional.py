@@ -1,0 +1,189 @@
+"""Every F op (chapter 11): forward against float64 numpy, backward through the tape against finite differences.
+
+For each op, out = F.op(inputs) runs on the active backend; out.backward(dout) pushes a random upstream
+gradient through the tape, and each input's .grad is compared with the central finite-difference
+gradient of L = Σ dout · reference(inputs), the float64 numpy reference, on tiny shapes (sizes not
+multiples of anything).
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from gpt2_cupy import functional as F
+from gpt2_cupy.autograd import Tensor, manual_seed
+from gpt2_cupy.testing import finite_difference_gradient, relative_error
+
+FORWARD_TOLERANCE = 1e-5
+BACKWARD_TOLERANCE = 1e-4   # float32 sums of a few terms against an O(h²) finite difference in float64
+
+
+def check_op(function, reference, inputs, to_device, to_host, requires_grad=None, rng=None, forward=None):
+    """function(*tensors) against reference(*float64 arrays): the output, then every input's gradient."""
+    rng = rng or np.random.default_rng(7)
+    requires_grad = requires_grad or [True] * len(inputs)
+    tensors = [Tensor(to_device(a.astype(np.float32)), requires_grad=r) for a, r in zip(inputs, requires_grad)]
+    out = function(*tensors)
+    expected = reference(*inputs)
+    assert relative_error(to_host(out.data), expected) < (forward or FORWARD_TOLERANCE)
+    dout = rng.normal(size=expected.shape)
+    out.backward(to_device(dout.astype(np.float32)).reshape(dout.shape))  # (to_device makes 0-d arrays 1-d)
+    for index, (tensor, array) in enumerate(zip(tensors, inputs)):
+        if not requires_grad[index]:
+            continue
+        numeric = finite_difference_gradient(lambda: np.sum(dout * reference(*inputs)), array)
+        error = relative_error(to_host(tensor.grad), numeric)
+        assert error < BACKWARD_TOLERANCE, f"input {index}: relative error {error:.3g}"
+
+
+# ---- float64 references ----------------------------------------------------------------------------------
+
+SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def gelu_reference(x, approximate):
+    if approximate == "tanh":
+        return 0.5 * x * (1 + np.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1 + erf(x / math.sqrt(2)))
+
+
+def softmax_reference(x):
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def layer_norm_reference(x, weight, bias, eps=1e-5):
+    mean = x.mean(axis=-1, keepdims=True)
+    variance = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(variance + eps) * weight + bias
+
+
+def attention_reference(q, k, v):
+    T, d = q.shape[-2:]
+    scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(d)
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    return softmax_reference(scores) @ v
+
+
+def cross_entropy_reference(logits, targets, ignore_index):
+    kept = targets != ignore_index
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_probabilities = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return -log_probabilities[kept, targets[kept]].mean()
+
+
+# ---- the ops ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear(bias, rng, to_device, to_host):
+    inputs = [rng.normal(size=(3, 2, 5)), rng.normal(size=(7, 5))] + ([rng.normal(size=7)] if bias else [])
+    check_op(lambda x, w, b=None: F.linear(x, w, b), lambda x, w, b=0.0: x @ w.T + b, inputs, to_device, to_host)
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_gelu(approximate, rng, to_device, to_host):
+    check_op(lambda x: F.gelu(x, approximate=approximate), lambda x: gelu_reference(x, approximate),
+             [rng.normal(0.0, 2.0, size=(3, 37))], to_device, to_host)
+
+
+def test_add(rng, to_device, to_host):
+    check_op(lambda a, b: a + b, lambda a, b: a + b, [rng.normal(size=(2, 3, 5)), rng.normal(size=(2, 3, 5))],
+             to_device, to_host)
+
+
+def test_reshape_and_transpose(rng, to_device, to_host):
+    check_op(lambda x: x.view(2, 3, 4, 5).transpose(1, 2).reshape(8, 15),
+             lambda x: np.swapaxes(x.reshape(2, 3, 4, 5), 1, 2).reshape(8, 15),
+             [rng.normal(size=(6, 20))], to_device, to_host)
+
+
+def test_split_sends_each_piece_its_gradient(rng, to_device, to_host):
+    # The second piece is unused: its part of the gradient is zero.
+    check_op(lambda x: (lambda q, k, v: q + v)(*x.split(4, dim=2)),
+             lambda x: x[..., 0:4] + x[..., 8:12], [rng.normal(size=(2, 3, 12))], to_device, to_host)
+
+
+def test_softmax(rng, to_device, to_host):
+    check_op(lambda x: F.softmax(x, dim=-1), softmax_reference, [rng.normal(size=(2, 3, 33))], to_device, to_host)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm(bias, rng, to_device, to_host):
+    inputs = [rng.normal(size=(2, 3, 19)), rng.normal(size=19)] + ([rng.normal(size=19)] if bias else [])
+    check_op(lambda x, w, b=None: F.layer_norm(x, (19,), w, b),
+             lambda x, w, b=0.0: layer_norm_reference(x, w, b), inputs, to_device, to_host)
+
+
+def test_dyt(rng, to_device, to_host):
+    inputs = [rng.normal(size=(2, 3, 19)), np.array([0.7]), rng.normal(size=19), rng.normal(size=19)]
+    check_op(F.dyt, lambda x, alpha, w, b: w * np.tanh(alpha * x) + b, inputs, to_device, to_host)
+
+
+def test_embedding(rng, to_device, to_host):
+    ids = rng.integers(0, 7, size=(2, 5))
+    ids[0, :3] = 4  # a row used several times: its gradient is summed
+    check_op(lambda w: F.embedding(to_device(ids), w), lambda w: w[ids], [rng.normal(size=(7, 4))],
+             to_device, to_host)
+
+
+def test_scaled_dot_product_attention(rng, to_device, to_host):
+    q, k, v = (rng.normal(size=(1, 2, 5, 32)) for _ in range(3))  # head sizes: 32 or 64
+    check_op(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), attention_reference,
+             [q, k, v], to_device, to_host)
+
+
+def test_relu_attention(rng, to_device, to_host):
+    q, k, v = (rng.normal(size=(1, 2, 5, 32)) for _ in range(3))
+
+    def reference(q, k, v):
+        scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(32)
+        return np.where(np.tril(np.ones((5, 5), bool)), np.maximum(scores, 0.0), 0.0) @ v
+
+    check_op(lambda q, k, v: F.relu_attention(q, k, v, is_causal=True), reference, [q, k, v], to_device, to_host)
+
+
+def test_cross_entropy(rng, to_device, to_host):
+    targets = rng.integers(0, 11, size=6)
+    targets[2] = -1
+    check_op(lambda logits: F.cross_entropy(logits, to_device(targets), ignore_index=-1),
+             lambda logits: cross_entropy_reference(logits, targets, -1), [rng.normal(size=(6, 11))],
+             to_device, to_host)
+
+
+def test_dropout_scales_kept_elements_and_the_backward_uses_the_same_mask(rng, to_device, to_host):
+    p = 0.25
+    manual_seed(1234)
+    x64 = rng.uniform(1.0, 2.0, size=(4, 1000))   # never zero: zeros in y mark dropped elements
+    x = Tensor(to_device(x64.astype(np.float32)), requires_grad=True)
+    y = F.dropout(x, p=p, training=True)
+    y_host = to_host(y.data)
+    kept = y_host != 0
+    assert relative_error(y_host[kept], x64[kept] / (1 - p)) < FORWARD_TOLERANCE
+    assert abs((~kept).mean() - p) < 0.03           # 4000 draws: the dropped fraction is near p
+    dout = rng.normal(size=x64.shape)
+    y.backward(to_device(dout.astype(np.float32)))
+    assert relative_error(to_host(x.grad), dout * kept / (1 - p)) < FORWARD_TOLERANCE
+    manual_seed(1234)                               # the same seed gives the same mask
+    again = to_host(F.dropout(Tensor(to_device(x64.astype(np.float32))), p=p).data)
+    assert np.array_equal(again != 0, kept)
+    assert F.dropout(x, p=p, training=False) is x   # evaluation: the identity
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+
+def test_bad_input_names_the_op_and_the_argument(rng, to_device):
+    x = Tensor(to_device(rng.normal(size=(2, 3)).astype(np.float32)))
+    with pytest.raises(ValueError, match="add"):
+        x + Tensor(to_device(np.zeros((3, 2), np.float32)))
+    with pytest.raises(ValueError, match="softmax: dim"):
+        F.softmax(x, dim=0)
+    with pytest.raises(ValueError, match="layer_norm: normalized_shape"):
+        F.layer_norm(x, (2,), x, x)
+    with pytest.raises(ValueError, match="dropout: p"):
+        F.dropout(x, p=1.0)
+    with pytest.raises(TypeError, match="embedding: idx"):
+        F.embedding(to_device(np.zeros(3, np.float32)), x)
+    with pytest.raises(TypeError, match="linear_forward: weight"):
+        F.linear(x, Tensor(to_device(np.zeros((3, 3), np.float64))))

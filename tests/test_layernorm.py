@@ -1,0 +1,264 @@
+"""LayerNorm and DyT (chapter 05): gpt2_cupy.ops.layernorm and gpt2_cupy.ops.dyt against float64 numpy,
+finite differences and PyTorch.
+
+Row lengths cover both kernel layouts (float4 groups when C is a multiple of 4 and the arrays are aligned,
+single floats otherwise) and lengths that are not multiples of 32 or 128; the parameter gradients, sums over
+many rows, are checked against the float32 rounding bound of a sum (testing.assert_within_summation_bound),
+and must come out bit for bit the same on a second run (deterministic), and added into their buffers.
+"""
+
+import numpy as np
+import pytest
+
+from gpt2_cupy import backend
+from gpt2_cupy.ops.dyt import dyt_backward, dyt_forward
+from gpt2_cupy.ops.layernorm import layernorm_backward, layernorm_forward
+from gpt2_cupy.testing import assert_within_summation_bound, finite_difference_gradient, relative_error
+
+TOLERANCE = 1e-5
+EPS = 1e-5  # GPT-2's
+COLUMNS = [1, 3, 4, 31, 33, 100, 768, 1000, 1600]
+
+
+def layernorm_reference(x, weight, bias, eps=EPS):
+    x = np.asarray(x, np.float64)
+    mean = x.mean(axis=-1, keepdims=True)
+    rstd = 1 / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
+    y = (x - mean) * rstd * weight + (0 if bias is None else bias)
+    return y, mean[..., 0], rstd[..., 0]
+
+
+def layernorm_backward_terms(dout, x, weight, eps=EPS):
+    """(dx, per-row dweight terms dout * xhat) in float64."""
+    dout, x = np.asarray(dout, np.float64), np.asarray(x, np.float64)
+    mean = x.mean(axis=-1, keepdims=True)
+    rstd = 1 / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
+    x_hat = (x - mean) * rstd
+    g = weight * dout
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - x_hat * (g * x_hat).mean(axis=-1, keepdims=True))
+    return dx, dout * x_hat
+
+
+def inputs(rng, shape):
+    C = shape[-1]
+    x = rng.normal(0.5, 2.0, shape).astype(np.float32)
+    weight = rng.normal(1.0, 0.3, C).astype(np.float32)
+    bias = rng.normal(0.0, 0.3, C).astype(np.float32)
+    dout = rng.normal(size=shape).astype(np.float32)
+    return x, weight, bias, dout
+
+
+def misaligned(to_device, array):
+    """A contiguous device copy of `array` starting 4 bytes past a 16-byte boundary."""
+    buffer = to_device(np.zeros(array.size + 4, dtype=np.float32))
+    view = buffer[1:array.size + 1].reshape(array.shape)
+    view[...] = to_device(array)
+    assert backend.address(view) % 16 == 4
+    return view
+
+
+# ---- LayerNorm -----------------------------------------------------------------------------------------
+
+def test_reference_backward_matches_central_differences(rng):
+    x = rng.normal(size=(2, 3, 6))
+    weight, bias, dout = rng.normal(size=6), rng.normal(size=6), rng.normal(size=(2, 3, 6))
+    dx, dweight_terms = layernorm_backward_terms(dout, x, weight)
+    numeric = finite_difference_gradient(lambda: np.sum(dout * layernorm_reference(x, weight, bias)[0]), x)
+    assert relative_error(dx, numeric) < 1e-8
+    numeric_weight = finite_difference_gradient(lambda: np.sum(dout * layernorm_reference(x, weight, bias)[0]), weight)
+    assert relative_error(dweight_terms.reshape(-1, 6).sum(axis=0), numeric_weight) < 1e-8
+
+
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_layernorm_matches_float64(columns, rng, to_device, to_host):
+    shape = (3, 29, columns)
+    x, weight, bias, dout = inputs(rng, shape)
+    y, mean, rstd = layernorm_forward(to_device(x), to_device(weight), to_device(bias))
+    y_reference, mean_reference, rstd_reference = layernorm_reference(x, weight, bias)
+    assert mean.shape == rstd.shape == (3, 29)
+    assert relative_error(to_host(y), y_reference) < TOLERANCE
+    assert relative_error(to_host(mean), mean_reference) < TOLERANCE
+    assert relative_error(to_host(rstd), rstd_reference) < TOLERANCE
+
+    start_weight, start_bias = rng.normal(size=columns).astype(np.float32), rng.normal(size=columns).astype(np.float32)
+    dweight, dbias = to_device(start_weight), to_device(start_bias)
+    dx = layernorm_backward(to_device(dout), to_device(x), to_device(weight), mean, rstd, dweight=dweight, dbias=dbias)
+    dx_reference, dweight_terms = layernorm_backward_terms(dout, x, weight)
+    if columns == 1:  # a row of one element normalises to 0 whatever it is: dx is exactly 0
+        assert np.all(to_host(dx) == 0)
+    else:
+        assert relative_error(to_host(dx), dx_reference) < TOLERANCE
+    assert_within_summation_bound(to_host(dweight), dweight_terms.reshape(-1, columns), start_weight)
+    assert_within_summation_bound(to_host(dbias), dout.reshape(-1, columns), start_bias)
+
+
+def test_layernorm_without_bias_and_misaligned(rng, to_device, to_host):
+    x, weight, _, dout = inputs(rng, (37, 768))
+    y, mean, rstd = layernorm_forward(misaligned(to_device, x), to_device(weight), None)
+    assert relative_error(to_host(y), layernorm_reference(x, weight, None)[0]) < TOLERANCE
+    dweight = to_device(np.zeros(768, np.float32))
+    dx = layernorm_backward(misaligned(to_device, dout), to_device(x), to_device(weight), mean, rstd, dweight=dweight)
+    dx_reference, dweight_terms = layernorm_backward_terms(dout, x, weight)
+    assert relative_error(to_host(dx), dx_reference) < TOLERANCE
+    assert_within_summation_bound(to_host(dweight), dweight_terms)
+
+
+def test_layernorm_gradients_match_central_differences(rng, to_device, to_host):
+    """Through the float32 ops: dx, dweight and dbias of L = sum(dout * y), against float64 differences."""
+    x, weight, bias, dout = (a.astype(np.float64) for a in inputs(rng, (2, 3, 40)))
+
+    def loss():
+        return np.sum(dout * layernorm_reference(x, weight, bias)[0])
+
+    numeric = [finite_difference_gradient(loss, a) for a in (x, weight, bias)]
+    y, mean, rstd = layernorm_forward(*(to_device(a.astype(np.float32)) for a in (x, weight, bias)))
+    dweight, dbias = to_device(np.zeros(40, np.float32)), to_device(np.zeros(40, np.float32))
+    dx = layernorm_backward(to_device(dout.astype(np.float32)), to_device(x.astype(np.float32)),
+                            to_device(weight.astype(np.float32)), mean, rstd, dweight=dweight, dbias=dbias)
+    for got, expected in zip((dx, dweight, dbias), numeric):
+        assert relative_error(to_host(got), expected) < 1e-5
+
+
+def test_layernorm_parameter_gradients_are_deterministic_and_accumulate(rng, to_device, to_host):
+    x, weight, bias, dout = inputs(rng, (4, 300, 768))
+    y, mean, rstd = layernorm_forward(to_device(x), to_device(weight), to_device(bias))
+    runs = []
+    for _ in range(2):
+        dweight, dbias = to_device(np.zeros(768, np.float32)), to_device(np.zeros(768, np.float32))
+        layernorm_backward(to_device(dout), to_device(x), to_device(weight), mean, rstd, dweight=dweight, dbias=dbias)
+        runs.append((to_host(dweight), to_host(dbias)))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    dweight, dbias = to_device(runs[0][0]), to_device(runs[0][1])
+    layernorm_backward(to_device(dout), to_device(x), to_device(weight), mean, rstd, dweight=dweight, dbias=dbias)
+    np.testing.assert_allclose(to_host(dweight), 2 * runs[0][0], rtol=1e-6, atol=1e-4)
+    np.testing.assert_allclose(to_host(dbias), 2 * runs[0][1], rtol=1e-6, atol=1e-4)
+
+
+def test_layernorm_of_a_constant_row_is_its_bias(to_device, to_host):
+    x = np.full((2, 64), 3.25, np.float32)  # variance 0: rstd = 1 / sqrt(eps), no division by zero
+    weight, bias = np.full(64, 2.0, np.float32), np.arange(64, dtype=np.float32)
+    y, _, rstd = layernorm_forward(to_device(x), to_device(weight), to_device(bias))
+    np.testing.assert_array_equal(to_host(y), np.tile(bias, (2, 1)))
+    np.testing.assert_allclose(to_host(rstd), 1 / np.sqrt(EPS), rtol=1e-6)
+
+
+def test_layernorm_matches_pytorch(rng, to_device, to_host):
+    torch = pytest.importorskip("torch")
+    x, weight, bias, dout = inputs(rng, (2, 5, 768))
+    tensors = [torch.tensor(a.astype(np.float64), requires_grad=True) for a in (x, weight, bias)]
+    y_torch = torch.nn.functional.layer_norm(tensors[0], (768,), tensors[1], tensors[2], eps=EPS)
+    y_torch.backward(torch.tensor(dout.astype(np.float64)))
+    y, mean, rstd = layernorm_forward(to_device(x), to_device(weight), to_device(bias))
+    dweight, dbias = to_device(np.zeros(768, np.float32)), to_device(np.zeros(768, np.float32))
+    dx = layernorm_backward(to_device(dout), to_device(x), to_device(weight), mean, rstd, dweight=dweight, dbias=dbias)
+    assert relative_error(to_host(y), y_torch.detach().numpy()) < TOLERANCE
+    for got, tensor in zip((dx, dweight, dbias), tensors):
+        assert relative_error(to_host(got), tensor.grad.numpy()) < TOLERANCE
+
+
+def test_layernorm_bad_inputs(to_device):
+    x = to_device(np.zeros((4, 8), np.float32))
+    weight = to_device(np.ones(8, np.float32))
+    with pytest.raises(ValueError, match="layernorm_forward: weight has shape"):
+        layernorm_forward(x, to_device(np.ones(7, np.float32)), None)
+    with pytest.raises(TypeError, match="layernorm_forward: bias has dtype float64"):
+        layernorm_forward(x, weight, to_device(np.ones(8, np.float64)))
+    with pytest.raises(ValueError, match="layernorm_forward: rows of C = 3000"):
+        layernorm_forward(to_device(np.zeros((2, 3000), np.float32)), to_device(np.ones(3000, np.float32)), None)
+    _, mean, rstd = layernorm_forward(x, weight, None)
+    with pytest.raises(ValueError, match="layernorm_backward: mean has shape"):
+        layernorm_backward(x, x, weight, to_device(np.zeros(5, np.float32)), rstd, dweight=weight)
+    with pytest.raises(TypeError, match="layernorm_backward: dweight"):
+        layernorm_backward(x, x, weight, mean, rstd, dweight=None)
+
+
+# ---- DyT -----------------------------------------------------------------------------------------------
+
+def dyt_reference(x, alpha, weight, bias):
+    return weight * np.tanh(alpha * np.asarray(x, np.float64)) + (0 if bias is None else bias)
+
+
+def dyt_backward_terms(dout, x, alpha, weight):
+    """(dx, elementwise dalpha terms, elementwise dweight terms) in float64."""
+    dout, x = np.asarray(dout, np.float64), np.asarray(x, np.float64)
+    t = np.tanh(alpha * x)
+    g = dout * weight * (1 - t * t)
+    return g * alpha, g * x, dout * t
+
+
+def test_dyt_reference_backward_matches_central_differences(rng):
+    x, weight, bias, dout = (rng.normal(size=s) for s in ((2, 3, 5), 5, 5, (2, 3, 5)))
+    alpha = np.array([0.8])
+    dx, dalpha_terms, dweight_terms = dyt_backward_terms(dout, x, alpha, weight)
+
+    def loss():
+        return np.sum(dout * dyt_reference(x, alpha, weight, bias))
+
+    assert relative_error(dx, finite_difference_gradient(loss, x)) < 1e-8
+    assert relative_error([dalpha_terms.sum()], finite_difference_gradient(loss, alpha)) < 1e-8
+    assert relative_error(dweight_terms.reshape(-1, 5).sum(0), finite_difference_gradient(loss, weight)) < 1e-8
+
+
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_dyt_matches_float64(columns, rng, to_device, to_host):
+    shape = (3, 29, columns)
+    x, weight, bias, dout = inputs(rng, shape)
+    alpha = np.array([0.6], np.float32)
+    y = dyt_forward(to_device(x), to_device(alpha), to_device(weight), to_device(bias))
+    assert relative_error(to_host(y), dyt_reference(x, alpha, weight, bias)) < TOLERANCE
+    starts = [rng.normal(size=n).astype(np.float32) for n in (1, columns, columns)]
+    dalpha, dweight, dbias = (to_device(s) for s in starts)
+    dx = dyt_backward(to_device(dout), to_device(x), to_device(alpha), to_device(weight),
+                      dalpha=dalpha, dweight=dweight, dbias=dbias)
+    dx_reference, dalpha_terms, dweight_terms = dyt_backward_terms(dout, x, alpha, weight)
+    assert relative_error(to_host(dx), dx_reference) < TOLERANCE
+    assert_within_summation_bound(to_host(dalpha), dalpha_terms.reshape(-1, 1), starts[0])
+    assert_within_summation_bound(to_host(dweight), dweight_terms.reshape(-1, columns), starts[1])
+    assert_within_summation_bound(to_host(dbias), dout.reshape(-1, columns), starts[2])
+
+
+def test_dyt_without_bias_misaligned_and_deterministic(rng, to_device, to_host):
+    x, weight, _, dout = inputs(rng, (4, 300, 768))
+    alpha = to_device(np.array([0.5], np.float32))
+    y = dyt_forward(misaligned(to_device, x), alpha, to_device(weight), None)
+    assert relative_error(to_host(y), dyt_reference(x, 0.5, weight, None)) < TOLERANCE
+    runs = []
+    for _ in range(2):
+        dalpha, dweight = to_device(np.zeros(1, np.float32)), to_device(np.zeros(768, np.float32))
+        dx = dyt_backward(misaligned(to_device, dout), to_device(x), alpha, to_device(weight),
+                          dalpha=dalpha, dweight=dweight)
+        runs.append((to_host(dalpha), to_host(dweight), to_host(dx)))
+    for first, second in zip(*runs):
+        np.testing.assert_array_equal(first, second)
+    assert relative_error(runs[0][2], dyt_backward_terms(dout, x, 0.5, weight)[0]) < TOLERANCE
+
+
+def test_dyt_gradients_match_central_differences(rng, to_device, to_host):
+    x, weight, bias, dout = (a.astype(np.float64) for a in inputs(rng, (2, 3, 12)))
+    alpha = np.array([0.7])
+
+    def loss():
+        return np.sum(dout * dyt_reference(x, alpha, weight, bias))
+
+    numeric = [finite_difference_gradient(loss, a) for a in (x, alpha, weight, bias)]
+    device = [to_device(a.astype(np.float32)) for a in (x, alpha, weight)]
+    gradients = [to_device(np.zeros(n, np.float32)) for n in (1, 12, 12)]
+    dx = dyt_backward(to_device(dout.astype(np.float32)), *device,
+                      dalpha=gradients[0], dweight=gradients[1], dbias=gradients[2])
+    for got, expected in zip((dx, *gradients), numeric):
+        assert relative_error(to_host(got), expected) < 1e-5
+
+
+def test_dyt_bad_inputs(to_device):
+    x = to_device(np.zeros((4, 8), np.float32))
+    weight = to_device(np.ones(8, np.float32))
+    with pytest.raises(ValueError, match=r"dyt_forward: alpha must have shape \(1,\)"):
+        dyt_forward(x, to_device(np.ones(2, np.float32)), weight, None)
+    with pytest.raises(TypeError, match="dyt_forward: alpha"):
+        dyt_forward(x, 0.5, weight, None)
+    with pytest.raises(ValueError, match="dyt_backward: dweight has shape"):
+        dyt_backward(x, x, to_device(np.ones(1, np.float32)), weight,
+                     dalpha=to_device(np.zeros(1, np.float32)), dweight=to_device(np.zeros(9, np.float32)))
+    with pytest.raises(TypeError, match="dyt_backward: dalpha is None"):
+        dyt_backward(x, x, to_device(np.ones(1, np.float32)), weight, dalpha=None, dweight=weight)

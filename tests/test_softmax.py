@@ -1,0 +1,164 @@
+"""Softmax (chapter 04): gpt2_cupy.ops.softmax against float64 numpy, finite differences and PyTorch.
+
+Row lengths cover both kernels (a warp per row up to 1024 columns, a block per row beyond) and lengths
+that are not multiples of 32 (1, 31, 33, 1000, 50257); inputs include huge values (1e4, where exp
+overflows unless the maximum is subtracted) and -inf entries (masked positions).
+"""
+
+import numpy as np
+import pytest
+
+from gpt2_cupy import backend
+from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
+from gpt2_cupy.testing import finite_difference_gradient, relative_error
+
+TOLERANCE = 1e-5
+COLUMNS = [1, 2, 31, 32, 33, 1000, 1024, 1025, 50257]
+
+
+def softmax_reference(x, scale=1.0, causal=False):
+    z = scale * np.asarray(x, dtype=np.float64)
+    if causal:
+        T = z.shape[-1]
+        z = np.where(np.tril(np.ones((T, T), dtype=bool)), z, -np.inf)
+    z = z - z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def softmax_backward_reference(dout, y, scale=1.0):
+    dout, y = np.asarray(dout, np.float64), np.asarray(y, np.float64)
+    return scale * y * (dout - (dout * y).sum(axis=-1, keepdims=True))
+
+
+def test_reference_backward_matches_central_differences(rng):
+    x = rng.normal(size=(3, 7))
+    dout = rng.normal(size=(3, 7))
+    numeric = finite_difference_gradient(lambda: np.sum(dout * softmax_reference(x, 0.7)), x)
+    assert relative_error(softmax_backward_reference(dout, softmax_reference(x, 0.7), 0.7), numeric) < 1e-8
+
+
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_forward_and_backward_match_float64(columns, rng, to_device, to_host):
+    rows = 3 if columns > 2000 else 37
+    x = rng.normal(0.0, 3.0, (rows, columns)).astype(np.float32)
+    dout = rng.normal(size=(rows, columns)).astype(np.float32)
+    scale = 0.125
+    y = softmax_forward(to_device(x), scale=scale)
+    reference = softmax_reference(x, scale)
+    assert relative_error(to_host(y), reference) < TOLERANCE
+    np.testing.assert_allclose(to_host(y).astype(np.float64).sum(axis=-1), 1.0, atol=1e-5)
+    dx = softmax_backward(to_device(dout), y, scale=scale)
+    expected = softmax_backward_reference(dout, to_host(y), scale)
+    if columns == 1:  # softmax of one number is 1 whatever it is: its gradient is exactly 0
+        assert np.all(to_host(dx) == 0)
+    else:
+        assert relative_error(to_host(dx), expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("columns", [33, 1000, 50257])
+def test_huge_inputs_do_not_overflow(columns, rng, to_device, to_host):
+    x = rng.uniform(-1e4, 1e4, (2, columns)).astype(np.float32)
+    x[:, 0] = 1e4
+    y = to_host(softmax_forward(to_device(x)))
+    assert np.all(np.isfinite(y))
+    assert relative_error(y, softmax_reference(x)) < TOLERANCE
+
+
+@pytest.mark.parametrize("columns", [5, 100, 3000])
+def test_minus_infinity_entries_get_zero(columns, rng, to_device, to_host):
+    x = rng.normal(size=(4, columns)).astype(np.float32)
+    x[:, ::3] = -np.inf  # including the first column: the running maximum starts at -inf
+    y = to_host(softmax_forward(to_device(x)))
+    assert np.all(y[:, ::3] == 0)
+    assert relative_error(y, softmax_reference(x)) < TOLERANCE
+
+
+@pytest.mark.parametrize("T", [1, 5, 33, 1025])
+def test_causal_equals_masking_with_minus_infinity(T, rng, to_device, to_host):
+    x = rng.normal(size=(2, T, T)).astype(np.float32)
+    x_device = to_device(x)
+    y = to_host(softmax_forward(x_device, scale=0.3, causal=True))
+    assert np.all(np.triu(y, 1) == 0)  # written as zeros, not left uninitialised
+    assert relative_error(y, softmax_reference(x, 0.3, causal=True)) < TOLERANCE
+    # the masked entries are never read: poisoning them changes nothing
+    poisoned = np.where(np.tril(np.ones((T, T), dtype=bool)), x, np.nan).astype(np.float32)
+    np.testing.assert_array_equal(to_host(softmax_forward(to_device(poisoned), scale=0.3, causal=True)), y)
+    # and the backward needs no causal flag: y = 0 gives dx = 0 there
+    dout = rng.normal(size=(2, T, T)).astype(np.float32)
+    dx = to_host(softmax_backward(to_device(dout), to_device(y), scale=0.3))
+    assert np.all(np.triu(dx, 1) == 0)
+
+
+def test_backward_through_the_ops_matches_central_differences(rng, to_device, to_host):
+    x = rng.normal(size=(2, 3, 9))
+    dout = rng.normal(size=(2, 3, 9))
+    numeric = finite_difference_gradient(lambda: np.sum(dout * softmax_reference(x, 0.5, causal=False)), x)
+    y = softmax_forward(to_device(x.astype(np.float32)), scale=0.5)
+    dx = softmax_backward(to_device(dout.astype(np.float32)), y, scale=0.5)
+    assert relative_error(to_host(dx), numeric) < 1e-5
+
+
+def test_in_place_and_out(rng, to_device, to_host):
+    x = rng.normal(size=(4, 40)).astype(np.float32)
+    x_device = to_device(x)
+    assert softmax_forward(x_device, out=x_device) is x_device
+    assert relative_error(to_host(x_device), softmax_reference(x)) < TOLERANCE
+    dout = to_device(rng.normal(size=(4, 40)).astype(np.float32))
+    expected = softmax_backward_reference(to_host(dout), to_host(x_device))
+    assert softmax_backward(dout, x_device, out=dout) is dout
+    assert relative_error(to_host(dout), expected) < TOLERANCE
+
+
+def test_empty_rows(to_device):
+    assert softmax_forward(to_device(np.zeros((0, 8), np.float32))).shape == (0, 8)
+    assert softmax_backward(to_device(np.zeros((3, 0), np.float32)), to_device(np.zeros((3, 0), np.float32))).shape == (3, 0)
+
+
+def test_matches_pytorch(rng, to_device, to_host):
+    torch = pytest.importorskip("torch")
+    for shape in [(2, 3, 64, 64), (4, 5000)]:
+        x = rng.normal(size=shape).astype(np.float32)
+        dout = rng.normal(size=shape).astype(np.float32)
+        x_torch = torch.tensor(x.astype(np.float64), requires_grad=True)
+        y_torch = torch.softmax(0.25 * x_torch, dim=-1)
+        y_torch.backward(torch.tensor(dout.astype(np.float64)))
+        y = softmax_forward(to_device(x), scale=0.25)
+        dx = softmax_backward(to_device(dout), y, scale=0.25)
+        assert relative_error(to_host(y), y_torch.detach().numpy()) < TOLERANCE
+        assert relative_error(to_host(dx), x_torch.grad.numpy()) < TOLERANCE
+
+
+def test_bad_inputs_name_the_op_and_argument(to_device):
+    x = to_device(np.zeros((4, 6), np.float32))
+    with pytest.raises(TypeError, match="softmax_forward: x .*float64"):
+        softmax_forward(to_device(np.zeros((4, 6), np.float64)))
+    with pytest.raises(ValueError, match="softmax_forward: causal=True needs x of shape"):
+        softmax_forward(x, causal=True)
+    with pytest.raises(ValueError, match="softmax_forward: x .*C-contiguous"):
+        softmax_forward(x.T)
+    with pytest.raises(ValueError, match="softmax_backward: y has shape"):
+        softmax_backward(x, to_device(np.zeros((4, 5), np.float32)))
+    with pytest.raises(ValueError, match="softmax_forward: out has shape"):
+        softmax_forward(x, out=to_device(np.zeros((6, 4), np.float32)))
+    with pytest.raises(TypeError, match="softmax_backward: dout"):
+        softmax_backward([1.0], x)
+
+
+def test_long_rows_give_the_same_bits_whatever_the_grid(rng, to_device, to_host):
+    """The long-row kernels loop over rows: 300 rows on 132 blocks (the default), or one block per row."""
+    from gpt2_cupy.ops import softmax as softmax_ops
+
+    rows, columns = 300, 1100
+    x = to_device(rng.normal(0.0, 3.0, (rows, columns)).astype(np.float32))
+    dout = to_device(rng.normal(size=(rows, columns)).astype(np.float32))
+    results = []
+    for per_multiprocessor in (0, 1, 2):
+        y, dx = backend.xp.empty_like(x), backend.xp.empty_like(x)
+        softmax_ops._forward(y, x, rows, columns, np.float32(0.5), np.int32(0), per_multiprocessor)
+        softmax_ops._backward(dx, dout, y, rows, columns, np.float32(0.5), per_multiprocessor)
+        results.append((to_host(y), to_host(dx)))
+    for y, dx in results[1:]:
+        np.testing.assert_array_equal(y, results[0][0])
+        np.testing.assert_array_equal(dx, results[0][1])
+    assert relative_error(results[0][0], softmax_reference(to_host(x), 0.5)) < TOLERANCE
