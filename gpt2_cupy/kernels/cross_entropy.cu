@@ -5,7 +5,9 @@
 // One block of ROW_THREADS threads per row. A target outside [0, V) (and not ignore_index) makes its
 // row's loss and gradient NaN: the error shows in the loss without a check that would stop the GPU.
 
+#ifndef ROW_THREADS  // the op builds a copy with fewer threads for a small vocabulary (-DROW_THREADS=256)
 #define ROW_THREADS 1024
+#endif
 #define WARPS_PER_ROW (ROW_THREADS / 32)
 #define NEGATIVE_INFINITY __int_as_float(0xff800000)  // NVRTC has no math.h, so no INFINITY
 #define NOT_A_NUMBER __int_as_float(0x7fc00000)
@@ -52,8 +54,8 @@ __device__ void block_softmax_state(float& maximum, float& sum)
     }
     __syncthreads();
     if (warp == 0) {
-        maximum = warp_maximum[lane];
-        sum = warp_sum[lane];
+        maximum = lane < WARPS_PER_ROW ? warp_maximum[lane] : NEGATIVE_INFINITY;  // fewer than 32 warps: empty
+        sum = lane < WARPS_PER_ROW ? warp_sum[lane] : 0.0f;
         for (int offset = 16; offset > 0; offset /= 2) {
             float other_maximum = __shfl_xor_sync(0xffffffff, maximum, offset);
             float other_sum = __shfl_xor_sync(0xffffffff, sum, offset);

@@ -24,10 +24,21 @@ import numpy as np
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import check, output
 
-ROW_THREADS = 1024                # kernels/cross_entropy.cu: one block of 1024 threads per row
+ROW_THREADS = 1024                # kernels/cross_entropy.cu: one block of 1024 threads per row (V ≥ 8192)
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of dynamic shared memory a block may opt into (H100)
 STATIC_SHARED_BYTES = 2 * 32 * 4  # the block reduction's own shared arrays
 _FUSED_NAMES = ("cross_entropy_fused_rows<true>", "cross_entropy_fused_rows<false>")
+
+
+def row_threads(V):
+    """Threads per row: 1024 for GPT-2's vocabulary, fewer for a small one (at least 8 logits a thread).
+
+    With V = 2048 and 1024 threads, each thread would hold two logits and spend its time in the block's
+    reduction; on the CPU executor, where every thread is a fiber, the reduction is most of the cost.
+    """
+    if V >= 8 * ROW_THREADS:
+        return ROW_THREADS
+    return max(32, 1 << max(5, (V // 8 - 1).bit_length()))
 
 
 def row_fits_in_shared_memory(V):
@@ -44,8 +55,9 @@ def cross_entropy_forward(logits, targets, *, ignore_index=-100):
     loss = backend.xp.empty((), dtype=np.float32)
     ignore = np.int32(ignore_index)
     if N > 0:
-        _kernel("cross_entropy_forward_rows")((N,), (ROW_THREADS,), (lse, row_losses, logits, targets,
-                                                                     np.int32(V), ignore))
+        threads = row_threads(V)
+        _kernel("cross_entropy_forward_rows", threads)((N,), (threads,), (lse, row_losses, logits, targets,
+                                                                          np.int32(V), ignore))
     _count(count, targets, N, ignore)
     _mean(loss, row_losses, count, N)
     return loss, lse
@@ -61,8 +73,9 @@ def cross_entropy_backward(dout, logits, targets, lse, *, ignore_index=-100, out
     count = backend.xp.empty((1,), dtype=np.int32)
     _count(count, targets, N, np.int32(ignore_index))
     if N > 0 and V > 0:
-        _kernel("cross_entropy_backward_rows")((N,), (ROW_THREADS,), (out, logits, targets, lse, dout, count,
-                                                                      np.int32(V), np.int32(ignore_index)))
+        threads = row_threads(V)
+        _kernel("cross_entropy_backward_rows", threads)((N,), (threads,), (out, logits, targets, lse, dout, count,
+                                                                           np.int32(V), np.int32(ignore_index)))
     return out
 
 
@@ -77,8 +90,9 @@ def cross_entropy_fused(logits, targets, *, ignore_index=-100, dlogits=None):
     _count(count, targets, N, ignore)
     if N > 0:
         cache_row = row_fits_in_shared_memory(V)
-        kernel = _fused_kernel(cache_row)
-        kernel((N,), (ROW_THREADS,), (dlogits, row_losses, logits, targets, count, np.int32(V), ignore),
+        threads = row_threads(V)
+        kernel = _fused_kernel(cache_row, threads)
+        kernel((N,), (threads,), (dlogits, row_losses, logits, targets, count, np.int32(V), ignore),
                shared_mem=4 * V if cache_row else 0)
     _mean(loss, row_losses, count, N)
     return loss, dlogits
@@ -101,13 +115,15 @@ def _mean(loss, row_losses, count, N):
     _kernel("cross_entropy_mean")((1,), (ROW_THREADS,), (loss, row_losses, count, np.int32(N)))
 
 
-def _kernel(name):
-    return kernels.module("cross_entropy", name_expressions=_FUSED_NAMES).get_function(name)
+def _kernel(name, threads=ROW_THREADS):
+    """A kernel of kernels/cross_entropy.cu built for blocks of `threads` (the count and mean use 1024)."""
+    options = () if threads == ROW_THREADS else (f"-DROW_THREADS={threads}",)
+    return kernels.module("cross_entropy", options=options, name_expressions=_FUSED_NAMES).get_function(name)
 
 
 @lru_cache(maxsize=None)
-def _fused_kernel(cache_row):
-    kernel = _kernel(_FUSED_NAMES[0] if cache_row else _FUSED_NAMES[1])
+def _fused_kernel(cache_row, threads):
+    kernel = _kernel(_FUSED_NAMES[0] if cache_row else _FUSED_NAMES[1], threads)
     if cache_row:  # past 48 KiB a block must opt in to more dynamic shared memory
         kernel.max_dynamic_shared_size_bytes = SHARED_MEMORY_LIMIT - STATIC_SHARED_BYTES
     return kernel
