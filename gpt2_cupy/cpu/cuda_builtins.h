@@ -152,27 +152,29 @@ __forceinline__ double __longlong_as_double(long long x) { return gpt2cupy_bit_c
 
 // Conversions with a rounding mode in the name: _rn to nearest (ties to even), _rz toward zero, _rd down,
 // _ru up. Float to integer saturates as the GPU does: out-of-range values give the type's smallest or
-// largest value, a NaN gives 0. (A plain C cast such as (int)x does not: out of range it is undefined.)
+// largest value. A NaN gives 0 only from float to a 32-bit integer; from a double, or to a 64-bit integer,
+// it gives the value with only the top bit set (the smallest signed value; 2^31 or 2^63 unsigned), as the
+// PTX ISA specifies for cvt. (A plain C cast such as (int)x does not saturate: out of range it is undefined.)
 template <class I>
-__forceinline__ I gpt2cupy_saturate(double integral, I lowest, I highest) {
-    if (integral != integral) return 0;
+__forceinline__ I gpt2cupy_saturate(double integral, I lowest, I highest, I not_a_number) {
+    if (integral != integral) return not_a_number;
     if (integral <= (double)lowest) return lowest;
     if (integral >= (double)highest) return highest;
     return (I)integral;
 }
-#define GPT2CUPY_TO_INTEGER(from, F, to, I, lowest, highest)                                                      \
-    __forceinline__ I __##from##2##to##_rn(F x) { return gpt2cupy_saturate<I>(rint((double)x), lowest, highest); }  \
-    __forceinline__ I __##from##2##to##_rz(F x) { return gpt2cupy_saturate<I>(trunc((double)x), lowest, highest); } \
-    __forceinline__ I __##from##2##to##_rd(F x) { return gpt2cupy_saturate<I>(floor((double)x), lowest, highest); } \
-    __forceinline__ I __##from##2##to##_ru(F x) { return gpt2cupy_saturate<I>(ceil((double)x), lowest, highest); }
-GPT2CUPY_TO_INTEGER(float, float, int, int, -2147483647 - 1, 2147483647)
-GPT2CUPY_TO_INTEGER(float, float, uint, unsigned int, 0u, 4294967295u)
-GPT2CUPY_TO_INTEGER(float, float, ll, long long, -9223372036854775807LL - 1, 9223372036854775807LL)
-GPT2CUPY_TO_INTEGER(float, float, ull, unsigned long long, 0ull, 18446744073709551615ull)
-GPT2CUPY_TO_INTEGER(double, double, int, int, -2147483647 - 1, 2147483647)
-GPT2CUPY_TO_INTEGER(double, double, uint, unsigned int, 0u, 4294967295u)
-GPT2CUPY_TO_INTEGER(double, double, ll, long long, -9223372036854775807LL - 1, 9223372036854775807LL)
-GPT2CUPY_TO_INTEGER(double, double, ull, unsigned long long, 0ull, 18446744073709551615ull)
+#define GPT2CUPY_TO_INTEGER(from, F, to, I, lowest, highest, on_nan)                                                    \
+    __forceinline__ I __##from##2##to##_rn(F x) { return gpt2cupy_saturate<I>(rint((double)x), lowest, highest, on_nan); }  \
+    __forceinline__ I __##from##2##to##_rz(F x) { return gpt2cupy_saturate<I>(trunc((double)x), lowest, highest, on_nan); } \
+    __forceinline__ I __##from##2##to##_rd(F x) { return gpt2cupy_saturate<I>(floor((double)x), lowest, highest, on_nan); } \
+    __forceinline__ I __##from##2##to##_ru(F x) { return gpt2cupy_saturate<I>(ceil((double)x), lowest, highest, on_nan); }
+GPT2CUPY_TO_INTEGER(float, float, int, int, -2147483647 - 1, 2147483647, 0)
+GPT2CUPY_TO_INTEGER(float, float, uint, unsigned int, 0u, 4294967295u, 0u)
+GPT2CUPY_TO_INTEGER(float, float, ll, long long, -9223372036854775807LL - 1, 9223372036854775807LL, -9223372036854775807LL - 1)
+GPT2CUPY_TO_INTEGER(float, float, ull, unsigned long long, 0ull, 18446744073709551615ull, 1ull << 63)
+GPT2CUPY_TO_INTEGER(double, double, int, int, -2147483647 - 1, 2147483647, -2147483647 - 1)
+GPT2CUPY_TO_INTEGER(double, double, uint, unsigned int, 0u, 4294967295u, 1u << 31)
+GPT2CUPY_TO_INTEGER(double, double, ll, long long, -9223372036854775807LL - 1, 9223372036854775807LL, -9223372036854775807LL - 1)
+GPT2CUPY_TO_INTEGER(double, double, ull, unsigned long long, 0ull, 18446744073709551615ull, 1ull << 63)
 #undef GPT2CUPY_TO_INTEGER
 
 __forceinline__ float gpt2cupy_next_toward(float x, float direction) { return nextafterf(x, direction); }
@@ -289,13 +291,18 @@ __forceinline__ double gpt2cupy_erfcinv(double y) {
     if (y > 1.5) return -gpt2cupy_erfcinv_tail(2.0 - y);
     return gpt2cupy_erfinv(1.0 - y);  // exact for y in [0.5, 1.5]
 }
-__forceinline__ float erfcinvf(float y) { return (float)gpt2cupy_erfcinv(y); }
+// A GPU's erfcinvf takes a subnormal input (below 2^-126) for 0 and returns +inf; normcdfinvf(p) is
+// -sqrt(2) erfcinvf(2p), so it returns -inf where 2p, rounded to float, is subnormal.
+__forceinline__ bool gpt2cupy_subnormal(float y) { return y > 0.0f && y < 1.17549435e-38f; }
+__forceinline__ float erfcinvf(float y) { return gpt2cupy_subnormal(y) ? __builtin_inff() : (float)gpt2cupy_erfcinv(y); }
 __forceinline__ float erfinvf(float y) { return (float)gpt2cupy_erfinv(y); }
 __forceinline__ double erfcinv(double y) { return gpt2cupy_erfcinv(y); }
 __forceinline__ double erfinv(double y) { return gpt2cupy_erfinv(y); }
 __forceinline__ float normcdff(float x) { return (float)(0.5 * erfc(-(double)x * 0.70710678118654752440)); }
 __forceinline__ double normcdf(double x) { return 0.5 * erfc(-x * 0.70710678118654752440); }
-__forceinline__ float normcdfinvf(float p) { return (float)(-1.41421356237309504880 * gpt2cupy_erfcinv(2.0 * (double)p)); }
+__forceinline__ float normcdfinvf(float p) {
+    return gpt2cupy_subnormal(p + p) ? -__builtin_inff() : (float)(-1.41421356237309504880 * gpt2cupy_erfcinv(2.0 * (double)p));
+}
 __forceinline__ double normcdfinv(double p) { return -1.41421356237309504880 * gpt2cupy_erfcinv(2.0 * p); }
 
 __forceinline__ bool isnan(float x) { return __builtin_isnan(x); }

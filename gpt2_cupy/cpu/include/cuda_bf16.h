@@ -41,13 +41,9 @@ __forceinline__ __nv_bfloat16 __low2bfloat16(__nv_bfloat162 a) { return a.x; }
 __forceinline__ __nv_bfloat16 __high2bfloat16(__nv_bfloat162 a) { return a.y; }
 __forceinline__ __nv_bfloat162 __lowhigh2highlow(__nv_bfloat162 a) { return __nv_bfloat162(a.y, a.x); }
 
-#define CUDART_INF_BF16 __ushort_as_bfloat16((unsigned short)0x7F80U)
-#define CUDART_NAN_BF16 __ushort_as_bfloat16((unsigned short)0x7FFFU)
-#define CUDART_MIN_DENORM_BF16 __ushort_as_bfloat16((unsigned short)0x0001U)
-#define CUDART_MAX_NORMAL_BF16 __ushort_as_bfloat16((unsigned short)0x7F7FU)
-#define CUDART_NEG_ZERO_BF16 __ushort_as_bfloat16((unsigned short)0x8000U)
-#define CUDART_ZERO_BF16 __ushort_as_bfloat16((unsigned short)0x0000U)
-#define CUDART_ONE_BF16 __ushort_as_bfloat16((unsigned short)0x3F80U)
+// No CUDART_INF_BF16, CUDART_NAN_BF16, ... constants: the <cuda_bf16.h> that NVRTC finds beside CuPy may
+// predate them (CUDA 12.2 added them), and there a kernel that names one does not compile. Build the value
+// from its bits instead: __ushort_as_bfloat16((unsigned short)0x7FFFU) is the canonical NaN.
 
 // How the executor checks arrays passed for a __nv_bfloat16* or __nv_bfloat162*: numpy has no bfloat16,
 // so 16-bit integer arrays holding the bits.

@@ -50,13 +50,9 @@ __forceinline__ __half2 __lowhigh2highlow(__half2 a) { return __half2(a.y, a.x);
 __forceinline__ __half2 __lows2half2(__half2 a, __half2 b) { return __half2(a.x, b.x); }
 __forceinline__ __half2 __highs2half2(__half2 a, __half2 b) { return __half2(a.y, b.y); }
 
-#define CUDART_INF_FP16 __ushort_as_half((unsigned short)0x7C00U)
-#define CUDART_NAN_FP16 __ushort_as_half((unsigned short)0x7FFFU)
-#define CUDART_MIN_DENORM_FP16 __ushort_as_half((unsigned short)0x0001U)
-#define CUDART_MAX_NORMAL_FP16 __ushort_as_half((unsigned short)0x7BFFU)
-#define CUDART_NEG_ZERO_FP16 __ushort_as_half((unsigned short)0x8000U)
-#define CUDART_ZERO_FP16 __ushort_as_half((unsigned short)0x0000U)
-#define CUDART_ONE_FP16 __ushort_as_half((unsigned short)0x3C00U)
+// No CUDART_INF_FP16, CUDART_NAN_FP16, ... constants: the <cuda_fp16.h> that NVRTC finds beside CuPy may
+// predate them (CUDA 12.2 added them), and there a kernel that names one does not compile. Build the value
+// from its bits instead: __ushort_as_half((unsigned short)0x7FFFU) is the canonical NaN.
 
 // How the executor checks arrays passed for a __half* or __half2*: float16 ones.
 namespace gpt2cupy {
