@@ -222,6 +222,10 @@ public:
     // reaching a barrier when this stands still.
     unsigned long long resumes() const { return resumes_; }
     void preempt_current();
+    // Set while a fiber runs the kernel's own code (not the runtime's): only then may it be preempted.
+    // A member rather than a thread_local: the runtime is a shared library, where each thread_local
+    // access is a call (__tls_get_addr), and every barrier and warp operation reads and writes this.
+    volatile sig_atomic_t in_kernel_code = 0;
     // After a jump out of kernel code (a fault, an interrupt): the block's threads are abandoned.
     void abandon_block() {
         for (Fiber& fiber : fibers_) {
@@ -239,13 +243,34 @@ private:
     void start(Fiber& fiber);
     void resume(Fiber& fiber);
     void yield_to_scheduler();
-    bool release_warps(unsigned thread_count);
-    void release_group(unsigned first, unsigned leader, unsigned group);
+    void run_ready_threads(bool reverse_order);
+    bool release_warps();
+    void release_group(unsigned warp, unsigned leader, unsigned group);
+    void open_block_barrier();
+    bool any_lane(const unsigned (&lanes)[warps_per_block]) const {
+        unsigned any = 0;
+        for (unsigned w = 0; w < warp_count_; ++w) any |= lanes[w];
+        return any != 0;
+    }
+    unsigned highest_thread(const unsigned (&lanes)[warps_per_block]) const {
+        for (unsigned w = warp_count_; w-- > 0;)
+            if (lanes[w] != 0) return w * 32 + 31 - __builtin_clz(lanes[w]);
+        return 0;
+    }
 
     Launch* launch_ = nullptr;
     Fiber fibers_[max_threads_per_block];
     Fiber* current_ = nullptr;
     void* scheduler_stack_pointer_ = nullptr;
+    ThreadCoordinates** current_thread_slot_ = nullptr;  // this OS thread's gpt2cupy_current_thread
+    // Which lanes of each warp are where, one bit per lane: the scheduler looks at these words rather
+    // than at every thread's state, so a barrier or warp operation costs the same whatever the block's size.
+    unsigned warp_count_ = 0;
+    unsigned finished_count_ = 0;
+    unsigned ready_[warps_per_block];     // to run in the next round (not started, released or preempted)
+    unsigned at_block_[warps_per_block];  // waiting at __syncthreads()
+    unsigned waiting_[warps_per_block];   // waiting in a warp operation
+    unsigned finished_[warps_per_block];  // returned from the kernel
     std::vector<Stack*> free_stacks_;
     std::vector<Stack*> all_stacks_;
     // One table per (warp, lowest lane of a group released together): lanes of one warp waiting at
@@ -275,8 +300,6 @@ thread_local sigjmp_buf* this_thread_fault_recovery = nullptr;
 // interrupt must not jump out; it is then acted on when the thread leaves.
 thread_local volatile sig_atomic_t this_thread_in_runtime = 0;
 thread_local volatile sig_atomic_t this_thread_interrupt_pending = 0;
-// Set while a fiber runs the kernel's own code (not the runtime's): only then may it be preempted.
-thread_local volatile sig_atomic_t this_thread_in_kernel_code = 0;
 thread_local unsigned long long this_thread_block_serial = 0;
 
 void register_runner(BlockRunner* runner);
@@ -427,9 +450,9 @@ void BlockRunner::start(Fiber& fiber) {
 void BlockRunner::resume(Fiber& fiber) {
     current_ = &fiber;
     resumes_ = resumes_ + 1;
-    gpt2cupy_current_thread = &fiber.coordinates;
+    *current_thread_slot_ = &fiber.coordinates;
     gpt2cupy_switch(&scheduler_stack_pointer_, fiber.saved_stack_pointer);
-    this_thread_in_kernel_code = 0;
+    in_kernel_code = 0;
     current_ = nullptr;
     if (fiber.state == FiberState::done && fiber.stack != nullptr) {
         free_stacks_.push_back(fiber.stack);  // a finished thread's stack serves the next one
@@ -439,8 +462,7 @@ void BlockRunner::resume(Fiber& fiber) {
 
 void BlockRunner::yield_to_scheduler() {
     Fiber* fiber = current_;
-    gpt2cupy_switch(&fiber->saved_stack_pointer, scheduler_stack_pointer_);
-    gpt2cupy_current_thread = &fiber->coordinates;
+    gpt2cupy_switch(&fiber->saved_stack_pointer, scheduler_stack_pointer_);  // resume() sets the coordinates
 }
 
 // A thread that has run for a while without reaching a barrier (spinning on a flag that another warp
@@ -449,16 +471,15 @@ void BlockRunner::yield_to_scheduler() {
 void BlockRunner::preempt_current() {
     Fiber* fiber = current_;
     fiber->state = FiberState::ready;
-    this_thread_in_kernel_code = 0;
-    gpt2cupy_switch(&fiber->saved_stack_pointer, scheduler_stack_pointer_);
-    gpt2cupy_current_thread = &fiber->coordinates;
+    in_kernel_code = 0;
+    gpt2cupy_switch(&fiber->saved_stack_pointer, scheduler_stack_pointer_);  // resume() sets the coordinates
 }
 
 void BlockRunner::fiber_main(Fiber* fiber) {
     try {
-        this_thread_in_kernel_code = 1;
+        in_kernel_code = 1;
         launch_->request().entry->invoke(launch_->request().packed_arguments);
-        this_thread_in_kernel_code = 0;
+        in_kernel_code = 0;
     } catch (int) {
         // gpt2cupy_assert_failed (or another failure) has recorded what happened; the block stops.
         block_failed_ = true;
@@ -495,35 +516,32 @@ const WarpExchange* BlockRunner::warp_exchange(unsigned mask, unsigned long long
 // that wait with the same mask goes on when every lane named in that mask waits with that mask too (or
 // has finished). Lanes that wait with other masks wait on: after divergent code, lanes at different
 // warp operations are never paired up.
-void BlockRunner::release_group(unsigned first, unsigned leader, unsigned group) {
-    WarpExchange& table = exchanges_[first / 32][leader];
+void BlockRunner::release_group(unsigned warp, unsigned leader, unsigned group) {
+    WarpExchange& table = exchanges_[warp][leader];
     table.arrived = group;
     for (unsigned lanes = group; lanes != 0; lanes &= lanes - 1) {
-        Fiber& fiber = fibers_[first + __builtin_ctz(lanes)];
+        Fiber& fiber = fibers_[warp * 32 + __builtin_ctz(lanes)];
         table.value[__builtin_ctz(lanes)] = fiber.exchange_value;
         fiber.exchange = &table;
         fiber.warp_syncs += 1;
         fiber.state = FiberState::ready;
     }
+    waiting_[warp] &= ~group;
+    ready_[warp] |= group;
 }
 
-bool BlockRunner::release_warps(unsigned thread_count) {
+bool BlockRunner::release_warps() {
     bool released = false;
-    for (unsigned first = 0; first < thread_count; first += 32) {
-        unsigned lanes = std::min(32u, thread_count - first);
-        unsigned waiting = 0, finished = 0, wanted = 0;
-        for (unsigned lane = 0; lane < lanes; ++lane) {
-            const Fiber& fiber = fibers_[first + lane];
-            if (fiber.state == FiberState::at_warp_barrier) {
-                waiting |= 1u << lane;
-                wanted |= fiber.warp_wait_mask;
-            } else if (fiber.state == FiberState::done) {
-                finished |= 1u << lane;
-            }
-        }
+    for (unsigned warp = 0; warp < warp_count_; ++warp) {
+        const unsigned waiting = waiting_[warp];
         if (waiting == 0) continue;
+        const unsigned first = warp * 32;
+        unsigned wanted = 0;
+        for (unsigned lanes = waiting; lanes != 0; lanes &= lanes - 1)
+            wanted |= fibers_[first + __builtin_ctz(lanes)].warp_wait_mask;
+        unsigned lanes = std::min(32u, launch_->thread_count() - first);
         unsigned existing = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
-        unsigned alive = existing & ~finished;
+        unsigned alive = existing & ~finished_[warp];
         bool released_in_warp = false;
         for (unsigned candidates = waiting; candidates != 0;) {
             unsigned leader = __builtin_ctz(candidates);
@@ -533,7 +551,7 @@ bool BlockRunner::release_warps(unsigned thread_count) {
             for (unsigned members = group; all_there && members != 0; members &= members - 1)
                 all_there = fibers_[first + __builtin_ctz(members)].warp_wait_mask == mask;
             if (all_there) {
-                release_group(first, leader, group);
+                release_group(warp, leader, group);
                 candidates &= ~group;
                 released_in_warp = true;
             } else {
@@ -543,7 +561,7 @@ bool BlockRunner::release_warps(unsigned thread_count) {
         // Masks that do not agree (lane 0 names lanes 0-1, lane 1 names lanes 0-2): undefined on a GPU.
         // Rather than hang, the lanes go on together, as long as none waits for a lane at __syncthreads().
         if (!released_in_warp && (wanted & alive & ~waiting) == 0) {
-            release_group(first, __builtin_ctz(waiting), waiting);
+            release_group(warp, __builtin_ctz(waiting), waiting);
             released_in_warp = true;
         }
         released = released || released_in_warp;
@@ -551,10 +569,51 @@ bool BlockRunner::release_warps(unsigned thread_count) {
     return released;
 }
 
+// Every thread still running is at __syncthreads(): the barrier opens. (Threads that have returned
+// count as arrived, as on current GPUs.)
+void BlockRunner::open_block_barrier() {
+    for (unsigned warp = 0; warp < warp_count_; ++warp) {
+        for (unsigned lanes = at_block_[warp]; lanes != 0; lanes &= lanes - 1)
+            fibers_[warp * 32 + __builtin_ctz(lanes)].state = FiberState::ready;
+        ready_[warp] = at_block_[warp];
+        at_block_[warp] = 0;
+    }
+    epoch_ += 1;  // accesses before the barrier are ordered before those after it
+}
+
+// One round: every thread that can run runs until it finishes or reaches a barrier, in the order of
+// threadIdx (the race check: the opposite order); each lands in the set of where it stopped.
+void BlockRunner::run_ready_threads(bool reverse_order) {
+    unsigned to_run[warps_per_block];
+    for (unsigned warp = 0; warp < warp_count_; ++warp) {
+        to_run[warp] = ready_[warp];
+        ready_[warp] = 0;
+    }
+    for (unsigned k = 0; k < warp_count_; ++k) {
+        const unsigned warp = reverse_order ? warp_count_ - 1 - k : k;
+        for (unsigned lanes = to_run[warp]; lanes != 0 && !block_failed_;) {
+            const unsigned lane = reverse_order ? 31 - __builtin_clz(lanes) : __builtin_ctz(lanes);
+            lanes &= ~(1u << lane);
+            Fiber& fiber = fibers_[warp * 32 + lane];
+            if (fiber.state == FiberState::not_started) start(fiber);
+            if (fiber.state == FiberState::ready) resume(fiber);
+            const unsigned bit = 1u << lane;
+            switch (fiber.state) {
+                case FiberState::done: finished_[warp] |= bit; ++finished_count_; break;
+                case FiberState::at_block_barrier: at_block_[warp] |= bit; break;
+                case FiberState::at_warp_barrier: waiting_[warp] |= bit; break;
+                default: ready_[warp] |= bit; break;  // preempted, or it yielded: it goes on next round
+            }
+        }
+        if (block_failed_) return;
+    }
+}
+
 bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
     launch_ = &launch;
     block_failed_ = false;
     output_.clear();
+    current_thread_slot_ = &gpt2cupy_current_thread;
     const gpt2cupy_launch_request& request = launch.request();
     const unsigned bx = request.block[0], by = request.block[1], bz = request.block[2];
     const unsigned gx = request.grid[0], gy = request.grid[1];
@@ -572,44 +631,29 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
         fiber.warp_syncs = 0;
         fiber.stack = nullptr;
     }
+    warp_count_ = (thread_count + 31) / 32;
+    finished_count_ = 0;
+    for (unsigned warp = 0; warp < warps_per_block; ++warp) {
+        unsigned lanes = warp < warp_count_ ? std::min(32u, thread_count - warp * 32) : 0;
+        ready_[warp] = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
+        at_block_[warp] = waiting_[warp] = finished_[warp] = 0;
+    }
     block_linear_ = block_linear;
     epoch_ += 1;
     this_thread_block_serial += 1;
     for (;;) {
-        // Run every thread that can run until it finishes or reaches a barrier.
-        for (unsigned k = 0; k < thread_count && !block_failed_; ++k) {
-            Fiber& fiber = fibers_[request.reverse_order ? thread_count - 1 - k : k];
-            if (fiber.state == FiberState::not_started) start(fiber);
-            if (fiber.state == FiberState::ready) resume(fiber);
-        }
+        run_ready_threads(request.reverse_order != 0);
         if (block_failed_ || launch.failed()) break;
-        unsigned done = 0, at_block = 0, at_warp = 0, preempted = 0;
-        for (unsigned t = 0; t < thread_count; ++t) {
-            switch (fibers_[t].state) {
-                case FiberState::done: ++done; break;
-                case FiberState::at_block_barrier: ++at_block; break;
-                case FiberState::at_warp_barrier: ++at_warp; break;
-                case FiberState::ready: ++preempted; break;
-                default: break;
-            }
-        }
-        if (done == thread_count) break;
-        if (preempted > 0) continue;  // no barrier opens while a thread is still on its way to it
-        if (at_warp > 0 && release_warps(thread_count)) continue;
-        if (at_warp == 0) {
-            // Every thread still running is at __syncthreads(): the barrier opens. (Threads that have
-            // returned count as arrived, as on current GPUs.)
-            for (unsigned t = 0; t < thread_count; ++t)
-                if (fibers_[t].state == FiberState::at_block_barrier) fibers_[t].state = FiberState::ready;
-            epoch_ += 1;  // accesses before the barrier are ordered before those after it
+        if (finished_count_ == thread_count) break;
+        if (any_lane(ready_)) continue;  // no barrier opens while a thread is still on its way to it
+        const bool in_warp_operations = any_lane(waiting_);
+        if (in_warp_operations && release_warps()) continue;
+        if (!in_warp_operations) {
+            open_block_barrier();
             continue;
         }
         // Some threads wait in a warp operation for lanes that wait at __syncthreads(): on a GPU this hangs.
-        unsigned warp_waiter = 0, block_waiter = 0;
-        for (unsigned t = 0; t < thread_count; ++t) {
-            if (fibers_[t].state == FiberState::at_warp_barrier) warp_waiter = t;
-            if (fibers_[t].state == FiberState::at_block_barrier) block_waiter = t;
-        }
+        unsigned warp_waiter = highest_thread(waiting_), block_waiter = highest_thread(at_block_);
         char message[256];
         const uint3 w = fibers_[warp_waiter].coordinates.thread_idx, b = fibers_[block_waiter].coordinates.thread_idx;
         std::snprintf(message, sizeof(message),
@@ -640,8 +684,8 @@ Launch* launch_in_flight = nullptr;
 constexpr int stop_signal = SIGUSR2;  // sent to the workers when the launch is interrupted
 
 void on_fault(int signal_number, siginfo_t* info, void* context) {
-    this_thread_in_kernel_code = 0;  // no preemption from here on: this handler's frame is on the signal stack
     BlockRunner* runner = this_thread_runner;
+    if (runner != nullptr) runner->in_kernel_code = 0;  // no preemption from here on: this handler's frame is on the signal stack
     if (this_thread_fault_recovery == nullptr || runner == nullptr || launch_in_flight == nullptr) {
         // Not a kernel's fault: give it to whoever handled it before (Python's faulthandler, say), and
         // fault again there. The next launch puts this handler back.
@@ -752,10 +796,10 @@ constexpr int preempt_signal = SIGURG;  // ignored by default, so a stray one do
 
 void on_preempt(int) {
     BlockRunner* runner = this_thread_runner;
-    if (runner == nullptr || !this_thread_in_kernel_code || runner->current_fiber() == nullptr) return;
+    if (runner == nullptr || !runner->in_kernel_code || runner->current_fiber() == nullptr) return;
     int saved_errno = errno;
     runner->preempt_current();
-    this_thread_in_kernel_code = 1;
+    runner->in_kernel_code = 1;
     errno = saved_errno;
 }
 
@@ -810,7 +854,7 @@ void run_blocks(Launch& launch) {
     if (sigsetjmp(recovery, 0) != 0) {
         // A fault or an interrupt inside a kernel: the launch has recorded it. Its handler blocked the
         // preemption signal, and the jump here did not restore the mask.
-        this_thread_in_kernel_code = 0;
+        runner.in_kernel_code = 0;
         sigset_t preemption;
         sigemptyset(&preemption);
         sigaddset(&preemption, SIGURG);
@@ -961,11 +1005,12 @@ void record_access_unpreempted(const void* address, unsigned long long size, boo
 
 // Called from kernel code, but runtime code itself: the watchdog must not switch threads in the middle.
 void record_access(const void* address, unsigned long long size, bool is_write) {
-    if (!tracking_races) return;
-    sig_atomic_t was_in_kernel_code = this_thread_in_kernel_code;
-    this_thread_in_kernel_code = 0;
+    BlockRunner* runner = this_thread_runner;
+    if (!tracking_races || runner == nullptr) return;
+    sig_atomic_t was_in_kernel_code = runner->in_kernel_code;
+    runner->in_kernel_code = 0;
     record_access_unpreempted(address, size, is_write);
-    this_thread_in_kernel_code = was_in_kernel_code;
+    runner->in_kernel_code = was_in_kernel_code;
 }
 
 void record_access_unpreempted(const void* address, unsigned long long size, bool is_write) {
@@ -1086,15 +1131,17 @@ const int gpt2cupy_warp_size = 32;
 void gpt2cupy_fiber_main(Fiber* fiber) { this_thread_runner->fiber_main(fiber); }
 
 void gpt2cupy_syncthreads(void) {
-    this_thread_in_kernel_code = 0;
-    this_thread_runner->syncthreads();
-    this_thread_in_kernel_code = 1;
+    BlockRunner* runner = this_thread_runner;
+    runner->in_kernel_code = 0;
+    runner->syncthreads();
+    runner->in_kernel_code = 1;
 }
 
 const gpt2cupy::WarpExchange* gpt2cupy_warp_exchange(unsigned int mask, unsigned long long value) {
-    this_thread_in_kernel_code = 0;
-    const gpt2cupy::WarpExchange* table = this_thread_runner->warp_exchange(mask, value);
-    this_thread_in_kernel_code = 1;
+    BlockRunner* runner = this_thread_runner;
+    runner->in_kernel_code = 0;
+    const gpt2cupy::WarpExchange* table = runner->warp_exchange(mask, value);
+    runner->in_kernel_code = 1;
     return table;
 }
 
@@ -1105,7 +1152,7 @@ void* gpt2cupy_dynamic_shared_memory(void) {
 }
 
 int gpt2cupy_printf(const char* format, ...) {
-    this_thread_in_kernel_code = 0;
+    this_thread_runner->in_kernel_code = 0;
     this_thread_in_runtime = 1;
     char buffer[1024];
     va_list arguments, again;
@@ -1128,22 +1175,22 @@ int gpt2cupy_printf(const char* format, ...) {
         this_thread_interrupt_pending = 0;
         throw 0;  // the launch was interrupted while this thread was printing
     }
-    this_thread_in_kernel_code = 1;
+    this_thread_runner->in_kernel_code = 1;
     return length;
 }
 
 void gpt2cupy_yield(void) {
     BlockRunner* runner = this_thread_runner;
     if (runner == nullptr || runner->current_fiber() == nullptr) return;
-    this_thread_in_kernel_code = 0;
+    runner->in_kernel_code = 0;
     runner->preempt_current();
-    this_thread_in_kernel_code = 1;
+    runner->in_kernel_code = 1;
 }
 
 unsigned long long gpt2cupy_block_serial(void) { return this_thread_block_serial; }
 
 void gpt2cupy_assert_failed(const char* condition, const char* file, int line) {
-    this_thread_in_kernel_code = 0;
+    this_thread_runner->in_kernel_code = 0;
     this_thread_runner->fail_current(assertion_failed, std::string(file) + ":" + std::to_string(line) +
                                                            ": Assertion `" + condition + "` failed.");
     throw 0;  // unwinds the thread's own stack to fiber_main
