@@ -1071,3 +1071,25 @@ def test_half_and_bfloat16_arrays_and_scalars_as_parameters():
     run(SIXTEEN_BIT_PARAMETERS, "scale", (1,), (32,), out, bfloat_out, device(x), np.float16(1.5), three, np.int32(n))
     np.testing.assert_array_equal(host(out), x * np.float16(1.5))
     np.testing.assert_array_equal(bfloat16_to_float(host(bfloat_out)), x.astype(np.float32) * 3)
+
+
+NAN_AND_MODF = r"""
+extern "C" __global__ void nan_and_modf(float* out, const float* x)
+{
+    float whole;
+    out[0] = nanf("");
+    out[1] = (float)nan("");
+    out[2] = modff(x[0], &whole);
+    out[3] = whole;
+}
+"""
+
+
+def test_nanf_nan_and_modff():
+    """nanf("") and nan("") are NaN (the bits may differ: CUDA's is 0x7fffffff, the C library's 0x7fc00000);
+    modff splits a float into its fractional and whole parts, both with the sign of the input."""
+    out = device(np.zeros(4, dtype=np.float32))
+    run(NAN_AND_MODF, "nan_and_modf", (1,), (1,), out, device(np.array([-2.75], dtype=np.float32)))
+    got = host(out)
+    assert np.isnan(got[0]) and np.isnan(got[1])
+    np.testing.assert_array_equal(got[2:], [-0.75, -2.0])

@@ -80,6 +80,10 @@ GPT2CUPY_BINARY(copysign) GPT2CUPY_BINARY(nextafter)
 #undef GPT2CUPY_UNARY
 #undef GPT2CUPY_BINARY
 float fmaf(float, float, float) noexcept;
+float nanf(const char*) noexcept;
+double nan(const char*) noexcept;
+float modff(float, float*) noexcept;
+double modf(double, double*) noexcept;
 double fma(double, double, double) noexcept;
 float ldexpf(float, int) noexcept;
 double ldexp(double, int) noexcept;
