@@ -1,6 +1,7 @@
 """Chapter 08's attention on a GPU: fused against naive against PyTorch, forward + backward, float32.
 
     python -m bench.attention          prints a table and writes bench/attention.json
+    python -m bench.attention --quick  GPT-2's shape only: prints the table, writes nothing
 
 GPT-2 small's shape, B = 8, H = 12, T = 1024, d = 64: the fused kernels (gpt2_cupy.ops.attention) and the
 naive version (batched matmuls and chapter 04's softmax, the (B, H, T, T) scores written out), both
@@ -8,6 +9,9 @@ variants, and PyTorch's scaled_dot_product_attention(is_causal=True) in float32 
 forward alone and forward + backward. TFLOP/s counts the causal half of the four T x T x d products of
 the backward and the two of the forward that a causal kernel must do: 2 B H T² d FLOP forward (S and
 P V, each half of 2 B H T² d), 5 half-products in the backward (S and dP recomputed, dV, dK, and dQ).
+
+The fused softmax version is also timed kernel by kernel: the forward, and the backward's three launches
+(rowdot, the dk, dv pass with its 4 half-products, the dq pass with its 3).
 
 Then longer sequences, T = 4096, 8192, 16384 at the same B and H: the naive version needs two (B, H, T, T)
 float32 arrays (P, and dP, which becomes dS in place), 6.4 GB each at T = 4096 and 103 GB each at
@@ -23,6 +27,7 @@ import numpy as np
 
 from gpt2_cupy import backend, benchmark
 from gpt2_cupy.ops.arrays import LARGEST_INT
+from gpt2_cupy.ops import attention as attention_ops
 from gpt2_cupy.ops.attention import (attention_backward, attention_backward_naive, attention_forward,
                                      attention_forward_naive)
 
@@ -84,7 +89,27 @@ def torch_runs(T):
             "torch scaled_dot_product_attention, forward + backward": both}
 
 
+def kernel_runs(cupy):
+    """{name: (function, causal half-products)}: each kernel of the fused softmax version, launched alone."""
+    q, k, v, dout = inputs(T, cupy)
+    out, lse = attention_forward(q, k, v)
+    dq, dk, dv = (cupy.empty_like(q) for _ in range(3))
+    rowdot = cupy.empty_like(lse)
+    heads, causal = B * H, True
+    common = (heads, T, D, causal, "softmax")
+    return {"kernel attention_forward": (lambda: attention_ops._forward(out, lse, q, k, v, *common), 2),
+            "kernel attention_backward_rowdot": (lambda: attention_ops._rowdot(rowdot, dout, out, heads * T, D), 0),
+            "kernel attention_backward_dk_dv": (lambda: attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot,
+                                                                             *common), 4),
+            "kernel attention_backward_dq": (lambda: attention_ops._dq(dq, dout, q, k, v, lse, rowdot, *common), 3)}
+
+
+KERNEL_PRODUCTS = {}  # filled by measure_gpt2_shape: kernel name -> causal half-products
+
+
 def flop_of(name, T):
+    if name in KERNEL_PRODUCTS:
+        return causal_flop(T, KERNEL_PRODUCTS[name])
     return causal_flop(T, 2 if name.endswith(", forward") else 7)
 
 
@@ -94,6 +119,10 @@ def measure_gpt2_shape(cupy):
         for name, run in ours(T, cupy, variant).items():
             seconds[name] = benchmark.seconds_per_call(run, warmup=2, repeat=10)
         cupy.get_default_memory_pool().free_all_blocks()
+    for name, (run, products) in kernel_runs(cupy).items():
+        KERNEL_PRODUCTS[name] = products
+        seconds[name] = benchmark.seconds_per_call(run, warmup=2, repeat=20)
+    cupy.get_default_memory_pool().free_all_blocks()
     for name, run in torch_runs(T).items():
         seconds[name] = benchmark.seconds_per_call(run, warmup=2, repeat=10)
     return seconds
@@ -124,12 +153,12 @@ def measure_long(cupy):
     return results
 
 
-def measure():
+def measure(quick=False):
     if not benchmark.meaningful():
         raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
     cupy = backend.xp
     seconds = measure_gpt2_shape(cupy)
-    long = measure_long(cupy)
+    long = {} if quick else measure_long(cupy)
     square_bytes = {t: B * H * t * t * FLOAT for t in (T, *LONG_T)}
     return {**benchmark.measured_on(), "shape": {"B": B, "H": H, "T": T, "d": D},
             "seconds": seconds,
@@ -142,7 +171,8 @@ def report(measured):
     seconds = measured["seconds"]
     lines = [f"{measured['device']}, {measured['date']}: B={B} H={H} T={T} d={D}, float32"]
     for name, s in seconds.items():
-        lines.append(f"  {name:<56s} {s * 1e3:8.2f} ms  {measured['tflops'][name]:6.1f} TFLOP/s")
+        rate = f"{measured['tflops'][name]:6.1f} TFLOP/s" if measured["tflops"][name] else ""
+        lines.append(f"  {name:<56s} {s * 1e3:8.3f} ms  {rate}")
     fused = seconds["fused softmax, forward + backward"]
     lines.append(f"  fused vs naive, forward + backward: {seconds['naive softmax, forward + backward'] / fused:.2f}x "
                  "faster (target >= 3x)")
@@ -150,7 +180,8 @@ def report(measured):
     if torch_name in seconds:
         lines.append(f"  fused vs torch, forward + backward: {seconds[torch_name] / fused:.2f}x "
                      "(target >= 1x: at least as fast)")
-    lines.append("  long sequences, softmax, forward + backward:")
+    if measured["long_sequences_seconds"]:
+        lines.append("  long sequences, softmax, forward + backward:")
     for t, results in measured["long_sequences_seconds"].items():
         square = measured["bytes_of_one_B_H_T_T_array"][t] / 1e9
         cells = ", ".join(f"{name.split(' ')[0]} " + (f"{r * 1e3:.1f} ms" if isinstance(r, float) else r)
@@ -160,8 +191,11 @@ def report(measured):
 
 
 def main():
-    measured = measure()
+    quick = "--quick" in sys.argv[1:]
+    measured = measure(quick)
     print(report(measured))
+    if quick:
+        return 0
     path = Path(__file__).with_suffix(".json")
     benchmark.write_results(path, measured)
     print(f"written: {path}")

@@ -21,23 +21,38 @@
 // x = S - max <= 0 or S - lse <= 0, and where |x| is large the term e^x is too small to count.
 // The tiles take 44 to 102 KB of shared memory, more than the 48 KB a kernel may declare statically:
 // they are carved out of one extern __shared__ array, whose size the launch gives.
+// Unrolling and registers: the inner loops over D and over a tile are unrolled 4 steps at a time, so that
+// the compiler can issue the next steps' shared-memory reads while this step's multiply-adds run. That
+// takes registers, and registers decide how many blocks share a multiprocessor: shared memory lets 3
+// forward blocks (67 KB each at D = 64) and 2 backward blocks (85, 102 KB) share one, and
+// __launch_bounds__(threads, blocks) holds the compiler to the registers that many blocks can have
+// (65536 / (3 * 256) -> 80 a thread for the forward, 128 for the backward). Measured on an H100, this
+// beats both the loops as written and fully unrolled ones, though the softmax forward then keeps a few
+// values in local memory (spills).
 #define TILE 64               // rows per block, columns per tile
 #define WARPS 8
 #define ROWS_PER_WARP (TILE / WARPS)
 #define COLUMNS_PER_LANE (TILE / 32)
 #define PAD 4
+#define ATTENTION_FORWARD_BLOCKS 3          // blocks per multiprocessor, for __launch_bounds__
+#define ATTENTION_BACKWARD_DK_DV_BLOCKS 2
+#define ATTENTION_BACKWARD_DQ_BLOCKS 2
 #define FULL_MASK 0xffffffffu
 #define NEGATIVE_INFINITY __uint_as_float(0xff800000u)  // NVRTC has no math.h, so no INFINITY
 
 // Load rows first_row .. first_row + 63 of a (T, D) matrix into tile[64][D + PAD]; rows past T are zero.
-// Consecutive threads read consecutive floats: each warp's load is whole 128-byte lines.
+// Consecutive threads read consecutive float4s: each warp's load is four whole 128-byte lines, in a
+// quarter of the instructions of float-by-float loads. Rows of D floats keep every float4 aligned, in
+// global memory (cupy's arrays start on 256-byte boundaries) and in the tile (D + PAD is a multiple of 4).
 template <int D>
 __device__ void load_tile(float* tile, const float* matrix, int first_row, int T)
 {
-    for (int index = threadIdx.x; index < TILE * D; index += WARPS * 32) {
-        int row = index / D, column = index % D;
+    for (int index = threadIdx.x; index < TILE * D / 4; index += WARPS * 32) {
+        int row = index / (D / 4), column = 4 * (index % (D / 4));
         int global_row = first_row + row;
-        tile[row * (D + PAD) + column] = global_row < T ? matrix[(long long)global_row * D + column] : 0.0f;
+        float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (global_row < T) value = *reinterpret_cast<const float4*>(&matrix[(long long)global_row * D + column]);
+        *reinterpret_cast<float4*>(&tile[row * (D + PAD) + column]) = value;
     }
 }
 
@@ -48,6 +63,7 @@ __device__ void tile_dots(float dot[ROWS_PER_WARP][COLUMNS_PER_LANE], const floa
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int r = 0; r < ROWS_PER_WARP; r++)
         for (int c = 0; c < COLUMNS_PER_LANE; c++) dot[r][c] = 0.0f;
+#pragma unroll 4  // see the top of the file
     for (int i = 0; i < D; i += 4) {
         float4 column[COLUMNS_PER_LANE];
         for (int c = 0; c < COLUMNS_PER_LANE; c++)
@@ -66,6 +82,7 @@ template <int D>
 __device__ void tile_accumulate(float accumulator[ROWS_PER_WARP][D / 32], const float* weights, const float* values)
 {
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll 4  // see the top of the file
     for (int j = 0; j < TILE; j += 4) {
         float value[4][D / 32];
         for (int jj = 0; jj < 4; jj++)
@@ -112,7 +129,7 @@ __device__ void store_rows(float* matrix, float accumulator[ROWS_PER_WARP][D / 3
 // them early keeps the GPU from ending on a few long blocks.
 // Shared memory: q, k, v tiles of 64 x (D + 4) floats and a 64 x 64 tile of P.
 template <int D, bool RELU>
-__global__ void __launch_bounds__(WARPS * 32) attention_forward(float* out, float* lse, const float* q,
+__global__ void __launch_bounds__(WARPS * 32, ATTENTION_FORWARD_BLOCKS) attention_forward(float* out, float* lse, const float* q,
                                                                 const float* k, const float* v, int T, int causal)
 {
     extern __shared__ __align__(16) float shared[];
@@ -218,7 +235,7 @@ __device__ void probability_and_gradient(float& p, float& ds, float score, float
 // Every dk, dv row is summed by one thread in a fixed order: no atomics, the same bits every run.
 // Shared memory: k, v, q, dout tiles of 64 x (D + 4) floats and 64 x 64 tiles of P and dS.
 template <int D, bool RELU>
-__global__ void __launch_bounds__(WARPS * 32) attention_backward_dk_dv(float* dk, float* dv, const float* dout,
+__global__ void __launch_bounds__(WARPS * 32, ATTENTION_BACKWARD_DK_DV_BLOCKS) attention_backward_dk_dv(float* dk, float* dv, const float* dout,
     const float* q, const float* k, const float* v, const float* lse, const float* rowdot, int T, int causal)
 {
     extern __shared__ __align__(16) float shared[];
@@ -279,7 +296,7 @@ __global__ void __launch_bounds__(WARPS * 32) attention_backward_dk_dv(float* dk
 // sum in whatever order the blocks happen to run: this way training is bit-reproducible.
 // Shared memory: q, dout, k, v tiles of 64 x (D + 4) floats and a 64 x 64 tile of dS.
 template <int D, bool RELU>
-__global__ void __launch_bounds__(WARPS * 32) attention_backward_dq(float* dq, const float* dout, const float* q,
+__global__ void __launch_bounds__(WARPS * 32, ATTENTION_BACKWARD_DQ_BLOCKS) attention_backward_dq(float* dq, const float* dout, const float* q,
     const float* k, const float* v, const float* lse, const float* rowdot, int T, int causal)
 {
     extern __shared__ __align__(16) float shared[];

@@ -29,7 +29,7 @@ from gpt2_cupy.ops.matmul import batched_matmul
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 
 TILE = 64                  # queries (or keys) per block, keys (or queries) per tile: kernels/attention.cu
-THREADS = 256              # eight warps
+THREADS = 256              # eight warps: kernels/attention.cu's WARPS
 PAD = 4                    # floats of padding after each row of a tile in shared memory
 FLOAT = 4                  # bytes
 HEAD_SIZES = (32, 64)      # d, a template parameter of the kernels
@@ -114,19 +114,32 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax
 def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, d, causal, variant):
     if heads * T == 0:
         return
-    causal = np.int32(bool(causal))
     if variant == "softmax":
-        rows = heads * T
-        kernels.function("attention", "attention_backward_rowdot")(
-            (ceil_div(rows, ROWDOT_WARPS_PER_BLOCK),), (ROWDOT_WARPS_PER_BLOCK * 32,),
-            (rowdot, dout, out, np.int32(rows), np.int32(d)))
+        _rowdot(rowdot, dout, out, heads * T, d)
     else:  # the ReLU kernels never read lse or rowdot: dout stands in for both pointers
         lse = rowdot = dout
-    grid = (heads, ceil_div(T, TILE))
+    _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
+    _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
+
+
+# The backward's three launches, each its own function so that bench/attention.py can time them apart.
+
+def _rowdot(rowdot, dout, out, rows, d):
+    kernels.function("attention", "attention_backward_rowdot")(
+        (ceil_div(rows, ROWDOT_WARPS_PER_BLOCK),), (ROWDOT_WARPS_PER_BLOCK * 32,),
+        (rowdot, dout, out, np.int32(rows), np.int32(d)))
+
+
+def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant):
     kernel, shared = _kernel("attention_backward_dk_dv", d, variant)
-    kernel(grid, (THREADS,), (dk, dv, dout, q, k, v, lse, rowdot, np.int32(T), causal), shared_mem=shared)
+    kernel((heads, ceil_div(T, TILE)), (THREADS,),
+           (dk, dv, dout, q, k, v, lse, rowdot, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
+
+
+def _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant):
     kernel, shared = _kernel("attention_backward_dq", d, variant)
-    kernel(grid, (THREADS,), (dq, dout, q, k, v, lse, rowdot, np.int32(T), causal), shared_mem=shared)
+    kernel((heads, ceil_div(T, TILE)), (THREADS,),
+           (dq, dout, q, k, v, lse, rowdot, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
 
 
 # ---- The naive version: scores and probabilities written out, (..., T, T) each ----
