@@ -10,9 +10,6 @@ memset, 4 bytes per parameter), and the global gradient norm with clipping (a re
 plus a read and a write when the clip factor is below 1).
 """
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, optim, testing
@@ -68,7 +65,7 @@ def measure():
                              "weight_decay": 0.0}]
             torch_adamw = torch.optim.AdamW(torch_groups, lr=6e-4, betas=(0.9, 0.95), **{variant: True})
             runs[f"torch.optim.AdamW({variant}=True)"] = (28 * count, torch_adamw.step)
-    seconds = {name: benchmark.seconds_per_call(run, warmup=3, repeat=10) for name, (_, run) in runs.items()}
+    seconds = {name: benchmark.seconds_per_call(run) for name, (_, run) in runs.items()}
     return {
         **benchmark.measured_on(),
         "parameters": count,
@@ -79,24 +76,20 @@ def measure():
     }
 
 
-def report(measured):
+def table(measured):
     ceiling = measured["copy_bandwidth_gb_per_s"]
     lines = [f"{measured['device']}, {measured['date']}: {measured['parameters']} parameters (GPT-2 small), "
              f"copy bandwidth {ceiling:.0f} GB/s"]
-    for name, ms in measured["milliseconds"].items():
-        gb = measured["gb_per_s"][name]
-        lines.append(f"  {name:<48s} {ms:7.3f} ms {gb:7.0f} GB/s {gb / ceiling:6.1%} of copy")
-    return "\n".join(lines)
+    lines += benchmark.bandwidth_rows(measured["gb_per_s"], ceiling,
+                                      {name: ms / 1e3 for name, ms in measured["milliseconds"].items()})
+    return lines
 
 
-def main():
-    measured = measure()
-    print(report(measured))
-    path = Path(__file__).with_suffix(".json")
-    benchmark.write_results(path, measured)
-    print(f"written: {path}")
-    return 0
+def report(measured):
+    """The table as one text, for a notebook to print."""
+    return "\n".join(table(measured))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    measured = measure()
+    benchmark.report("adamw", measured, table(measured))

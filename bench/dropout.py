@@ -10,39 +10,21 @@ mask besides y (9 bytes per element) and its backward reads that mask (9 bytes);
 PyTorch's figures as the bytes it really moves.
 """
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from gpt2_cupy import backend, benchmark
 from gpt2_cupy.ops.dropout import advance_rng_state, dropout_backward, dropout_forward, new_rng_state
+from gpt2_cupy.testing import torch_or_none
 
 SHAPES = {"residual stream (8, 1024, 768)": (8, 1024, 768), "attention (8, 12, 1024, 1024)": (8, 12, 1024, 1024)}
 P = 0.1
-CALLS_PER_TIMING = 10
 FLOAT = 4
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
-def seconds_per_call(run):
-    def calls():
-        for _ in range(CALLS_PER_TIMING):
-            run()
-    return benchmark.seconds_per_call(calls, warmup=2, repeat=10) / CALLS_PER_TIMING
 
 
 def measure():
     if not benchmark.meaningful():
         raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
-    cupy, torch = backend.xp, _torch()
+    cupy, torch = backend.xp, torch_or_none()
     results = {"copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9, "p": P, "gb_per_s": {}}
     state = new_rng_state(1234)
     for label, shape in SHAPES.items():
@@ -64,30 +46,27 @@ def measure():
                 ours + n, lambda: torch.ops.aten.native_dropout(x_torch, P, True))
             runs["torch native_dropout_backward (reads the mask)"] = (
                 ours + n, lambda: torch.ops.aten.native_dropout_backward(x_torch, mask, 1 / (1 - P)))
-        results["gb_per_s"][label] = {name: benchmark.gigabytes_per_second(moved, seconds_per_call(run))
+        results["gb_per_s"][label] = {name: benchmark.gigabytes_per_second(moved, benchmark.seconds_per_call(run))
                                       for name, (moved, run) in runs.items()}
         del x, out
         cupy.get_default_memory_pool().free_all_blocks()
     return {**benchmark.measured_on(), **results}
 
 
-def report(measured):
+def table(measured):
     ceiling = measured["copy_bandwidth_gb_per_s"]
     lines = [f"{measured['device']}, {measured['date']}: copy bandwidth {ceiling:.0f} GB/s, p = {measured['p']}"]
     for label, rates in measured["gb_per_s"].items():
         lines.append(f"{label}:")
-        lines += [f"  {name:<50s} {rate:7.0f} GB/s  {rate / ceiling:6.1%} of copy" for name, rate in rates.items()]
-    return "\n".join(lines)
+        lines += benchmark.bandwidth_rows(rates, ceiling)
+    return lines
 
 
-def main():
-    measured = measure()
-    print(report(measured))
-    path = Path(__file__).with_suffix(".json")
-    benchmark.write_results(path, measured)
-    print(f"written: {path}")
-    return 0
+def report(measured):
+    """The table as one text, for a notebook to print."""
+    return "\n".join(table(measured))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    measured = measure()
+    benchmark.report("dropout", measured, table(measured))

@@ -3,14 +3,13 @@
     python -m bench.elementwise     prints a table and writes bench/elementwise.json
 
 For each size, every kernel's GB/s (bytes it must read and write, over its median time per call, timed
-over 10 calls in a row so that Python's launch overhead overlaps the kernels' work) next to the
+over calls back to back so that Python's launch overhead overlaps the kernels' work) next to the
 device's measured copy bandwidth (benchmark.copy_bandwidth(), the memory ceiling), CuPy's equivalent
 expressions and, when PyTorch imports, PyTorch's GELU. Kernels: the package's kernels/gelu.cu and
 kernels/residual.cu (one element per thread, and float4), plus the chapter's grid-stride GELU.
 Also the device's idle memory latency (a pointer chase), which the chapter uses with Little's law.
 """
 
-import sys
 from functools import lru_cache
 
 import numpy as np
@@ -134,7 +133,8 @@ def measure(sizes=SIZES):
     results = {}
     for n in sizes:
         for name, (bytes_moved, run) in candidates(n, cupy, multiprocessors).items():
-            results.setdefault(name, []).append(benchmark.gigabytes_per_second(bytes_moved, benchmark.seconds_per_call(run)))
+            seconds = benchmark.seconds_per_call(run)
+            results.setdefault(name, []).append(benchmark.gigabytes_per_second(bytes_moved, seconds))
         cupy.get_default_memory_pool().free_all_blocks()
     return {
         "copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9,
@@ -151,16 +151,11 @@ def table(measured, at=2**24):
     column = measured["sizes"].index(at)
     lines = [f"{backend.device_name()}: copy bandwidth {ceiling:.0f} GB/s, idle memory latency "
              f"{measured['idle_memory_latency_ns']:.0f} ns; at {at} elements:"]
-    for name, values in measured["gb_per_s"].items():
-        lines.append(f"  {name:<42s} {values[column]:7.0f} GB/s  {values[column] / ceiling:6.1%} of copy")
+    lines += benchmark.bandwidth_rows({name: values[column] for name, values in measured["gb_per_s"].items()},
+                                      ceiling)
     return lines
 
 
-def main():
+if __name__ == "__main__":
     measured = measure()
     benchmark.report("elementwise", measured, table(measured))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,34 +14,16 @@ harder case for one warp per id. Also: how many elements of dweight differ betwe
 atomicAdd version, and of the sorted version, on the same inputs.
 """
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, kernels
 from gpt2_cupy.ops.embedding import (embedding_backward, embedding_forward, sorted_position_keys,
                                      token_position_embedding_backward, token_position_embedding_forward)
+from gpt2_cupy.testing import torch_or_none
 
 V, C, T, B = 50257, 768, 1024, 8
 N = B * T
 FLOAT = 4
-CALLS_PER_TIMING = 10
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
-def seconds_per_call(run):
-    def calls():
-        for _ in range(CALLS_PER_TIMING):
-            run()
-    return benchmark.seconds_per_call(calls, warmup=2, repeat=10) / CALLS_PER_TIMING
 
 
 def text_like_ids(rng, count):
@@ -53,7 +35,7 @@ def text_like_ids(rng, count):
 def measure():
     if not benchmark.meaningful():
         raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
-    cupy, torch = backend.xp, _torch()
+    cupy, torch = backend.xp, torch_or_none()
     rng = np.random.default_rng(0)
     wte = cupy.asarray(rng.standard_normal((V, C), dtype=np.float32))
     wpe = cupy.asarray(rng.standard_normal((T, C), dtype=np.float32))
@@ -72,7 +54,8 @@ def measure():
             "token_position_embedding_forward (fused, float4)": (
                 lookup_bytes + T * C * FLOAT,
                 lambda: token_position_embedding_forward(ids, wte, wpe, out=out, check_ids=False)),
-            "embedding_forward with the id check (one sync)": (lookup_bytes, lambda: embedding_forward(ids, wte, out=out)),
+            "embedding_forward with the id check (one sync)": (
+                lookup_bytes, lambda: embedding_forward(ids, wte, out=out)),
             "cupy wte[ids]": (lookup_bytes, lambda: cupy.take(wte, ids, axis=0, out=out)),
         }
         flat = ids.reshape(-1)
@@ -102,8 +85,10 @@ def measure():
                     torch.use_deterministic_algorithms(False)
             backward["torch embedding backward, deterministic mode"] = torch_deterministic
         results["forward_gb_per_s"][draw] = {
-            name: benchmark.gigabytes_per_second(moved, seconds_per_call(run)) for name, (moved, run) in forward.items()}
-        results["backward_microseconds"][draw] = {name: seconds_per_call(run) * 1e6 for name, run in backward.items()}
+            name: benchmark.gigabytes_per_second(moved, benchmark.seconds_per_call(run))
+            for name, (moved, run) in forward.items()}
+        results["backward_microseconds"][draw] = {name: benchmark.seconds_per_call(run) * 1e6
+                                                  for name, run in backward.items()}
         differing = {}
         for name in ("version 1: atomicAdd", "version 3: embedding_backward (sorted, sort included)"):
             runs = []
@@ -116,29 +101,26 @@ def measure():
     return {**benchmark.measured_on(), "V": V, "C": C, "T": T, "B": B, **results}
 
 
-def report(measured):
+def table(measured):
     ceiling = measured["copy_bandwidth_gb_per_s"]
     lines = [f"{measured['device']}, {measured['date']}: copy bandwidth {ceiling:.0f} GB/s; "
              f"B·T = {measured['B'] * measured['T']}, V = {measured['V']}, C = {measured['C']}"]
     for draw, rates in measured["forward_gb_per_s"].items():
         lines.append(f"forward, {draw} ids:")
-        lines += [f"  {name:<55s} {rate:7.0f} GB/s  {rate / ceiling:6.1%} of copy" for name, rate in rates.items()]
+        lines += benchmark.bandwidth_rows(rates, ceiling)
     for draw, times in measured["backward_microseconds"].items():
         lines.append(f"backward, {draw} ids:")
         lines += [f"  {name:<55s} {us:9.1f} µs" for name, us in times.items()]
         for name, count in measured["elements_differing_between_two_runs"][draw].items():
             lines.append(f"  two runs of {name}: {count} elements of dweight differ")
-    return "\n".join(lines)
+    return lines
 
 
-def main():
-    measured = measure()
-    print(report(measured))
-    path = Path(__file__).with_suffix(".json")
-    benchmark.write_results(path, measured)
-    print(f"written: {path}")
-    return 0
+def report(measured):
+    """The table as one text, for a notebook to print."""
+    return "\n".join(table(measured))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    measured = measure()
+    benchmark.report("embedding", measured, table(measured))

@@ -12,26 +12,16 @@ use the same byte counts for its kernels (aten native_layer_norm and native_laye
 `weight * tanh(alpha * x) + bias` as eager tensor expressions for DyT), so that GB/s compare times.
 """
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, kernels
 from gpt2_cupy.ops import layernorm as layernorm_ops
 from gpt2_cupy.ops.dyt import dyt_backward, dyt_forward
 from gpt2_cupy.ops.layernorm import layernorm_backward, layernorm_forward
+from gpt2_cupy.testing import torch_or_none
 
 B, T, C = 8, 1024, 768
 FLOAT = 4  # bytes
-CALLS_PER_TIMING = 10  # back to back, so that launching one call overlaps the previous call's work
-
-
-def seconds_per_call(run):
-    def calls():
-        for _ in range(CALLS_PER_TIMING):
-            run()
-    return benchmark.seconds_per_call(calls, warmup=2, repeat=20) / CALLS_PER_TIMING
 
 
 def candidates(cupy):
@@ -66,9 +56,8 @@ def candidates(cupy):
         "DyT backward": (elementwise_backward, lambda: dyt_backward(
             dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias, out=dx)),
     }
-    try:
-        import torch
-    except ImportError:
+    torch = torch_or_none()
+    if torch is None:
         return runs
     x_t, dout_t, weight_t, bias_t = (torch.from_dlpack(a) for a in (x, dout, weight, bias))
     alpha_t = torch.from_dlpack(alpha)
@@ -89,20 +78,20 @@ def measure():
     cupy = backend.xp
     results = {}
     for name, (bytes_moved, run) in candidates(cupy).items():
-        seconds = seconds_per_call(run)
-        results[name] = {"gb_per_s": benchmark.gigabytes_per_second(bytes_moved, seconds), "microseconds": seconds * 1e6}
+        seconds = benchmark.seconds_per_call(run)
+        results[name] = {"gb_per_s": benchmark.gigabytes_per_second(bytes_moved, seconds),
+                         "microseconds": seconds * 1e6}
     return {**benchmark.measured_on(), "copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9,
             "shape": [B, T, C], "results": results}
 
 
-def report(measured):
+def table(measured):
     ceiling = measured["copy_bandwidth_gb_per_s"]
     lines = [f"{measured['device']}, {measured['date']}: copy bandwidth {ceiling:.0f} GB/s; (B, T, C) = "
              f"{tuple(measured['shape'])}"]
     results = measured["results"]
-    for name, value in results.items():
-        lines.append(f"  {name:<56s} {value['microseconds']:8.1f} µs {value['gb_per_s']:7.0f} GB/s "
-                     f"{value['gb_per_s'] / ceiling:6.1%} of copy")
+    lines += benchmark.bandwidth_rows({name: value["gb_per_s"] for name, value in results.items()}, ceiling,
+                                      {name: value["microseconds"] / 1e6 for name, value in results.items()})
     ours = results["LayerNorm forward"]["microseconds"] + results["LayerNorm backward"]["microseconds"]
     lines.append(f"  LayerNorm forward + backward: {ours:.1f} µs")
     if "torch LayerNorm forward (native_layer_norm)" in results:
@@ -111,17 +100,9 @@ def report(measured):
         lines.append(f"  torch LayerNorm forward + backward: {theirs:.1f} µs")
     dyt = results["DyT forward"]["microseconds"] + results["DyT backward"]["microseconds"]
     lines.append(f"  DyT forward + backward: {dyt:.1f} µs")
-    return "\n".join(lines)
-
-
-def main():
-    measured = measure()
-    print(report(measured))
-    path = Path(__file__).with_suffix(".json")
-    benchmark.write_results(path, measured)
-    print(f"written: {path}")
-    return 0
+    return lines
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    measured = measure()
+    benchmark.report("layernorm", measured, table(measured))

@@ -103,8 +103,8 @@ def main():
     }
     table = [f"{backend.device_name()}, device copy rate {results['copy_bandwidth_GBps']:.0f} GB/s"]
     for columns, rates in results["bias_gradient_GBps"].items():
-        table += [f"bias gradient, N = {ROWS}, C_out = {columns:5d}: {name:38s} {rate:7.0f} GB/s"
-                  for name, rate in rates.items()]
+        table.append(f"bias gradient, N = {ROWS}, C_out = {columns} (GB/s of dy read):")
+        table += benchmark.bandwidth_rows(rates, results["copy_bandwidth_GBps"])
     for layer, rates in results["layer_TFLOPs"].items():
         table += [f"linear {layer:10s}, N = {ROWS}: {name:20s} {rate:6.1f} TFLOP/s" for name, rate in rates.items()]
     benchmark.report("linear", results, table)

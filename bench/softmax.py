@@ -11,26 +11,16 @@ shape, the long-row kernels also run with three grids (one block per row; 1 or 2
 each looping over rows): the package uses softmax.LONG_ROW_BLOCKS_PER_MULTIPROCESSOR.
 """
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from gpt2_cupy import backend, benchmark
 from gpt2_cupy.ops import softmax as softmax_ops
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
+from gpt2_cupy.testing import torch_or_none
 
 SHAPES = {"attention scores (8*12*1024, 1024)": (8 * 12 * 1024, 1024),
           "logits (8*1024, 50257)": (8 * 1024, 50257)}
 FLOAT = 4  # bytes
-CALLS_PER_TIMING = 5  # back to back, so that launching one call overlaps the previous call's work
-
-
-def seconds_per_call(run):
-    def calls():
-        for _ in range(CALLS_PER_TIMING):
-            run()
-    return benchmark.seconds_per_call(calls, warmup=2, repeat=10) / CALLS_PER_TIMING
 
 
 def candidates(rows, columns, cupy):
@@ -68,9 +58,8 @@ def candidates(rows, columns, cupy):
     runs["cupy: exp(x - max) / sum, forward"] = (forward_bytes, cupy_softmax)
     runs["cupy: y * (dout - sum(dout * y)), backward"] = (
         backward_bytes, lambda: y * (dout - (dout * y).sum(axis=-1, keepdims=True)))
-    try:
-        import torch
-    except ImportError:
+    torch = torch_or_none()
+    if torch is None:
         return runs
     x_torch, y_torch, dout_torch = (torch.from_dlpack(a) for a in (x, y, dout))
     runs["torch.softmax, forward"] = (forward_bytes, lambda: torch.softmax(x_torch, dim=-1))
@@ -87,30 +76,21 @@ def measure():
     for label, (rows, columns) in SHAPES.items():
         results[label] = {}
         for name, (bytes_moved, run) in candidates(rows, columns, cupy).items():
-            results[label][name] = benchmark.gigabytes_per_second(bytes_moved, seconds_per_call(run))
+            results[label][name] = benchmark.gigabytes_per_second(bytes_moved, benchmark.seconds_per_call(run))
         cupy.get_default_memory_pool().free_all_blocks()
     return {**benchmark.measured_on(), "copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9,
             "shapes": {label: list(shape) for label, shape in SHAPES.items()}, "gb_per_s": results}
 
 
-def report(measured):
+def table(measured):
     ceiling = measured["copy_bandwidth_gb_per_s"]
     lines = [f"{measured['device']}, {measured['date']}: copy bandwidth {ceiling:.0f} GB/s"]
     for label, results in measured["gb_per_s"].items():
-        lines.append(f"  {label}:")
-        for name, value in results.items():
-            lines.append(f"    {name:<50s} {value:7.0f} GB/s  {value / ceiling:6.1%} of copy")
-    return "\n".join(lines)
-
-
-def main():
-    measured = measure()
-    print(report(measured))
-    path = Path(__file__).with_suffix(".json")
-    benchmark.write_results(path, measured)
-    print(f"written: {path}")
-    return 0
+        lines.append(f"{label}:")
+        lines += benchmark.bandwidth_rows(results, ceiling)
+    return lines
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    measured = measure()
+    benchmark.report("softmax", measured, table(measured))

@@ -2,7 +2,8 @@
 
 Timings mean something only on a GPU: on the CPU executor `meaningful()` is False, and the chapters plot the
 results a GPU stored in bench/NAME.json instead. Each bench/NAME.py (`python -m bench.NAME` on a GPU) times
-with seconds_per_call and ends with report(), which prints its table and writes that file.
+with seconds_per_call and ends with report(), which prints its table (bandwidth_rows() writes the lines of
+GB/s against the copy) and writes that file.
 """
 
 import datetime
@@ -62,6 +63,19 @@ def gigabytes_per_second(bytes_moved, seconds):
 
 def tflops(flops, seconds):
     return flops / seconds / 1e12
+
+
+def bandwidth_rows(gb_per_s, copy_gb_per_s, seconds=None):
+    """Lines of a table, one per {name: GB/s} entry: `  name   2781 GB/s  83.5% of copy`, the names aligned.
+
+    seconds: {name: seconds per call}, to show each call's time (in µs) before its rate.
+    """
+    width = max(map(len, gb_per_s), default=0)
+    lines = []
+    for name, rate in gb_per_s.items():
+        time = f"{seconds[name] * 1e6:9.1f} µs " if seconds is not None else ""
+        lines.append(f"  {name:<{width}s} {time}{rate:7.0f} GB/s {rate / copy_gb_per_s:6.1%} of copy")
+    return lines
 
 
 def measured_on():
