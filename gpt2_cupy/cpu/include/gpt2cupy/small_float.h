@@ -3,7 +3,7 @@
 // rounds to nearest, ties to even, in integer arithmetic on the bits, so results are bit-exact with a GPU
 // (overflow to infinity, subnormals, -0). Arithmetic is done in double and rounded once to 16 bits:
 // double has more than twice the bits plus two, so the two roundings give the correctly rounded result.
-// Division follows the GPU's reciprocal instead (see divide_as_gpu).
+// Division is within a unit in the last place, as on a GPU (see divide_as_gpu).
 #pragma once
 
 namespace gpt2cupy {
@@ -82,14 +82,9 @@ __forceinline__ double fma_rounded_to_odd(double a, double b, double c) {
     return gpt2cupy_bit_cast<double>(bits);
 }
 
-// a / b as a GPU's __hdiv gives it: the GPU multiplies a by the reciprocal of b from rcp.approx.ftz.f32,
-// which flushes subnormals to zero. So a divisor below 2^-126 in magnitude (a float subnormal) counts as 0,
-// and one of 2^126 or more, whose reciprocal is subnormal, gives a quotient of 0 (NaN for an infinite a).
-// Only bfloat16 has such values; every half lies far inside the range. Elsewhere the quotient is rounded once.
+// a / b as a GPU's __hdiv gives it: within a unit in the last place of the exact quotient (an H100 divides a
+// bfloat16 by a divisor of 2^126 or more accurately too, though its reciprocal is a float subnormal).
 __forceinline__ double divide_as_gpu(double a, double b) {
-    double magnitude = b < 0 ? -b : b;
-    if (magnitude > 0 && magnitude < 1.1754943508222875e-38) b = b < 0 ? -0.0 : 0.0;
-    else if (magnitude >= 8.507059173023462e+37 && magnitude < __builtin_inf()) return a * (b < 0 ? -0.0 : 0.0);
     return a / b;
 }
 
