@@ -1,0 +1,475 @@
+"""Training a GPT on a corpus: `python -m gpt2_cupy.train --corpus tinyshakespeare --preset tiny --steps 50`.
+
+    config = make_config(corpus="tinyshakespeare", preset="tiny", max_steps=50)
+    trainer = Trainer(config)          # prepares the corpus, builds the model and AdamW (or resumes)
+    trainer.run()                      # the loop, evaluations, checkpoints, the log and its plot
+
+One step: for each of grad_accum micro-batches, forward and backward (the gradients add up in the
+optimizer's flat buffer); then clip the gradient norm, set the learning rate, one AdamW step, zero the
+gradients. Everything a run writes goes to out_dir (default runs/<corpus>-<preset>/):
+
+    checkpoint.npz   model, optimizer state, step, the data sampler's and dropout's random state
+    log.jsonl        one json line per step ({"step", "loss", "lr", ...}) and per evaluation ({"val_loss"})
+    loss.png         training and validation loss
+
+A run resumed from its checkpoint (--resume) continues bit for bit: its losses equal those of a run that
+was never interrupted. Ctrl-C finishes the current step, saves a checkpoint and stops.
+"""
+
+import argparse
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy
+
+from gpt2_cupy import autograd, backend, checkpoint, data
+from gpt2_cupy.autograd import dropout_rng_state, manual_seed, no_grad
+from gpt2_cupy.model import GPT, GPTConfig
+
+RUNS_DIR = Path("runs")
+
+# Model sizes and the training settings that go with them. tiny trains on the CPU executor in seconds;
+# course is the chapter's GPU model (10.7M parameters besides the embeddings); gpt2 is GPT-2 small, 124M.
+PRESETS = {
+    "tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=8, learning_rate=2e-3,
+                 warmup_steps=10, max_steps=50, eval_interval=25, eval_batches=4, checkpoint_interval=25),
+    "course": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, learning_rate=1e-3,
+                   warmup_steps=100, max_steps=5000, eval_interval=250, eval_batches=20, checkpoint_interval=500),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=8, learning_rate=6e-4,
+                 warmup_steps=700, max_steps=20000, eval_interval=500, eval_batches=20, checkpoint_interval=1000),
+}
+
+
+@dataclass
+class TrainConfig:
+    corpus: str = "tinyshakespeare"  # "tinyshakespeare", "aozora", or a directory with train.bin and val.bin
+    preset: str = "tiny"
+    # None: the preset's value
+    n_layer: int = None
+    n_head: int = None
+    n_embd: int = None
+    block_size: int = None          # T: the context the model sees
+    batch_size: int = None          # B: windows per micro-batch
+    grad_accum: int = 1             # micro-batches per optimizer step: B·T·grad_accum tokens per step
+    max_steps: int = None
+    learning_rate: float = None     # the peak, reached after warmup_steps
+    min_lr_fraction: float = 0.1    # cosine decay ends at learning_rate * min_lr_fraction
+    warmup_steps: int = None
+    weight_decay: float = 0.1       # matrices and embeddings only (model.configure_optimizers)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0          # the gradient's global norm is clipped to this; 0 for no clipping
+    dropout: float = 0.0
+    bias: bool = True
+    norm: str = "layernorm"         # "layernorm" or "dyt"
+    attention: str = "softmax"      # "softmax" or "relu"
+    vocab_size: int = None          # None: the corpus's tokenizer's (or, without one, the largest id + 1)
+    eval_interval: int = None       # steps between evaluations on the validation split
+    eval_batches: int = None        # validation batches per evaluation (the same ones; at most all of them)
+    checkpoint_interval: int = None
+    seed: int = 1337                # initial weights, dropout, and the order of the training windows
+    out_dir: str = None             # None: runs/<corpus>-<preset>
+    progress: bool = True           # the tqdm progress bar
+
+
+def make_config(**options):
+    """A TrainConfig with every None filled in from the preset, refused if an option is unknown."""
+    known = {field.name for field in fields(TrainConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"make_config: unknown options {unknown}; the options are {sorted(known)}")
+    config = TrainConfig(**options)
+    if config.preset not in PRESETS:
+        raise ValueError(f"unknown preset {config.preset!r}; the presets are {', '.join(PRESETS)}")
+    for name, value in PRESETS[config.preset].items():
+        if getattr(config, name) is None:
+            setattr(config, name, value)
+    if config.out_dir is None:
+        config.out_dir = str(RUNS_DIR / f"{Path(config.corpus).name}-{config.preset}")
+    for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "eval_batches",
+                 "eval_interval", "checkpoint_interval"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} = {getattr(config, name)}: it must be at least 1")
+    if config.max_steps < 0 or config.warmup_steps < 0:
+        raise ValueError(f"max_steps = {config.max_steps}, warmup_steps = {config.warmup_steps}: both must be >= 0")
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The corpus
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CorpusFiles:
+    train: Path
+    val: Path
+    tokenizer: Path  # None for a directory of token files without a tokenizer.model
+
+
+def open_corpus(corpus, progress=True):
+    """The token files (and tokenizer) of a named corpus, prepared when needed, or of a directory."""
+    if corpus in data.CORPORA:
+        prepared = data.prepare(corpus, progress=progress)
+        return CorpusFiles(prepared.train, prepared.val, prepared.tokenizer)
+    directory = Path(corpus)
+    if not directory.is_dir():
+        raise ValueError(f"corpus {corpus!r} is neither one of {', '.join(data.CORPORA)} nor a directory")
+    missing = [name for name in ("train.bin", "val.bin") if not (directory / name).exists()]
+    if missing:
+        raise FileNotFoundError(f"{directory}: no {' or '.join(missing)} (token files in llm.c's format)")
+    tokenizer = directory / "tokenizer.model"
+    return CorpusFiles(directory / "train.bin", directory / "val.bin", tokenizer if tokenizer.exists() else None)
+
+
+def largest_token(tokens):
+    return int(tokens.max()) if len(tokens) else -1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The learning-rate schedule
+# ---------------------------------------------------------------------------------------------------------
+
+
+def learning_rate(step, config):
+    """The learning rate of optimizer step `step` (0 first): a linear warmup, then a cosine down to the minimum.
+
+    Warmup: Adam's second-moment estimates start from zero and are noisy for the first steps; small steps
+    until they settle keep the first updates from throwing the weights far off.
+    """
+    peak = config.learning_rate
+    lowest = peak * config.min_lr_fraction
+    if step < config.warmup_steps:
+        return peak * (step + 1) / config.warmup_steps
+    if step >= config.max_steps:
+        return lowest
+    progress = (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps)
+    return lowest + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - lowest)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------------------
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+class Trainer:
+    def __init__(self, config, resume=False):
+        self.config = config
+        self.out_dir = Path(config.out_dir)
+        self.checkpoint_path = self.out_dir / "checkpoint.npz"
+        self.log_path = self.out_dir / "log.jsonl"
+        self.plot_path = self.out_dir / "loss.png"
+
+        self.corpus = open_corpus(config.corpus, progress=config.progress)
+        self.tokenizer_bytes = self.corpus.tokenizer.read_bytes() if self.corpus.tokenizer else b""
+        train_tokens, val_tokens = data.read_tokens(self.corpus.train), data.read_tokens(self.corpus.val)
+        vocab_size = config.vocab_size
+        if vocab_size is None:
+            if self.corpus.tokenizer:
+                vocab_size = data.Tokenizer(self.corpus.tokenizer).vocab_size
+            else:  # a multiple of 64, as GPT-2's 50257 becomes 50304: whole tiles in the output layer
+                vocab_size = -(-(max(largest_token(train_tokens), largest_token(val_tokens)) + 1) // 64) * 64
+        for split, tokens in (("train.bin", train_tokens), ("val.bin", val_tokens)):
+            if largest_token(tokens) >= vocab_size:
+                raise ValueError(f"the corpus does not match the model: {split} holds token id {largest_token(tokens)}, "
+                                 f"the model's vocabulary has {vocab_size} entries (0 to {vocab_size - 1})")
+
+        self.model_config = GPTConfig(block_size=config.block_size, vocab_size=vocab_size, n_layer=config.n_layer,
+                                      n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
+                                      bias=config.bias, norm=config.norm, attention=config.attention)
+        manual_seed(config.seed)
+        self.model = GPT(self.model_config)
+        self.optimizer = self.model.configure_optimizers(config.weight_decay, config.learning_rate,
+                                                         (config.beta1, config.beta2))
+        B, T = config.batch_size, config.block_size
+        self.train_batches = data.Batches(train_tokens, B, T, seed=config.seed)
+        self.val_batches = data.Batches(val_tokens, B, T)
+        # A small validation split (tinyshakespeare's holds 2 batches of the course preset) is used whole.
+        self.eval_batches = min(config.eval_batches, self.val_batches.sequential_batches)
+        # The backward of a micro-batch starts from d(loss)/d(loss) = 1/grad_accum, so the summed
+        # gradient is that of the mean loss over the micro-batches.
+        self.backward_seed = backend.xp.full((), 1.0 / config.grad_accum, dtype=numpy.float32)
+        self.step = 0
+        self.stop_requested = False
+        self.updating = False  # True while optimizer.step() changes the parameters
+        if resume:
+            self.load(self.checkpoint_path)
+
+    # ---- one step, one evaluation -------------------------------------------------------------------------
+
+    def train_step(self):
+        """One optimizer step; returns (mean loss, gradient norm before clipping), host floats."""
+        self.model.train()
+        loss_sum = backend.xp.zeros((), dtype=numpy.float32)
+        for _ in range(self.config.grad_accum):
+            inputs, targets = self.train_batches.sample()
+            _, loss = self.model(inputs, targets)
+            loss.backward(self.backward_seed)
+            loss_sum += loss.data
+        if self.config.grad_clip > 0:
+            norm = self.optimizer.clip_grad_norm_(self.config.grad_clip)
+        else:
+            norm = backend.xp.zeros((), dtype=numpy.float32)
+        # The one host copy of the step: the loss, for the log, the progress bar and the NaN check.
+        loss_value, norm_value = (float(v) for v in backend.asnumpy(backend.xp.stack([loss_sum, norm])))
+        loss_value /= self.config.grad_accum
+        if not math.isfinite(loss_value):
+            self.optimizer.zero_grad()
+            kept = f"the last checkpoint, {self.checkpoint_path}, is kept" if self.checkpoint_path.exists() else \
+                "no checkpoint was written yet"
+            raise TrainingDiverged(f"step {self.step + 1}: the training loss is {loss_value}; stopped before the "
+                                   f"update ({kept}). Try a lower learning rate or stronger gradient clipping.")
+        lr = learning_rate(self.step, self.config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.updating = True
+        self.optimizer.step()
+        self.updating = False
+        self.optimizer.zero_grad()
+        self.step += 1
+        return loss_value, norm_value, lr
+
+    def random_state(self):
+        """Where the training windows' generator and dropout's generator are (dropout's: a device copy)."""
+        return self.train_batches.random_generator.bit_generator.state, dropout_rng_state().copy()
+
+    def undo_step(self, random_state):
+        """Forget an interrupted step: its gradients, its tape, and the random numbers it drew."""
+        batches_state, dropout_state = random_state
+        self.train_batches.random_generator.bit_generator.state = batches_state
+        dropout_rng_state()[...] = dropout_state
+        self.optimizer.zero_grad()
+        autograd._tape.clear()  # a forward cut short leaves entries that no backward will consume
+
+    def evaluate(self):
+        """The mean loss over the first eval_batches validation batches (the same ones every time)."""
+        self.model.eval()
+        total = backend.xp.zeros((), dtype=numpy.float32)
+        with no_grad():
+            for _, (inputs, targets) in zip(range(self.eval_batches), self.val_batches.sequential()):
+                _, loss = self.model(inputs, targets)
+                total += loss.data
+        self.model.train()
+        return float(backend.asnumpy(total)) / self.eval_batches
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+
+    def save(self, path=None):
+        path = self.checkpoint_path if path is None else Path(path)
+        arrays = {f"model/{name}": value for name, value in self.model.state_dict().items()
+                  if name != "lm_head.weight"}  # tied to transformer.wte.weight: stored once
+        optimizer_state = self.optimizer.state_dict()
+        arrays.update({f"optimizer/{name}": value for name, value in optimizer_state["state"].items()})
+        arrays["tokenizer"] = numpy.frombuffer(self.tokenizer_bytes, dtype=numpy.uint8)
+        meta = dict(
+            step=self.step,
+            model_config=asdict(self.model_config),
+            train_config=asdict(self.config),
+            optimizer={k: v for k, v in optimizer_state.items() if k != "state"},
+            # Where the data is: the generator that picks the training windows, mid-sequence.
+            batches_state=self.train_batches.random_generator.bit_generator.state,
+            dropout_rng_state=[int(v) for v in backend.asnumpy(dropout_rng_state())],
+        )
+        checkpoint.save(path, arrays, meta)
+
+    def load(self, path):
+        arrays, meta = checkpoint.load(path)
+        differences = [f"{name}: checkpoint {meta['model_config'].get(name)!r}, here {value!r}"
+                       for name, value in asdict(self.model_config).items() if meta["model_config"].get(name) != value]
+        if differences:
+            raise ValueError(f"{path} does not match the model: " + "; ".join(differences))
+        if arrays["tokenizer"].tobytes() != self.tokenizer_bytes:
+            raise ValueError(f"{path} was trained with another tokenizer than {self.corpus.tokenizer}: "
+                             "the same ids would mean other text")
+        self.model.load_state_dict({name[len("model/"):]: value for name, value in arrays.items()
+                                    if name.startswith("model/")} | {"lm_head.weight": arrays["model/transformer.wte.weight"]})
+        state = {name[len("optimizer/"):]: value for name, value in arrays.items() if name.startswith("optimizer/")}
+        self.optimizer.load_state_dict({**meta["optimizer"], "state": state})
+        self.train_batches.random_generator.bit_generator.state = meta["batches_state"]
+        dropout_rng_state()[...] = backend.xp.asarray(numpy.array(meta["dropout_rng_state"], dtype=numpy.uint64))
+        self.step = meta["step"]
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+
+    def run(self, stop_after=None):
+        """Train up to max_steps (or stop_after steps from here); returns the log records of this run."""
+        from tqdm import tqdm
+
+        config = self.config
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        history = self.read_log()
+        records = []
+        last = config.max_steps if stop_after is None else min(config.max_steps, self.step + stop_after)
+        tokens_per_step = config.batch_size * config.block_size * config.grad_accum
+        previous_handler = self.catch_ctrl_c()
+        bar = tqdm(total=config.max_steps, initial=self.step, disable=not config.progress, desc="train",
+                   dynamic_ncols=True)
+        try:
+            with open(self.log_path, "a") as log:
+                def write(record):
+                    records.append(record)
+                    history.append(record)
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+
+                if self.step == 0:
+                    write(dict(step=0, val_loss=self.evaluate()))
+                while self.step < last and not self.stop_requested:
+                    started = time.perf_counter()
+                    before = self.random_state()
+                    try:
+                        loss, norm, lr = self.train_step()
+                    except KeyboardInterrupt:
+                        # The CPU executor stops a kernel at Ctrl-C (it cannot wait for a long launch):
+                        # the step is incomplete. Before the update, nothing but gradients and random
+                        # state has changed, so the step is undone and the checkpoint is clean.
+                        if self.updating:
+                            raise  # parameters half updated: the previous checkpoint stays
+                        self.undo_step(before)
+                        self.stop_requested = True
+                        break
+                    seconds = time.perf_counter() - started
+                    write(dict(step=self.step, loss=loss, lr=lr, grad_norm=norm, seconds=seconds,
+                               tokens_per_second=tokens_per_step / seconds))
+                    bar.update()
+                    bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_step / seconds:,.0f}")
+                    if self.step % config.eval_interval == 0 or self.step == config.max_steps:
+                        write(dict(step=self.step, val_loss=self.evaluate()))
+                        plot_losses(history, self.plot_path)
+                    if self.step % config.checkpoint_interval == 0:
+                        self.save()
+        finally:
+            bar.close()
+            self.restore_ctrl_c(previous_handler)
+        self.save()
+        plot_losses(history, self.plot_path)
+        if self.stop_requested:
+            print(f"interrupted: saved {self.checkpoint_path} at step {self.step}; continue with --resume",
+                  file=sys.stderr)
+        return records
+
+    def read_log(self):
+        """The log's records up to this step; lines written after the checkpoint are dropped (they are redone)."""
+        if not self.log_path.exists():
+            return []
+        records = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+        kept = [record for record in records if record["step"] <= self.step] if self.step > 0 else []
+        self.log_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return kept
+
+    def catch_ctrl_c(self):
+        """The first Ctrl-C asks the loop to stop after the current step (and save); a second one aborts."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def request_stop(signum, frame):
+            if self.stop_requested:
+                raise KeyboardInterrupt
+            self.stop_requested = True
+            print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", file=sys.stderr)
+
+        return signal.signal(signal.SIGINT, request_stop)
+
+    @staticmethod
+    def restore_ctrl_c(previous_handler):
+        if previous_handler is not None:
+            signal.signal(signal.SIGINT, previous_handler)
+
+
+def read_log(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_losses(records, path=None, title=None, axes=None):
+    """Training loss per step and validation loss per evaluation, from log records; saved to path as PNG."""
+    from matplotlib.figure import Figure  # no pyplot: no window and no global state
+
+    figure = None
+    if axes is None:
+        figure = Figure(figsize=(6, 3.5), layout="constrained")
+        axes = figure.add_subplot()
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if train:
+        axes.plot(*zip(*train), label="train", linewidth=1, alpha=0.8)
+    if val:
+        axes.plot(*zip(*val), "o-", label="validation")
+    axes.set_xlabel("step")
+    axes.set_ylabel("cross-entropy loss")
+    axes.set_title(title or "")
+    axes.legend()
+    if figure is not None and path is not None:
+        figure.savefig(path, dpi=100)
+    return figure
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------------------
+
+
+def parse_arguments(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m gpt2_cupy.train", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--corpus", default="tinyshakespeare",
+                        help="tinyshakespeare, aozora, or a directory with train.bin and val.bin")
+    parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    option = parser.add_argument
+    option("--n-layer", type=int, dest="n_layer")
+    option("--n-head", type=int, dest="n_head")
+    option("--n-embd", type=int, dest="n_embd")
+    option("--block-size", type=int, dest="block_size", help="T, the context length")
+    option("--batch-size", type=int, dest="batch_size", help="B, windows per micro-batch")
+    option("--grad-accum", type=int, dest="grad_accum", default=1, help="micro-batches per step")
+    option("--steps", type=int, dest="max_steps")
+    option("--lr", type=float, dest="learning_rate", help="peak learning rate")
+    option("--min-lr-fraction", type=float, dest="min_lr_fraction", default=0.1)
+    option("--warmup", type=int, dest="warmup_steps")
+    option("--weight-decay", type=float, dest="weight_decay", default=0.1)
+    option("--grad-clip", type=float, dest="grad_clip", default=1.0, help="0: no clipping")
+    option("--dropout", type=float, default=0.0)
+    option("--no-bias", action="store_false", dest="bias")
+    option("--norm", choices=["layernorm", "dyt"], default="layernorm")
+    option("--attention", choices=["softmax", "relu"], default="softmax")
+    option("--vocab-size", type=int, dest="vocab_size")
+    option("--eval-interval", type=int, dest="eval_interval")
+    option("--eval-batches", type=int, dest="eval_batches")
+    option("--checkpoint-interval", type=int, dest="checkpoint_interval")
+    option("--seed", type=int, default=1337)
+    option("--out-dir", dest="out_dir", help="default: runs/<corpus>-<preset>")
+    option("--resume", action="store_true", help="continue from <out-dir>/checkpoint.npz")
+    option("--no-progress", action="store_false", dest="progress")
+    arguments = vars(parser.parse_args(argv))
+    resume = arguments.pop("resume")
+    return make_config(**arguments), resume
+
+
+def main(argv=None):
+    config, resume = parse_arguments(argv)
+    try:
+        trainer = Trainer(config, resume=resume)
+        print(f"{backend.name}: {trainer.model.get_num_params() / 1e6:.2f}M parameters, "
+              f"{config.batch_size * config.block_size * config.grad_accum} tokens per step, "
+              f"writing {trainer.out_dir}/", file=sys.stderr)
+        trainer.run()
+    except (TrainingDiverged, ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    step, val_loss = [(r["step"], r["val_loss"]) for r in read_log(trainer.log_path) if "val_loss" in r][-1]
+    print(f"step {trainer.step}: validation loss {val_loss:.4f} at step {step}; checkpoint {trainer.checkpoint_path}, "
+          f"log {trainer.log_path}, plot {trainer.plot_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
