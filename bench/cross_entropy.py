@@ -28,8 +28,8 @@ def candidates(logits, targets, dlogits):
 
     def fused_reading_twice():
         ce._count(count, targets, N, ignore)
-        ce._fused_kernel(False)((N,), (ce.ROW_THREADS,), (dlogits, scratch_losses, logits, targets, count,
-                                                          np.int32(V), ignore))
+        kernel = ce._fused_kernel(False, ce.ROW_THREADS)
+        kernel((N,), (ce.ROW_THREADS,), (dlogits, scratch_losses, logits, targets, count, np.int32(V), ignore))
 
     def forward_then_backward():
         _, lse = ce.cross_entropy_forward(logits, targets, ignore_index=IGNORE_INDEX)

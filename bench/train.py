@@ -91,7 +91,7 @@ def torch_gpt(torch, config):
             for block in self.transformer.h:
                 x = block(x)
             logits = self.lm_head(self.transformer.ln_f(x))
-            return F.cross_entropy(logits.view(B * T, -1), targets.view(B * T), ignore_index=-1)
+            return F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T), ignore_index=-1)
 
     model = TorchGPT().cuda()
     return model
@@ -125,7 +125,7 @@ def as_torch(torch, ids):
 def compare(torch, steps, eval_interval, batch_size):
     config = make_config(corpus="tinyshakespeare", preset="course", max_steps=steps, eval_interval=eval_interval,
                          warmup_steps=min(100, steps // 10), batch_size=batch_size, dropout=0.0,
-                         checkpoint_interval=10 ** 9, progress=True,
+                         checkpoint_interval=10 ** 9, progress=False,
                          out_dir=tempfile.mkdtemp(prefix="bench-train-"))
     ours = Trainer(config)
     twin = torch_copy_of(torch, ours.model)  # the initial weights, before our first step

@@ -109,6 +109,138 @@ extern "C" __global__ void rotate_after_barrier(int* out)
     np.testing.assert_array_equal(out, (np.arange(64) + 32) % 64)
 
 
+def test_a_warp_synchronised_by_a_narrower_mask_is_not_ordered_with_the_lanes_left_out():
+    """Each half of the warp waits for its own half only: a lane reading the other half's value races."""
+    code = r"""
+extern "C" __global__ void swap_halves(int* out)
+{
+    __shared__ int values[32];
+    values[threadIdx.x] = threadIdx.x;
+    __syncwarp(threadIdx.x < 16 ? 0x0000ffffu : 0xffff0000u);
+    out[threadIdx.x] = values[threadIdx.x ^ 16];   // a lane of the other half: not in this __syncwarp
+}
+"""
+    with pytest.raises(RaceError, match=r"race on shared memory.* writes it and thread .* reads it"):
+        launch_checked(code, "swap_halves", (1,), (32,), (np.zeros(32, dtype=np.int32),))
+
+
+# ---- dynamic shared memory (extern __shared__) is checked like __shared__ arrays ----------------------
+
+def test_a_shuffle_in_a_kernel_that_declares_dynamic_shared_memory_it_does_not_use_is_not_a_race():
+    """No dynamic shared memory at all (shared_mem=0): declaring the array is still no race."""
+    code = r"""
+extern "C" __global__ void shuffle_beside_unused_shared(float* out, const float* x)
+{
+    extern __shared__ float unused[];
+    float v = x[threadIdx.x];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    out[threadIdx.x] = v;
+}
+"""
+    x = np.arange(32, dtype=np.float32)
+    out = np.zeros(32, dtype=np.float32)
+    RawKernel(code, "shuffle_beside_unused_shared")((1,), (32,), (out, x), shared_mem=0, check_races=True)
+    np.testing.assert_array_equal(out, x + x[np.arange(32) ^ 1])
+
+
+def test_dynamic_shared_memory_written_then_read_across_syncthreads_is_not_a_race():
+    code = r"""
+extern "C" __global__ void swap_through_dynamic_shared(float* out)
+{
+    extern __shared__ float shared[];
+    shared[threadIdx.x] = threadIdx.x;
+    __syncthreads();
+    out[threadIdx.x] = shared[threadIdx.x ^ 1];
+}
+"""
+    out = np.zeros(64, dtype=np.float32)
+    RawKernel(code, "swap_through_dynamic_shared")((1,), (64,), (out,), shared_mem=256, check_races=True)
+    np.testing.assert_array_equal(out, np.arange(64) ^ 1)
+
+
+def test_dynamic_shared_memory_read_from_another_warp_without_a_barrier_is_a_race():
+    code = r"""
+extern "C" __global__ void rotate_through_dynamic_shared(float* out)
+{
+    extern __shared__ float shared[];
+    shared[threadIdx.x] = threadIdx.x;
+    out[threadIdx.x] = shared[(threadIdx.x + 32) % 64];   // another warp's value: __syncthreads() missing
+}
+"""
+    with pytest.raises(RaceError, match=r"race on shared memory.* (reads|writes) it and thread .* (reads|writes) it with no __syncthreads\(\)"):
+        RawKernel(code, "rotate_through_dynamic_shared")((2,), (64,), (np.zeros(64, dtype=np.float32),),
+                                                         shared_mem=256, check_races=True)
+
+
+def test_a_lost_update_in_dynamic_shared_memory_is_a_race():
+    code = r"""
+extern "C" __global__ void count_in_dynamic_shared(int* out)
+{
+    extern __shared__ int count[];
+    if (threadIdx.x == 0) count[0] = 0;
+    __syncthreads();
+    count[0] += 1;
+    __syncthreads();
+    if (threadIdx.x == 0) out[blockIdx.x] = count[0];
+}
+"""
+    with pytest.raises(RaceError, match="read-modify-write race on shared memory"):
+        RawKernel(code, "count_in_dynamic_shared")((2,), (64,), (np.zeros(2, dtype=np.int32),),
+                                                   shared_mem=4, check_races=True)
+
+
+def test_warp_sums_by_shuffles_in_many_warps_then_one_sum_through_dynamic_shared_memory_are_not_races():
+    """Each warp sums its rows with shuffles; warp 0 adds the warps' sums after a barrier (a block reduction)."""
+    code = r"""
+extern "C" __global__ void sum_rows_by_warps(float* out, const float* x, int rows)
+{
+    extern __shared__ float warp_sums[];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    float total = 0.0f;
+    for (int row = warp; row < rows; row += warps) {
+        float v = x[row * 32 + lane];
+        for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+        total += v;
+    }
+    if (lane == 0) warp_sums[warp] = total;
+    __syncthreads();
+    if (warp == 0) {
+        float v = lane < warps ? warp_sums[lane] : 0.0f;
+        for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+        if (lane == 0) out[blockIdx.x] = v;
+    }
+}
+"""
+    rows, threads, blocks = 40, 1024, 3
+    x = np.ones(rows * 32, dtype=np.float32)
+    out = np.zeros(blocks, dtype=np.float32)
+    RawKernel(code, "sum_rows_by_warps")((blocks,), (threads,), (out, x, np.int32(rows)),
+                                         shared_mem=threads // 32 * 4, check_races=True)
+    np.testing.assert_array_equal(out, np.full(blocks, rows * 32, dtype=np.float32))
+
+
+def test_float4_loads_of_an_array_whose_size_is_no_multiple_of_four_pass_both_checks():
+    """The bounds check also runs the kernel on the array's bytes moved right against the guard, no longer
+    16-byte aligned: a float4 load that faults only there is no finding (a GPU's arrays are aligned)."""
+    code = r"""
+extern "C" __global__ void double_by_float4(float* out, const float* x, int n)
+{
+    int i = 4 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (i + 3 < n) {
+        float4 v = reinterpret_cast<const float4*>(x)[i / 4];
+        reinterpret_cast<float4*>(out)[i / 4] = make_float4(2 * v.x, 2 * v.y, 2 * v.z, 2 * v.w);
+    } else {
+        for (; i < n; ++i) out[i] = 2 * x[i];
+    }
+}
+"""
+    n = 10
+    x = np.arange(n, dtype=np.float32)
+    out = np.zeros(n, dtype=np.float32)
+    RawKernel(code, "double_by_float4")((1,), (32,), (out, x, np.int32(n)), check_bounds=True, check_races=True)
+    np.testing.assert_array_equal(out, 2 * x)
+
+
 STREAM_COMPACTION = r"""
 extern "C" __global__ void keep_positive(float* kept, int* count, const float* x, int n)
 {

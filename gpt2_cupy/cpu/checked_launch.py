@@ -94,10 +94,11 @@ def launch_checked(function, grid, block, values, arrays, bounds, races):
             if any(copy.slack_bytes for copy in kept):
                 result, exact = run(exactly_above_guard)
                 try:
-                    # Only a fault in a guard counts here: any other is an aligned vector load of the
-                    # shifted bytes, which cannot happen on a GPU.
+                    # Only a fault in a guard counts here: any other (a misaligned access, or a fault
+                    # elsewhere) is a vector load or store of the shifted bytes, which cannot happen on a GPU.
                     found = _locate(result.fault_address, regions, exact) if result.failure == runtime.MEMORY_FAULT else None
-                    if found or result.failure not in (runtime.OK, runtime.MEMORY_FAULT):
+                    shifted_bytes_only = (runtime.OK, runtime.MEMORY_FAULT, runtime.MISALIGNED_ACCESS)
+                    if found or result.failure not in shifted_bytes_only:
                         function._raise_for(result, locate=lambda address: found, bounds_checked=True)
                 finally:
                     _free(exact)

@@ -284,7 +284,12 @@ public:
     // For the race check: which barrier interval of which block the running threads are in.
     unsigned long long epoch_ = 0;
     unsigned long long block_linear_ = 0;
-    const Fiber& fiber(unsigned linear) const { return fibers_[linear]; }
+    bool tracking_races_ = false;  // set for each block from its launch
+    // For each thread and each lane of its warp: that lane's warp_syncs just after the last warp operation
+    // both were released from together. Accesses of that lane before then are ordered before the thread's
+    // from then on; a warp operation of other lanes only (a partial mask) orders nothing between them.
+    // Apart from the fibers, which the scheduler walks through and should stay small.
+    unsigned synced_with_[max_threads_per_block][32];
     unsigned linear_index(const Fiber* fiber) const { return static_cast<unsigned>(fiber - fibers_); }
     bool in_own_stack(const void* address) const {
         const Fiber* fiber = current_;
@@ -526,6 +531,11 @@ void BlockRunner::release_group(unsigned warp, unsigned leader, unsigned group) 
         fiber.warp_syncs += 1;
         fiber.state = FiberState::ready;
     }
+    if (tracking_races_)
+        for (unsigned lanes = group; lanes != 0; lanes &= lanes - 1)
+            for (unsigned others = group; others != 0; others &= others - 1)
+                synced_with_[warp * 32 + __builtin_ctz(lanes)][__builtin_ctz(others)] =
+                    fibers_[warp * 32 + __builtin_ctz(others)].warp_syncs;
     waiting_[warp] &= ~group;
     ready_[warp] |= group;
 }
@@ -618,6 +628,7 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
     const unsigned bx = request.block[0], by = request.block[1], bz = request.block[2];
     const unsigned gx = request.grid[0], gy = request.grid[1];
     const unsigned thread_count = launch.thread_count();
+    tracking_races_ = request.track_races != 0;
     const uint3 block_idx{block_linear % gx, (block_linear / gx) % gy, block_linear / (gx * gy)};
     for (unsigned t = 0; t < thread_count; ++t) {
         Fiber& fiber = fibers_[t];
@@ -633,6 +644,7 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
     }
     warp_count_ = (thread_count + 31) / 32;
     finished_count_ = 0;
+    if (tracking_races_) std::memset(synced_with_, 0, thread_count * sizeof(synced_with_[0]));
     for (unsigned warp = 0; warp < warps_per_block; ++warp) {
         unsigned lanes = warp < warp_count_ ? std::min(32u, thread_count - warp * 32) : 0;
         ready_[warp] = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
@@ -806,7 +818,8 @@ void on_preempt(int) {
 // The watchdog: while a launch runs, every few milliseconds it looks at each OS thread that runs blocks;
 // one whose thread has not changed since the last look gets the preemption signal.
 std::mutex runners_mutex;
-std::vector<std::pair<pthread_t, BlockRunner*>> runners;
+// Never destroyed: the watchdog thread looks at it until the process ends, after static destructors too.
+std::vector<std::pair<pthread_t, BlockRunner*>>& runners = *new std::vector<std::pair<pthread_t, BlockRunner*>>();
 std::atomic<bool> launch_running{false};
 
 void register_runner(BlockRunner* runner) {
@@ -996,8 +1009,8 @@ bool ordered(const BlockRunner& runner, const Access& earlier, unsigned now_thre
     // Blocks are never ordered (but by atomics) in global memory; shared memory is a new block's own.
     if (earlier.block != runner.block_linear_) return !in_global_memory(address);
     if (earlier.epoch != runner.epoch_) return true;          // a __syncthreads() lies between
-    if (earlier.thread / 32 == now_thread / 32)               // the same warp: a warp operation between?
-        return runner.fiber(earlier.thread).warp_syncs > earlier.warp_syncs;
+    if (earlier.thread / 32 == now_thread / 32)               // the same warp: a warp operation of both between?
+        return runner.synced_with_[now_thread][earlier.thread % 32] > earlier.warp_syncs;
     return false;
 }
 

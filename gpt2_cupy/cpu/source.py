@@ -10,6 +10,7 @@ not there, one defined by a macro is. For that one run, __global__, __shared__ a
 to markers that survive preprocessing; the marked text is then both read and compiled.
 """
 
+import bisect
 import re
 from dataclasses import dataclass, field
 
@@ -176,6 +177,35 @@ def _refuse_initialized_shared(preprocessed, code):
                 f"assign it, then __syncthreads(){shown}")
 
 
+# Braces, and the string and character literals that might hold one.
+_BRACE_OR_LITERAL = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|[{};]')
+_NAMESPACE_OPENING = re.compile(r'(?:\binline\s+)?\bnamespace\b[^;]*$|\bextern\s*"C(?:\+\+)?"\s*$')
+
+
+def _function_scopes(text):
+    """in_function(offset): whether an offset of `text` lies inside a function's body (rather than at
+    namespace scope, or in an extern "C" { } block)."""
+    inside = []        # for each brace open at this point: whether it opens (or lies in) a function's body
+    changes = [(0, False)]  # (offset, inside a function from there on)
+    statement_start = 0
+    for token in _BRACE_OR_LITERAL.finditer(text):
+        kind = token.group()
+        if kind == "{":
+            opens_namespace = _NAMESPACE_OPENING.search(text[statement_start:token.start()]) is not None
+            inside.append(not opens_namespace or (bool(inside) and inside[-1]))
+            changes.append((token.start(), inside[-1]))
+        elif kind == "}" and inside:
+            inside.pop()
+            changes.append((token.start(), bool(inside) and inside[-1]))
+        if kind in "{};":
+            statement_start = token.end()
+    offsets = [offset for offset, _ in changes]
+
+    def in_function(offset):
+        return changes[bisect.bisect_right(offsets, offset) - 1][1]
+    return in_function
+
+
 @dataclass
 class PreparedSource:
     """A kernel source after the preprocessor: the kernels it defines and the text to compile."""
@@ -194,8 +224,15 @@ def prepare(code, options):
     kernels = find_kernels(user)
     _refuse_initialized_shared(user, code)
 
+    in_function = _function_scopes(user)
+
     def pointer_to_dynamic_shared(match):
-        return (f"static thread_local {match.group('declaration').strip()}* const {match.group('name')} = "
+        # Inside a function, a plain local pointer. A thread_local one would be initialised by whichever
+        # thread of the block gets there first and read by the others: to the race check, a write and
+        # reads of one variable with no barrier between them.
+        # ([[maybe_unused]]: NVCC says nothing of an extern __shared__ array a kernel does not use.)
+        storage = "[[maybe_unused]] " + ("" if in_function(match.start()) else "static thread_local ")
+        return (f"{storage}{match.group('declaration').strip()}* const {match.group('name')} = "
                 "gpt2cupy::DynamicShared{gpt2cupy_dynamic_shared_memory()};")
 
     body = _EXTERN_SHARED.sub(pointer_to_dynamic_shared, user)
