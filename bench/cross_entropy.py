@@ -15,6 +15,7 @@ import numpy as np
 
 from gpt2_cupy import backend, benchmark, kernels, testing
 from gpt2_cupy.ops import cross_entropy as ce
+from gpt2_cupy.ops.arrays import ceil_div
 
 N, V = 8192, 50257
 IGNORE_INDEX = -1
@@ -39,7 +40,7 @@ def candidates(logits, targets, dlogits):
     scale = np.float32(1.0 / int((targets != IGNORE_INDEX).sum()))  # read once, outside the timed calls
 
     def first_version():
-        one_thread_per_row((-(-N // 256),), (256,), (dlogits, scratch_losses, logits, targets, np.int32(N),
+        one_thread_per_row((ceil_div(N, 256),), (256,), (dlogits, scratch_losses, logits, targets, np.int32(N),
                                                      np.int32(V), ignore, scale))
 
     def fused_with_loads_in_flight(loads):

@@ -17,6 +17,7 @@ atomicAdd version, and of the sorted version, on the same inputs.
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, kernels
+from gpt2_cupy.ops.arrays import ceil_div
 from gpt2_cupy.ops.embedding import (embedding_backward, embedding_forward, sorted_position_keys,
                                      token_position_embedding_backward, token_position_embedding_forward)
 from gpt2_cupy.testing import torch_or_none
@@ -61,9 +62,9 @@ def measure():
         flat = ids.reshape(-1)
         backward = {
             "version 1: atomicAdd": lambda: steps.get_function("embedding_backward_atomic")(
-                ((N * C + 255) // 256,), (256,), (dwte, dout, flat, np.int32(N), np.int32(C))),
+                (ceil_div(N * C, 256),), (256,), (dwte, dout, flat, np.int32(N), np.int32(C))),
             "version 2: a thread per column": lambda: steps.get_function("embedding_backward_per_column")(
-                ((C + 255) // 256,), (256,), (dwte, dout, flat, np.int32(N), np.int32(C))),
+                (ceil_div(C, 256),), (256,), (dwte, dout, flat, np.int32(N), np.int32(C))),
             "version 3: embedding_backward (sorted, sort included)": lambda: embedding_backward(
                 dout, ids, dweight=dwte, check_ids=False),
             "  of which the sort": lambda: sorted_position_keys(ids),

@@ -17,6 +17,7 @@ import sys
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, kernels
+from gpt2_cupy.ops.arrays import ceil_div
 from gpt2_cupy.ops.linear import bias_backward, linear_backward, linear_forward
 from gpt2_cupy.testing import torch_or_none
 
@@ -36,7 +37,7 @@ def bias_gradient_rates(rows=ROWS, widths=BIAS_WIDTHS, seed=0):
         dbias = cupy.zeros(columns, dtype=cupy.float32)
         runs = {
             "one thread per column (version 1)": lambda: one_thread_per_column(
-                (-(-columns // 256),), (256,), (dbias, dy, np.int32(rows), np.int32(columns))),
+                (ceil_div(columns, 256),), (256,), (dbias, dy, np.int32(rows), np.int32(columns))),
             "gpt2_cupy bias_backward (version 2)": lambda: bias_backward(dy, dbias),
             "cupy dy.sum(axis=0)": lambda: dy.sum(axis=0),
         }

@@ -197,6 +197,11 @@ def is_grad_enabled():
     return _grad_enabled
 
 
+def clear_tape():
+    """Forget every recorded call: for a forward cut short (Ctrl-C), which no backward will walk."""
+    _tape.clear()
+
+
 def manual_seed(seed):
     """Seed dropout (its masks: the counter-based generator from (seed, offset 0)) and initialisation."""
     _dropout_state["rng"] = backend.xp.array([int(seed), 0], dtype=numpy.uint64)

@@ -143,7 +143,8 @@ class Embedding(Function):
     @staticmethod
     def backward(ctx, dout):
         (ids,) = ctx.saved_tensors
-        embedding_backward(dout, ids, dweight=ctx.grad_buffer(1))
+        # The forward checked these ids already; checking again would cost a second wait for the GPU.
+        embedding_backward(dout, ids, dweight=ctx.grad_buffer(1), check_ids=False)
         return None, None
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from gpt2_cupy import backend
 from gpt2_cupy.ops import adamw as kernels_of
-from gpt2_cupy.ops.arrays import LARGEST_INT
+from gpt2_cupy.ops.arrays import LARGEST_INT, ceil_div
 
 ALIGNMENT = 16  # elements: every parameter starts 64 bytes into the buffer, so float4 never straddles two
 
@@ -74,7 +74,7 @@ class Optimizer:
                 seen.add(id(p))
                 kept.append(p)
                 offsets.append((p, end))
-                end += -(-p.data.size // ALIGNMENT) * ALIGNMENT
+                end += ceil_div(p.data.size, ALIGNMENT) * ALIGNMENT
             group["params"] = kept
             group["_end"] = end
         if end > LARGEST_INT:

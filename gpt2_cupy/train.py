@@ -31,6 +31,7 @@ import numpy
 from gpt2_cupy import autograd, backend, checkpoint, data
 from gpt2_cupy.autograd import dropout_rng_state, manual_seed, no_grad
 from gpt2_cupy.model import GPT, GPTConfig
+from gpt2_cupy.ops.arrays import ceil_div
 
 RUNS_DIR = Path("runs")
 
@@ -178,7 +179,7 @@ class Trainer:
             if self.corpus.tokenizer:
                 vocab_size = data.Tokenizer(self.corpus.tokenizer).vocab_size
             else:  # a multiple of 64, as GPT-2's 50257 becomes 50304: whole tiles in the output layer
-                vocab_size = -(-(max(largest_token(train_tokens), largest_token(val_tokens)) + 1) // 64) * 64
+                vocab_size = ceil_div(max(largest_token(train_tokens), largest_token(val_tokens)) + 1, 64) * 64
         for split, tokens in (("train.bin", train_tokens), ("val.bin", val_tokens)):
             if largest_token(tokens) >= vocab_size:
                 raise ValueError(f"the corpus does not match the model: {split} holds token id {largest_token(tokens)}, "
@@ -249,7 +250,7 @@ class Trainer:
         self.train_batches.random_generator.bit_generator.state = batches_state
         dropout_rng_state()[...] = dropout_state
         self.optimizer.zero_grad()
-        autograd._tape.clear()  # a forward cut short leaves entries that no backward will consume
+        autograd.clear_tape()  # a forward cut short leaves entries that no backward will consume
 
     def evaluate(self):
         """The mean loss over the first eval_batches validation batches (the same ones every time)."""
