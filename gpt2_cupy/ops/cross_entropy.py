@@ -118,7 +118,7 @@ def _mean(loss, row_losses, count, N):
 def _kernel(name, threads=ROW_THREADS):
     """A kernel of kernels/cross_entropy.cu built for blocks of `threads` (the count and mean use 1024)."""
     options = () if threads == ROW_THREADS else (f"-DROW_THREADS={threads}",)
-    return kernels.module("cross_entropy", options=options, name_expressions=_FUSED_NAMES).get_function(name)
+    return kernels.function("cross_entropy", name, options=options, name_expressions=_FUSED_NAMES)
 
 
 @lru_cache(maxsize=None)
