@@ -18,8 +18,8 @@ FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 def _float64(array):
     from gpt2_cupy import backend
 
-    if isinstance(array, backend.xp.ndarray) and backend.name == "cuda":
-        array = backend.asnumpy(array)
+    if isinstance(array, backend.xp.ndarray):
+        array = backend.asnumpy(array)  # a copy from the GPU; on the CPU the array itself
     return np.asarray(array, dtype=np.float64)
 
 
