@@ -8,6 +8,7 @@ GB/s against the copy) and writes that file.
 
 import datetime
 import json
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,12 +22,38 @@ def meaningful():
     return backend.name == "cuda"
 
 
-def seconds_per_call(run, warmup=3, repeat=20):
-    """Median seconds of one run() call, timed with CUDA events: the one timing wrapper of the package.
+# A kernel that keeps the stream busy for a given time: the calls being timed queue up behind it, so the
+# GPU runs them back to back however long Python takes to launch them (nvbench's "blocking kernel" idea).
+# %globaltimer is the GPU's nanosecond clock; __nanosleep keeps the spinning thread from hogging its SM.
+HOLD_STREAM_SOURCE = r"""
+extern "C" __global__ void hold_stream(long long nanoseconds)
+{
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < (unsigned long long)nanoseconds);
+}
+"""
+MOST_CALLS_QUEUED = 200  # well under the ~1000 launches a CUDA stream queues before a launch blocks
 
-    A short kernel finishes before Python has launched the next one, so timing calls one by one would
-    count Python's launch time as GPU time. Each timing therefore covers as many calls back to back as
-    fill about a millisecond.
+
+@lru_cache(maxsize=None)
+def _hold_stream_kernel():
+    return backend.xp.RawKernel(HOLD_STREAM_SOURCE, "hold_stream")
+
+
+def seconds_per_call(run, warmup=3, repeat=20):
+    """Median GPU seconds of one run() call, timed with CUDA events: the one timing wrapper of the package.
+
+    Python needs microseconds to launch a kernel (more for an op that checks its arguments first), and a
+    short kernel can finish before the next launch arrives; timed naively, the GPU would wait for Python
+    and the time would be Python's. So each timing queues as many calls as fill about a millisecond of GPU
+    time behind hold_stream, a kernel that keeps the GPU busy until Python has launched them all, and the
+    events around the calls measure the GPU's work alone. If launching took longer than the hold (run()
+    waits for the GPU, say), the hold is lengthened; if that never suffices, the timing is the plain one,
+    which counts Python's time too.
     """
     if not meaningful():
         raise RuntimeError("timings on the CPU executor do not say anything about a GPU: run this on a GPU")
@@ -35,16 +62,34 @@ def seconds_per_call(run, warmup=3, repeat=20):
         run()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
 
-    def timed(calls):
+    def timed(calls, hold_seconds=0.0):
+        """(GPU seconds per call, host seconds spent launching the calls)."""
+        if hold_seconds:
+            _hold_stream_kernel()((1,), (1,), (numpy.int64(hold_seconds * 1e9),))
+        launching = time.perf_counter()
         start.record()
         for _ in range(calls):
             run()
         stop.record()
+        launching = time.perf_counter() - launching
         stop.synchronize()
-        return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / calls
+        return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / calls, launching
 
-    calls = max(1, min(1000, int(1e-3 / max(timed(1), 1e-7))))
-    return float(numpy.median([timed(calls) for _ in range(repeat)]))
+    plain, launching = timed(1)
+    calls = max(1, min(MOST_CALLS_QUEUED, int(1e-3 / max(plain, 1e-7))))
+    _, launching = timed(calls)
+    times = []
+    for _ in range(repeat):
+        hold = 2 * launching + 2e-4
+        for _attempt in range(3):
+            seconds, launching = timed(calls, hold)
+            if launching < hold:  # every call was queued while the GPU was still held
+                break
+            hold = 2 * launching
+        else:
+            seconds, _ = timed(calls)
+        times.append(seconds)
+    return float(numpy.median(times))
 
 
 @lru_cache(maxsize=None)

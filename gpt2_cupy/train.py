@@ -9,6 +9,8 @@ optimizer's flat buffer); then clip the gradient norm, set the learning rate, on
 gradients. Everything a run writes goes to out_dir (default runs/<corpus>-<preset>/):
 
     checkpoint.npz   model, optimizer state, step, the data sampler's and dropout's random state
+    best.npz         the same at the evaluation with the lowest validation loss so far: on a small corpus the
+                     model starts to memorise its training text, and the validation loss rises again
     log.jsonl        one json line per step ({"step", "loss", "lr", ...}) and per evaluation ({"val_loss"})
     loss.png         training and validation loss
 
@@ -168,6 +170,7 @@ class Trainer:
         self.config = config
         self.out_dir = Path(config.out_dir)
         self.checkpoint_path = self.out_dir / "checkpoint.npz"
+        self.best_path = self.out_dir / "best.npz"
         self.log_path = self.out_dir / "log.jsonl"
         self.plot_path = self.out_dir / "loss.png"
 
@@ -323,8 +326,14 @@ class Trainer:
                     log.write(json.dumps(record) + "\n")
                     log.flush()
 
+                def evaluate_and_keep_the_best():
+                    earlier = [r["val_loss"] for r in history if "val_loss" in r]
+                    write(dict(step=self.step, val_loss=self.evaluate()))
+                    if not earlier or history[-1]["val_loss"] < min(earlier):
+                        self.save(self.best_path)
+
                 if self.step == 0:
-                    write(dict(step=0, val_loss=self.evaluate()))
+                    evaluate_and_keep_the_best()
                 while self.step < last and not self.stop_requested:
                     started = time.perf_counter()
                     before = self.random_state()
@@ -345,7 +354,7 @@ class Trainer:
                     bar.update()
                     bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_step / seconds:,.0f}")
                     if self.step % config.eval_interval == 0 or self.step == config.max_steps:
-                        write(dict(step=self.step, val_loss=self.evaluate()))
+                        evaluate_and_keep_the_best()
                         plot_losses(history, self.plot_path)
                     if self.step % config.checkpoint_interval == 0:
                         self.save()
@@ -466,8 +475,11 @@ def main(argv=None):
     except (TrainingDiverged, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    step, val_loss = [(r["step"], r["val_loss"]) for r in read_log(trainer.log_path) if "val_loss" in r][-1]
-    print(f"step {trainer.step}: validation loss {val_loss:.4f} at step {step}; checkpoint {trainer.checkpoint_path}, "
+    evaluations = [(r["step"], r["val_loss"]) for r in read_log(trainer.log_path) if "val_loss" in r]
+    step, val_loss = evaluations[-1]
+    best_step, best_loss = min(evaluations, key=lambda evaluation: evaluation[1])
+    print(f"step {trainer.step}: validation loss {val_loss:.4f} at step {step}, lowest {best_loss:.4f} at step "
+          f"{best_step}; checkpoints {trainer.checkpoint_path} (last) and {trainer.best_path} (lowest), "
           f"log {trainer.log_path}, plot {trainer.plot_path}")
     return 0
 

@@ -173,3 +173,18 @@ def test_the_tiny_preset_step_time(tmp_path):
     seconds = min(r["seconds"] for r in records if "seconds" in r)
     print(f"tiny preset ({backend.name}): {seconds:.3f} s per step")
     assert seconds < 5.0  # a generous bound: the machine may be shared; the report quotes the measurement
+
+
+def test_the_best_checkpoint_holds_the_lowest_validation_loss(tmp_path):
+    # A learning rate far too high for this model: the validation loss falls, then climbs again.
+    options = dict(max_steps=8, learning_rate=0.1, warmup_steps=1, eval_interval=1, grad_clip=0.0)
+    trainer = Trainer(small_config(tmp_path, **options))
+    records = trainer.run()
+    evaluations = [(r["val_loss"], r["step"]) for r in records if "val_loss" in r]
+    lowest, best_step = min(evaluations)
+    print("validation losses:", [f"{loss:.3f}" for loss, _ in evaluations])
+    assert 0 < best_step < trainer.step  # the run went past its best point
+    assert checkpoint.load(trainer.best_path)[1]["step"] == best_step
+    again = Trainer(small_config(tmp_path, "again", **options))
+    again.load(trainer.best_path)
+    assert again.evaluate() == lowest  # the stored weights give the logged loss, bit for bit

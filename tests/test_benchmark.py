@@ -1,0 +1,69 @@
+"""gpt2_cupy.benchmark: seconds_per_call measures the GPU's time, not Python's, and refuses the CPU executor."""
+
+import time
+
+import numpy as np
+import pytest
+
+from gpt2_cupy import backend, benchmark
+
+needs_gpu = pytest.mark.skipif(backend.name != "cuda", reason="timings mean something only on a GPU")
+
+
+def busy_host_then_copy(destination, source, host_seconds):
+    """A call whose Python side takes host_seconds, far longer than its tiny copy takes on the GPU."""
+    def run():
+        finish = time.perf_counter() + host_seconds
+        while time.perf_counter() < finish:
+            pass
+        backend.xp.copyto(destination, source)
+    return run
+
+
+def test_timings_are_refused_on_the_cpu_executor():
+    if backend.name == "cuda":
+        pytest.skip("the active backend is a GPU")
+    with pytest.raises(RuntimeError, match="CPU executor"):
+        benchmark.seconds_per_call(lambda: None)
+
+
+@needs_gpu
+def test_python_time_between_launches_is_not_counted():
+    source = backend.xp.ones(1024, dtype=np.float32)
+    destination = backend.xp.empty_like(source)
+    host_seconds = 200e-6
+    seconds = benchmark.seconds_per_call(busy_host_then_copy(destination, source, host_seconds), repeat=5)
+    # A 4 KB copy takes a few microseconds of GPU time; the host spends 200 µs per call.
+    assert seconds < host_seconds / 4
+
+
+@needs_gpu
+def test_a_long_kernel_times_as_events_around_one_call_do():
+    cupy = backend.xp
+    source = cupy.ones(64 * 2**20, dtype=np.float32)  # 256 MB: tens of microseconds
+    destination = cupy.empty_like(source)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    plain = []
+    for _ in range(10):
+        start.record()
+        cupy.copyto(destination, source)
+        stop.record()
+        stop.synchronize()
+        plain.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    seconds = benchmark.seconds_per_call(lambda: cupy.copyto(destination, source), repeat=5)
+    assert seconds == pytest.approx(float(np.median(plain)), rel=0.15)
+
+
+@needs_gpu
+def test_a_call_that_waits_for_the_gpu_is_timed_with_python_included():
+    source = backend.xp.ones(1024, dtype=np.float32)
+    destination = backend.xp.empty_like(source)
+    host_seconds = 200e-6
+    copy = busy_host_then_copy(destination, source, host_seconds)
+
+    def copy_and_wait():
+        copy()
+        backend.synchronize()  # a held stream never drains: the hold cannot help, the plain timing is used
+
+    seconds = benchmark.seconds_per_call(copy_and_wait, warmup=1, repeat=3)
+    assert seconds >= host_seconds
