@@ -11,7 +11,11 @@ the backward and the two of the forward that a causal kernel must do: 2 B H T² 
 P V, each half of 2 B H T² d), 5 half-products in the backward (S and dP recomputed, dV, dK, and dQ).
 
 The fused softmax version is also timed kernel by kernel: the forward, and the backward's three launches
-(rowdot, the dk, dv pass with its 4 half-products, the dq pass with its 3).
+(rowdot, the dk, dv pass with its 4 half-products, the dq pass with its 3), each of the three big kernels
+with every candidate number of rows per block (gpt2_cupy.ops.attention.ROW_CHOICES; the op uses
+FORWARD_ROWS, BACKWARD_DK_DV_ROWS, BACKWARD_DQ_ROWS), and forward + backward with every kernel at 64 rows
+and every kernel at 128. The table ends with the previous bench/attention.json's timings of the same names
+where it has them, before this run replaces it.
 
 Then longer sequences, T = 4096, 8192, 16384 at the same B and H: the naive version needs two (B, H, T, T)
 float32 arrays (P, and dP, which becomes dS in place), 6.4 GB each at T = 4096 and 103 GB each at
@@ -19,7 +23,7 @@ T = 16384; the fused one needs O(T) beyond its inputs. The naive one runs where 
 GPU and the kernels' int indexing (at most 2^31 elements), and the reason is recorded where they do not.
 """
 
-import math
+import json
 import sys
 from pathlib import Path
 
@@ -90,18 +94,43 @@ def torch_runs(T):
 
 
 def kernel_runs(cupy):
-    """{name: (function, causal half-products)}: each kernel of the fused softmax version, launched alone."""
+    """{name: (function, causal half-products)}: each kernel of the fused softmax version, launched alone,
+    the three big ones with each candidate number of rows per block."""
     q, k, v, dout = inputs(T, cupy)
     out, lse = attention_forward(q, k, v)
     dq, dk, dv = (cupy.empty_like(q) for _ in range(3))
     rowdot = cupy.empty_like(lse)
     heads, causal = B * H, True
     common = (heads, T, D, causal, "softmax")
-    return {"kernel attention_forward": (lambda: attention_ops._forward(out, lse, q, k, v, *common), 2),
-            "kernel attention_backward_rowdot": (lambda: attention_ops._rowdot(rowdot, dout, out, heads * T, D), 0),
-            "kernel attention_backward_dk_dv": (lambda: attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot,
-                                                                             *common), 4),
-            "kernel attention_backward_dq": (lambda: attention_ops._dq(dq, dout, q, k, v, lse, rowdot, *common), 3)}
+    attention_ops._rowdot(rowdot, dout, out, heads * T, D)
+    runs = {"kernel attention_backward_rowdot": (lambda: attention_ops._rowdot(rowdot, dout, out, heads * T, D), 0)}
+    for rows in attention_ops.ROW_CHOICES:
+        runs[f"kernel attention_forward, {rows} rows"] = (
+            lambda rows=rows: attention_ops._forward(out, lse, q, k, v, *common, rows), 2)
+        runs[f"kernel attention_backward_dk_dv, {rows} rows"] = (
+            lambda rows=rows: attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot, *common, rows), 4)
+        runs[f"kernel attention_backward_dq, {rows} rows"] = (
+            lambda rows=rows: attention_ops._dq(dq, dout, q, k, v, lse, rowdot, *common, rows), 3)
+    return runs
+
+
+def same_rows_runs(cupy):
+    """{name: function}: forward + backward, softmax, with every kernel at the same number of rows per block."""
+    q, k, v, dout = inputs(T, cupy)
+    out, lse = cupy.empty_like(q), cupy.empty(q.shape[:-1], dtype=cupy.float32)
+    dq, dk, dv = (cupy.empty_like(q) for _ in range(3))
+    rowdot = cupy.empty_like(lse)
+    heads, causal = B * H, True
+    common = (heads, T, D, causal, "softmax")
+
+    def both(rows):
+        attention_ops._forward(out, lse, q, k, v, *common, rows)
+        attention_ops._rowdot(rowdot, dout, out, heads * T, D)
+        attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot, *common, rows)
+        attention_ops._dq(dq, dout, q, k, v, lse, rowdot, *common, rows)
+
+    return {f"fused softmax, all kernels {rows} rows, forward + backward": lambda rows=rows: both(rows)
+            for rows in attention_ops.ROW_CHOICES}
 
 
 KERNEL_PRODUCTS = {}  # filled by measure_gpt2_shape: kernel name -> causal half-products
@@ -119,6 +148,8 @@ def measure_gpt2_shape(cupy):
         for name, run in ours(T, cupy, variant).items():
             seconds[name] = benchmark.seconds_per_call(run, warmup=2, repeat=10)
         cupy.get_default_memory_pool().free_all_blocks()
+    for name, run in same_rows_runs(cupy).items():
+        seconds[name] = benchmark.seconds_per_call(run, warmup=2, repeat=10)
     for name, (run, products) in kernel_runs(cupy).items():
         KERNEL_PRODUCTS[name] = products
         seconds[name] = benchmark.seconds_per_call(run, warmup=2, repeat=20)
@@ -167,12 +198,27 @@ def measure(quick=False):
             "bytes_of_one_B_H_T_T_array": {str(t): b for t, b in square_bytes.items()}}
 
 
-def report(measured):
-    seconds = measured["seconds"]
-    lines = [f"{measured['device']}, {measured['date']}: B={B} H={H} T={T} d={D}, float32"]
+def stored_before(path):
+    """The seconds of the bench/attention.json that this run is about to replace, and its device; ({}, None)."""
+    if not path.exists():
+        return {}, None
+    stored = json.loads(path.read_text())
+    return stored.get("seconds", {}), f"{stored.get('device')}, {stored.get('date')}"
+
+
+def report(measured, before=None, before_from=None):
+    seconds, before = measured["seconds"], before or {}
+    lines = [f"{measured['device']}, {measured['date']}: B={B} H={H} T={T} d={D}, float32. "
+             f"Rows per block the op uses: forward {attention_ops.FORWARD_ROWS}, "
+             f"dk, dv {attention_ops.BACKWARD_DK_DV_ROWS}, dq {attention_ops.BACKWARD_DQ_ROWS}"]
+    if before:
+        lines.append(f"  (before: the previous bench/attention.json, {before_from})")
     for name, s in seconds.items():
-        rate = f"{measured['tflops'][name]:6.1f} TFLOP/s" if measured["tflops"][name] else ""
-        lines.append(f"  {name:<56s} {s * 1e3:8.3f} ms  {rate}")
+        rate = f"{measured['tflops'][name]:6.1f} TFLOP/s" if measured["tflops"][name] else " " * 14
+        # A kernel's earlier entry may have no ", N rows": the kernels before the rows were a choice.
+        earlier = before.get(name, before.get(name.split(",")[0]) if name.startswith("kernel") else None)
+        previous = f"   before {earlier * 1e3:8.3f} ms" if isinstance(earlier, float) else ""
+        lines.append(f"  {name:<60s} {s * 1e3:8.3f} ms  {rate}{previous}")
     fused = seconds["fused softmax, forward + backward"]
     lines.append(f"  fused vs naive, forward + backward: {seconds['naive softmax, forward + backward'] / fused:.2f}x "
                  "faster (target >= 3x)")
@@ -192,11 +238,12 @@ def report(measured):
 
 def main():
     quick = "--quick" in sys.argv[1:]
+    path = Path(__file__).with_suffix(".json")
+    before, before_from = stored_before(path)
     measured = measure(quick)
-    print(report(measured))
+    print(report(measured, before, before_from))
     if quick:
         return 0
-    path = Path(__file__).with_suffix(".json")
     benchmark.write_results(path, measured)
     print(f"written: {path}")
     return 0

@@ -6,14 +6,17 @@ Two shapes: GPT-2's attention scores, (B·H·T, T) = (8·12·1024, 1024), and it
 (8·1024, 50257). Bytes counted are what each direction must move: the forward reads x and writes y
 (8 bytes per element), the backward reads dout and y and writes dx (12 bytes per element); the causal
 forward reads only the lower triangle (about half of x) and writes all of y. GB/s is those bytes over the
-median time per call, next to the device's copy bandwidth (benchmark.copy_bandwidth()). At the logits
-shape, the long-row kernels also run with three grids (one block per row; 1 or 2 blocks per multiprocessor,
-each looping over rows): the package uses softmax.LONG_ROW_BLOCKS_PER_MULTIPROCESSOR.
+median time per call, next to the device's copy bandwidth (benchmark.copy_bandwidth()). "forward" and
+"backward" are what the package runs. At the logits shape the long-row kernels also run one by one: the
+shared-memory kernels (the row read from global memory once; the package's choice when the row fits) and
+the two-pass kernels (the row read twice; the fallback), each with several grids (one block per row, or
+1 or 2 blocks per multiprocessor, each looping over rows), and the shared-memory kernels compiled with
+eight float4 loads in flight per thread instead of four.
 """
 
 import numpy as np
 
-from gpt2_cupy import backend, benchmark
+from gpt2_cupy import backend, benchmark, kernels
 from gpt2_cupy.ops import softmax as softmax_ops
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 from gpt2_cupy.testing import torch_or_none
@@ -21,6 +24,15 @@ from gpt2_cupy.testing import torch_or_none
 SHAPES = {"attention scores (8*12*1024, 1024)": (8 * 12 * 1024, 1024),
           "logits (8*1024, 50257)": (8 * 1024, 50257)}
 FLOAT = 4  # bytes
+
+
+def eight_loads_in_flight(direction):
+    """softmax_{direction}_shared compiled with VECTORS_PER_STEP = 8 (the package's kernels use 4)."""
+    kernel = kernels.function("softmax", f"softmax_{direction}_shared", options=("-DVECTORS_PER_STEP=8",),
+                              name_expressions=softmax_ops._NAMES)
+    kernel.max_dynamic_shared_size_bytes = (softmax_ops.shared_memory_per_block()
+                                            - softmax_ops.REDUCTION_SHARED_BYTES)
+    return kernel
 
 
 def candidates(rows, columns, cupy):
@@ -36,13 +48,28 @@ def candidates(rows, columns, cupy):
         "forward": (forward_bytes, lambda: softmax_forward(x, out=y)),
         "backward": (backward_bytes, lambda: softmax_backward(dout, y, out=dx)),
     }
-    if columns > softmax_ops.LONGEST_WARP_ROW:  # the long-row kernels' grid: blocks per multiprocessor
+    if columns > softmax_ops.LONGEST_WARP_ROW:  # the long-row kernels, each with its grids
         one, no_causal = np.float32(1.0), np.int32(0)
-        for per_multiprocessor, label in ((0, "one block per row"), (1, "1 block per SM"), (2, "2 blocks per SM")):
-            runs[f"forward, {label}"] = (forward_bytes, lambda p=per_multiprocessor: softmax_ops._forward(
-                y, x, rows, columns, one, no_causal, blocks_per_multiprocessor=p))
-            runs[f"backward, {label}"] = (backward_bytes, lambda p=per_multiprocessor: softmax_ops._backward(
-                dx, dout, y, rows, columns, one, blocks_per_multiprocessor=p))
+        grids = {"shared memory": ((0, "one block per row"), (1, "1 block per SM")),
+                 "two passes": ((0, "one block per row"), (1, "1 block per SM"), (2, "2 blocks per SM"))}
+        for kernel, kernel_grids in grids.items():
+            shared = kernel == "shared memory"
+            for per_multiprocessor, label in kernel_grids:
+                runs[f"forward, {kernel}, {label}"] = (forward_bytes, lambda p=per_multiprocessor, s=shared:
+                    softmax_ops._forward(y, x, rows, columns, one, no_causal, blocks_per_multiprocessor=p,
+                                         shared_memory=s))
+                runs[f"backward, {kernel}, {label}"] = (backward_bytes, lambda p=per_multiprocessor, s=shared:
+                    softmax_ops._backward(dx, dout, y, rows, columns, one, blocks_per_multiprocessor=p,
+                                          shared_memory=s))
+        # The shared-memory kernels with eight float4 loads in flight per thread instead of four.
+        shared_bytes = softmax_ops._cached_row_bytes(columns)
+        eight = {direction: eight_loads_in_flight(direction) for direction in ("forward", "backward")}
+        runs["forward, shared memory, 8 float4 loads in flight"] = (forward_bytes, lambda: eight["forward"](
+            (rows,), (softmax_ops.THREADS_PER_LONG_ROW,), (y, x, np.int32(rows), np.int32(columns), one, no_causal),
+            shared_mem=shared_bytes))
+        runs["backward, shared memory, 8 float4 loads in flight"] = (backward_bytes, lambda: eight["backward"](
+            (rows,), (softmax_ops.THREADS_PER_LONG_ROW,), (dx, dout, y, np.int32(rows), np.int32(columns), one),
+            shared_mem=shared_bytes))
     if rows % columns == 0:  # square blocks of rows: the causal version applies
         T = columns
         read = rows // T * T * (T + 1) // 2 * FLOAT

@@ -2,8 +2,9 @@
 
 Every result is compared with a float64 numpy reference, whose backward is itself checked against central
 finite differences; the fused kernels' gradients are also checked against finite differences directly.
-Sequence lengths 1, 17, 65 and 1000 are not multiples of the kernels' 64-row tiles; head sizes 32 and 64
-are the two the kernels are built for. The error measure is max |result - reference| / max |reference|.
+Sequence lengths 1, 17, 65 and 1000 are not multiples of the kernels' 64- or 128-row tiles; head sizes 32
+and 64 are the two the kernels are built for. The op uses one number of rows per block for each kernel;
+both candidates (ROW_CHOICES) are checked too, launched directly. The error measure is max |result - reference| / max |reference|.
 """
 
 import math
@@ -12,8 +13,9 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
-from gpt2_cupy.ops.attention import (TILE, attention_backward, attention_backward_naive, attention_forward,
-                                     attention_forward_naive)
+from gpt2_cupy.ops import attention as attention_ops
+from gpt2_cupy.ops.attention import (FORWARD_ROWS, ROW_CHOICES, attention_backward, attention_backward_naive,
+                                     attention_forward, attention_forward_naive)
 from gpt2_cupy.testing import finite_difference_gradient, relative_error, torch_or_none
 
 TOLERANCE = 1e-5
@@ -149,14 +151,41 @@ def test_backward_is_deterministic(rng, to_device, to_host):
 
 
 def test_tiles_above_the_diagonal_are_never_read(rng, to_device, to_host):
-    # NaN in every key and value after the first tile: the queries of the first tile must not see them,
-    # so the kernel must skip those tiles rather than multiply them by a zero probability.
-    q, k, v, _ = random_inputs(rng, (1, TILE + 6, 32))
-    k[0, TILE:], v[0, TILE:] = np.nan, np.nan
+    # NaN in every key and value after the first block of queries: those queries must not see them, so
+    # the kernel must skip those tiles rather than multiply them by a zero probability.
+    rows = FORWARD_ROWS
+    q, k, v, _ = random_inputs(rng, (1, rows + 6, 32))
+    k[0, rows:], v[0, rows:] = np.nan, np.nan
     for variant in VARIANTS:
         out, _ = attention_forward(to_device(q), to_device(k), to_device(v), variant=variant)
-        expected, _ = reference_forward(q[:, :TILE], k[:, :TILE], v[:, :TILE], variant=variant)
-        assert relative_error(to_host(out)[:, :TILE], expected) < TOLERANCE
+        expected, _ = reference_forward(q[:, :rows], k[:, :rows], v[:, :rows], variant=variant)
+        assert relative_error(to_host(out)[:, :rows], expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("rows", ROW_CHOICES)
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_rows_per_block_choice(rng, to_device, to_host, rows, d, causal):
+    # Each kernel launched directly with 64 and 128 rows per block (the op uses one of them; the
+    # benchmark times both), on 130 rows: two blocks of 64 and a partial one, or one of 128 and a partial one.
+    heads, T = 2, 130
+    for variant in VARIANTS:
+        q, k, v, dout = (to_device(a) for a in random_inputs(rng, (heads, T, d)))
+        out, dq, dk, dv = (backend.xp.empty_like(q) for _ in range(4))
+        lse, rowdot = (backend.xp.empty((heads, T), dtype=np.float32) for _ in range(2))
+        attention_ops._forward(out, lse, q, k, v, heads, T, d, causal, variant, rows)
+        if variant == "softmax":
+            attention_ops._rowdot(rowdot, dout, out, heads * T, d)
+        else:
+            lse = rowdot = dout
+        attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows)
+        attention_ops._dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows)
+        host = [to_host(a) for a in (q, k, v, dout)]
+        assert relative_error(to_host(out), reference_forward(*host[:3], causal, variant)[0]) < TOLERANCE
+        for name, gradient, reference in zip("qkv", (dq, dk, dv), reference_backward(host[3], *host[:3], causal,
+                                                                                    variant)):
+            error = relative_error(to_host(gradient), reference)
+            assert error < TOLERANCE, f"{variant}, d{name}: {error:.3g}"
 
 
 def test_bad_arguments(to_device):

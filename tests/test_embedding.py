@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.embedding import (embedding_backward, embedding_forward, token_position_embedding_backward,
-                                     token_position_embedding_forward)
+from gpt2_cupy.ops.embedding import (POSITIONS_PER_CHUNK, embedding_backward, embedding_forward, group_positions,
+                                     token_position_embedding_backward, token_position_embedding_forward)
 from gpt2_cupy.testing import assert_within_summation_bound, finite_difference_gradient, torch_or_none
 
 SHAPES = [(1, 1, 1), (2, 3, 13), (3, 37, 16), (2, 65, 200), (4, 33, 257)]  # (B, T, C); C = 16: float4
@@ -62,16 +62,73 @@ def test_backward_adds_each_row_into_its_id(B, T, C, rng, to_device, to_host):
     assert_within_summation_bound(to_host(dweight), scatter_reference(dout, ids, V), start)
 
 
-@pytest.mark.parametrize("group", [31, 32, 33, 64, 65, 300])
-def test_backward_with_groups_longer_than_a_warp(group, rng, to_device, to_host):
-    # The sorted kernel reads a group's keys 32 at a time: groups of every length around the batches.
+@pytest.mark.parametrize("group", [1, 15, 16, 17, 32, 33, 97, 300])
+def test_backward_with_groups_longer_than_a_chunk(group, rng, to_device, to_host):
+    # Warps sum chunks of 16 grouped positions: groups of every length around one, two and many chunks,
+    # between short groups, so that they begin and end at every place in a chunk.
     C = 130
-    ids = np.concatenate([np.full(group, 1), np.full(7, 0), np.full(group + 1, 4)]).astype(np.int32)
+    ids = np.concatenate([np.full(group, 1), np.full(7, 0), np.full(group + 1, 4), np.arange(5, 40)]).astype(np.int32)
     rng.shuffle(ids)
     dout = rng.normal(size=(len(ids), C)).astype(np.float32)
-    dweight = to_device(np.zeros((5, C), np.float32))
+    dweight = to_device(np.zeros((40, C), np.float32))
     embedding_backward(to_device(dout), to_device(ids), dweight=dweight)
-    assert_within_summation_bound(to_host(dweight), scatter_reference(dout, ids, 5))
+    assert_within_summation_bound(to_host(dweight), scatter_reference(dout, ids, 40))
+
+
+def test_backward_with_text_like_ids(rng, to_device, to_host):
+    # Zipf's law, as in text: the most frequent ids take hundreds of positions, most ids one or none.
+    V, N, C = 3000, 2048, 40
+    weights = 1.0 / np.arange(1, V + 1)
+    ids = rng.choice(V, size=N, p=weights / weights.sum()).astype(np.int32)
+    assert np.bincount(ids).max() > 4 * POSITIONS_PER_CHUNK
+    dout = rng.normal(size=(N, C)).astype(np.float32)
+    dweight = to_device(np.zeros((V, C), np.float32))
+    embedding_backward(to_device(dout), to_device(ids), dweight=dweight)
+    got = to_host(dweight)
+    for v in np.unique(ids):  # each id's row against the float64 sum of its rows
+        assert_within_summation_bound(got[v], dout[ids == v])
+    np.testing.assert_array_equal(got[np.bincount(ids, minlength=V) == 0], 0.0)
+
+
+@pytest.mark.parametrize("N, V", [(1, 3), (33, 3), (200, 7), (1000, 50), (2100, 2000), (300, 50257)])
+def test_grouping_is_a_stable_sort_by_id(N, V, rng, to_device, to_host):
+    ids = rng.integers(-2, V + 2, N).astype(np.int32)  # some ids outside [0, V): left out, as the padding id
+    padding = V // 2
+    starts, grouped = group_positions(to_device(ids), V, padding)
+    kept = (ids >= 0) & (ids < V) & (ids != padding)
+    expected = np.argsort(np.where(kept, ids, V), kind="stable")[:kept.sum()]  # by id, then by position
+    np.testing.assert_array_equal(to_host(grouped)[:kept.sum()], expected)
+    np.testing.assert_array_equal(to_host(starts), np.concatenate([[0], np.cumsum(np.bincount(ids[kept], minlength=V))]))
+
+
+def chunked_sum_reference(dout, ids, V):
+    """dweight in float32, with the additions in the order the kernels document: each group in order of
+    position, cut at every multiple of POSITIONS_PER_CHUNK of the grouped positions; the pieces of a group
+    cut that way are summed on their own, then added chunk after chunk."""
+    grouped = np.argsort(ids, kind="stable")
+    dweight = np.zeros((V, dout.shape[1]), np.float32)
+    for id in np.unique(ids):
+        slots = np.flatnonzero(ids[grouped] == id)  # the group's places in `grouped`
+        pieces = np.split(slots, np.flatnonzero(np.diff(slots // POSITIONS_PER_CHUNK)) + 1)
+        total = None
+        for piece in pieces:
+            piece_sum = np.zeros(dout.shape[1], np.float32)
+            for slot in piece:
+                piece_sum += dout[grouped[slot]]
+            total = piece_sum if total is None else total + piece_sum
+        dweight[id] += total
+    return dweight
+
+
+def test_backward_adds_in_the_documented_order(rng, to_device, to_host):
+    # The same bits as a float32 sum in the documented order: on every device, not only from run to run.
+    V, N, C = 60, 700, 24
+    weights = 1.0 / np.arange(1, V + 1)
+    ids = rng.choice(V, size=N, p=weights / weights.sum()).astype(np.int32)
+    dout = rng.normal(size=(N, C)).astype(np.float32)
+    dweight = to_device(np.zeros((V, C), np.float32))
+    embedding_backward(to_device(dout), to_device(ids), dweight=dweight)
+    np.testing.assert_array_equal(to_host(dweight), chunked_sum_reference(dout, ids, V))
 
 
 def test_backward_against_finite_differences(rng, to_device, to_host):
@@ -195,7 +252,7 @@ def test_against_torch(rng, to_device, to_host):
 
 
 @pytest.mark.cpu_only
-def test_sorted_backward_does_not_depend_on_the_order_of_threads(rng, to_device):
+def test_grouped_backward_does_not_depend_on_the_order_of_threads(rng, to_device):
     # The executor runs each launch again with its threads in another order and reports outputs that differ.
     ids = to_device(rng.integers(0, 3, 200).astype(np.int32))
     dout = to_device(rng.normal(size=(200, 40)).astype(np.float32))

@@ -1,14 +1,16 @@
 """Softmax (chapter 04): gpt2_cupy.ops.softmax against float64 numpy, finite differences and PyTorch.
 
-Row lengths cover both kernels (a warp per row up to 1024 columns, a block per row beyond) and lengths
-that are not multiples of 32 (1, 31, 33, 1000, 50257); inputs include huge values (1e4, where exp
-overflows unless the maximum is subtracted) and -inf entries (masked positions).
+Row lengths cover the kernels (a warp per row up to 1024 columns; beyond, a block per row with the row in
+shared memory, or the two-pass block kernels it falls back to) and lengths that are not multiples of 32
+(1, 31, 33, 1000, 50257) nor of 4 (rows that start off a 16-byte boundary); inputs include huge values (1e4,
+where exp overflows unless the maximum is subtracted) and -inf entries (masked positions).
 """
 
 import numpy as np
 import pytest
 
 from gpt2_cupy import backend
+from gpt2_cupy.ops import softmax as softmax_ops
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 from gpt2_cupy.testing import finite_difference_gradient, relative_error
 
@@ -145,20 +147,109 @@ def test_bad_inputs_name_the_op_and_argument(to_device):
         softmax_backward([1.0], x)
 
 
-def test_long_rows_give_the_same_bits_whatever_the_grid(rng, to_device, to_host):
-    """The long-row kernels loop over rows: 300 rows on 132 blocks (the default), or one block per row."""
-    from gpt2_cupy.ops import softmax as softmax_ops
-
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_long_rows_give_the_same_bits_whatever_the_grid(shared_memory, rng, to_device, to_host):
+    """The long-row kernels loop over rows: 300 rows on 132 or 264 blocks, or one block per row."""
     rows, columns = 300, 1100
     x = to_device(rng.normal(0.0, 3.0, (rows, columns)).astype(np.float32))
     dout = to_device(rng.normal(size=(rows, columns)).astype(np.float32))
     results = []
     for per_multiprocessor in (0, 1, 2):
         y, dx = backend.xp.empty_like(x), backend.xp.empty_like(x)
-        softmax_ops._forward(y, x, rows, columns, np.float32(0.5), np.int32(0), per_multiprocessor)
-        softmax_ops._backward(dx, dout, y, rows, columns, np.float32(0.5), per_multiprocessor)
+        softmax_ops._forward(y, x, rows, columns, np.float32(0.5), np.int32(0), per_multiprocessor, shared_memory)
+        softmax_ops._backward(dx, dout, y, rows, columns, np.float32(0.5), per_multiprocessor, shared_memory)
         results.append((to_host(y), to_host(dx)))
     for y, dx in results[1:]:
         np.testing.assert_array_equal(y, results[0][0])
         np.testing.assert_array_equal(dx, results[0][1])
     assert relative_error(results[0][0], softmax_reference(to_host(x), 0.5)) < TOLERANCE
+    expected = softmax_backward_reference(to_host(dout), results[0][0], 0.5)
+    assert relative_error(results[0][1], expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("columns", [1025, 1026, 1027, 1028, 4099, 50257])
+def test_shared_memory_and_two_pass_kernels_match_float64(columns, rng, to_device, to_host):
+    """Rows of every length modulo 4 start at every offset from a 16-byte boundary: heads of 0 to 3 floats,
+    tails of 0 to 3; 5 rows of 1025 floats start 0, 4, 8, 12 and 0 bytes past one."""
+    rows = 5
+    x = rng.normal(0.0, 3.0, (rows, columns)).astype(np.float32)
+    x[1, :7] = -np.inf  # -inf in the head of a row that has one
+    dout = rng.normal(size=(rows, columns)).astype(np.float32)
+    x_device, dout_device = to_device(x), to_device(dout)
+    for shared_memory in (True, False):  # the shared-memory kernels, and the two-pass ones they fall back to
+        y, dx = backend.xp.empty_like(x_device), backend.xp.empty_like(x_device)
+        softmax_ops._forward(y, x_device, rows, columns, np.float32(0.25), np.int32(0), shared_memory=shared_memory)
+        softmax_ops._backward(dx, dout_device, y, rows, columns, np.float32(0.25), shared_memory=shared_memory)
+        assert relative_error(to_host(y), softmax_reference(x, 0.25)) < TOLERANCE, shared_memory
+        assert np.all(to_host(y)[1, :7] == 0)
+        expected = softmax_backward_reference(dout, to_host(y), 0.25)
+        assert relative_error(to_host(dx), expected) < TOLERANCE, shared_memory
+
+
+@pytest.mark.parametrize("T", [1025, 1030])
+def test_long_causal_rows_in_shared_memory(T, rng, to_device, to_host):
+    """Causal rows longer than 1024: row t loads only its t + 1 first columns into shared memory."""
+    x = rng.normal(size=(1, T, T)).astype(np.float32)
+    y = backend.xp.empty_like(to_device(x))
+    softmax_ops._forward(y, to_device(x), T, T, np.float32(0.3), np.int32(1), shared_memory=True)
+    y = to_host(y)
+    assert np.all(np.triu(y, 1) == 0)
+    assert relative_error(y, softmax_reference(x, 0.3, causal=True)) < TOLERANCE
+
+
+def test_long_rows_in_place(rng, to_device, to_host):
+    """out may be the input: the shared-memory kernels read the whole row before they write any of it."""
+    x = rng.normal(size=(3, 2001)).astype(np.float32)
+    x_device = to_device(x)
+    assert softmax_forward(x_device, out=x_device) is x_device
+    assert relative_error(to_host(x_device), softmax_reference(x)) < TOLERANCE
+    dout = to_device(rng.normal(size=(3, 2001)).astype(np.float32))
+    expected = softmax_backward_reference(to_host(dout), to_host(x_device))
+    assert softmax_backward(dout, x_device, out=dout) is dout
+    assert relative_error(to_host(dout), expected) < TOLERANCE
+
+
+def test_arrays_off_16_bytes_take_the_two_pass_kernels(rng, to_device, to_host):
+    """An array that starts 4 bytes past a 16-byte boundary cannot be read as float4s: the op falls back."""
+    rows, columns = 3, 1500
+    x = rng.normal(size=(rows, columns)).astype(np.float32)
+    buffer = backend.xp.zeros(rows * columns + 1, dtype=np.float32)
+    shifted = buffer[1:].reshape(rows, columns)  # C-contiguous, starting 4 bytes into the buffer
+    shifted[...] = to_device(x)
+    assert backend.address(shifted) % 16 == 4
+    y = softmax_forward(shifted)
+    assert relative_error(to_host(y), softmax_reference(x)) < TOLERANCE
+    dout = rng.normal(size=(rows, columns)).astype(np.float32)
+    dx = softmax_backward(to_device(dout), y, out=shifted)
+    assert relative_error(to_host(dx), softmax_backward_reference(dout, to_host(y))) < TOLERANCE
+    with pytest.raises(ValueError, match="start on 16 bytes"):
+        softmax_ops._forward(y, shifted, rows, columns, np.float32(1), np.int32(0), shared_memory=True)
+
+
+def test_rows_longer_than_shared_memory_take_the_two_pass_kernels(rng, to_device, to_host):
+    """The row must fit in a block's shared memory (227 KB on an H100: about 58 000 floats)."""
+    largest = (softmax_ops.shared_memory_per_block() - softmax_ops.REDUCTION_SHARED_BYTES) // 4 - 3
+    assert softmax_ops.row_fits_in_shared_memory(largest)
+    assert not softmax_ops.row_fits_in_shared_memory(largest + 1)
+    x = rng.normal(size=(1, largest + 1)).astype(np.float32)
+    assert relative_error(to_host(softmax_forward(to_device(x))), softmax_reference(x)) < TOLERANCE
+
+
+def test_shared_memory_kernels_reuse_their_cache_without_races(rng, to_device, to_host):
+    """Two blocks loop over 5 rows each, refilling shared memory for every row. On the CPU executor the race
+    check runs the threads in another order too: without the __syncthreads() at the end of a row, a fast
+    thread would overwrite the cache while others still read the previous row (on a GPU, just the check of
+    the values)."""
+    rows, columns = 10, 1031
+    x = rng.normal(0.0, 3.0, (rows, columns)).astype(np.float32)
+    dout = rng.normal(size=(rows, columns)).astype(np.float32)
+    x_device, dout_device = to_device(x), to_device(dout)
+    y, dx = backend.xp.empty_like(x_device), backend.xp.empty_like(x_device)
+    arguments = (np.int32(rows), np.int32(columns), np.float32(0.5))
+    shared_mem = softmax_ops._cached_row_bytes(columns)
+    with backend.checks(bounds=True, races=True):
+        softmax_ops._shared_kernel("forward")((2,), (1024,), (y, x_device, *arguments, np.int32(0)),
+                                              shared_mem=shared_mem)
+        softmax_ops._shared_kernel("backward")((2,), (1024,), (dx, dout_device, y, *arguments), shared_mem=shared_mem)
+    assert relative_error(to_host(y), softmax_reference(x, 0.5)) < TOLERANCE
+    assert relative_error(to_host(dx), softmax_backward_reference(dout, to_host(y), 0.5)) < TOLERANCE

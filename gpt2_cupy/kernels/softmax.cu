@@ -295,3 +295,207 @@ extern "C" __global__ void softmax_backward_block(float* dx, const float* dout, 
         }
     }
 }
+
+// ---- Long rows, the row kept in shared memory: read once ------------------------------------------------
+// A row of 50257 floats is 201 KB: too long for a block's registers, short enough for its shared memory
+// (227 KB per block on an H100, after the opt-in). The forward reads x once into shared memory, finding the
+// maximum and the sum on the way, then writes y from there; the backward keeps y there while it finds
+// sum_j dout_j y_j, then reads dout a second time, from the L2 cache if it is still there.
+//
+// The row's floats move as float4s, 16 bytes per load. Rows of 50257 floats start 4 bytes further along
+// each time, so only one row in four starts on a 16-byte boundary: each thread takes its row in three
+// parts, the `head` (0 to 3 floats up to the first boundary, one by one), the float4s, and the `tail`
+// (0 to 3 floats after the last whole float4). All arrays of one launch must start on 16 bytes (the op
+// checks; CuPy's allocations start on 256): then a row has the same head in all of them.
+// In shared memory, column c sits at cache[c + shift], shift = (4 - floats to the boundary) % 4, so that the
+// row's float4s land on float4s of shared memory too (a float4 load or store needs a 16-byte aligned address).
+// The cache holds columns + 3 floats: launch with shared_mem = 4 (columns + 3) bytes.
+// Only one such block fits on a multiprocessor, so its own loads must keep the memory busy: each thread
+// issues four float4 loads before using the first, 1024 x 4 x 16 B = 64 KB in flight per block.
+// __launch_bounds__(1024) tells the compiler that blocks have 1024 threads: it must then fit each thread
+// in 64 registers (65536 per multiprocessor); with more, a block of 1024 threads could not launch at all.
+// (bench/softmax.py also compiles the file with -DVECTORS_PER_STEP=8, to see whether more loads in flight help.)
+#ifndef VECTORS_PER_STEP
+#define VECTORS_PER_STEP 4
+#endif
+#define LONG_ROW_THREADS 1024
+
+// How many floats from `pointer` to the next 16-byte boundary (0 when it is on one).
+__device__ __forceinline__ int floats_to_boundary(const float* pointer)
+{
+    return (int)((16 - (unsigned long long)pointer % 16) % 16 / 4);
+}
+
+// The online state of a few values at once: their maximum first, then one sum relative to it.
+__device__ __forceinline__ MaxSum max_sum_of(const float* z, int n)
+{
+    MaxSum state = {negative_infinity(), 0.0f};
+    for (int i = 0; i < n; ++i) {
+        state.maximum = fmaxf(state.maximum, z[i]);
+    }
+    if (state.maximum > negative_infinity()) {  // all -inf: nothing to add
+        for (int i = 0; i < n; ++i) {
+            state.sum += expf(z[i] - state.maximum);
+        }
+    }
+    return state;
+}
+
+// exp(z - maximum) / sum for four values at once.
+__device__ __forceinline__ float4 probabilities(float4 z, float maximum, float inverse_sum)
+{
+    return make_float4(expf(z.x - maximum) * inverse_sum, expf(z.y - maximum) * inverse_sum,
+                       expf(z.z - maximum) * inverse_sum, expf(z.w - maximum) * inverse_sum);
+}
+
+// scale * y * (dout - dot) for four values at once.
+__device__ __forceinline__ float4 gradients(float4 y, float4 dout, float dot, float scale)
+{
+    return make_float4(scale * y.x * (dout.x - dot), scale * y.y * (dout.y - dot), scale * y.z * (dout.z - dot),
+                       scale * y.w * (dout.w - dot));
+}
+
+extern "C" __global__ void __launch_bounds__(LONG_ROW_THREADS)
+softmax_forward_shared(float* y, const float* x, int rows, int columns, float scale, int causal)
+{
+    extern __shared__ __align__(16) float cache[];
+    int threads = blockDim.x;
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* x_row = x + (long long)row * columns;
+        float* y_row = y + (long long)row * columns;
+        int valid = valid_columns(row, columns, causal);
+        int boundary = floats_to_boundary(x_row);
+        int shift = (4 - boundary) % 4;
+        int head = min(boundary, valid);
+        int vectors = (valid - head) / 4;  // whole float4s among the columns that take part
+        const float4* x_vectors = reinterpret_cast<const float4*>(x_row + head);
+        float4* cache_vectors = reinterpret_cast<float4*>(cache + head + shift);
+
+        // Pass 1: x from global memory into shared memory, once, with the online maximum and sum.
+        MaxSum state = {negative_infinity(), 0.0f};
+        int v = threadIdx.x;
+        for (; v + (VECTORS_PER_STEP - 1) * threads < vectors; v += VECTORS_PER_STEP * threads) {
+            float4 loaded[VECTORS_PER_STEP];
+#pragma unroll
+            for (int u = 0; u < VECTORS_PER_STEP; ++u) {  // all loads first: VECTORS_PER_STEP in flight
+                loaded[u] = __ldcs(x_vectors + v + u * threads);  // streaming: x is not read again
+            }
+            float z[4 * VECTORS_PER_STEP];
+#pragma unroll
+            for (int u = 0; u < VECTORS_PER_STEP; ++u) {
+                float4 scaled = make_float4(scale * loaded[u].x, scale * loaded[u].y, scale * loaded[u].z,
+                                            scale * loaded[u].w);
+                cache_vectors[v + u * threads] = scaled;
+                z[4 * u] = scaled.x;
+                z[4 * u + 1] = scaled.y;
+                z[4 * u + 2] = scaled.z;
+                z[4 * u + 3] = scaled.w;
+            }
+            state = online_combine(state, max_sum_of(z, 4 * VECTORS_PER_STEP));
+        }
+        for (; v < vectors; v += threads) {
+            float4 loaded = __ldcs(x_vectors + v);
+            float z[4] = {scale * loaded.x, scale * loaded.y, scale * loaded.z, scale * loaded.w};
+            cache_vectors[v] = make_float4(z[0], z[1], z[2], z[3]);
+            state = online_combine(state, max_sum_of(z, 4));
+        }
+        // The head and the tail, at most 3 + 3 floats: one each for the first threads.
+        int tail = head + 4 * vectors;
+        int loose = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
+        if (loose < valid && threadIdx.x < head + 3) {
+            float z = scale * x_row[loose];
+            cache[loose + shift] = z;
+            state = online_add(state, z);
+        }
+        state = block_online_combine(state);  // its __syncthreads also make the whole cache visible
+
+        // Pass 2: y from shared memory; columns past `valid` (causal rows) get 0.
+        float maximum = state.maximum, inverse_sum = 1.0f / state.sum;
+        float4* y_vectors = reinterpret_cast<float4*>(y_row + head);
+        for (v = threadIdx.x; v < vectors; v += threads) {  // shared memory answers fast: no unrolling needed
+            __stcs(y_vectors + v, probabilities(cache_vectors[v], maximum, inverse_sum));  // streaming store
+        }
+        if (loose < valid && threadIdx.x < head + 3) {
+            y_row[loose] = expf(cache[loose + shift] - maximum) * inverse_sum;
+        }
+        for (int column = valid + threadIdx.x; column < columns; column += threads) {
+            y_row[column] = 0.0f;
+        }
+        __syncthreads();  // the next row overwrites the cache only when every thread is done reading it
+    }
+}
+
+// dx = scale * y * (dout - sum_j dout_j y_j): y goes into shared memory while the dot product is taken;
+// then dx needs dout a second time. That second read comes from the L2 cache (50 MB on an H100) when the
+// row is still there: with one block per multiprocessor, 132 rows of dout (26 MB) are in use at once.
+// The loads say which data will be needed again: y and the second read of dout are streaming (__ldcs,
+// evicted first), the first read of dout an ordinary load, kept.
+extern "C" __global__ void __launch_bounds__(LONG_ROW_THREADS)
+softmax_backward_shared(float* dx, const float* dout, const float* y, int rows, int columns, float scale)
+{
+    extern __shared__ __align__(16) float cache[];
+    int threads = blockDim.x;
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        long long start = (long long)row * columns;
+        int boundary = floats_to_boundary(y + start);
+        int shift = (4 - boundary) % 4;
+        int head = min(boundary, columns);
+        int vectors = (columns - head) / 4;
+        const float4* y_vectors = reinterpret_cast<const float4*>(y + start + head);
+        const float4* dout_vectors = reinterpret_cast<const float4*>(dout + start + head);
+        float4* dx_vectors = reinterpret_cast<float4*>(dx + start + head);
+        float4* cache_vectors = reinterpret_cast<float4*>(cache + head + shift);
+
+        float dot = 0.0f;
+        int v = threadIdx.x;
+        for (; v + (VECTORS_PER_STEP - 1) * threads < vectors; v += VECTORS_PER_STEP * threads) {
+            float4 y_loaded[VECTORS_PER_STEP], dout_loaded[VECTORS_PER_STEP];
+#pragma unroll
+            for (int u = 0; u < VECTORS_PER_STEP; ++u) {
+                y_loaded[u] = __ldcs(y_vectors + v + u * threads);
+                dout_loaded[u] = dout_vectors[v + u * threads];
+            }
+#pragma unroll
+            for (int u = 0; u < VECTORS_PER_STEP; ++u) {
+                cache_vectors[v + u * threads] = y_loaded[u];
+                dot += dout_loaded[u].x * y_loaded[u].x + dout_loaded[u].y * y_loaded[u].y
+                       + dout_loaded[u].z * y_loaded[u].z + dout_loaded[u].w * y_loaded[u].w;
+            }
+        }
+        for (; v < vectors; v += threads) {
+            float4 y_loaded = __ldcs(y_vectors + v), dout_loaded = dout_vectors[v];
+            cache_vectors[v] = y_loaded;
+            dot += dout_loaded.x * y_loaded.x + dout_loaded.y * y_loaded.y + dout_loaded.z * y_loaded.z
+                   + dout_loaded.w * y_loaded.w;
+        }
+        int tail = head + 4 * vectors;
+        int loose = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
+        if (loose < columns && threadIdx.x < head + 3) {
+            float y_value = y[start + loose];
+            cache[loose + shift] = y_value;
+            dot += dout[start + loose] * y_value;
+        }
+        dot = block_sum(dot);  // its __syncthreads also make the whole cache visible
+
+        // dout again, from the L2 cache or from memory: four loads in flight per thread, as in the first pass.
+        for (v = threadIdx.x; v + (VECTORS_PER_STEP - 1) * threads < vectors; v += VECTORS_PER_STEP * threads) {
+            float4 dout_again[VECTORS_PER_STEP];
+#pragma unroll
+            for (int u = 0; u < VECTORS_PER_STEP; ++u) {
+                dout_again[u] = __ldcs(dout_vectors + v + u * threads);  // its last use: evict first
+            }
+#pragma unroll
+            for (int u = 0; u < VECTORS_PER_STEP; ++u) {
+                int w = v + u * threads;
+                __stcs(dx_vectors + w, gradients(cache_vectors[w], dout_again[u], dot, scale));
+            }
+        }
+        for (; v < vectors; v += threads) {
+            __stcs(dx_vectors + v, gradients(cache_vectors[v], __ldcs(dout_vectors + v), dot, scale));
+        }
+        if (loose < columns && threadIdx.x < head + 3) {
+            dx[start + loose] = scale * cache[loose + shift] * (dout[start + loose] - dot);
+        }
+        __syncthreads();
+    }
+}

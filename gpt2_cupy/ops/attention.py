@@ -11,8 +11,10 @@ causal=True lets query t see keys 0..t.
 
 These are the fused kernels (kernels/attention.cu): S and P = softmax(S) are never written to memory, so
 the only memory beyond the inputs and outputs is lse and the backward's row sums, O(T) per head. The
-backward recomputes P from lse; dk and dv come from one kernel, dq from a second, each row summed by one
-thread in a fixed order (no atomics): the same bits on every run.
+backward recomputes P from lse; dk and dv come from one kernel, dq from a second, each element summed by
+one thread in a fixed order (no atomics): the same bits on every run. Each kernel takes 64 or 128 rows
+(queries, or keys for dk, dv) per block, a template parameter; FORWARD_ROWS, BACKWARD_DK_DV_ROWS and
+BACKWARD_DQ_ROWS say which the op launches, and bench/attention.py times both.
 
 attention_forward_naive / attention_backward_naive compute the same thing from chapter 01's batched
 matmul and chapter 04's softmax, writing the (..., T, T) scores and probabilities: the version the fused
@@ -28,9 +30,15 @@ from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output
 from gpt2_cupy.ops.matmul import batched_matmul
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 
-TILE = 64                  # queries (or keys) per block, keys (or queries) per tile: kernels/attention.cu
-THREADS = 256              # eight warps: kernels/attention.cu's WARPS
-PAD = 4                    # floats of padding after each row of a tile in shared memory
+TILE = 64                  # keys (or queries) per tile of columns: kernels/attention.cu's COLUMNS
+ROW_CHOICES = (64, 128)    # rows per block, a template parameter of every kernel (ROWS)
+# The rows per block that each kernel uses, chosen by timing bench/attention.py's candidates on an H100:
+FORWARD_ROWS = 128
+BACKWARD_DK_DV_ROWS = 64
+BACKWARD_DQ_ROWS = 64
+THREADS = 256              # a 16 x 16 grid of threads: kernels/attention.cu's THREADS
+PAD = 4                    # floats of padding after each row of a q, k, v or dout tile in shared memory
+WEIGHTS_PAD = 16           # and after each row of a P or dS tile
 FLOAT = 4                  # bytes
 HEAD_SIZES = (32, 64)      # d, a template parameter of the kernels
 VARIANTS = ("softmax", "relu")
@@ -38,21 +46,22 @@ ROWDOT_WARPS_PER_BLOCK = 8
 LARGEST_GRID_Y = 65535
 
 
-# The tiles each kernel keeps in shared memory: (tiles of TILE x (d + PAD) floats, tiles of TILE x TILE).
-_TILES = {"attention_forward": (3, 1), "attention_backward_dk_dv": (4, 2), "attention_backward_dq": (4, 1)}
+# The tiles each kernel keeps in shared memory, in rows of d + PAD floats (its ROWS-row tiles, its 64-row
+# tiles) and in rows of TILE + WEIGHTS_PAD floats (its ROWS-row tiles of P or dS).
+_TILES = {"attention_forward": (1, 2, 1), "attention_backward_dk_dv": (2, 2, 1), "attention_backward_dq": (2, 2, 1)}
 
 
-def _shared_bytes(name, d):
-    rows_tiles, square_tiles = _TILES[name]
-    return (rows_tiles * TILE * (d + PAD) + square_tiles * TILE * TILE) * FLOAT
+def _shared_bytes(name, d, rows):
+    row_tiles, column_tiles, weight_tiles = _TILES[name]
+    return ((row_tiles * rows + column_tiles * TILE) * (d + PAD) + weight_tiles * rows * (TILE + WEIGHTS_PAD)) * FLOAT
 
 
-def _kernel(name, d, variant):
+def _kernel(name, d, variant, rows):
     """(kernel, bytes of shared memory it needs): one module per instantiation, so that a run compiles
     only the versions it uses."""
-    full_name = f"{name}<{d}, {'true' if variant == 'relu' else 'false'}>"
+    full_name = f"{name}<{d}, {'true' if variant == 'relu' else 'false'}, {rows}>"
     kernel = kernels.function("attention", full_name, name_expressions=(full_name,))
-    shared = _shared_bytes(name, d)
+    shared = _shared_bytes(name, d, rows)
     if kernel.max_dynamic_shared_size_bytes < shared:
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
         kernel.max_dynamic_shared_size_bytes = shared
@@ -86,12 +95,12 @@ def attention_forward(q, k, v, *, causal=True, variant="softmax", out=None):
     return out, lse
 
 
-def _forward(out, lse, q, k, v, heads, T, d, causal, variant):
+def _forward(out, lse, q, k, v, heads, T, d, causal, variant, rows=FORWARD_ROWS):
     if heads * T == 0:
         return
     # The ReLU variant has no lse: the kernel never touches that pointer, so out stands in for it.
-    kernel, shared = _kernel("attention_forward", d, variant)
-    kernel((heads, ceil_div(T, TILE)), (THREADS,),
+    kernel, shared = _kernel("attention_forward", d, variant, rows)
+    kernel((heads, ceil_div(T, rows)), (THREADS,),
            (out, lse if lse is not None else out, q, k, v, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
 
 
@@ -122,7 +131,8 @@ def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, d, causal, 
     _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
 
 
-# The backward's three launches, each its own function so that bench/attention.py can time them apart.
+# The backward's three launches, each its own function so that bench/attention.py can time them apart
+# (and each kernel with either number of rows per block).
 
 def _rowdot(rowdot, dout, out, rows, d):
     kernels.function("attention", "attention_backward_rowdot")(
@@ -130,15 +140,15 @@ def _rowdot(rowdot, dout, out, rows, d):
         (rowdot, dout, out, np.int32(rows), np.int32(d)))
 
 
-def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant):
-    kernel, shared = _kernel("attention_backward_dk_dv", d, variant)
-    kernel((heads, ceil_div(T, TILE)), (THREADS,),
+def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=BACKWARD_DK_DV_ROWS):
+    kernel, shared = _kernel("attention_backward_dk_dv", d, variant, rows)
+    kernel((heads, ceil_div(T, rows)), (THREADS,),
            (dk, dv, dout, q, k, v, lse, rowdot, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
 
 
-def _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant):
-    kernel, shared = _kernel("attention_backward_dq", d, variant)
-    kernel((heads, ceil_div(T, TILE)), (THREADS,),
+def _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=BACKWARD_DQ_ROWS):
+    kernel, shared = _kernel("attention_backward_dq", d, variant, rows)
+    kernel((heads, ceil_div(T, rows)), (THREADS,),
            (dq, dout, q, k, v, lse, rowdot, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
 
 

@@ -14,8 +14,10 @@ outside the table: the forward writes a row of NaN for a bad id, which the loss 
 backward skips it.
 
 The backward adds into dweight (parameter gradients accumulate, the op contract), in the same order on
-every run: positions are sorted by (id, position), and one warp sums each id's rows in that order. A
-padding_idx, when given, receives no gradient. The sort allocates two arrays of N int64 per call.
+every run: a counting sort groups the positions by id, in order of position (group_positions), then warps
+sum chunks of 16 grouped positions, and the pieces of groups longer than a chunk are added chunk after
+chunk. A padding_idx, when given, receives no gradient. Each call allocates its scratch arrays from the
+memory pool: 2 (V + 1) + 2 N int32 for the grouping and 2 ⌈N / 16⌉ rows of C floats for the pieces.
 
 The kernels are kernels/embedding.cu, taught in chapters/06_embedding.ipynb.
 """
@@ -26,7 +28,9 @@ from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import LARGEST_INT, THREADS_PER_BLOCK, ceil_div, check, output
 
 WARP_SIZE = 32
-COLUMNS_PER_WARP = 128  # the backward's warps each cover 128 columns (kernels/embedding.cu)
+COLUMNS_PER_WARP = 128     # the backward's warps each cover 128 columns (kernels/embedding.cu)
+POSITIONS_PER_CHUNK = 16   # and 16 grouped positions
+SCAN_THREADS = 1024        # the one block of embedding_group_starts
 NO_PADDING = -1
 
 
@@ -47,7 +51,7 @@ def embedding_backward(dout, ids, *, dweight, padding_idx=None, check_ids=True):
     padding = _padding("embedding_backward", padding_idx, sizes["V"])
     if check_ids:
         _check_ids("embedding_backward", ids, sizes["V"])
-    _scatter_sorted(dweight, dout, ids, sizes["V"], sizes["C"], padding)
+    _scatter_grouped(dweight, dout, ids, sizes["V"], sizes["C"], padding)
 
 
 def token_position_embedding_forward(ids, wte, wpe, *, out=None, check_ids=True):
@@ -71,7 +75,7 @@ def token_position_embedding_backward(dout, ids, *, dwte, dwpe, padding_idx=None
     padding = _padding(operation, padding_idx, sizes["V"])
     if check_ids:
         _check_ids(operation, ids, sizes["V"])
-    _scatter_sorted(dwte, dout, ids, sizes["V"], sizes["C"], padding)
+    _scatter_grouped(dwte, dout, ids, sizes["V"], sizes["C"], padding)
     B, T, C = sizes["B"], sizes["T"], sizes["C"]
     if B * T * C:
         kernels.function("embedding", "position_embedding_backward")(
@@ -134,24 +138,49 @@ def _lookup(out, ids, table, positions, T, V, C):
            (out, ids, *tables, *sizes, np.int32(V), np.int32(C)))
 
 
-def sorted_position_keys(ids):
-    """The keys id * N + position of every position, sorted: each id's positions next to each other, in order.
+def group_positions(ids, V, padding=NO_PADDING):
+    """The positions grouped by id: (starts, grouped), int32 arrays of V + 1 and N entries.
 
-    The keys are all different, so any sort gives the same array (no stable sort needed).
+    The positions n with ids[n] = v are grouped[starts[v] : starts[v + 1]], in increasing order; ids outside
+    [0, V) and the padding id are left out, so starts[V] positions are grouped and the rest of grouped is
+    unused. A counting sort in four launches (kernels/embedding.cu), on the device, with no host copy.
     """
     xp = backend.xp
     N = ids.size
-    keys = ids.reshape(-1).astype(xp.int64) * N + xp.arange(N, dtype=xp.int64)
-    keys.sort()
-    return keys
+    counts_and_starts = xp.zeros(2 * (V + 1), dtype=xp.int32)  # one allocation, one memset
+    counts, starts = counts_and_starts[:V + 1], counts_and_starts[V + 1:]
+    unordered_and_grouped = xp.empty(2 * N, dtype=xp.int32)
+    unordered, grouped = unordered_and_grouped[:N], unordered_and_grouped[N:]
+    if N == 0:
+        return starts, grouped  # no positions: every group empty
+    per_position = ((ceil_div(N, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,))
+    sizes = (np.int32(N), np.int32(V), np.int32(padding))
+    kernels.function("embedding", "embedding_count_ids")(*per_position, (counts, ids, *sizes))
+    kernels.function("embedding", "embedding_group_starts")((1,), (SCAN_THREADS,), (starts, counts, np.int32(V)))
+    kernels.function("embedding", "embedding_place_positions")(*per_position, (unordered, counts, starts, ids, *sizes))
+    kernels.function("embedding", "embedding_order_groups")(*per_position, (grouped, unordered, starts, ids, np.int32(V)))
+    return starts, grouped
 
 
-def _scatter_sorted(dweight, dout, ids, V, C, padding):
+def sum_groups(dweight, dout, ids, starts, grouped, V, C):
+    """dweight[v] += the rows of dout at grouped[starts[v] : starts[v + 1]], for N * C > 0.
+
+    Warps sum chunks of POSITIONS_PER_CHUNK grouped positions in order; the pieces of a group longer than a
+    chunk are then added chunk after chunk. The order of every addition depends on the ids alone.
+    """
     N = ids.size
-    if N * C == 0:
-        return
-    keys = sorted_position_keys(ids)
     warps_per_block = THREADS_PER_BLOCK // WARP_SIZE
-    kernels.function("embedding", "embedding_backward_sorted")(
-        (ceil_div(N, warps_per_block), ceil_div(C, COLUMNS_PER_WARP)), (THREADS_PER_BLOCK,),
-        (dweight, dout, keys, np.int32(N), np.int32(V), np.int32(C), np.int32(padding)))
+    chunks = ceil_div(N, POSITIONS_PER_CHUNK)
+    partials = backend.xp.empty((2 * chunks, C), dtype=np.float32)
+    grid = (ceil_div(chunks, warps_per_block), ceil_div(C, COLUMNS_PER_WARP))
+    kernels.function("embedding", "embedding_backward_chunks")(
+        grid, (THREADS_PER_BLOCK,), (dweight, partials, dout, grouped, starts, ids, np.int32(V), np.int32(C)))
+    kernels.function("embedding", "embedding_backward_long_groups")(
+        grid, (THREADS_PER_BLOCK,), (dweight, partials, grouped, starts, ids, np.int32(V), np.int32(C)))
+
+
+def _scatter_grouped(dweight, dout, ids, V, C, padding):
+    if ids.size * C == 0:
+        return
+    starts, grouped = group_positions(ids, V, padding)
+    sum_groups(dweight, dout, ids, starts, grouped, V, C)

@@ -9,25 +9,41 @@ kernels skip the masked upper triangle instead of reading it, and write 0 there.
 causal flag: y is 0 in the masked triangle, and so is dx.
 
 Rows of at most 1024 elements go to a warp per row, the row held in registers (kernels/softmax.cu,
-softmax_forward_warp<K> with K = 1, 2, 4, ..., 32 elements per lane); longer rows to a block of 1024 threads
-per row and the online softmax (a grid of one block per multiprocessor, each looping over rows).
-`out=` writes into an existing array, which may be the input itself.
+softmax_forward_warp<K> with K = 1, 2, 4, ..., 32 elements per lane). Longer rows go to a block of 1024
+threads per row with the row kept in shared memory (softmax_forward_shared, softmax_backward_shared): read
+from global memory once. When the row does not fit in a block's shared memory (past about 58 000 floats on
+an H100), or an array does not start on 16 bytes (the shared-memory kernels move float4s), they go to the
+two-pass kernels softmax_forward_block and softmax_backward_block, which read the row twice (a grid of one
+block per multiprocessor, each looping over rows). `out=` writes into an existing array, which may be the
+input itself.
 """
+
+from functools import lru_cache
 
 import numpy as np
 
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import ceil_div, check, output
+from gpt2_cupy.ops.cross_entropy import SHARED_MEMORY_LIMIT
 
 WARP_SIZE = 32
 WARPS_PER_BLOCK = 8             # rows per block for the warp kernels: 256 threads
 ELEMENTS_PER_LANE = (1, 2, 4, 8, 16, 32)
 LONGEST_WARP_ROW = WARP_SIZE * ELEMENTS_PER_LANE[-1]   # 1024: longer rows take a block each
-THREADS_PER_LONG_ROW = 1024
-# Long rows: a grid of this many blocks per multiprocessor, each looping over rows, rather than one block
-# per row. Fewer rows in flight (132 rows of 50257 floats are 27 MB) let the output pass find its row still
-# in the L2 cache (50 MB on an H100); bench/softmax.py measures 1, 2 and one block per row.
+THREADS_PER_LONG_ROW = 1024   # LONG_ROW_THREADS in kernels/softmax.cu: the shared-memory kernels' launch bounds
+# The two-pass kernels for long rows: a grid of this many blocks per multiprocessor, each looping over rows,
+# rather than one block per row. Fewer rows in flight (132 rows of 50257 floats are 27 MB) let the output
+# pass find its row still in the L2 cache (50 MB on an H100); bench/softmax.py measures 1, 2 and one block
+# per row.
 LONG_ROW_BLOCKS_PER_MULTIPROCESSOR = 1
+# The shared-memory kernels: one block per row (0). Only one such block fits on a multiprocessor anyway;
+# the GPU hands the next row to whichever multiprocessor finishes first. bench/softmax.py also measures
+# one block per multiprocessor looping over rows.
+SHARED_MEMORY_BLOCKS_PER_MULTIPROCESSOR = 0
+# Room for the shared-memory kernels' own __shared__ arrays besides the row: the block reduction's 32 maxima,
+# 32 sums and its result, 272 bytes once the compiler has aligned them (the backward's block_sum needs less).
+REDUCTION_SHARED_BYTES = 512
+FLOAT4_BYTES = 16
 
 
 def _names(direction):
@@ -71,26 +87,79 @@ def long_row_blocks(rows, blocks_per_multiprocessor=None):
     return min(rows, per_multiprocessor * backend.multiprocessor_count())
 
 
-def _forward(out, x, rows, columns, scale, causal, blocks_per_multiprocessor=None):
+@lru_cache(maxsize=None)
+def shared_memory_per_block():
+    """Bytes of shared memory one block may have after the opt-in: the device's figure on a GPU (227 KB on
+    an H100), on the CPU executor the H100's, which it imitates."""
+    if backend.name == "cuda":
+        return backend.xp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    return SHARED_MEMORY_LIMIT
+
+
+def _cached_row_bytes(columns):
+    return 4 * (columns + 3)  # the kernels shift the row by up to 3 floats to put its float4s on 16 bytes
+
+
+def row_fits_in_shared_memory(columns):
+    """Whether a row of `columns` floats fits in one block's shared memory, next to the reduction's arrays."""
+    return _cached_row_bytes(columns) + REDUCTION_SHARED_BYTES <= shared_memory_per_block()
+
+
+def _use_shared_memory(asked, columns, *arrays):
+    """Whether long rows go to the shared-memory kernels: asked None means whenever they can run."""
+    possible = (row_fits_in_shared_memory(columns)
+                and all(backend.address(array) % FLOAT4_BYTES == 0 for array in arrays))
+    if asked and not possible:
+        raise ValueError(f"softmax: the shared-memory kernels need rows of at most "
+                         f"{(shared_memory_per_block() - REDUCTION_SHARED_BYTES) // 4 - 3} floats and arrays "
+                         f"that start on {FLOAT4_BYTES} bytes")
+    return possible if asked is None else asked
+
+
+@lru_cache(maxsize=None)
+def _shared_kernel(direction):
+    kernel = kernels.function("softmax", f"softmax_{direction}_shared", name_expressions=_NAMES)
+    # Past 48 KB of dynamic shared memory a kernel must opt in before its first launch.
+    kernel.max_dynamic_shared_size_bytes = shared_memory_per_block() - REDUCTION_SHARED_BYTES
+    return kernel
+
+
+def _forward(out, x, rows, columns, scale, causal, blocks_per_multiprocessor=None, shared_memory=None):
+    """shared_memory: None picks the kernel for long rows (the shared-memory one when it can run), True or
+    False asks for one (the benchmark and the tests compare them); blocks_per_multiprocessor as in
+    long_row_blocks (None: the kernel's default grid)."""
     if rows == 0 or columns == 0:
         return
     if columns <= LONGEST_WARP_ROW:
         kernel = _warp_kernel("forward", columns)
         kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
                (out, x, np.int32(rows), np.int32(columns), scale, causal))
+    elif _use_shared_memory(shared_memory, columns, out, x):
+        blocks = long_row_blocks(rows, SHARED_MEMORY_BLOCKS_PER_MULTIPROCESSOR if blocks_per_multiprocessor is None
+                                 else blocks_per_multiprocessor)
+        _shared_kernel("forward")((blocks,), (THREADS_PER_LONG_ROW,),
+                                  (out, x, np.int32(rows), np.int32(columns), scale, causal),
+                                  shared_mem=_cached_row_bytes(columns))
     else:
         kernel = kernels.function("softmax", "softmax_forward_block", name_expressions=_NAMES)
         kernel((long_row_blocks(rows, blocks_per_multiprocessor),), (THREADS_PER_LONG_ROW,),
                (out, x, np.int32(rows), np.int32(columns), scale, causal))
 
 
-def _backward(out, dout, y, rows, columns, scale, blocks_per_multiprocessor=None):
+def _backward(out, dout, y, rows, columns, scale, blocks_per_multiprocessor=None, shared_memory=None):
+    """The arguments as in _forward."""
     if rows == 0 or columns == 0:
         return
     if columns <= LONGEST_WARP_ROW:
         kernel = _warp_kernel("backward", columns)
         kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
                (out, dout, y, np.int32(rows), np.int32(columns), scale))
+    elif _use_shared_memory(shared_memory, columns, out, dout, y):
+        blocks = long_row_blocks(rows, SHARED_MEMORY_BLOCKS_PER_MULTIPROCESSOR if blocks_per_multiprocessor is None
+                                 else blocks_per_multiprocessor)
+        _shared_kernel("backward")((blocks,), (THREADS_PER_LONG_ROW,),
+                                   (out, dout, y, np.int32(rows), np.int32(columns), scale),
+                                   shared_mem=_cached_row_bytes(columns))
     else:
         kernel = kernels.function("softmax", "softmax_backward_block", name_expressions=_NAMES)
         kernel((long_row_blocks(rows, blocks_per_multiprocessor),), (THREADS_PER_LONG_ROW,),
