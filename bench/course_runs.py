@@ -1,17 +1,18 @@
-"""The course preset trained for thousands of steps on both corpora, on a GPU (chapter 14's closing results).
+"""The course preset trained on both corpora on a GPU, and text from it (chapter 14's closing results).
 
-    python -m bench.course_runs [--steps 5000] [--dropout 0.2] [--seconds 540]
+    python -m bench.course_runs                      the preset's 1000 steps: bench/course_runs.json, .png
+    python -m bench.course_runs --steps 5000 --seconds 400 --concurrent --name course_runs_long
 
-Trains gpt2_cupy.train's `course` preset (6 layers, 6 heads, 384 channels, T = 256, B = 64) on
-tinyshakespeare and on aozora, each in its own process, both at once on the one GPU (a step leaves the GPU
-idle while Python launches kernels, time the other run fills). Dropout 0.2, as nanoGPT trains its small
-Shakespeare model: both corpora are small (0.35M and 0.96M training tokens, against 16,384 tokens a step),
-so the model sees each token hundreds of times and starts memorising. A run stops at --steps, or cleanly
-(checkpoint saved) when --seconds have passed. Then each run writes text from its checkpoint with the
-lowest validation loss (best.npz).
+Trains gpt2_cupy.train's `course` preset (6 layers, 6 heads, 384 channels, T = 256, B = 64, dropout 0.2)
+on tinyshakespeare, then on aozora; --concurrent trains both at once, each in its own process on the one
+GPU. A run stops at its last step, or cleanly (checkpoint saved) once --seconds have passed. Then each run
+writes text from its checkpoint with the lowest validation loss (best.npz).
 
-Writes bench/course_runs.json (validation curves, the lowest validation loss and its step, bits per
-character, tokens per second, the samples) and bench/course_runs.png.
+Both corpora are small (0.35M and 0.96M training tokens, against 16,384 tokens a step): the second command
+shows what training far past the preset's 1000 steps does, the model memorising its training text.
+
+Writes bench/NAME.json (validation curves, the lowest validation loss and its step, bits per character,
+tokens per second, the samples) and bench/NAME.png.
 """
 
 import argparse
@@ -45,13 +46,14 @@ def characters_per_token(corpus_files):
     return len(tokenizer.decode([int(i) for i in ids])) / len(ids)
 
 
-def train_one(corpus, steps, dropout, seconds, out_dir):
-    """Train one corpus, sample from its best checkpoint; returns a JSON-able summary."""
-    config = make_config(corpus=corpus, preset="course", max_steps=steps, dropout=dropout, out_dir=out_dir,
-                         progress=False)
+def train_one(corpus, steps, seconds, out_dir):
+    """Train one corpus (steps None: the preset's), sample from its best checkpoint; a JSON-able summary."""
+    config = make_config(corpus=corpus, preset="course", max_steps=steps, out_dir=out_dir, progress=False)
     trainer = Trainer(config)
+    # Past the time budget, the loop finishes its step, saves and stops, as after a Ctrl-C.
     deadline = threading.Timer(seconds, lambda: setattr(trainer, "stop_requested", True))
-    deadline.start()  # past the time budget, the loop finishes its step, saves and stops
+    if math.isfinite(seconds):
+        deadline.start()
     started = time.perf_counter()
     try:
         records = trainer.run()
@@ -65,7 +67,7 @@ def train_one(corpus, steps, dropout, seconds, out_dir):
     model, tokenizer = load_model(trainer.best_path)
     samples = {prompt: sample_text(model, tokenizer, prompt, **SAMPLE) for prompt in PROMPTS[corpus]}
     return {
-        "steps": trainer.step, "planned_steps": steps, "wall_seconds": wall, "dropout": dropout,
+        "steps": trainer.step, "planned_steps": config.max_steps, "wall_seconds": wall, "dropout": config.dropout,
         "parameters": trainer.model.get_num_params(), "vocab_size": trainer.model_config.vocab_size,
         "tokens_per_step": config.batch_size * config.block_size * config.grad_accum,
         "median_tokens_per_second": statistics.median(tokens_per_second) if tokens_per_second else None,
@@ -93,7 +95,8 @@ def plot(results, path):
 
 
 def table(results):
-    lines = [f"{results['device']}, {results['date']}: the course preset, both runs at once on one GPU"]
+    at_once = ", both runs at once on one GPU" if results["concurrent"] else ""
+    lines = [f"{results['device']}, {results['date']}: the course preset{at_once}"]
     for corpus, run in results["runs"].items():
         lines.append(f"  {corpus:16s} {run['steps']} steps in {run['wall_seconds']:.0f} s "
                      f"({run['median_tokens_per_second']:,.0f} tokens/s), validation loss lowest "
@@ -106,35 +109,40 @@ def table(results):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=5000)
-    parser.add_argument("--dropout", type=float, default=0.2)
-    parser.add_argument("--seconds", type=float, default=540, help="each run's time budget")
+    parser.add_argument("--steps", type=int, help="default: the preset's")
+    parser.add_argument("--seconds", type=float, default=math.inf, help="each run's time budget")
+    parser.add_argument("--concurrent", action="store_true", help="train both corpora at once")
+    parser.add_argument("--name", default="course_runs", help="writes bench/NAME.json and bench/NAME.png")
     parser.add_argument("--corpus", choices=CORPORA, help="train this one in this process (used internally)")
     parser.add_argument("--part", help="where --corpus writes its summary (used internally)")
     parser.add_argument("--out-dir", default="runs/course-runs")
     arguments = parser.parse_args(argv)
     if not benchmark.meaningful():
         raise SystemExit("Thousands of steps of the course preset need a GPU: run this on one.")
+
+    def train(corpus):
+        return train_one(corpus, arguments.steps, arguments.seconds, f"{arguments.out_dir}/{corpus}")
+
     if arguments.corpus:
-        summary = train_one(arguments.corpus, arguments.steps, arguments.dropout, arguments.seconds,
-                            f"{arguments.out_dir}/{arguments.corpus}")
-        Path(arguments.part).write_text(json.dumps(summary, ensure_ascii=False))
+        Path(arguments.part).write_text(json.dumps(train(arguments.corpus), ensure_ascii=False))
         return 0
-    with tempfile.TemporaryDirectory() as scratch:
-        parts = {corpus: Path(scratch) / f"{corpus}.json" for corpus in CORPORA}
-        processes = [subprocess.Popen([sys.executable, "-m", "bench.course_runs", "--corpus", corpus,
-                                       "--part", str(part), "--steps", str(arguments.steps),
-                                       "--dropout", str(arguments.dropout), "--seconds", str(arguments.seconds),
-                                       "--out-dir", arguments.out_dir])
-                     for corpus, part in parts.items()]
-        failed = [corpus for corpus, process in zip(CORPORA, processes) if process.wait() != 0]
-        if failed:
-            raise SystemExit(f"training failed for {', '.join(failed)}")
-        results = {"config": {"preset": "course", "steps": arguments.steps, "dropout": arguments.dropout},
-                   "runs": {corpus: json.loads(part.read_text()) for corpus, part in parts.items()}}
-    results = {**benchmark.measured_on(), **results}
-    plot(results, HERE / "course_runs.png")
-    benchmark.report("course_runs", results, table(results))
+    if not arguments.concurrent:
+        runs = {corpus: train(corpus) for corpus in CORPORA}
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            parts = {corpus: Path(scratch) / f"{corpus}.json" for corpus in CORPORA}
+            options = ["--seconds", str(arguments.seconds), "--out-dir", arguments.out_dir]
+            if arguments.steps is not None:
+                options += ["--steps", str(arguments.steps)]
+            processes = [subprocess.Popen([sys.executable, "-m", "bench.course_runs", "--corpus", corpus,
+                                           "--part", str(part), *options]) for corpus, part in parts.items()]
+            failed = [corpus for corpus, process in zip(CORPORA, processes) if process.wait() != 0]
+            if failed:
+                raise SystemExit(f"training failed for {', '.join(failed)}")
+            runs = {corpus: json.loads(part.read_text()) for corpus, part in parts.items()}
+    results = {**benchmark.measured_on(), "concurrent": arguments.concurrent, "runs": runs}
+    plot(results, HERE / f"{arguments.name}.png")
+    benchmark.report(arguments.name, results, table(results))
     return 0
 
 

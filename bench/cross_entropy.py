@@ -6,7 +6,7 @@ At N = 8192 rows (B·T = 8 x 1024) and V = 50257, each variant's time and its ba
 bytes that cannot be avoided: reading the logits once and writing dlogits once (2·N·V·4 bytes, 3.3 GB),
 next to the device's copy bandwidth (the ceiling) and PyTorch's cross_entropy forward+backward.
 Variants: the chapter's first version (one thread per row), the fused kernel keeping each row in shared
-memory (the package's path; also compiled with 4 and 8 loads in flight instead of 16), the same writing
+memory (the package's path; also compiled with 4 and 16 loads in flight instead of 8), the same writing
 dlogits in place of the logits, the fused kernel reading each row twice (second time from L2, if it is
 still there), and the forward kernel followed by the backward kernel (each reads the logits once).
 """
@@ -64,7 +64,7 @@ def candidates(logits, targets, dlogits):
                                                                              ignore_index=IGNORE_INDEX, dlogits=logits),
         "fused, row read twice": fused_reading_twice,
         "fused, row in shared memory, 4 loads in flight": fused_with_loads_in_flight(4),
-        "fused, row in shared memory, 8 loads in flight": fused_with_loads_in_flight(8),
+        "fused, row in shared memory, 16 loads in flight": fused_with_loads_in_flight(16),
         "forward kernel, then backward kernel": forward_then_backward,
     }
     torch = testing.torch_or_none()

@@ -12,7 +12,7 @@
 #define NEGATIVE_INFINITY __int_as_float(0xff800000)  // NVRTC has no math.h, so no INFINITY
 #define NOT_A_NUMBER __int_as_float(0x7fc00000)
 #ifndef LOADS_IN_FLIGHT  // (a compile option may set it: bench/cross_entropy.py compares 4, 8 and 16)
-#define LOADS_IN_FLIGHT 16      // loads a thread issues before it uses the first: 64 KiB in flight per SM
+#define LOADS_IN_FLIGHT 8       // loads a thread issues before it uses the first: 32 KiB in flight per SM
 #endif
 
 // The running (maximum, sum of exp(x - maximum)) of the online softmax, merged with another such pair.
