@@ -7,7 +7,9 @@ At GPT-2's (B, T, C) = (8, 1024, 768). Bytes counted are what each kernel must m
   LayerNorm backward  read dout, x, mean, rstd, write dx   4 (3 N C + 2 N)
   DyT forward         read x, write y                      4 (2 N C)
   DyT backward        read dout, x, write dx               4 (3 N C)
-(the parameters, C floats, and the partial sums stay in the cache and are not counted). PyTorch's figures
+(the parameters, C floats, and the partial sums stay in the cache and are not counted).
+The backward kernels the ops use ("LayerNorm backward", "DyT backward") run next to the first versions
+(column sums in registers, one finishing launch per parameter) and to other rows-per-block choices. PyTorch's figures
 use the same byte counts for its kernels (aten native_layer_norm and native_layer_norm_backward, and
 `weight * tanh(alpha * x) + bias` as eager tensor expressions for DyT), so that GB/s compare times.
 """
@@ -15,6 +17,7 @@ use the same byte counts for its kernels (aten native_layer_norm and native_laye
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, kernels
+from gpt2_cupy.ops import dyt as dyt_ops
 from gpt2_cupy.ops import layernorm as layernorm_ops
 from gpt2_cupy.ops.dyt import dyt_backward, dyt_forward
 from gpt2_cupy.ops.layernorm import layernorm_backward, layernorm_forward
@@ -39,6 +42,17 @@ def candidates(cupy):
     forward_bytes, backward_bytes = FLOAT * (2 * N * C + 2 * N), FLOAT * (3 * N * C + 2 * N)
     elementwise_forward, elementwise_backward = FLOAT * 2 * N * C, FLOAT * 3 * N * C
 
+    layout = (4, 6)  # float4 groups, K = 6: C = 768
+    rows_per_block = layernorm_ops.ROWS_PER_BLOCK
+
+    def layernorm_backward_with(rows):
+        return lambda: layernorm_ops._backward(layout, dx, dweight, dbias, dout, x, weight, mean, rstd, N, C,
+                                               rows_per_block=rows)
+
+    def dyt_backward_with(rows):
+        return lambda: dyt_ops._backward_columns(4, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C,
+                                                 rows_per_block=rows)
+
     step = backend.RawKernel(kernels.source("steps/layernorm_forward_warp_per_row"), "layernorm_forward_warp_per_row")
     rows = np.int32(N)
 
@@ -52,9 +66,17 @@ def candidates(cupy):
         "LayerNorm forward": (forward_bytes, lambda: layernorm_forward(x, weight, bias, out=y)),
         "LayerNorm backward": (backward_bytes, lambda: layernorm_backward(
             dout, x, weight, mean, rstd, dweight=dweight, dbias=dbias, out=dx)),
+        "LayerNorm backward, column sums in registers (first kernel)": (backward_bytes, lambda: (
+            layernorm_ops._backward_registers(layout, dx, dweight, dbias, dout, x, weight, mean, rstd, N, C))),
+        **{f"LayerNorm backward, {rows} rows per block": (backward_bytes, layernorm_backward_with(rows))
+           for rows in (16, 24, 64) if rows != rows_per_block},
         "DyT forward": (elementwise_forward, lambda: dyt_forward(x, alpha, weight, bias, out=y)),
         "DyT backward": (elementwise_backward, lambda: dyt_backward(
             dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias, out=dx)),
+        "DyT backward, a warp per row (first kernel)": (elementwise_backward, lambda: dyt_ops._backward_rows(
+            layout, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C)),
+        **{f"DyT backward, {rows} rows per block": (elementwise_backward, dyt_backward_with(rows))
+           for rows in (32, 128) if rows != dyt_ops.ROWS_PER_BLOCK},
     }
     torch = torch_or_none()
     if torch is None:
@@ -69,6 +91,14 @@ def candidates(cupy):
             dout_t, x_t, (C,), mean_t, rstd_t, weight_t, bias_t, [True, True, True]))
     runs["torch DyT forward (tensor expression)"] = (
         elementwise_forward, lambda: weight_t * torch.tanh(alpha_t * x_t) + bias_t)
+    leaves = [a.clone().requires_grad_() for a in (x_t, alpha_t, weight_t, bias_t)]
+
+    def torch_dyt_forward_and_backward():  # eager autograd: the forward's tensors, then the backward's
+        y_t = leaves[2] * torch.tanh(leaves[1] * leaves[0]) + leaves[3]
+        return torch.autograd.grad(y_t, leaves, dout_t)
+
+    runs["torch DyT forward + backward (autograd)"] = (elementwise_forward + elementwise_backward,
+                                                       torch_dyt_forward_and_backward)
     return runs
 
 
@@ -100,6 +130,9 @@ def table(measured):
         lines.append(f"  torch LayerNorm forward + backward: {theirs:.1f} µs")
     dyt = results["DyT forward"]["microseconds"] + results["DyT backward"]["microseconds"]
     lines.append(f"  DyT forward + backward: {dyt:.1f} µs")
+    if "torch DyT forward + backward (autograd)" in results:
+        lines.append(f"  torch DyT forward + backward: "
+                     f"{results['torch DyT forward + backward (autograd)']['microseconds']:.1f} µs")
     return lines
 
 

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
+from gpt2_cupy.ops import dyt as dyt_ops
+from gpt2_cupy.ops import layernorm as layernorm_ops
 from gpt2_cupy.ops.dyt import dyt_backward, dyt_forward
 from gpt2_cupy.ops.layernorm import layernorm_backward, layernorm_forward
 from gpt2_cupy.testing import assert_within_summation_bound, finite_difference_gradient, relative_error
@@ -133,6 +135,41 @@ def test_layernorm_parameter_gradients_are_deterministic_and_accumulate(rng, to_
     layernorm_backward(to_device(dout), to_device(x), to_device(weight), mean, rstd, dweight=dweight, dbias=dbias)
     np.testing.assert_allclose(to_host(dweight), 2 * runs[0][0], rtol=1e-6, atol=1e-4)
     np.testing.assert_allclose(to_host(dbias), 2 * runs[0][1], rtol=1e-6, atol=1e-4)
+
+
+def test_layernorm_backward_does_not_depend_on_the_gpu(rng, to_device, to_host, monkeypatch):
+    """The backward's grid is a fixed number of rows per block, not sized by the multiprocessor count: the same
+    bits on a GPU of any size."""
+    x, weight, bias, dout = (to_device(a) for a in inputs(rng, (3, 45, 100)))
+    y, mean, rstd = layernorm_forward(x, weight, bias)
+    runs = []
+    for multiprocessors in (132, 7):
+        monkeypatch.setattr(backend, "multiprocessor_count", lambda count=multiprocessors: count)
+        dweight, dbias = to_device(np.zeros(100, np.float32)), to_device(np.zeros(100, np.float32))
+        dx = layernorm_backward(dout, x, weight, mean, rstd, dweight=dweight, dbias=dbias)
+        runs.append([to_host(a) for a in (dx, dweight, dbias)])
+    for first, second in zip(*runs):
+        np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 7, 32, 1000])
+@pytest.mark.parametrize("columns", [3, 768])
+def test_layernorm_backward_kernels_agree_for_any_rows_per_block(rows_per_block, columns, rng, to_device, to_host):
+    """layernorm_backward_shared with blocks of any number of rows (the last block partly empty), and the first
+    kernel, layernorm_backward: the same dx, and parameter gradients within the summation bound."""
+    x, weight, bias, dout = inputs(rng, (5, 41, columns))
+    rows = 5 * 41
+    y, mean, rstd = layernorm_forward(to_device(x), to_device(weight), to_device(bias))
+    layout = layernorm_ops.row_layout("test", columns, (to_device(x),))
+    dx_reference, dweight_terms = layernorm_backward_terms(dout, x, weight)
+    for run in (lambda *arrays: layernorm_ops._backward(*arrays, rows_per_block=rows_per_block),
+                layernorm_ops._backward_registers):
+        dx = to_device(np.empty_like(x))
+        dweight, dbias = to_device(np.zeros(columns, np.float32)), to_device(np.zeros(columns, np.float32))
+        run(layout, dx, dweight, dbias, to_device(dout), to_device(x), to_device(weight), mean, rstd, rows, columns)
+        assert relative_error(to_host(dx), dx_reference) < TOLERANCE
+        assert_within_summation_bound(to_host(dweight), dweight_terms.reshape(-1, columns))
+        assert_within_summation_bound(to_host(dbias), dout.reshape(-1, columns))
 
 
 def test_layernorm_of_a_constant_row_is_its_bias(to_device, to_host):
@@ -262,3 +299,43 @@ def test_dyt_bad_inputs(to_device):
                      dalpha=to_device(np.zeros(1, np.float32)), dweight=to_device(np.zeros(9, np.float32)))
     with pytest.raises(TypeError, match="dyt_backward: dalpha is None"):
         dyt_backward(x, x, to_device(np.ones(1, np.float32)), weight, dalpha=None, dweight=weight)
+
+
+@pytest.mark.parametrize("shape", [(2, 9, 33), (2, 64, 4), (3, 70, 1000), (130, 13)])
+def test_dyt_backward_kernels_agree_and_counters_return_to_zero(shape, rng, to_device, to_host):
+    """dyt_backward_columns (one launch, the last block of each stripe of columns finishes it) against the
+    first kernel, dyt_backward, for rows that are and are not a multiple of the rows per block and one or several
+    stripes of columns; afterwards its counters are back at zero, ready for the next launch, and the results of
+    a second launch are the same bits."""
+    x, weight, bias, dout = inputs(rng, shape)
+    rows, columns = int(np.prod(shape[:-1])), shape[-1]
+    alpha = to_device(np.array([0.6], np.float32))
+    dx_reference, dalpha_terms, dweight_terms = dyt_backward_terms(dout, x, 0.6, weight)
+    layout = layernorm_ops.row_layout("test", columns, (to_device(x),))
+    results = []
+    for run in (lambda *arrays: dyt_ops._backward_columns(layout[0], *arrays),
+                lambda *arrays: dyt_ops._backward_columns(layout[0], *arrays),
+                lambda *arrays: dyt_ops._backward_rows(layout, *arrays)):
+        dx = to_device(np.empty_like(x))
+        gradients = [to_device(np.zeros(n, np.float32)) for n in (1, columns, columns)]
+        run(dx, *gradients, to_device(dout), to_device(x), alpha, to_device(weight), rows, columns)
+        assert relative_error(to_host(dx), dx_reference) < TOLERANCE
+        assert_within_summation_bound(to_host(gradients[0]), dalpha_terms.reshape(-1, 1))
+        assert_within_summation_bound(to_host(gradients[1]), dweight_terms.reshape(-1, columns))
+        assert_within_summation_bound(to_host(gradients[2]), dout.reshape(-1, columns))
+        results.append([to_host(a) for a in (dx, *gradients)])
+    for first, second in zip(results[0], results[1]):
+        np.testing.assert_array_equal(first, second)
+    assert not to_host(dyt_ops.counters(1)).any()
+
+
+def test_dyt_backward_without_bias_leaves_the_other_sums_unchanged(rng, to_device, to_host):
+    x, weight, bias, dout = (to_device(a) for a in inputs(rng, (3, 50, 100)))
+    alpha = to_device(np.array([0.4], np.float32))
+    runs = []
+    for dbias in (to_device(np.zeros(100, np.float32)), None):
+        dalpha, dweight = to_device(np.zeros(1, np.float32)), to_device(np.zeros(100, np.float32))
+        dx = dyt_backward(dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias)
+        runs.append([to_host(a) for a in (dx, dalpha, dweight)])
+    for first, second in zip(*runs):
+        np.testing.assert_array_equal(first, second)

@@ -165,3 +165,181 @@ __global__ void dyt_backward(float* dx, float* weight_partials, float* bias_part
         alpha_partials[blockIdx.x] = total;
     }
 }
+
+// WIDTH floats written by other blocks of this launch: __ldcg reads through the L2 cache, where every
+// multiprocessor's writes meet, never from this multiprocessor's own L1 (which is not kept coherent).
+template <int WIDTH>
+__device__ __forceinline__ void load_group_from_l2(float* destination, const float* source)
+{
+    if (WIDTH == 4) {
+        float4 group = __ldcg(reinterpret_cast<const float4*>(source));
+        destination[0] = group.x;
+        destination[1] = group.y;
+        destination[2] = group.z;
+        destination[3] = group.w;
+    } else {
+        for (int w = 0; w < WIDTH; ++w) {
+            destination[w] = __ldcg(source + w);
+        }
+    }
+}
+
+// The backward as an elementwise kernel with column sums: no row needs reducing, so a thread owns one group
+// of WIDTH columns and walks down the rows. Blocks of (32, ROW_SLOTS) threads; block (i, j) covers the
+// column groups 32 i .. 32 i + 31 and the rows [j rows_per_block, (j + 1) rows_per_block), thread (x, y)
+// every ROW_SLOTS-th of those rows from the y-th. A warp (a fixed y) reads 32 neighbouring groups of a row:
+// 512 contiguous bytes for WIDTH = 4. dweight, dbias and dalpha build up in registers, 2 WIDTH + 1 floats.
+//
+// Then, with a fixed order at every step (so the same bits on every run, whichever block finishes last):
+//   1. the block adds its ROW_SLOTS rows of sums in shared memory, y = 0, 1, ...; it writes one row of
+//      partial dweight and dbias for its columns, and one partial dalpha;
+//   2. the last block of a column stripe to finish (a counter per stripe, counters[i]) adds the stripe's
+//      partial rows, j = 0, 1, ..., into dweight and dbias, and sets its counter back to 0;
+//   3. the last stripe to finish (counters[gridDim.x]) adds all blocks' dalpha partials, in a fixed order.
+// "Last" is known from atomicAdd's return value; __threadfence() before it makes a block's partial sums
+// visible to every other block before its count is. counters: gridDim.x + 1 zeros before the launch (and
+// after it). Partials: weight_partials and bias_partials (gridDim.y, columns), alpha_partials gridDim.x
+// gridDim.y floats. Launch with blockDim (32, ROW_SLOTS).
+template <int WIDTH, int ROW_SLOTS>
+__global__ void __launch_bounds__(WARP_SIZE * ROW_SLOTS)
+dyt_backward_columns(float* dx, float* dalpha_sum, float* dweight_sum, float* dbias_sum, float* weight_partials,
+                     float* bias_partials, float* alpha_partials, unsigned int* counters, const float* dout,
+                     const float* x, const float* alpha, const float* weight, int rows, int columns,
+                     int rows_per_block, int has_bias)
+{
+    __shared__ float weight_slots[ROW_SLOTS][WARP_SIZE * WIDTH];
+    __shared__ float bias_slots[ROW_SLOTS][WARP_SIZE * WIDTH];
+    __shared__ float alpha_slots[ROW_SLOTS][WARP_SIZE];
+    __shared__ bool last;
+    int group = threadIdx.x, slot = threadIdx.y;
+    int column = (blockIdx.x * WARP_SIZE + group) * WIDTH;
+    bool inside = column < columns;
+    float a = alpha[0];
+
+    float scale[WIDTH], dweight[WIDTH], dbias[WIDTH];
+    float dalpha = 0.0f;
+    load_group<WIDTH>(scale, weight + column, inside);
+    for (int w = 0; w < WIDTH; ++w) {
+        dweight[w] = 0.0f;
+        dbias[w] = 0.0f;
+    }
+    int first = blockIdx.y * rows_per_block;
+    int last_row = min(first + rows_per_block, rows);
+    if (inside) {
+        for (int row = first + slot; row < last_row; row += ROW_SLOTS) {
+            long long start = (long long)row * columns + column;
+            float v[WIDTH], d[WIDTH], result[WIDTH];
+            load_group<WIDTH>(v, x + start, true);
+            load_group<WIDTH>(d, dout + start, true);
+#pragma unroll
+            for (int w = 0; w < WIDTH; ++w) {
+                float t = tanhf(a * v[w]);
+                float g = d[w] * scale[w] * (1.0f - t * t);  // dout * weight * tanh'(alpha x)
+                result[w] = g * a;
+                dalpha += g * v[w];
+                dweight[w] += d[w] * t;
+                dbias[w] += d[w];
+            }
+            store_group<WIDTH>(dx + start, result);
+        }
+    }
+
+    // 1. The block's row slots, added in order y = 0, 1, ...
+    for (int w = 0; w < WIDTH; ++w) {
+        weight_slots[slot][group * WIDTH + w] = dweight[w];
+        bias_slots[slot][group * WIDTH + w] = dbias[w];
+    }
+    alpha_slots[slot][group] = dalpha;
+    __syncthreads();
+    long long partial_row = (long long)blockIdx.y * columns;
+    for (int i = slot * WARP_SIZE + group; i < WARP_SIZE * WIDTH; i += WARP_SIZE * ROW_SLOTS) {
+        float weight_total = 0.0f, bias_total = 0.0f;
+        for (int s = 0; s < ROW_SLOTS; ++s) {
+            weight_total += weight_slots[s][i];
+            bias_total += bias_slots[s][i];
+        }
+        int c = blockIdx.x * WARP_SIZE * WIDTH + i;
+        if (c < columns) {
+            weight_partials[partial_row + c] = weight_total;
+            bias_partials[partial_row + c] = bias_total;
+        }
+    }
+    if (slot == 0) {  // warp 0: each lane adds a column of alpha_slots, then the fixed butterfly of warp_sum
+        float total = 0.0f;
+        for (int s = 0; s < ROW_SLOTS; ++s) {
+            total += alpha_slots[s][group];
+        }
+        total = warp_sum(total);
+        if (group == 0) {
+            alpha_partials[blockIdx.y * gridDim.x + blockIdx.x] = total;
+        }
+    }
+    __threadfence();  // each thread's partial sums reach memory before the count says they are there
+    __syncthreads();
+    if (slot == 0 && group == 0) {
+        last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+    }
+    __syncthreads();
+    if (!last) {
+        return;
+    }
+
+    // 2. The stripe's last block: thread (x, y) adds the partial rows j = y, y + ROW_SLOTS, ... of its own
+    //    columns (WIDTH floats per load, many loads in flight), then the block adds its ROW_SLOTS results in
+    //    order y = 0, 1, ..., as in step 1: a fixed order whichever block does it.
+    for (int w = 0; w < WIDTH; ++w) {
+        dweight[w] = 0.0f;
+        dbias[w] = 0.0f;
+    }
+    if (inside) {
+#pragma unroll 4
+        for (int j = slot; j < (int)gridDim.y; j += ROW_SLOTS) {
+            float weight_part[WIDTH], bias_part[WIDTH];
+            load_group_from_l2<WIDTH>(weight_part, weight_partials + (long long)j * columns + column);
+            load_group_from_l2<WIDTH>(bias_part, bias_partials + (long long)j * columns + column);
+            for (int w = 0; w < WIDTH; ++w) {
+                dweight[w] += weight_part[w];
+                dbias[w] += bias_part[w];
+            }
+        }
+    }
+    for (int w = 0; w < WIDTH; ++w) {
+        weight_slots[slot][group * WIDTH + w] = dweight[w];
+        bias_slots[slot][group * WIDTH + w] = dbias[w];
+    }
+    __syncthreads();
+    for (int i = slot * WARP_SIZE + group; i < WARP_SIZE * WIDTH; i += WARP_SIZE * ROW_SLOTS) {
+        int c = blockIdx.x * WARP_SIZE * WIDTH + i;
+        if (c < columns) {
+            float weight_total = 0.0f, bias_total = 0.0f;
+            for (int s = 0; s < ROW_SLOTS; ++s) {
+                weight_total += weight_slots[s][i];
+                bias_total += bias_slots[s][i];
+            }
+            dweight_sum[c] += weight_total;  // add, not set: a parameter's gradient accumulates
+            if (has_bias) {
+                dbias_sum[c] += bias_total;
+            }
+        }
+    }
+    __threadfence();  // the gradients written before the stripe counts as finished
+    __syncthreads();
+    if (slot == 0 && group == 0) {
+        counters[blockIdx.x] = 0;  // ready for the next launch
+        last = atomicAdd(&counters[gridDim.x], 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    // 3. The last stripe: dalpha, every block's partial; lane l adds parts l, l + 32, ..., then warp_sum.
+    if (last && slot == 0) {
+        int parts = gridDim.x * gridDim.y;
+        float total = 0.0f;
+        for (int p = group; p < parts; p += WARP_SIZE) {
+            total += __ldcg(alpha_partials + p);
+        }
+        total = warp_sum(total);
+        if (group == 0) {
+            dalpha_sum[0] += total;
+            counters[gridDim.x] = 0;
+        }
+    }
+}

@@ -226,3 +226,127 @@ extern "C" __global__ void column_sums_accumulate(float* sums, const float* part
         sums[column] += total;  // add, not set: a parameter's gradient accumulates
     }
 }
+
+// The backward with fewer registers, so that more warps share a multiprocessor: the running column sums live
+// in shared memory, a private slice of 2 * columns floats per warp (a lane adds only into its own columns of
+// its own warp's slice: no other thread touches them, so no synchronisation and no atomics), and weight is
+// read again where it is needed (3 KB at C = 768: it stays in the L1 cache). What remains in registers per
+// lane is the row: x_hat and dout, 2 K WIDTH floats, 48 at C = 768, about 80 registers in all against ~170
+// for layernorm_backward above: 65536 / (80 * 32) = 25 warps fit where 12 did.
+// Block b handles rows [b rows_per_block, (b + 1) rows_per_block), its warps taking turns; at the end the
+// block adds the warps' slices in order (warp 0, 1, ...) and writes one row of partial dweight and one of
+// partial dbias; column_sums_accumulate_pair then adds the blocks' rows of both into dweight and dbias in one
+// launch. rows_per_block is a fixed number, not a function of the GPU, so that the order of every addition,
+// and hence every bit of the result, is the same on any device. Dynamic shared memory: 2 * warps * columns
+// floats.
+template <int WIDTH, int K>
+__global__ void layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partials,
+                                          const float* dout, const float* x, const float* weight,
+                                          const float* mean, const float* rstd, int rows, int columns,
+                                          int rows_per_block)
+{
+    extern __shared__ float shared[];
+    int warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    float* weight_sums = shared + 2 * warp * columns;  // this warp's slice
+    float* bias_sums = weight_sums + columns;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int column = (lane + k * WARP_SIZE) * WIDTH;
+        for (int w = 0; w < WIDTH && column + w < columns; ++w) {
+            weight_sums[column + w] = 0.0f;
+            bias_sums[column + w] = 0.0f;
+        }
+    }
+
+    int first = blockIdx.x * rows_per_block;
+    int last = min(first + rows_per_block, rows);
+    for (int row = first + warp; row < last; row += warps) {
+        long long start = (long long)row * columns;
+        float row_mean = mean[row], row_rstd = rstd[row];
+        float x_hat[K * WIDTH], d[K * WIDTH];
+        // First pass: only loads and arithmetic, so that all 2 K loads of the row are in flight at once.
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int column = (lane + k * WARP_SIZE) * WIDTH;
+            load_group<WIDTH>(x_hat + k * WIDTH, x + start + column, column < columns);
+            load_group<WIDTH>(d + k * WIDTH, dout + start + column, column < columns);
+        }
+        float g_sum = 0.0f, g_x_hat_sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int column = (lane + k * WARP_SIZE) * WIDTH;
+            float scale[WIDTH];
+            load_group<WIDTH>(scale, weight + column, column < columns);
+#pragma unroll
+            for (int w = 0; w < WIDTH; ++w) {
+                int i = k * WIDTH + w;
+                x_hat[i] = (x_hat[i] - row_mean) * row_rstd;  // recomputed, not stored by the forward
+                float g = scale[w] * d[i];                     // 0 past the row's end, where d is 0
+                g_sum += g;
+                g_x_hat_sum += g * x_hat[i];
+            }
+        }
+        float g_mean = warp_sum(g_sum) / columns;
+        float g_x_hat_mean = warp_sum(g_x_hat_sum) / columns;
+        // Second pass: dx, and this row's terms added into the warp's running column sums.
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int column = (lane + k * WARP_SIZE) * WIDTH;
+            if (column < columns) {
+                float scale[WIDTH], result[WIDTH], weight_group[WIDTH], bias_group[WIDTH];
+                load_group<WIDTH>(scale, weight + column, true);
+                // float4 reads and writes of shared memory for WIDTH = 4: a lane's four floats in one access,
+                // and the warp's 512 bytes without two lanes on one bank in the same pass.
+                load_group<WIDTH>(weight_group, weight_sums + column, true);
+                load_group<WIDTH>(bias_group, bias_sums + column, true);
+#pragma unroll
+                for (int w = 0; w < WIDTH; ++w) {
+                    int i = k * WIDTH + w;
+                    result[w] = row_rstd * (scale[w] * d[i] - g_mean - x_hat[i] * g_x_hat_mean);
+                    weight_group[w] += d[i] * x_hat[i];
+                    bias_group[w] += d[i];
+                }
+                store_group<WIDTH>(dx + start + column, result);
+                store_group<WIDTH>(weight_sums + column, weight_group);
+                store_group<WIDTH>(bias_sums + column, bias_group);
+            }
+        }
+    }
+
+    __syncthreads();  // every warp's slice complete before the block adds them
+    for (int column = threadIdx.x; column < columns; column += blockDim.x) {
+        float weight_total = 0.0f, bias_total = 0.0f;
+        for (int w = 0; w < warps; ++w) {
+            weight_total += shared[2 * w * columns + column];
+            bias_total += shared[(2 * w + 1) * columns + column];
+        }
+        weight_partials[(long long)blockIdx.x * columns + column] = weight_total;
+        bias_partials[(long long)blockIdx.x * columns + column] = bias_total;
+    }
+}
+
+// column_sums_accumulate for two arrays in one launch: blockIdx.y = 0 adds partials[0] (parts, columns) into
+// first_sums, blockIdx.y = 1 adds partials[1] into second_sums (launch gridDim.y = 1 to skip the second).
+extern "C" __global__ void column_sums_accumulate_pair(float* first_sums, float* second_sums,
+                                                       const float* partials, int parts, int columns)
+{
+    __shared__ float stripes[WARP_SIZE][WARP_SIZE + 1];
+    const float* own = partials + (long long)blockIdx.y * parts * columns;
+    float* sums = blockIdx.y == 0 ? first_sums : second_sums;
+    int column = blockIdx.x * WARP_SIZE + threadIdx.x;
+    float sum = 0.0f;
+    if (column < columns) {
+        for (int part = threadIdx.y; part < parts; part += blockDim.y) {
+            sum += own[(long long)part * columns + column];
+        }
+    }
+    stripes[threadIdx.y][threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.y == 0 && column < columns) {
+        float total = 0.0f;
+        for (int stripe = 0; stripe < blockDim.y; ++stripe) {
+            total += stripes[stripe][threadIdx.x];
+        }
+        sums[column] += total;
+    }
+}

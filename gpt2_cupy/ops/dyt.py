@@ -8,6 +8,11 @@ bias (C,), bias may be None; alpha, the learnable scale of the input, a float32 
 (a device array, not a Python number: it changes at every optimizer step, and the kernels read it where it
 lives). The backward returns dx and ADDS into dalpha (shape (1,)), dweight and dbias (may be None),
 deterministically: per-block partial sums, then a fixed-order sum (kernels/dyt.cu).
+
+Backward kernels: dyt_backward_columns<WIDTH, ROW_SLOTS> (the op's), one launch: each thread owns a group of
+WIDTH columns over many rows, and the last block to finish a stripe of columns adds the partial sums (a
+counter per stripe, kept here per device). dyt_backward<WIDTH, K>, LayerNorm's warp-per-row layout followed
+by three column_sums_accumulate launches, stays for the benchmark (_backward_rows).
 """
 
 import math
@@ -19,7 +24,12 @@ from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output
 from gpt2_cupy.ops.layernorm import (BACKWARD_WARPS_PER_BLOCK, GROUPS_PER_LANE, WARP_SIZE, add_column_sums,
                                      backward_blocks, require_gradient_buffers, row_layout)
 
-NAMES = tuple(f"dyt_backward<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
+ROW_SLOTS = 8            # blocks of (32, 8) threads: a warp per row slot
+ROWS_PER_BLOCK = 64      # 8 rows per thread; a fixed number, so the order of the sums is the same on every GPU
+NAMES = (tuple(f"dyt_backward<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
+         + tuple(f"dyt_backward_columns<{width}, {ROW_SLOTS}>" for width in (4, 1)))
+LARGEST_GRID_Y = 65535   # CUDA's limit on gridDim.y
+_counters = {}           # per device: the zeroed counters of the last-block pattern, reset by the kernel
 
 
 def _kernel(name):
@@ -49,9 +59,43 @@ def dyt_backward(dout, x, alpha, weight, *, dalpha, dweight, dbias=None, out=Non
                   weight=(weight, ("C",)), dalpha=(dalpha, (1,)), dweight=(dweight, ("C",)), dbias=(dbias, ("C",)))
     out = output("dyt_backward", out, x.shape)
     rows, columns = math.prod(sizes["..."]), sizes["C"]
-    width, k = row_layout("dyt_backward", columns, (dout, x, out, weight))
+    row_layout("dyt_backward", columns, (dout, x, out, weight))  # the same limit on C for both kernels
     if rows == 0 or columns == 0:
         return out
+    vectors = columns % 4 == 0 and all(backend.address(a) % 16 == 0 for a in (dout, x, out, weight))
+    _backward_columns(4 if vectors else 1, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns)
+    return out
+
+
+def counters(count):
+    """`count` zeroed unsigned ints on the current device, the same ones on every call: the kernels that use
+    them leave them at zero. Grown (new zeros) when a launch needs more. Two launches that use them must not
+    run at the same time (on two streams of one device), or their counts would mix."""
+    device = backend.xp.cuda.Device().id if backend.name == "cuda" else -1
+    current = _counters.get(device)
+    if current is None or current.size < count:
+        current = _counters[device] = backend.xp.zeros(max(count, 64), dtype=np.uint32)
+    return current
+
+
+def _backward_columns(width, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns,
+                      rows_per_block=ROWS_PER_BLOCK):
+    stripes = ceil_div(columns, WARP_SIZE * width)
+    rows_per_block = max(rows_per_block, ceil_div(rows, LARGEST_GRID_Y))  # beyond 4 million rows, longer blocks
+    row_blocks = ceil_div(rows, rows_per_block)
+    partials = backend.xp.empty((2 * row_blocks * columns + stripes * row_blocks,), dtype=np.float32)
+    weight_partials = partials[:row_blocks * columns]
+    bias_partials = partials[row_blocks * columns:2 * row_blocks * columns]
+    alpha_partials = partials[2 * row_blocks * columns:]
+    _kernel(f"dyt_backward_columns<{width}, {ROW_SLOTS}>")(
+        (stripes, row_blocks), (WARP_SIZE, ROW_SLOTS),
+        (out, dalpha, dweight, weight if dbias is None else dbias, weight_partials, bias_partials, alpha_partials,
+         counters(stripes + 1), dout, x, alpha, weight, np.int32(rows), np.int32(columns),
+         np.int32(rows_per_block), np.int32(dbias is not None)))
+
+
+def _backward_rows(layout, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns):
+    width, k = layout
     blocks, rows_per_block = backward_blocks(rows)
     partials = backend.xp.empty((2 * blocks * columns + blocks,), dtype=np.float32)
     weight_partials = partials[:blocks * columns].reshape(blocks, columns)
@@ -65,4 +109,3 @@ def dyt_backward(dout, x, alpha, weight, *, dalpha, dweight, dbias=None, out=Non
     add_column_sums(dalpha, alpha_partials)
     if dbias is not None:
         add_column_sums(dbias, bias_partials)
-    return out

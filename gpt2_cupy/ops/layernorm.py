@@ -10,8 +10,11 @@ the same sums, bit for bit, on every run.
 
 Kernels (kernels/layernorm.cu): a warp per row, the row in registers. When C is a multiple of 4 (at most
 2048) and the arrays are 16-byte aligned, lanes move four floats per load (layernorm_forward<4, K>);
-otherwise one (layernorm_forward<1, K>, C at most 1024). The backward's blocks write one row of partial
-column sums each, and column_sums_accumulate adds them up in a fixed order.
+otherwise one (layernorm_forward<1, K>, C at most 1024). The backward (layernorm_backward_shared) keeps its
+running column sums in shared memory, a slice per warp, and its blocks write one row of partial sums each
+for a fixed number of rows; column_sums_accumulate_pair adds them into dweight and dbias in one launch, in a
+fixed order. The first backward, layernorm_backward (column sums in registers, one launch per parameter
+to finish), stays for the benchmark (_backward_registers).
 """
 
 import math
@@ -24,18 +27,25 @@ from gpt2_cupy.ops.arrays import ceil_div, check, output
 WARP_SIZE = 32
 WARPS_PER_BLOCK = 8            # forward: 256 threads, eight rows at a time per block
 GROUPS_PER_LANE = {4: (1, 2, 3, 4, 6, 8, 12, 16), 1: (1, 2, 4, 8, 16, 32)}   # K, by WIDTH
-# The backward holds five arrays of 4K floats per lane in registers (about 170 registers per thread at
-# C = 768): blocks of 4 warps, 3 of them resident per multiprocessor, one wave of blocks that each write a
-# row of partial sums (more blocks would mean more partial sums to add up).
+# The first backward, layernorm_backward (and dyt_backward), holds five arrays of 4K floats per lane in
+# registers (about 170 registers per thread at C = 768): blocks of 4 warps, 3 of them resident per
+# multiprocessor, one wave of blocks that each write a row of partial sums (more blocks would mean more
+# partial sums to add up).
 BACKWARD_WARPS_PER_BLOCK = 4
 BLOCKS_PER_MULTIPROCESSOR = 3
+# layernorm_backward_shared: up to 8 warps per block, each with a slice of 2 C floats of shared memory, as many
+# as fit in the 48 KB a block gets without asking; a fixed 32 rows per block (not sized by the GPU, so the
+# sums are added in the same order everywhere): 256 blocks of 8 warps at 8192 rows, ~2 per multiprocessor.
+SHARED_WARPS_PER_BLOCK = 8
+SHARED_BYTES_PER_BLOCK = 48 * 1024
+ROWS_PER_BLOCK = 32
 
 
 def _names(kernel):
     return tuple(f"{kernel}<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
 
 
-NAMES = _names("layernorm_forward") + _names("layernorm_backward")
+NAMES = _names("layernorm_forward") + _names("layernorm_backward") + _names("layernorm_backward_shared")
 
 
 def row_layout(operation, columns, arrays):
@@ -112,7 +122,27 @@ def add_column_sums(sums, partials):
                                       (sums, partials, np.int32(parts), np.int32(columns)))
 
 
-def _backward(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns):
+def shared_warps(columns):
+    """Warps per block of layernorm_backward_shared: 2 C floats of shared memory each, within 48 KB."""
+    return max(1, min(SHARED_WARPS_PER_BLOCK, SHARED_BYTES_PER_BLOCK // (2 * 4 * columns)))
+
+
+def _backward(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns,
+              rows_per_block=ROWS_PER_BLOCK):
+    width, k = layout
+    warps = shared_warps(columns)
+    blocks = ceil_div(rows, rows_per_block)
+    partials = backend.xp.empty((2, blocks, columns), dtype=np.float32)  # dweight's, then dbias's
+    _kernel(f"layernorm_backward_shared<{width}, {k}>")(
+        (blocks,), (warps * WARP_SIZE,),
+        (out, partials[0], partials[1], dout, x, weight, mean, rstd, np.int32(rows), np.int32(columns),
+         np.int32(rows_per_block)), shared_mem=2 * warps * columns * 4)
+    _kernel("column_sums_accumulate_pair")(
+        (ceil_div(columns, WARP_SIZE), 1 if dbias is None else 2), (WARP_SIZE, WARP_SIZE),
+        (dweight, dweight if dbias is None else dbias, partials, np.int32(blocks), np.int32(columns)))
+
+
+def _backward_registers(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns):
     width, k = layout
     blocks, rows_per_block = backward_blocks(rows)
     partials = backend.xp.empty((2, blocks, columns), dtype=np.float32)  # dweight's, then dbias's
