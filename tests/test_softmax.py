@@ -101,12 +101,14 @@ def test_backward_through_the_ops_matches_central_differences(rng, to_device, to
     assert relative_error(to_host(dx), numeric) < 1e-5
 
 
-def test_in_place_and_out(rng, to_device, to_host):
-    x = rng.normal(size=(4, 40)).astype(np.float32)
+@pytest.mark.parametrize("shape", [(4, 40), (3, 2001)], ids=["warp rows", "long rows in shared memory"])
+def test_in_place_and_out(shape, rng, to_device, to_host):
+    """out may be the input: every kernel reads the whole row before it writes any of it."""
+    x = rng.normal(size=shape).astype(np.float32)
     x_device = to_device(x)
     assert softmax_forward(x_device, out=x_device) is x_device
     assert relative_error(to_host(x_device), softmax_reference(x)) < TOLERANCE
-    dout = to_device(rng.normal(size=(4, 40)).astype(np.float32))
+    dout = to_device(rng.normal(size=shape).astype(np.float32))
     expected = softmax_backward_reference(to_host(dout), to_host(x_device))
     assert softmax_backward(dout, x_device, out=dout) is dout
     assert relative_error(to_host(dout), expected) < TOLERANCE
@@ -195,18 +197,6 @@ def test_long_causal_rows_in_shared_memory(T, rng, to_device, to_host):
     y = to_host(y)
     assert np.all(np.triu(y, 1) == 0)
     assert relative_error(y, softmax_reference(x, 0.3, causal=True)) < TOLERANCE
-
-
-def test_long_rows_in_place(rng, to_device, to_host):
-    """out may be the input: the shared-memory kernels read the whole row before they write any of it."""
-    x = rng.normal(size=(3, 2001)).astype(np.float32)
-    x_device = to_device(x)
-    assert softmax_forward(x_device, out=x_device) is x_device
-    assert relative_error(to_host(x_device), softmax_reference(x)) < TOLERANCE
-    dout = to_device(rng.normal(size=(3, 2001)).astype(np.float32))
-    expected = softmax_backward_reference(to_host(dout), to_host(x_device))
-    assert softmax_backward(dout, x_device, out=dout) is dout
-    assert relative_error(to_host(dout), expected) < TOLERANCE
 
 
 def test_arrays_off_16_bytes_take_the_two_pass_kernels(rng, to_device, to_host):

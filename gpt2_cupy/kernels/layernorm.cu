@@ -203,17 +203,21 @@ __global__ void layernorm_backward(float* dx, float* weight_partials, float* bia
     }
 }
 
-// sums[c] += sum over p of partials[p][c], for partials of shape (parts, columns): the finishing step of a
-// deterministic column sum. Blocks of (32, 32) threads: threadIdx.x picks a column, the 32 rows of threads
+// first_sums[c] += sum over p of partials[0][p][c], and, launched with gridDim.y = 2, second_sums[c] += the
+// same over partials[1]: the finishing step of a deterministic column sum, for partials of shape
+// (gridDim.y, parts, columns). Blocks of (32, 32) threads: threadIdx.x picks a column, the 32 rows of threads
 // each add every 32nd part, then row 0 adds the 32 results in order.
-extern "C" __global__ void column_sums_accumulate(float* sums, const float* partials, int parts, int columns)
+extern "C" __global__ void column_sums_accumulate(float* first_sums, float* second_sums, const float* partials,
+                                                  int parts, int columns)
 {
     __shared__ float stripes[WARP_SIZE][WARP_SIZE + 1];  // +1: no two threads of a warp share a bank
+    const float* own = partials + (long long)blockIdx.y * parts * columns;
+    float* sums = blockIdx.y == 0 ? first_sums : second_sums;
     int column = blockIdx.x * WARP_SIZE + threadIdx.x;
     float sum = 0.0f;
     if (column < columns) {
         for (int part = threadIdx.y; part < parts; part += blockDim.y) {
-            sum += partials[(long long)part * columns + column];
+            sum += own[(long long)part * columns + column];
         }
     }
     stripes[threadIdx.y][threadIdx.x] = sum;
@@ -235,7 +239,7 @@ extern "C" __global__ void column_sums_accumulate(float* sums, const float* part
 // for layernorm_backward above: 65536 / (80 * 32) = 25 warps fit where 12 did.
 // Block b handles rows [b rows_per_block, (b + 1) rows_per_block), its warps taking turns; at the end the
 // block adds the warps' slices in order (warp 0, 1, ...) and writes one row of partial dweight and one of
-// partial dbias; column_sums_accumulate_pair then adds the blocks' rows of both into dweight and dbias in one
+// partial dbias; column_sums_accumulate then adds the blocks' rows of both into dweight and dbias in one
 // launch. rows_per_block is a fixed number, not a function of the GPU, so that the order of every addition,
 // and hence every bit of the result, is the same on any device. Dynamic shared memory: 2 * warps * columns
 // floats.
@@ -322,31 +326,5 @@ __global__ void layernorm_backward_shared(float* dx, float* weight_partials, flo
         }
         weight_partials[(long long)blockIdx.x * columns + column] = weight_total;
         bias_partials[(long long)blockIdx.x * columns + column] = bias_total;
-    }
-}
-
-// column_sums_accumulate for two arrays in one launch: blockIdx.y = 0 adds partials[0] (parts, columns) into
-// first_sums, blockIdx.y = 1 adds partials[1] into second_sums (launch gridDim.y = 1 to skip the second).
-extern "C" __global__ void column_sums_accumulate_pair(float* first_sums, float* second_sums,
-                                                       const float* partials, int parts, int columns)
-{
-    __shared__ float stripes[WARP_SIZE][WARP_SIZE + 1];
-    const float* own = partials + (long long)blockIdx.y * parts * columns;
-    float* sums = blockIdx.y == 0 ? first_sums : second_sums;
-    int column = blockIdx.x * WARP_SIZE + threadIdx.x;
-    float sum = 0.0f;
-    if (column < columns) {
-        for (int part = threadIdx.y; part < parts; part += blockDim.y) {
-            sum += own[(long long)part * columns + column];
-        }
-    }
-    stripes[threadIdx.y][threadIdx.x] = sum;
-    __syncthreads();
-    if (threadIdx.y == 0 && column < columns) {
-        float total = 0.0f;
-        for (int stripe = 0; stripe < blockDim.y; ++stripe) {
-            total += stripes[stripe][threadIdx.x];
-        }
-        sums[column] += total;
     }
 }

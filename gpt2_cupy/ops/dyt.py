@@ -12,7 +12,7 @@ deterministically: per-block partial sums, then a fixed-order sum (kernels/dyt.c
 Backward kernels: dyt_backward_columns<WIDTH, ROW_SLOTS> (the op's), one launch: each thread owns a group of
 WIDTH columns over many rows, and the last block to finish a stripe of columns adds the partial sums (a
 counter per stripe, kept here per device). dyt_backward<WIDTH, K>, LayerNorm's warp-per-row layout followed
-by three column_sums_accumulate launches, stays for the benchmark (_backward_rows).
+by two column_sums_accumulate launches, stays for the benchmark (_backward_rows).
 """
 
 import math
@@ -98,14 +98,12 @@ def _backward_rows(layout, out, dalpha, dweight, dbias, dout, x, alpha, weight, 
     width, k = layout
     blocks, rows_per_block = backward_blocks(rows)
     partials = backend.xp.empty((2 * blocks * columns + blocks,), dtype=np.float32)
-    weight_partials = partials[:blocks * columns].reshape(blocks, columns)
-    bias_partials = partials[blocks * columns:2 * blocks * columns].reshape(blocks, columns)
-    alpha_partials = partials[2 * blocks * columns:].reshape(blocks, 1)
+    weight_and_bias_partials = partials[:2 * blocks * columns].reshape(2, blocks, columns)
+    weight_partials, bias_partials = weight_and_bias_partials
+    alpha_partials = partials[2 * blocks * columns:].reshape(1, blocks, 1)
     _kernel(f"dyt_backward<{width}, {k}>")(
         (blocks,), (BACKWARD_WARPS_PER_BLOCK * WARP_SIZE,),
         (out, weight_partials, bias_partials, alpha_partials, dout, x, alpha, weight, np.int32(rows),
          np.int32(columns), np.int32(rows_per_block)), shared_mem=2 * columns * 4)
-    add_column_sums(dweight, weight_partials)
-    add_column_sums(dalpha, alpha_partials)
-    if dbias is not None:
-        add_column_sums(dbias, bias_partials)
+    add_column_sums((dweight,) if dbias is None else (dweight, dbias), weight_and_bias_partials)
+    add_column_sums((dalpha,), alpha_partials)

@@ -12,7 +12,7 @@ Kernels (kernels/layernorm.cu): a warp per row, the row in registers. When C is 
 2048) and the arrays are 16-byte aligned, lanes move four floats per load (layernorm_forward<4, K>);
 otherwise one (layernorm_forward<1, K>, C at most 1024). The backward (layernorm_backward_shared) keeps its
 running column sums in shared memory, a slice per warp, and its blocks write one row of partial sums each
-for a fixed number of rows; column_sums_accumulate_pair adds them into dweight and dbias in one launch, in a
+for a fixed number of rows; column_sums_accumulate adds them into dweight and dbias in one launch, in a
 fixed order. The first backward, layernorm_backward (column sums in registers, one launch per parameter
 to finish), stays for the benchmark (_backward_registers).
 """
@@ -116,10 +116,13 @@ def backward_blocks(rows):
 
 
 def add_column_sums(sums, partials):
-    """sums += partials summed over its first axis, in a fixed order (kernels/layernorm.cu)."""
-    parts, columns = partials.shape
-    _kernel("column_sums_accumulate")((ceil_div(columns, WARP_SIZE),), (WARP_SIZE, WARP_SIZE),
-                                      (sums, partials, np.int32(parts), np.int32(columns)))
+    """sums[i] += partials[i] summed over its first axis, in a fixed order, in one launch (kernels/layernorm.cu).
+
+    sums: a tuple of one or two (columns,) arrays; partials: (len(sums), parts, columns), contiguous.
+    """
+    _, parts, columns = partials.shape
+    _kernel("column_sums_accumulate")((ceil_div(columns, WARP_SIZE), len(sums)), (WARP_SIZE, WARP_SIZE),
+                                      (sums[0], sums[-1], partials, np.int32(parts), np.int32(columns)))
 
 
 def shared_warps(columns):
@@ -137,9 +140,7 @@ def _backward(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, co
         (blocks,), (warps * WARP_SIZE,),
         (out, partials[0], partials[1], dout, x, weight, mean, rstd, np.int32(rows), np.int32(columns),
          np.int32(rows_per_block)), shared_mem=2 * warps * columns * 4)
-    _kernel("column_sums_accumulate_pair")(
-        (ceil_div(columns, WARP_SIZE), 1 if dbias is None else 2), (WARP_SIZE, WARP_SIZE),
-        (dweight, dweight if dbias is None else dbias, partials, np.int32(blocks), np.int32(columns)))
+    add_column_sums((dweight,) if dbias is None else (dweight, dbias), partials)
 
 
 def _backward_registers(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns):
@@ -150,6 +151,4 @@ def _backward_registers(layout, out, dweight, dbias, dout, x, weight, mean, rstd
     kernel((blocks,), (BACKWARD_WARPS_PER_BLOCK * WARP_SIZE,),
            (out, partials[0], partials[1], dout, x, weight, mean, rstd, np.int32(rows), np.int32(columns),
             np.int32(rows_per_block)), shared_mem=2 * columns * 4)
-    add_column_sums(dweight, partials[0])
-    if dbias is not None:
-        add_column_sums(dbias, partials[1])
+    add_column_sums((dweight,) if dbias is None else (dweight, dbias), partials)
