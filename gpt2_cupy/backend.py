@@ -102,8 +102,10 @@ def checks(bounds=False, races=False):
     """Switch on the CPU executor's teaching checks for the launches inside the block.
 
     bounds: an out-of-bounds read or write of an array argument is reported with kernel, block and thread.
-    races:  each launch runs again with the threads in another order; outputs that differ are reported
-            (a missing __syncthreads(), for instance).
+    races:  every load and store of each launch is checked: two threads touching one place, one of them
+            writing, with nothing ordering them (a __syncthreads() within a block; between blocks a
+            __threadfence() by the writer and an atomic ticket taken after it) are reported, a missing
+            __syncthreads() or a lost `x += 1` for instance.
     On a GPU these checks do not exist (NVIDIA's compute-sanitizer does that work there); the block runs unchecked.
     """
     if name != "cpu":

@@ -461,3 +461,45 @@ def test_a_thread_waiting_with_nanosleep_finishes(to_device, to_host):
     out, arrived = to_device(np.zeros(1, dtype=np.int32)), to_device(np.zeros(1, dtype=np.int32))
     backend.RawModule(code=SPIN).get_function("wait_with_nanosleep")((1,), (128,), (out, arrived))
     np.testing.assert_array_equal(to_host(out), [32])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The "last block" pattern: blocks publish partials with __threadfence() and an atomic ticket
+# ---------------------------------------------------------------------------------------------------------
+
+SUM_LAST_BLOCK = r"""
+// Each block writes its partial, makes it visible (__threadfence) and takes a ticket; the block that draws
+// the last ticket adds every block's partial, reading through the L2 cache (__ldcg), and resets the counter.
+extern "C" __global__ void sum_last_block(float* total, float* partials, unsigned int* counter, const float* x)
+{
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = x[blockIdx.x];
+        __threadfence();
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last && threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (unsigned int b = 0; b < gridDim.x; ++b) sum += __ldcg(partials + b);
+        total[0] = sum;
+        counter[0] = 0;
+    }
+}
+"""
+
+
+def test_the_last_block_to_take_a_ticket_sums_every_blocks_partial(to_device, to_host):
+    """Small integers as floats: the sum is exact in any order. Launched twice: the counter is left at zero.
+    On the CPU executor the launches also pass the race check (the fence orders the partials)."""
+    blocks = 37
+    x = np.arange(1, blocks + 1, dtype=np.float32)
+    total, partials = to_device(np.zeros(1, dtype=np.float32)), to_device(np.zeros(blocks, dtype=np.float32))
+    counter = to_device(np.zeros(1, dtype=np.uint32))
+    kernel = backend.RawModule(code=SUM_LAST_BLOCK).get_function("sum_last_block")
+    with backend.checks(races=True):
+        for launch in range(2):
+            total[...] = 0
+            kernel((blocks,), (32,), (total, partials, counter, to_device(x)))
+            assert to_host(total)[0] == blocks * (blocks + 1) // 2, launch
+    assert to_host(counter)[0] == 0

@@ -310,3 +310,151 @@ extern "C" __global__ void last_one_wins(int* winner)
 extern "C" __global__ void own_slot(int* out) { out[threadIdx.x] = threadIdx.x + 1000 * 0; }
 """, "own_slot", (1,), (64,), (out,))
     np.testing.assert_array_equal(out, np.arange(64))
+
+
+# The "last block" pattern: each block writes a partial, calls __threadfence(), then takes a ticket with an
+# atomic; the block that draws the last ticket reads every block's partial. Correct on a GPU: the fence
+# makes the partial visible before the ticket counts it.
+SUM_LAST_BLOCK = r"""
+extern "C" __global__ void sum_last_block(float* total, float* partials, unsigned int* counter, const float* x)
+{
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = x[blockIdx.x];
+        FENCE
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last && threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (unsigned int b = 0; b < gridDim.x; ++b) sum += __ldcg(partials + b);
+        total[0] = sum;
+        counter[0] = 0;
+    }
+}
+"""
+
+
+def sum_last_block_arguments(blocks):
+    x = np.arange(1, blocks + 1, dtype=np.float32)
+    return (np.zeros(1, dtype=np.float32), np.zeros(blocks, dtype=np.float32), np.zeros(1, dtype=np.uint32), x)
+
+
+def test_the_last_block_pattern_with_a_fence_is_not_a_race():
+    total, partials, counter, x = arguments = sum_last_block_arguments(8)
+    launch_checked(SUM_LAST_BLOCK.replace("FENCE", "__threadfence();"), "sum_last_block", (8,), (32,), arguments)
+    assert total[0] == x.sum()
+    assert counter[0] == 0
+
+
+def test_the_last_block_pattern_without_a_fence_is_a_race_that_asks_for_one():
+    with pytest.raises(RaceError) as caught:
+        launch_checked(SUM_LAST_BLOCK.replace("FENCE", ""), "sum_last_block", (8,), (32,),
+                       sum_last_block_arguments(8))
+    message = str(caught.value)
+    assert "race on 'partials' element" in message
+    assert "__threadfence()" in message
+
+
+def test_a_block_fence_does_not_publish_a_partial_to_other_blocks():
+    """__threadfence_block() orders memory for the block's own threads only: the ticket may still overtake
+    the partial."""
+    with pytest.raises(RaceError, match="race on 'partials' element .*__threadfence\\(\\)"):
+        launch_checked(SUM_LAST_BLOCK.replace("FENCE", "__threadfence_block();"), "sum_last_block", (8,), (32,),
+                       sum_last_block_arguments(8))
+
+
+def test_every_thread_of_the_last_block_reads_the_partials_after_the_barrier():
+    """The ticket is taken by thread 0 and shared through shared memory and __syncthreads(); each thread of
+    the last block then reads partials written (each by its own thread) in other blocks, which fenced, then
+    met at a barrier before thread 0 took the ticket."""
+    code = r"""
+extern "C" __global__ void column_sums_last_block(float* sums, float* partials, unsigned int* counter,
+                                                  const float* x, int columns)
+{
+    __shared__ bool last;
+    int column = threadIdx.x;
+    if (column < columns) partials[blockIdx.x * columns + column] = x[blockIdx.x * columns + column];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicInc(counter, gridDim.x - 1) == gridDim.x - 1;
+    __syncthreads();
+    if (last && column < columns) {
+        float sum = 0.0f;
+        for (unsigned int b = 0; b < gridDim.x; ++b) sum += __ldcg(partials + b * columns + column);
+        sums[column] = sum;
+    }
+}
+"""
+    blocks, columns = 6, 40
+    x = np.arange(blocks * columns, dtype=np.float32).reshape(blocks, columns)
+    sums, counter = np.zeros(columns, dtype=np.float32), np.zeros(1, dtype=np.uint32)
+    launch_checked(code, "column_sums_last_block", (blocks,), (64,),
+                   (sums, np.zeros(blocks * columns, dtype=np.float32), counter, x, np.int32(columns)))
+    np.testing.assert_array_equal(sums, x.sum(axis=0))
+    assert counter[0] == 0  # atomicInc wraps to zero at the last ticket
+
+
+def test_a_fence_after_a_barrier_publishes_the_whole_block():
+    """Every thread writes, __syncthreads(), then thread 0 alone fences and takes the ticket: a GPU's fence
+    also publishes what the barrier showed thread 0."""
+    code = r"""
+extern "C" __global__ void copy_last_block(float* out, float* partials, unsigned int* counter, const float* x)
+{
+    __shared__ bool last;
+    partials[blockIdx.x * blockDim.x + threadIdx.x] = x[blockIdx.x * blockDim.x + threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last) {
+        for (unsigned int b = 0; b < gridDim.x; ++b)
+            out[b * blockDim.x + threadIdx.x] = __ldcg(partials + ((b + 1) % gridDim.x) * blockDim.x + threadIdx.x);
+    }
+}
+"""
+    x = np.arange(4 * 32, dtype=np.float32)
+    out = np.zeros_like(x)
+    launch_checked(code, "copy_last_block", (4,), (32,), (out, np.zeros_like(x), np.zeros(1, dtype=np.uint32), x))
+    np.testing.assert_array_equal(out, np.roll(x, -32))
+
+
+def test_a_block_that_reads_another_blocks_partial_without_any_atomic_is_a_race():
+    """Every block fences and counts itself, but the reading thread (thread 1 of block 0) takes no ticket and
+    meets no barrier after its block's: nothing tells it the partial is there yet."""
+    code = r"""
+extern "C" __global__ void read_neighbour(float* out, float* partials, unsigned int* counter, const float* x)
+{
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = x[blockIdx.x];
+        __threadfence();
+        atomicAdd(counter, 1u);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 1) out[0] = __ldcg(partials + 1);
+}
+"""
+    with pytest.raises(RaceError, match="race on 'partials' element 1") as caught:
+        launch_checked(code, "read_neighbour", (4,), (32,),
+                       (np.zeros(1, dtype=np.float32), np.zeros(4, dtype=np.float32), np.zeros(1, dtype=np.uint32),
+                        np.arange(4, dtype=np.float32)))
+    assert "__threadfence" not in str(caught.value)  # a fence would not help: the reader has no ticket
+
+
+def test_the_dyt_backward_last_block_sums_pass_the_race_check(rng):
+    from gpt2_cupy.ops.dyt import dyt_backward
+
+    rows, columns = 150, 72  # 3 blocks of rows per stripe of columns, 3 stripes (one partly empty)
+    dout, x = (rng.standard_normal((rows, columns)).astype(np.float32) for _ in range(2))
+    alpha = np.array([0.7], dtype=np.float32)
+    weight = rng.standard_normal(columns).astype(np.float32)
+    dalpha, dweight, dbias = np.zeros(1, np.float32), np.zeros(columns, np.float32), np.zeros(columns, np.float32)
+    with backend.checks(races=True):
+        dx = dyt_backward(dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias)
+    squashed = np.tanh(0.7 * x.astype(np.float64))
+    local = dout * (1 - squashed ** 2)
+    np.testing.assert_allclose(dx, local * weight * 0.7, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dweight, (dout * squashed).sum(axis=0), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dbias, dout.sum(axis=0), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dalpha[0], (local * weight * x).sum(), rtol=1e-4, atol=1e-3)

@@ -9,7 +9,8 @@ races   The launch runs again, with the threads (and blocks) in the opposite ord
         store and atomic of the kernel is reported to the runtime (the compiler's -fsanitize=thread
         instrumentation, answered by runtime.cpp). Two threads touching one place, at least one writing,
         with no barrier between them and not through atomics, is a race: reported with the place, the two
-        threads, and what to do. Outputs that differ between the runs with no such pair found differ only
+        threads, and what to do. Blocks are ordered only as on a GPU: a block reads another block's writes
+        safely after the writer's __threadfence() and atomic ticket (the "last block" pattern). Outputs that differ between the runs with no such pair found differ only
         by the order of atomic operations (stream compaction, float atomicAdd sums), which CUDA allows.
 
 Arguments that share memory (an in-place kernel given the same array twice, or overlapping views) share
@@ -167,6 +168,11 @@ _RACE_STORIES = {
     runtime.WRITE_THEN_READ: (
         "{first} writes it and {second} reads it with no __syncthreads() (or __syncwarp() within a warp) "
         "between them, so the read may come before the write"),
+    runtime.WRITE_THEN_READ_WITHOUT_FENCE: (
+        "{first} writes it and {second}, in another block, reads it after an atomic operation (the \"last block\" "
+        "pattern), but {first} called no __threadfence() between its write and its block's atomic operation: on a "
+        "GPU the write may not have reached memory when the other block reads it. Call __threadfence() after "
+        "the write, before the atomic operation that counts the block as done"),
     runtime.READ_THEN_WRITE: (
         "{first} reads it and {second} writes it with no __syncthreads() (or __syncwarp() within a warp) "
         "between them, so the read may see the new value or the old one"),

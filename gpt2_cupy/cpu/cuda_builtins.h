@@ -409,7 +409,9 @@ __forceinline__ unsigned int __byte_perm(unsigned int x, unsigned int y, unsigne
 template <class T>
 __forceinline__ T __ldg(const T* address) { return *address; }
 __forceinline__ void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
-__forceinline__ void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+// A block's threads take turns on one OS thread: keeping the compiler from moving accesses across is enough.
+// (It also keeps the race check from taking it for __threadfence(), which orders memory for other blocks.)
+__forceinline__ void __threadfence_block() { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
 __forceinline__ void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 // Loads and stores with a cache hint (streaming, cache-global, ...): on the CPU a plain load or store.
 template <class T> __forceinline__ T __ldcg(const T* address) { return *address; }

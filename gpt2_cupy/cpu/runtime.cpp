@@ -169,6 +169,10 @@ struct gpt2cupy_launch_request {
 
 namespace {
 
+// The race check's record of fences, atomics and barriers (defined with the race check, below).
+void race_block_started(unsigned long long block_linear);
+void race_barrier_opened();
+
 enum class FiberState { not_started, ready, at_block_barrier, at_warp_barrier, done };
 
 struct Stack {
@@ -589,6 +593,7 @@ void BlockRunner::open_block_barrier() {
         at_block_[warp] = 0;
     }
     epoch_ += 1;  // accesses before the barrier are ordered before those after it
+    if (tracking_races_) race_barrier_opened();
 }
 
 // One round: every thread that can run runs until it finishes or reaches a barrier, in the order of
@@ -652,6 +657,7 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
     }
     block_linear_ = block_linear;
     epoch_ += 1;
+    if (tracking_races_) race_block_started(block_linear);
     this_thread_block_serial += 1;
     for (;;) {
         run_ready_threads(request.reverse_order != 0);
@@ -983,10 +989,15 @@ void stop_workers() {
 // operations. Two accesses by different threads, at least one a write and neither atomic, race unless a
 // barrier lies between them: a __syncthreads() (another epoch) or, within a warp, a warp operation the
 // earlier thread has been through since. Atomics are not recorded: their order is free by design.
-enum RaceKind : int { no_race = 0, write_then_read = 1, write_then_write = 2, read_modify_write = 3, read_then_write = 4 };
+// Between blocks, global memory is ordered only the way a GPU orders it (the "last block" pattern, below).
+enum RaceKind : int {
+    no_race = 0, write_then_read = 1, write_then_write = 2, read_modify_write = 3, read_then_write = 4,
+    write_then_read_without_fence = 5  // another block's write, read after an atomic, but no __threadfence() released it
+};
 
 struct Access {
     unsigned long long block = ~0ull, epoch = 0;
+    unsigned long long sequence = 0;  // race_sequence when it happened
     unsigned thread = 0, warp_syncs = 0;
     bool valid = false;
 };
@@ -1005,9 +1016,128 @@ bool in_global_memory(unsigned long long address) {
     return false;
 }
 
+// -- ordering between blocks: fences, atomics and barriers --
+// A block may read what another block wrote when the writer released it and the reader acquired it:
+//   released: the writing thread called __threadfence() after the access, then an atomic operation was taken
+//     after that fence, by the same thread or, after a __syncthreads(), by any thread of its block; or the
+//     access lay before a __syncthreads() after which some thread of the block fenced, then took an atomic
+//     (a GPU's fences are cumulative: they also publish what the barrier showed the fencing thread);
+//   acquired: the reading thread took an atomic operation after that release, or a thread of its block did
+//     before a __syncthreads() the reader has passed (the ticket, shared through shared memory).
+// Fences, atomics and barriers are numbered in the one order the race pass runs them (race_sequence); an
+// access carries the number current when it ran. Only blocks that fence keep a record, so kernels that
+// never fence pay a few stores per atomic. (An atomic counts whatever it read: one that ran after the
+// release but did not see it, on another counter, passes too.)
+unsigned long long race_sequence = 0;
+
+struct Release {
+    unsigned long long covers;  // accesses numbered below this are released...
+    unsigned long long atomic;  // ...to whoever acquires after this atomic (0: no atomic yet)
+};
+struct ThreadFences {
+    std::vector<unsigned long long> fences;  // the numbers of its __threadfence() calls
+    std::vector<Release> releases;           // its fence, then its own atomic: covers its accesses before the fence
+};
+struct BlockFences {
+    std::unordered_map<unsigned, ThreadFences> threads;
+    std::vector<Release> barriers;     // each __syncthreads() after the first fence, with the block's first atomic after it
+    std::vector<Release> whole_block;  // a barrier, then a fence and an atomic by one thread: covers the whole block before it
+};
+std::unordered_map<unsigned long long, BlockFences> race_fences;  // by block; only blocks that fenced
+
+// The block in hand. Numbers below `start` belong to earlier blocks and count as none.
+struct BlockOrder {
+    unsigned long long block = 0, start = 0;
+    unsigned long long last_barrier = 0;
+    unsigned long long last_atomic = 0;    // by any of its threads
+    unsigned long long shared_atomic = 0;  // the last atomic before the last barrier: every thread has seen it
+    BlockFences* fences = nullptr;         // none until one of its threads fences
+    unsigned long long thread_atomic[max_threads_per_block];
+    unsigned long long thread_fence[max_threads_per_block];
+    unsigned long long thread_fence_released[max_threads_per_block];  // the fence its last release paired with
+    unsigned long long barrier_before_fence[max_threads_per_block];
+} block_order;
+
+unsigned long long in_this_block(unsigned long long number) { return number > block_order.start ? number : 0; }
+
+void race_block_started(unsigned long long block_linear) {
+    block_order.block = block_linear;
+    block_order.start = ++race_sequence;
+    block_order.last_barrier = block_order.last_atomic = block_order.shared_atomic = 0;
+    block_order.fences = nullptr;
+}
+
+void race_barrier_opened() {
+    block_order.last_barrier = ++race_sequence;
+    block_order.shared_atomic = block_order.last_atomic;
+    if (block_order.fences != nullptr) block_order.fences->barriers.push_back({block_order.last_barrier, 0});
+}
+
+void record_fence(unsigned thread) {
+    const unsigned long long fence = ++race_sequence;
+    if (block_order.fences == nullptr) block_order.fences = &race_fences[block_order.block];
+    block_order.fences->threads[thread].fences.push_back(fence);
+    block_order.thread_fence[thread] = fence;
+    block_order.barrier_before_fence[thread] = block_order.last_barrier;
+}
+
+void record_atomic(unsigned thread) {
+    const unsigned long long atomic = ++race_sequence;
+    block_order.thread_atomic[thread] = atomic;
+    block_order.last_atomic = atomic;
+    BlockFences* fences = block_order.fences;
+    if (fences == nullptr) return;
+    if (!fences->barriers.empty() && fences->barriers.back().atomic == 0) fences->barriers.back().atomic = atomic;
+    const unsigned long long fence = in_this_block(block_order.thread_fence[thread]);
+    if (fence <= in_this_block(block_order.thread_fence_released[thread])) return;  // no fence since its last release
+    block_order.thread_fence_released[thread] = fence;
+    fences->threads[thread].releases.push_back({fence, atomic});
+    // Kept increasing in both numbers: a later release that covers no more than an earlier one adds nothing.
+    const unsigned long long barrier = in_this_block(block_order.barrier_before_fence[thread]);
+    if (barrier != 0 && (fences->whole_block.empty() || barrier > fences->whole_block.back().covers))
+        fences->whole_block.push_back({barrier, atomic});
+}
+
+// The last atomic a thread of the block in hand has taken, or seen through a barrier (0: none).
+unsigned long long acquired(unsigned thread) {
+    return std::max(in_this_block(block_order.thread_atomic[thread]), block_order.shared_atomic);
+}
+
+// The first atomic after which an access of an earlier block is released to other blocks (~0: never).
+unsigned long long released_at(const Access& earlier) {
+    auto block = race_fences.find(earlier.block);
+    if (block == race_fences.end()) return ~0ull;
+    const auto covering = [&](const std::vector<Release>& releases) {  // the first release covering the access
+        return std::upper_bound(releases.begin(), releases.end(), earlier.sequence,
+                                [](unsigned long long number, const Release& r) { return number < r.covers; });
+    };
+    unsigned long long at = ~0ull;
+    auto whole_block = covering(block->second.whole_block);
+    if (whole_block != block->second.whole_block.end()) at = whole_block->atomic;
+    auto thread = block->second.threads.find(earlier.thread);
+    if (thread == block->second.threads.end()) return at;
+    auto own = covering(thread->second.releases);
+    if (own != thread->second.releases.end()) at = std::min(at, own->atomic);
+    // Its fence after the access, then a barrier, then any thread's atomic.
+    const auto& fences = thread->second.fences;
+    auto fence = std::upper_bound(fences.begin(), fences.end(), earlier.sequence);
+    if (fence == fences.end()) return at;
+    const auto& barriers = block->second.barriers;
+    auto barrier = std::upper_bound(barriers.begin(), barriers.end(), *fence,
+                                    [](unsigned long long number, const Release& r) { return number < r.covers; });
+    while (barrier != barriers.end() && barrier->atomic == 0) ++barrier;  // no atomic before the next barrier
+    if (barrier != barriers.end()) at = std::min(at, barrier->atomic);
+    return at;
+}
+
 bool ordered(const BlockRunner& runner, const Access& earlier, unsigned now_thread, unsigned long long address) {
-    // Blocks are never ordered (but by atomics) in global memory; shared memory is a new block's own.
-    if (earlier.block != runner.block_linear_) return !in_global_memory(address);
+    // Shared memory is a new block's own; global memory is ordered between blocks by fences and atomics only.
+    if (earlier.block != runner.block_linear_) {
+        if (!in_global_memory(address)) return true;
+        if (race_fences.empty()) return false;
+        const unsigned long long seen = acquired(now_thread);
+        return seen != 0 && released_at(earlier) < seen;
+    }
     if (earlier.epoch != runner.epoch_) return true;          // a __syncthreads() lies between
     if (earlier.thread / 32 == now_thread / 32)               // the same warp: a warp operation of both between?
         return runner.synced_with_[now_thread][earlier.thread % 32] > earlier.warp_syncs;
@@ -1026,12 +1156,24 @@ void record_access(const void* address, unsigned long long size, bool is_write) 
     runner->in_kernel_code = was_in_kernel_code;
 }
 
+// A __threadfence() (is_fence) or an atomic operation of the running thread, for the ordering between blocks.
+void record_order_event(bool is_fence) {
+    BlockRunner* runner = this_thread_runner;
+    if (!tracking_races || runner == nullptr || runner->current_fiber() == nullptr) return;
+    sig_atomic_t was_in_kernel_code = runner->in_kernel_code;
+    runner->in_kernel_code = 0;  // the watchdog must not switch threads in the middle of the record
+    const unsigned thread = runner->linear_index(runner->current_fiber());
+    if (is_fence) record_fence(thread);
+    else record_atomic(thread);
+    runner->in_kernel_code = was_in_kernel_code;
+}
+
 void record_access_unpreempted(const void* address, unsigned long long size, bool is_write) {
     BlockRunner* runner = this_thread_runner;
     if (runner == nullptr || runner->current_fiber() == nullptr || runner->in_own_stack(address)) return;
     const Fiber* fiber = runner->current_fiber();
     unsigned thread = runner->linear_index(fiber);
-    Access now{runner->block_linear_, runner->epoch_, thread, fiber->warp_syncs, true};
+    Access now{runner->block_linear_, runner->epoch_, race_sequence, thread, fiber->warp_syncs, true};
     unsigned long long first = reinterpret_cast<unsigned long long>(address) / 4;
     unsigned long long last = (reinterpret_cast<unsigned long long>(address) + (size ? size : 1) - 1) / 4;
     for (unsigned long long key = first; key <= last; ++key) {
@@ -1045,6 +1187,10 @@ void record_access_unpreempted(const void* address, unsigned long long size, boo
             !ordered(*runner, granule.write, thread, at)) {
             kind = !is_write ? write_then_read : (read_it_first ? read_modify_write : write_then_write);
             other = &granule.write;
+            // Another block's write, read after an atomic operation: the last-block pattern without its fence.
+            if (kind == write_then_read && other->block != now.block && acquired(thread) > other->sequence &&
+                in_global_memory(at))
+                kind = write_then_read_without_fence;
         } else if (is_write && granule.read.valid && (granule.read.thread != thread || granule.read.block != now.block) &&
                    !ordered(*runner, granule.read, thread, at)) {
             kind = read_then_write;
@@ -1103,33 +1249,50 @@ void __tsan_func_entry(void*) {}
 void __tsan_func_exit() {}
 void __tsan_vptr_update(void**, void*) {}
 void __tsan_vptr_read(void**) {}
-void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+void __tsan_atomic_thread_fence(int) {
+    record_order_event(true);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
 void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
 // The atomics themselves, done for real (relaxed ordering as CUDA's atomics, sequentially consistent
 // where asked: the memory-order argument follows C++'s numbering, which __atomic builtins share).
 #define GPT2CUPY_TSAN_ATOMIC(N, T)                                                                           \
-    T __tsan_atomic##N##_load(const volatile T* a, int) { return __atomic_load_n(a, __ATOMIC_SEQ_CST); }   \
-    void __tsan_atomic##N##_store(volatile T* a, T v, int) { __atomic_store_n(a, v, __ATOMIC_SEQ_CST); }   \
-    T __tsan_atomic##N##_exchange(volatile T* a, T v, int) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); } \
-    T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); } \
-    T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); } \
-    T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); } \
-    T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }   \
-    T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); } \
-    T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int) { return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST); } \
+    T __tsan_atomic##N##_load(const volatile T* a, int) {                                                    \
+        record_order_event(false);                                                                           \
+        return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                         \
+    }                                                                                                        \
+    void __tsan_atomic##N##_store(volatile T* a, T v, int) {                                                 \
+        record_order_event(false);                                                                           \
+        __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                            \
+    }                                                                                                        \
+    T __tsan_atomic##N##_exchange(volatile T* a, T v, int) {                                                 \
+        record_order_event(false);                                                                           \
+        return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                                  \
+    }                                                                                                        \
+    GPT2CUPY_TSAN_FETCH(N, T, add) GPT2CUPY_TSAN_FETCH(N, T, sub) GPT2CUPY_TSAN_FETCH(N, T, and)             \
+    GPT2CUPY_TSAN_FETCH(N, T, or) GPT2CUPY_TSAN_FETCH(N, T, xor) GPT2CUPY_TSAN_FETCH(N, T, nand)             \
     int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) {                    \
+        record_order_event(false);                                                                           \
         return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);             \
     }                                                                                                        \
     int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {                      \
+        record_order_event(false);                                                                           \
         return __atomic_compare_exchange_n(a, c, v, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);              \
     }                                                                                                        \
     T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {                          \
+        record_order_event(false);                                                                           \
         __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                   \
         return c;                                                                                            \
+    }
+#define GPT2CUPY_TSAN_FETCH(N, T, OP)                                                                        \
+    T __tsan_atomic##N##_fetch_##OP(volatile T* a, T v, int) {                                               \
+        record_order_event(false);                                                                           \
+        return __atomic_fetch_##OP(a, v, __ATOMIC_SEQ_CST);                                                  \
     }
 GPT2CUPY_TSAN_ATOMIC(8, unsigned char) GPT2CUPY_TSAN_ATOMIC(16, unsigned short)
 GPT2CUPY_TSAN_ATOMIC(32, unsigned int) GPT2CUPY_TSAN_ATOMIC(64, unsigned long long)
 #undef GPT2CUPY_TSAN_ATOMIC
+#undef GPT2CUPY_TSAN_FETCH
 }  // extern "C"
 
 namespace {
@@ -1236,6 +1399,7 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     tracking_races = request->track_races != 0;
     race_request = request;
     race_shadow.clear();
+    race_fences.clear();
     launch_in_flight = &launch;
     launch_running.store(true);
 
@@ -1253,6 +1417,7 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     if (tracking_races) {
         tracking_races = false;
         race_shadow = std::unordered_map<unsigned long long, Granule>();  // its memory back
+        race_fences = std::unordered_map<unsigned long long, BlockFences>();
     }
     sigaction(SIGINT, &previous_interrupt_action, nullptr);
 

@@ -40,7 +40,7 @@ class LaunchResult(ctypes.Structure):
 
 
 # LaunchResult.race_kind: what the race check found first
-NO_RACE, WRITE_THEN_READ, WRITE_THEN_WRITE, READ_MODIFY_WRITE, READ_THEN_WRITE = range(5)
+NO_RACE, WRITE_THEN_READ, WRITE_THEN_WRITE, READ_MODIFY_WRITE, READ_THEN_WRITE, WRITE_THEN_READ_WITHOUT_FENCE = range(6)
 
 
 # LaunchResult.failure
