@@ -69,14 +69,14 @@ def candidates(cupy):
         "LayerNorm backward, column sums in registers (first kernel)": (backward_bytes, lambda: (
             layernorm_ops._backward_registers(layout, dx, dweight, dbias, dout, x, weight, mean, rstd, N, C))),
         **{f"LayerNorm backward, {rows} rows per block": (backward_bytes, layernorm_backward_with(rows))
-           for rows in (16, 24, 64) if rows != rows_per_block},
+           for rows in (16, 24, 32, 64) if rows != rows_per_block},
         "DyT forward": (elementwise_forward, lambda: dyt_forward(x, alpha, weight, bias, out=y)),
         "DyT backward": (elementwise_backward, lambda: dyt_backward(
             dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias, out=dx)),
         "DyT backward, a warp per row (first kernel)": (elementwise_backward, lambda: dyt_ops._backward_rows(
             layout, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C)),
         **{f"DyT backward, {rows} rows per block": (elementwise_backward, dyt_backward_with(rows))
-           for rows in (32, 128) if rows != dyt_ops.ROWS_PER_BLOCK},
+           for rows in (32, 64, 128, 256) if rows != dyt_ops.ROWS_PER_BLOCK},
     }
     torch = torch_or_none()
     if torch is None:

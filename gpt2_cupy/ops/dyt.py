@@ -25,7 +25,8 @@ from gpt2_cupy.ops.layernorm import (BACKWARD_WARPS_PER_BLOCK, GROUPS_PER_LANE, 
                                      backward_blocks, require_gradient_buffers, row_layout)
 
 ROW_SLOTS = 8            # blocks of (32, 8) threads: a warp per row slot
-ROWS_PER_BLOCK = 64      # 8 rows per thread; a fixed number, so the order of the sums is the same on every GPU
+ROWS_PER_BLOCK = 128     # 16 rows per thread (bench/layernorm.py times 32 to 256); a fixed number, so the order
+                         # of the sums is the same on every GPU
 NAMES = (tuple(f"dyt_backward<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
          + tuple(f"dyt_backward_columns<{width}, {ROW_SLOTS}>" for width in (4, 1)))
 LARGEST_GRID_Y = 65535   # CUDA's limit on gridDim.y
