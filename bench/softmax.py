@@ -11,7 +11,8 @@ median time per call, next to the device's copy bandwidth (benchmark.copy_bandwi
 shared-memory kernels (the row read from global memory once; the package's choice when the row fits) and
 the two-pass kernels (the row read twice; the fallback), each with several grids (one block per row, or
 1 or 2 blocks per multiprocessor, each looping over rows), and the shared-memory kernels compiled with
-eight float4 loads in flight per thread instead of four.
+the other number of float4 loads in flight per thread: 8 for the forward (the package's: 4), 4 for the
+backward (the package's: 8 of each array).
 """
 
 import numpy as np
@@ -26,9 +27,14 @@ SHAPES = {"attention scores (8*12*1024, 1024)": (8 * 12 * 1024, 1024),
 FLOAT = 4  # bytes
 
 
-def eight_loads_in_flight(direction):
-    """softmax_{direction}_shared compiled with VECTORS_PER_STEP = 8 (the package's kernels use 4)."""
-    kernel = kernels.function("softmax", f"softmax_{direction}_shared", options=("-DVECTORS_PER_STEP=8",),
+# The shared-memory kernels compiled with the other number of float4 loads in flight per thread.
+OTHER_LOADS_IN_FLIGHT = {"forward": ("-DVECTORS_PER_STEP=8", 8), "backward": ("-DBACKWARD_VECTORS_PER_STEP=4", 4)}
+
+
+def other_loads_in_flight(direction):
+    """softmax_{direction}_shared compiled with OTHER_LOADS_IN_FLIGHT[direction]'s option."""
+    option, _ = OTHER_LOADS_IN_FLIGHT[direction]
+    kernel = kernels.function("softmax", f"softmax_{direction}_shared", options=(option,),
                               name_expressions=softmax_ops._NAMES)
     kernel.max_dynamic_shared_size_bytes = (softmax_ops.shared_memory_per_block()
                                             - softmax_ops.REDUCTION_SHARED_BYTES)
@@ -61,13 +67,13 @@ def candidates(rows, columns, cupy):
                 runs[f"backward, {kernel}, {label}"] = (backward_bytes, lambda p=per_multiprocessor, s=shared:
                     softmax_ops._backward(dx, dout, y, rows, columns, one, blocks_per_multiprocessor=p,
                                           shared_memory=s))
-        # The shared-memory kernels with eight float4 loads in flight per thread instead of four.
         shared_bytes = softmax_ops._cached_row_bytes(columns)
-        eight = {direction: eight_loads_in_flight(direction) for direction in ("forward", "backward")}
-        runs["forward, shared memory, 8 float4 loads in flight"] = (forward_bytes, lambda: eight["forward"](
+        other = {direction: other_loads_in_flight(direction) for direction in ("forward", "backward")}
+        loads = {direction: count for direction, (_, count) in OTHER_LOADS_IN_FLIGHT.items()}
+        runs[f"forward, shared memory, {loads['forward']} float4 loads in flight"] = (forward_bytes, lambda: other["forward"](
             (rows,), (softmax_ops.THREADS_PER_LONG_ROW,), (y, x, np.int32(rows), np.int32(columns), one, no_causal),
             shared_mem=shared_bytes))
-        runs["backward, shared memory, 8 float4 loads in flight"] = (backward_bytes, lambda: eight["backward"](
+        runs[f"backward, shared memory, {loads['backward']} float4 loads in flight"] = (backward_bytes, lambda: other["backward"](
             (rows,), (softmax_ops.THREADS_PER_LONG_ROW,), (dx, dout, y, np.int32(rows), np.int32(columns), one),
             shared_mem=shared_bytes))
     if rows % columns == 0:  # square blocks of rows: the causal version applies

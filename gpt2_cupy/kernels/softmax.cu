@@ -314,9 +314,13 @@ extern "C" __global__ void softmax_backward_block(float* dx, const float* dout, 
 // issues four float4 loads before using the first, 1024 x 4 x 16 B = 64 KB in flight per block.
 // __launch_bounds__(1024) tells the compiler that blocks have 1024 threads: it must then fit each thread
 // in 64 registers (65536 per multiprocessor); with more, a block of 1024 threads could not launch at all.
-// (bench/softmax.py also compiles the file with -DVECTORS_PER_STEP=8, to see whether more loads in flight help.)
+// The backward loads y and dout: BACKWARD_VECTORS_PER_STEP float4s of each in flight per thread. (bench/softmax.py
+// also compiles the file with -DVECTORS_PER_STEP=8 and -DBACKWARD_VECTORS_PER_STEP=4, to compare.)
 #ifndef VECTORS_PER_STEP
 #define VECTORS_PER_STEP 4
+#endif
+#ifndef BACKWARD_VECTORS_PER_STEP
+#define BACKWARD_VECTORS_PER_STEP 8
 #endif
 #define LONG_ROW_THREADS 1024
 
@@ -448,15 +452,15 @@ softmax_backward_shared(float* dx, const float* dout, const float* y, int rows, 
 
         float dot = 0.0f;
         int v = threadIdx.x;
-        for (; v + (VECTORS_PER_STEP - 1) * threads < vectors; v += VECTORS_PER_STEP * threads) {
-            float4 y_loaded[VECTORS_PER_STEP], dout_loaded[VECTORS_PER_STEP];
+        for (; v + (BACKWARD_VECTORS_PER_STEP - 1) * threads < vectors; v += BACKWARD_VECTORS_PER_STEP * threads) {
+            float4 y_loaded[BACKWARD_VECTORS_PER_STEP], dout_loaded[BACKWARD_VECTORS_PER_STEP];
 #pragma unroll
-            for (int u = 0; u < VECTORS_PER_STEP; ++u) {
+            for (int u = 0; u < BACKWARD_VECTORS_PER_STEP; ++u) {
                 y_loaded[u] = __ldcs(y_vectors + v + u * threads);
                 dout_loaded[u] = dout_vectors[v + u * threads];
             }
 #pragma unroll
-            for (int u = 0; u < VECTORS_PER_STEP; ++u) {
+            for (int u = 0; u < BACKWARD_VECTORS_PER_STEP; ++u) {
                 cache_vectors[v + u * threads] = y_loaded[u];
                 dot += dout_loaded[u].x * y_loaded[u].x + dout_loaded[u].y * y_loaded[u].y
                        + dout_loaded[u].z * y_loaded[u].z + dout_loaded[u].w * y_loaded[u].w;
@@ -477,15 +481,15 @@ softmax_backward_shared(float* dx, const float* dout, const float* y, int rows, 
         }
         dot = block_sum(dot);  // its __syncthreads also make the whole cache visible
 
-        // dout again, from the L2 cache or from memory: four loads in flight per thread, as in the first pass.
-        for (v = threadIdx.x; v + (VECTORS_PER_STEP - 1) * threads < vectors; v += VECTORS_PER_STEP * threads) {
-            float4 dout_again[VECTORS_PER_STEP];
+        // dout again, from the L2 cache or from memory: as many loads in flight per thread as in the first pass.
+        for (v = threadIdx.x; v + (BACKWARD_VECTORS_PER_STEP - 1) * threads < vectors; v += BACKWARD_VECTORS_PER_STEP * threads) {
+            float4 dout_again[BACKWARD_VECTORS_PER_STEP];
 #pragma unroll
-            for (int u = 0; u < VECTORS_PER_STEP; ++u) {
+            for (int u = 0; u < BACKWARD_VECTORS_PER_STEP; ++u) {
                 dout_again[u] = __ldcs(dout_vectors + v + u * threads);  // its last use: evict first
             }
 #pragma unroll
-            for (int u = 0; u < VECTORS_PER_STEP; ++u) {
+            for (int u = 0; u < BACKWARD_VECTORS_PER_STEP; ++u) {
                 int w = v + u * threads;
                 __stcs(dx_vectors + w, gradients(cache_vectors[w], dout_again[u], dot, scale));
             }
