@@ -34,6 +34,7 @@ from gpt2_cupy.ops.arrays import LARGEST_INT
 from gpt2_cupy.ops import attention as attention_ops
 from gpt2_cupy.ops.attention import (attention_backward, attention_backward_naive, attention_forward,
                                      attention_forward_naive)
+from gpt2_cupy.testing import torch_or_none
 
 B, H, T, D = 8, 12, 1024, 64
 LONG_T = (4096, 8192, 16384)
@@ -70,9 +71,8 @@ def ours(T, cupy, variant):
 
 def torch_runs(T):
     """{name: function} for PyTorch's scaled_dot_product_attention in float32, TF32 off; {} without torch."""
-    try:
-        import torch
-    except ImportError:
+    torch = torch_or_none()
+    if torch is None:
         return {}
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
