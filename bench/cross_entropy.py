@@ -6,7 +6,7 @@ At N = 8192 rows (B·T = 8 x 1024) and V = 50257, each variant's time and its ba
 bytes that cannot be avoided: reading the logits once and writing dlogits once (2·N·V·4 bytes, 3.3 GB),
 next to the device's copy bandwidth (the ceiling) and PyTorch's cross_entropy forward+backward.
 Variants: the chapter's first version (one thread per row), the fused kernel keeping each row in shared
-memory (the package's path; also compiled with 4 and 16 loads in flight instead of 8), the same writing
+memory (the package's path, float4s; also compiled with 2 and 8 float4 loads in flight instead of 4), the same writing
 dlogits in place of the logits, the fused kernel reading each row twice (second time from L2, if it is
 still there), and the forward kernel followed by the backward kernel (each reads the logits once).
 """
@@ -43,9 +43,10 @@ def candidates(logits, targets, dlogits):
         one_thread_per_row((ceil_div(N, 256),), (256,), (dlogits, scratch_losses, logits, targets, np.int32(N),
                                                      np.int32(V), ignore, scale))
 
-    def fused_with_loads_in_flight(loads):
-        # The package's kernel compiled with another LOADS_IN_FLIGHT: how many loads per thread the memory needs.
-        module = kernels.module("cross_entropy", options=(f"-DLOADS_IN_FLIGHT={loads}",),
+    def fused_with_vectors_in_flight(vectors):
+        # The package's kernel compiled with another VECTORS_PER_STEP: how many float4 loads per thread the
+        # memory needs.
+        module = kernels.module("cross_entropy", options=(f"-DVECTORS_PER_STEP={vectors}",),
                                 name_expressions=ce._FUSED_NAMES)
         kernel = module.get_function(ce._FUSED_NAMES[0])
         kernel.max_dynamic_shared_size_bytes = ce.SHARED_MEMORY_LIMIT - ce.STATIC_SHARED_BYTES
@@ -53,7 +54,7 @@ def candidates(logits, targets, dlogits):
         def run():
             ce._count(count, targets, N, ignore)
             kernel((N,), (ce.ROW_THREADS,), (dlogits, scratch_losses, logits, targets, count, np.int32(V), ignore),
-                   shared_mem=4 * V)
+                   shared_mem=ce.cached_row_bytes(V))
         return run
 
     runs = {
@@ -63,8 +64,8 @@ def candidates(logits, targets, dlogits):
         "fused, in place (dlogits = logits)": lambda: ce.cross_entropy_fused(logits, targets,
                                                                              ignore_index=IGNORE_INDEX, dlogits=logits),
         "fused, row read twice": fused_reading_twice,
-        "fused, row in shared memory, 4 loads in flight": fused_with_loads_in_flight(4),
-        "fused, row in shared memory, 16 loads in flight": fused_with_loads_in_flight(16),
+        "fused, row in shared memory, 2 float4 loads in flight": fused_with_vectors_in_flight(2),
+        "fused, row in shared memory, 8 float4 loads in flight": fused_with_vectors_in_flight(8),
         "forward kernel, then backward kernel": forward_then_backward,
     }
     torch = testing.torch_or_none()

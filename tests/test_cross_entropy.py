@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
-from gpt2_cupy.ops.cross_entropy import cross_entropy_backward, cross_entropy_forward, cross_entropy_fused
+from gpt2_cupy.ops.cross_entropy import can_cache_row, cross_entropy_backward, cross_entropy_forward, cross_entropy_fused
 from gpt2_cupy.testing import finite_difference_gradient, relative_error, torch_or_none
 
 TOLERANCE = 1e-5
@@ -67,6 +67,32 @@ def test_forward_backward_and_fused_match_float64(V, rng, to_device, to_host):
     assert relative_error(to_host(fused_loss), loss_ref) < TOLERANCE
     assert relative_error(to_host(fused_dlogits), dlogits_ref) < TOLERANCE
     assert np.array_equal(to_host(x), logits)  # not in place unless asked
+
+
+@pytest.mark.parametrize("V", [2, 3, 4, 5, 6, 7, 9, 1031])
+def test_rows_starting_anywhere_against_a_16_byte_boundary(V, rng, to_device, to_host):
+    """The cached kernel reads a row as a head of 0 to 3 floats, float4s and a tail: with V not a multiple of 4,
+    successive rows start at every offset from a 16-byte boundary, and short rows may be all head and tail."""
+    logits, targets = inputs(rng, 9, V, ignored=(3,))
+    x, t = to_device(logits), to_device(targets)
+    assert can_cache_row(V, x, x)
+    loss, dlogits = cross_entropy_fused(x, t, ignore_index=-1)
+    loss_ref, _, dlogits_ref = reference(logits, targets, -1)
+    assert relative_error(to_host(loss), loss_ref) < TOLERANCE
+    assert relative_error(to_host(dlogits), dlogits_ref) < TOLERANCE
+
+
+def test_arrays_off_16_bytes_take_the_kernel_that_reads_twice(rng, to_device, to_host):
+    """float4s need 16-byte aligned rows: logits one float into an allocation cannot be cached that way."""
+    N, V = 4, 1031
+    logits, targets = inputs(rng, N, V)
+    storage = to_device(np.concatenate([np.zeros(1, np.float32), logits.ravel()]))
+    x, t = storage[1:].reshape(N, V), to_device(targets)
+    assert not can_cache_row(V, x, x)
+    loss, dlogits = cross_entropy_fused(x, t, ignore_index=-1)
+    loss_ref, _, dlogits_ref = reference(logits, targets, -1)
+    assert relative_error(to_host(loss), loss_ref) < TOLERANCE
+    assert relative_error(to_host(dlogits), dlogits_ref) < TOLERANCE
 
 
 def test_in_place_gives_the_same_bits(rng, to_device, to_host):

@@ -11,8 +11,11 @@
 #define WARPS_PER_ROW (ROW_THREADS / 32)
 #define NEGATIVE_INFINITY __int_as_float(0xff800000)  // NVRTC has no math.h, so no INFINITY
 #define NOT_A_NUMBER __int_as_float(0x7fc00000)
-#ifndef LOADS_IN_FLIGHT  // (a compile option may set it: bench/cross_entropy.py compares 4, 8 and 16)
-#define LOADS_IN_FLIGHT 8       // loads a thread issues before it uses the first: 32 KiB in flight per SM
+#ifndef LOADS_IN_FLIGHT  // the row read twice, float by float: loads a thread issues before it uses the first
+#define LOADS_IN_FLIGHT 8
+#endif
+#ifndef VECTORS_PER_STEP  // the row kept in shared memory: float4 loads a thread issues before it uses the first,
+#define VECTORS_PER_STEP 4  // 1024 x 4 x 16 B = 64 KiB in flight per SM (bench/cross_entropy.py compares 2, 4 and 8)
 #endif
 
 // The running (maximum, sum of exp(x - maximum)) of the online softmax, merged with another such pair.
@@ -35,6 +38,23 @@ __device__ __forceinline__ void add_to_softmax_state(float& maximum, float& sum,
     } else if (x != NEGATIVE_INFINITY) {
         sum += expf(x - maximum);
     }
+}
+
+// n values into the running pair at once: their maximum first, then one exp each relative to it (and one
+// rescale of the running sum per n values, not per value).
+__device__ __forceinline__ void add_values_to_softmax_state(float& maximum, float& sum, const float* x, int n)
+{
+    float values_maximum = NEGATIVE_INFINITY;
+    for (int k = 0; k < n; ++k) {
+        values_maximum = fmaxf(values_maximum, x[k]);
+    }
+    float values_sum = 0.0f;
+    if (values_maximum != NEGATIVE_INFINITY) {
+        for (int k = 0; k < n; ++k) {
+            values_sum += expf(x[k] - values_maximum);
+        }
+    }
+    merge_softmax_state(maximum, sum, values_maximum, values_sum);
 }
 
 // The (maximum, sum) of the whole block, returned to every thread: shuffles within each warp, then warp 0.
@@ -71,9 +91,8 @@ __device__ void block_softmax_state(float& maximum, float& sum)
     sum = warp_sum[0];
 }
 
-// The online softmax over one row, read from `row` (global memory); with `cached` not null each value is
-// also stored there (shared memory), so that the gradient pass reads the row from the chip, not again from DRAM.
-__device__ void row_softmax_state(float& maximum, float& sum, const float* row, float* cached, int V)
+// The online softmax over one row, read from `row` (global memory) float by float.
+__device__ void row_softmax_state(float& maximum, float& sum, const float* row, int V)
 {
     maximum = NEGATIVE_INFINITY;
     sum = 0.0f;
@@ -88,14 +107,76 @@ __device__ void row_softmax_state(float& maximum, float& sum, const float* row, 
         for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
             int j = first + u * ROW_THREADS;
             if (j < V) {
-                if (cached != nullptr) {
-                    cached[j] = x[u];
-                }
                 add_to_softmax_state(maximum, sum, x[u]);
             }
         }
     }
     block_softmax_state(maximum, sum);
+}
+
+// The row kept in shared memory, moved as float4s (16 bytes per load, a quarter of the instructions).
+// A float4 must sit on a 16-byte boundary, and rows of 50257 floats start 4 bytes further along each time:
+// a row is read as a `head` of 0 to 3 floats up to its first boundary, whole float4s, and a tail of 0 to 3
+// floats, the loose floats one each for the first threads. Column j is cached at cache[j + shift] with
+// shift = (4 - head) % 4, so that the row's float4s land on float4s of shared memory too.
+struct RowLayout {
+    int head, shift, vectors;
+};
+
+__device__ __forceinline__ RowLayout row_layout(const float* row, int V)
+{
+    int boundary = (int)((16 - (unsigned long long)row % 16) % 16 / 4);  // floats to the next 16-byte boundary
+    int head = min(boundary, V);
+    return {head, (4 - boundary) % 4, (V - head) / 4};
+}
+
+// The head or tail column this thread takes (V or more: none).
+__device__ __forceinline__ int loose_column(RowLayout layout, int V)
+{
+    int tail = layout.head + 4 * layout.vectors;
+    int column = (int)threadIdx.x < layout.head ? (int)threadIdx.x : tail + (int)threadIdx.x - layout.head;
+    return (int)threadIdx.x < layout.head + 3 ? column : V;
+}
+
+// The online softmax over one row read from global memory once, each value also stored in shared memory.
+__device__ void cached_row_softmax_state(float& maximum, float& sum, const float* row, float* cache, int V,
+                                         RowLayout layout)
+{
+    int threads = blockDim.x;
+    const float4* row_vectors = reinterpret_cast<const float4*>(row + layout.head);
+    float4* cache_vectors = reinterpret_cast<float4*>(cache + layout.head + layout.shift);
+    maximum = NEGATIVE_INFINITY;
+    sum = 0.0f;
+    int v = threadIdx.x;
+    for (; v + (VECTORS_PER_STEP - 1) * threads < layout.vectors; v += VECTORS_PER_STEP * threads) {
+        float4 loaded[VECTORS_PER_STEP];
+#pragma unroll
+        for (int u = 0; u < VECTORS_PER_STEP; ++u) {  // all loads first: they overlap in the memory system
+            loaded[u] = __ldcs(row_vectors + v + u * threads);  // streaming: DRAM will not see this row again
+        }
+        float x[4 * VECTORS_PER_STEP];
+#pragma unroll
+        for (int u = 0; u < VECTORS_PER_STEP; ++u) {
+            cache_vectors[v + u * threads] = loaded[u];
+            x[4 * u] = loaded[u].x;
+            x[4 * u + 1] = loaded[u].y;
+            x[4 * u + 2] = loaded[u].z;
+            x[4 * u + 3] = loaded[u].w;
+        }
+        add_values_to_softmax_state(maximum, sum, x, 4 * VECTORS_PER_STEP);
+    }
+    for (; v < layout.vectors; v += threads) {
+        float4 loaded = __ldcs(row_vectors + v);
+        cache_vectors[v] = loaded;
+        float x[4] = {loaded.x, loaded.y, loaded.z, loaded.w};
+        add_values_to_softmax_state(maximum, sum, x, 4);
+    }
+    int loose = loose_column(layout, V);
+    if (loose < V) {
+        cache[loose + layout.shift] = row[loose];
+        add_to_softmax_state(maximum, sum, row[loose]);
+    }
+    block_softmax_state(maximum, sum);  // its __syncthreads also make the whole cache visible
 }
 
 __device__ __forceinline__ bool target_in_range(int target, int V)
@@ -110,7 +191,7 @@ cross_entropy_forward_rows(float* lse, float* row_losses, const float* logits, c
     int i = blockIdx.x;
     const float* row = logits + (long long)i * V;
     float maximum, sum;
-    row_softmax_state(maximum, sum, row, nullptr, V);
+    row_softmax_state(maximum, sum, row, V);
     if (threadIdx.x == 0) {
         float log_sum_exp = maximum + logf(sum);
         int target = targets[i];
@@ -173,14 +254,40 @@ cross_entropy_mean(float* loss, const float* row_losses, const int* count, int N
     }
 }
 
-// The gradient of one counted row from its log-sum-exp: (exp(x - lse) - onehot) * scale, x read from `source`.
-// dlogits may be the logits themselves: every thread reads its element before it writes it.
+// The gradient of logit j of a counted row: (exp(x - lse) - onehot) * scale.
+__device__ __forceinline__ float logit_gradient(float x, int j, float log_sum_exp, int target, float scale)
+{
+    return (expf(x - log_sum_exp) - (j == target ? 1.0f : 0.0f)) * scale;
+}
+
+// A counted row's gradient, its logits read from `source`. dlogits may be the logits themselves: every thread
+// reads its element before it writes it.
 __device__ void write_row_gradient(float* dlogits_row, const float* source, int V, float log_sum_exp, int target,
                                    float scale)
 {
     for (int j = threadIdx.x; j < V; j += ROW_THREADS) {
-        float probability = expf(source[j] - log_sum_exp);
-        dlogits_row[j] = (probability - (j == target ? 1.0f : 0.0f)) * scale;
+        dlogits_row[j] = logit_gradient(source[j], j, log_sum_exp, target, scale);
+    }
+}
+
+// The same from the row cached in shared memory, as float4s (dlogits_row starts where the row does, modulo 16
+// bytes: the op launches this only when both arrays start on 16 bytes).
+__device__ void write_cached_row_gradient(float* dlogits_row, const float* cache, int V, RowLayout layout,
+                                          float log_sum_exp, int target, float scale)
+{
+    const float4* cache_vectors = reinterpret_cast<const float4*>(cache + layout.head + layout.shift);
+    float4* dlogits_vectors = reinterpret_cast<float4*>(dlogits_row + layout.head);
+    for (int v = threadIdx.x; v < layout.vectors; v += blockDim.x) {  // shared memory answers fast: no unrolling
+        float4 x = cache_vectors[v];
+        int j = layout.head + 4 * v;
+        __stcs(dlogits_vectors + v, make_float4(logit_gradient(x.x, j, log_sum_exp, target, scale),
+                                                logit_gradient(x.y, j + 1, log_sum_exp, target, scale),
+                                                logit_gradient(x.z, j + 2, log_sum_exp, target, scale),
+                                                logit_gradient(x.w, j + 3, log_sum_exp, target, scale)));
+    }
+    int loose = loose_column(layout, V);
+    if (loose < V) {
+        dlogits_row[loose] = logit_gradient(cache[loose + layout.shift], loose, log_sum_exp, target, scale);
     }
 }
 
@@ -208,8 +315,9 @@ cross_entropy_backward_rows(float* dlogits, const float* logits, const int* targ
 }
 
 // Forward and backward in one pass over the logits, as if dout = 1. CACHE_ROW keeps the row in dynamic
-// shared memory (V floats: 196 KiB at V = 50257) so that DRAM sees each logit read once and each gradient
-// written once; without it the gradient pass reads the row a second time (from L2 if it is still there).
+// shared memory (V + 3 floats: 196 KiB at V = 50257) so that DRAM sees each logit read once and each gradient
+// written once, moved as float4s (logits and dlogits must start on 16 bytes); without it the gradient pass
+// reads the row a second time (from L2 if it is still there), float by float.
 template <bool CACHE_ROW>
 __global__ void __launch_bounds__(ROW_THREADS)
 cross_entropy_fused_rows(float* dlogits, float* row_losses, const float* logits, const int* targets,
@@ -228,14 +336,23 @@ cross_entropy_fused_rows(float* dlogits, float* row_losses, const float* logits,
         return;
     }
     float maximum, sum;
-    row_softmax_state(maximum, sum, row, CACHE_ROW ? cached_row : nullptr, V);
+    RowLayout layout = row_layout(row, V);
+    if (CACHE_ROW) {
+        cached_row_softmax_state(maximum, sum, row, cached_row, V, layout);
+    } else {
+        row_softmax_state(maximum, sum, row, V);
+    }
     float log_sum_exp = maximum + logf(sum);
     bool valid = target_in_range(target, V);
     if (threadIdx.x == 0) {
-        float target_logit = valid ? (CACHE_ROW ? cached_row[target] : row[target]) : 0.0f;
+        float target_logit = valid ? (CACHE_ROW ? cached_row[target + layout.shift] : row[target]) : 0.0f;
         row_losses[i] = valid ? log_sum_exp - target_logit : NOT_A_NUMBER;
     }
     __syncthreads();  // thread 0 has read row[target] before any thread overwrites it (in place)
     float scale = valid ? 1.0f / (float)count[0] : NOT_A_NUMBER;
-    write_row_gradient(dlogits_row, CACHE_ROW ? cached_row : row, V, log_sum_exp, target, scale);
+    if (CACHE_ROW) {
+        write_cached_row_gradient(dlogits_row, cached_row, V, layout, log_sum_exp, target, scale);
+    } else {
+        write_row_gradient(dlogits_row, row, V, log_sum_exp, target, scale);
+    }
 }

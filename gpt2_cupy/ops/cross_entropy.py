@@ -41,9 +41,20 @@ def row_threads(V):
     return max(32, 1 << max(5, (V // 8 - 1).bit_length()))
 
 
+def cached_row_bytes(V):
+    """Shared memory for a row of V logits: the kernel shifts it by up to 3 floats to align its float4s."""
+    return 4 * (V + 3)
+
+
 def row_fits_in_shared_memory(V):
     """Whether the fused kernel can keep a whole row of V logits on the chip (V ≤ 58 000 or so)."""
-    return 4 * V + STATIC_SHARED_BYTES <= SHARED_MEMORY_LIMIT
+    return cached_row_bytes(V) + STATIC_SHARED_BYTES <= SHARED_MEMORY_LIMIT
+
+
+def can_cache_row(V, logits, dlogits):
+    """Whether the fused kernel keeps the row in shared memory: it fits, and both arrays start on 16 bytes
+    (the kernel moves float4s, and a row of dlogits must start where the row of logits does, modulo 16)."""
+    return row_fits_in_shared_memory(V) and backend.address(logits) % 16 == 0 and backend.address(dlogits) % 16 == 0
 
 
 def cross_entropy_forward(logits, targets, *, ignore_index=-100):
@@ -89,11 +100,11 @@ def cross_entropy_fused(logits, targets, *, ignore_index=-100, dlogits=None):
     ignore = np.int32(ignore_index)
     _count(count, targets, N, ignore)
     if N > 0:
-        cache_row = row_fits_in_shared_memory(V)
+        cache_row = can_cache_row(V, logits, dlogits)
         threads = row_threads(V)
         kernel = _fused_kernel(cache_row, threads)
         kernel((N,), (threads,), (dlogits, row_losses, logits, targets, count, np.int32(V), ignore),
-               shared_mem=4 * V if cache_row else 0)
+               shared_mem=cached_row_bytes(V) if cache_row else 0)
     _mean(loss, row_losses, count, N)
     return loss, dlogits
 
