@@ -49,3 +49,26 @@ extern "C" __global__ void block_sum(const float* x, float* sums, int n)
     }
 }
 """
+
+
+# The "last block" reduction: each block writes its partial, makes it visible (FENCE: __threadfence() in the
+# correct kernel) and takes a ticket with an atomic; the block that draws the last ticket adds every block's
+# partial, reading through the L2 cache (__ldcg), and resets the counter. Replace FENCE before compiling.
+SUM_LAST_BLOCK = r"""
+extern "C" __global__ void sum_last_block(float* total, float* partials, unsigned int* counter, const float* x)
+{
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = x[blockIdx.x];
+        FENCE
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last && threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (unsigned int b = 0; b < gridDim.x; ++b) sum += __ldcg(partials + b);
+        total[0] = sum;
+        counter[0] = 0;
+    }
+}
+"""

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
+from kernel_sources import SUM_LAST_BLOCK
 
 # ---------------------------------------------------------------------------------------------------------
 # Warp operations after divergent code: lanes meet only at an operation with the same mask
@@ -467,27 +468,6 @@ def test_a_thread_waiting_with_nanosleep_finishes(to_device, to_host):
 # The "last block" pattern: blocks publish partials with __threadfence() and an atomic ticket
 # ---------------------------------------------------------------------------------------------------------
 
-SUM_LAST_BLOCK = r"""
-// Each block writes its partial, makes it visible (__threadfence) and takes a ticket; the block that draws
-// the last ticket adds every block's partial, reading through the L2 cache (__ldcg), and resets the counter.
-extern "C" __global__ void sum_last_block(float* total, float* partials, unsigned int* counter, const float* x)
-{
-    __shared__ bool last;
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = x[blockIdx.x];
-        __threadfence();
-        last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (last && threadIdx.x == 0) {
-        float sum = 0.0f;
-        for (unsigned int b = 0; b < gridDim.x; ++b) sum += __ldcg(partials + b);
-        total[0] = sum;
-        counter[0] = 0;
-    }
-}
-"""
-
 
 def test_the_last_block_to_take_a_ticket_sums_every_blocks_partial(to_device, to_host):
     """Small integers as floats: the sum is exact in any order. Launched twice: the counter is left at zero.
@@ -496,7 +476,7 @@ def test_the_last_block_to_take_a_ticket_sums_every_blocks_partial(to_device, to
     x = np.arange(1, blocks + 1, dtype=np.float32)
     total, partials = to_device(np.zeros(1, dtype=np.float32)), to_device(np.zeros(blocks, dtype=np.float32))
     counter = to_device(np.zeros(1, dtype=np.uint32))
-    kernel = backend.RawModule(code=SUM_LAST_BLOCK).get_function("sum_last_block")
+    kernel = backend.RawModule(code=SUM_LAST_BLOCK.replace("FENCE", "__threadfence();")).get_function("sum_last_block")
     with backend.checks(races=True):
         for launch in range(2):
             total[...] = 0

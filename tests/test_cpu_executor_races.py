@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
+from kernel_sources import SUM_LAST_BLOCK
 
 pytestmark = pytest.mark.cpu_only
 
@@ -314,25 +315,7 @@ extern "C" __global__ void own_slot(int* out) { out[threadIdx.x] = threadIdx.x +
 
 # The "last block" pattern: each block writes a partial, calls __threadfence(), then takes a ticket with an
 # atomic; the block that draws the last ticket reads every block's partial. Correct on a GPU: the fence
-# makes the partial visible before the ticket counts it.
-SUM_LAST_BLOCK = r"""
-extern "C" __global__ void sum_last_block(float* total, float* partials, unsigned int* counter, const float* x)
-{
-    __shared__ bool last;
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = x[blockIdx.x];
-        FENCE
-        last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (last && threadIdx.x == 0) {
-        float sum = 0.0f;
-        for (unsigned int b = 0; b < gridDim.x; ++b) sum += __ldcg(partials + b);
-        total[0] = sum;
-        counter[0] = 0;
-    }
-}
-"""
+# makes the partial visible before the ticket counts it (kernel_sources.SUM_LAST_BLOCK, FENCE to be replaced).
 
 
 def sum_last_block_arguments(blocks):
