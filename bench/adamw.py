@@ -34,8 +34,7 @@ class Parameter:
 
 
 def measure():
-    if not benchmark.meaningful():
-        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    benchmark.require_gpu()
     cupy = backend.xp
     shapes = gpt2_small_shapes()
     count = sum(int(np.prod(shape)) for shape, _ in shapes)

@@ -185,8 +185,7 @@ def measure_long(cupy):
 
 
 def measure(quick=False):
-    if not benchmark.meaningful():
-        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    benchmark.require_gpu()
     cupy = backend.xp
     seconds = measure_gpt2_shape(cupy)
     long = {} if quick else measure_long(cupy)

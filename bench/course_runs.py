@@ -117,8 +117,7 @@ def main(argv=None):
     parser.add_argument("--part", help="where --corpus writes its summary (used internally)")
     parser.add_argument("--out-dir", default="runs/course-runs")
     arguments = parser.parse_args(argv)
-    if not benchmark.meaningful():
-        raise SystemExit("Thousands of steps of the course preset need a GPU: run this on one.")
+    benchmark.require_gpu("thousands of steps of the course preset take hours on the CPU executor")
 
     def train(corpus):
         return train_one(corpus, arguments.steps, arguments.seconds, f"{arguments.out_dir}/{corpus}")

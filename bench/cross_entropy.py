@@ -82,8 +82,7 @@ def candidates(logits, targets, dlogits):
 
 
 def measure():
-    if not benchmark.meaningful():
-        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    benchmark.require_gpu()
     cupy = backend.xp
     random = cupy.random.default_rng(0)
     logits = random.standard_normal((N, V), dtype=cupy.float32)

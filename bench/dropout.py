@@ -22,8 +22,7 @@ FLOAT = 4
 
 
 def measure():
-    if not benchmark.meaningful():
-        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    benchmark.require_gpu()
     cupy, torch = backend.xp, torch_or_none()
     results = {"copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9, "p": P, "gb_per_s": {}}
     state = new_rng_state(1234)

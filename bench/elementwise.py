@@ -126,8 +126,7 @@ def idle_memory_latency(megabytes=1024, steps=200_000):
 
 def measure(sizes=SIZES):
     """{'device', 'date', 'copy_bandwidth_gb_per_s', 'sizes', 'gb_per_s': {kernel: [GB/s per size]}}."""
-    if not benchmark.meaningful():
-        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    benchmark.require_gpu()
     cupy = backend.xp
     multiprocessors = cupy.cuda.Device().attributes["MultiProcessorCount"]
     results = {}

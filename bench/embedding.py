@@ -100,8 +100,7 @@ def text_like_ids(rng, count):
 
 
 def measure():
-    if not benchmark.meaningful():
-        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    benchmark.require_gpu()
     cupy, torch = backend.xp, torch_or_none()
     rng = np.random.default_rng(0)
     wte = cupy.asarray(rng.standard_normal((V, C), dtype=np.float32))

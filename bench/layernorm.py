@@ -103,8 +103,7 @@ def candidates(cupy):
 
 
 def measure():
-    if not benchmark.meaningful():
-        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    benchmark.require_gpu()
     cupy = backend.xp
     results = {}
     for name, (bytes_moved, run) in candidates(cupy).items():

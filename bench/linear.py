@@ -91,9 +91,7 @@ def layer_rates(rows=ROWS, layers=LAYERS, seed=0):
 
 
 def main():
-    if not benchmark.meaningful():
-        print("No GPU backend: timings on the CPU executor say nothing about a GPU. Run this on a GPU.")
-        return 1
+    benchmark.require_gpu()
     torch = torch_or_none()
     results = {
         "rows": ROWS,

@@ -13,7 +13,6 @@ chapters/01_matmul.ipynb imports this file for its benchmark cell.
 
 import argparse
 import os
-import sys
 
 os.environ["CUPY_TF32"] = "0"  # before CuPy is imported: compare float32 with float32
 
@@ -211,8 +210,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="also time variants of the tile constants")
     arguments = parser.parse_args(argv)
-    if not benchmark.meaningful():
-        sys.exit("timings on the CPU executor say nothing about a GPU: run this on a GPU")
+    benchmark.require_gpu()
 
     cupy = backend.xp
     results = {

@@ -102,8 +102,7 @@ def candidates(rows, columns, cupy):
 
 
 def measure():
-    if not benchmark.meaningful():
-        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    benchmark.require_gpu()
     cupy = backend.xp
     results = {}
     for label, (rows, columns) in SHAPES.items():

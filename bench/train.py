@@ -319,8 +319,7 @@ def gpt2_throughput(torch, B, T, steps, profile_steps):
 
 
 def measure(arguments):
-    if not benchmark.meaningful():
-        raise SystemExit("Timings on the CPU executor say nothing about a GPU: run this on a GPU.")
+    benchmark.require_gpu()
     torch = testing.torch_or_none()
     if torch is not None:
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 products in float32, as ours

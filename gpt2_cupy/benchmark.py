@@ -22,6 +22,12 @@ def meaningful():
     return backend.name == "cuda"
 
 
+def require_gpu(reason="timings on the CPU executor say nothing about a GPU"):
+    """Stop a GPU-only script (a bench/NAME.py) on the CPU executor: the reason on stderr, exit status 1."""
+    if not meaningful():
+        raise SystemExit(f"{reason}: run this on a GPU.")
+
+
 # A kernel that keeps the stream busy for a given time: the calls being timed queue up behind it, so the
 # GPU runs them back to back however long Python takes to launch them (nvbench's "blocking kernel" idea).
 # %globaltimer is the GPU's nanosecond clock; __nanosleep keeps the spinning thread from hogging its SM.

@@ -67,3 +67,10 @@ def test_a_call_that_waits_for_the_gpu_is_timed_with_python_included():
 
     seconds = benchmark.seconds_per_call(copy_and_wait, warmup=1, repeat=3)
     assert seconds >= host_seconds
+
+
+def test_gpu_only_scripts_stop_on_the_cpu_executor_saying_why():
+    if backend.name == "cuda":
+        pytest.skip("the active backend is a GPU")
+    with pytest.raises(SystemExit, match="course preset take hours on the CPU executor: run this on a GPU"):
+        benchmark.require_gpu("the course preset take hours on the CPU executor")
