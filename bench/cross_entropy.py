@@ -49,7 +49,7 @@ def candidates(logits, targets, dlogits):
         module = kernels.module("cross_entropy", options=(f"-DVECTORS_PER_STEP={vectors}",),
                                 name_expressions=ce._FUSED_NAMES)
         kernel = module.get_function(ce._FUSED_NAMES[0])
-        kernel.max_dynamic_shared_size_bytes = ce.SHARED_MEMORY_LIMIT - ce.STATIC_SHARED_BYTES
+        kernel.max_dynamic_shared_size_bytes = backend.shared_memory_per_block() - ce.STATIC_SHARED_BYTES
 
         def run():
             ce._count(count, targets, N, ignore)

@@ -36,7 +36,7 @@ def other_loads_in_flight(direction):
     option, _ = OTHER_LOADS_IN_FLIGHT[direction]
     kernel = kernels.function("softmax", f"softmax_{direction}_shared", options=(option,),
                               name_expressions=softmax_ops._NAMES)
-    kernel.max_dynamic_shared_size_bytes = (softmax_ops.shared_memory_per_block()
+    kernel.max_dynamic_shared_size_bytes = (backend.shared_memory_per_block()
                                             - softmax_ops.REDUCTION_SHARED_BYTES)
     return kernel
 

@@ -20,6 +20,7 @@ On cuda the names are CuPy's own objects, so there is no wrapper in the hot path
 
 import contextlib
 import os
+from functools import lru_cache
 
 import numpy
 
@@ -74,6 +75,11 @@ if _cupy is not None:
     def multiprocessor_count():
         return _cupy.cuda.Device().attributes["MultiProcessorCount"]
 
+    @lru_cache(maxsize=None)  # the attribute table is slow to read, and the ops ask at every call
+    def shared_memory_per_block():
+        """Bytes of shared memory one block may have once its kernel opts in: 227 KiB on an H100."""
+        return _cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+
 else:
     name = "cpu"
     xp = numpy
@@ -95,6 +101,12 @@ else:
 
     def multiprocessor_count():
         return 132  # an H100's: kernels sized by it split their work as they would on one
+
+    def shared_memory_per_block():
+        """The executor's limit for one block after the opt-in, an H100's."""
+        from .cpu.kernel import MAX_DYNAMIC_SHARED_BYTES
+
+        return MAX_DYNAMIC_SHARED_BYTES
 
 
 @contextlib.contextmanager

@@ -218,7 +218,7 @@ def test_arrays_off_16_bytes_take_the_two_pass_kernels(rng, to_device, to_host):
 
 def test_rows_longer_than_shared_memory_take_the_two_pass_kernels(rng, to_device, to_host):
     """The row must fit in a block's shared memory (227 KB on an H100: about 58 000 floats)."""
-    largest = (softmax_ops.shared_memory_per_block() - softmax_ops.REDUCTION_SHARED_BYTES) // 4 - 3
+    largest = (backend.shared_memory_per_block() - softmax_ops.REDUCTION_SHARED_BYTES) // 4 - 3
     assert softmax_ops.row_fits_in_shared_memory(largest)
     assert not softmax_ops.row_fits_in_shared_memory(largest + 1)
     x = rng.normal(size=(1, largest + 1)).astype(np.float32)

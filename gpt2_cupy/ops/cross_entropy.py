@@ -25,7 +25,6 @@ from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import check, output
 
 ROW_THREADS = 1024                # kernels/cross_entropy.cu: one block of 1024 threads per row (V ≥ 8192)
-SHARED_MEMORY_LIMIT = 227 * 1024  # bytes of dynamic shared memory a block may opt into (H100)
 STATIC_SHARED_BYTES = 2 * 32 * 4  # the block reduction's own shared arrays
 _FUSED_NAMES = ("cross_entropy_fused_rows<true>", "cross_entropy_fused_rows<false>")
 
@@ -48,7 +47,7 @@ def cached_row_bytes(V):
 
 def row_fits_in_shared_memory(V):
     """Whether the fused kernel can keep a whole row of V logits on the chip (V ≤ 58 000 or so)."""
-    return cached_row_bytes(V) + STATIC_SHARED_BYTES <= SHARED_MEMORY_LIMIT
+    return cached_row_bytes(V) + STATIC_SHARED_BYTES <= backend.shared_memory_per_block()
 
 
 def can_cache_row(V, logits, dlogits):
@@ -136,5 +135,5 @@ def _kernel(name, threads=ROW_THREADS):
 def _fused_kernel(cache_row, threads):
     kernel = _kernel(_FUSED_NAMES[0] if cache_row else _FUSED_NAMES[1], threads)
     if cache_row:  # past 48 KiB a block must opt in to more dynamic shared memory
-        kernel.max_dynamic_shared_size_bytes = SHARED_MEMORY_LIMIT - STATIC_SHARED_BYTES
+        kernel.max_dynamic_shared_size_bytes = backend.shared_memory_per_block() - STATIC_SHARED_BYTES
     return kernel

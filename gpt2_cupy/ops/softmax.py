@@ -24,7 +24,6 @@ import numpy as np
 
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import ceil_div, check, output
-from gpt2_cupy.ops.cross_entropy import SHARED_MEMORY_LIMIT
 
 WARP_SIZE = 32
 WARPS_PER_BLOCK = 8             # rows per block for the warp kernels: 256 threads
@@ -87,22 +86,13 @@ def long_row_blocks(rows, blocks_per_multiprocessor=None):
     return min(rows, per_multiprocessor * backend.multiprocessor_count())
 
 
-@lru_cache(maxsize=None)
-def shared_memory_per_block():
-    """Bytes of shared memory one block may have after the opt-in: the device's figure on a GPU (227 KB on
-    an H100), on the CPU executor the H100's, which it imitates."""
-    if backend.name == "cuda":
-        return backend.xp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
-    return SHARED_MEMORY_LIMIT
-
-
 def _cached_row_bytes(columns):
     return 4 * (columns + 3)  # the kernels shift the row by up to 3 floats to put its float4s on 16 bytes
 
 
 def row_fits_in_shared_memory(columns):
     """Whether a row of `columns` floats fits in one block's shared memory, next to the reduction's arrays."""
-    return _cached_row_bytes(columns) + REDUCTION_SHARED_BYTES <= shared_memory_per_block()
+    return _cached_row_bytes(columns) + REDUCTION_SHARED_BYTES <= backend.shared_memory_per_block()
 
 
 def _use_shared_memory(asked, columns, *arrays):
@@ -111,7 +101,7 @@ def _use_shared_memory(asked, columns, *arrays):
                 and all(backend.address(array) % FLOAT4_BYTES == 0 for array in arrays))
     if asked and not possible:
         raise ValueError(f"softmax: the shared-memory kernels need rows of at most "
-                         f"{(shared_memory_per_block() - REDUCTION_SHARED_BYTES) // 4 - 3} floats and arrays "
+                         f"{(backend.shared_memory_per_block() - REDUCTION_SHARED_BYTES) // 4 - 3} floats and arrays "
                          f"that start on {FLOAT4_BYTES} bytes")
     return possible if asked is None else asked
 
@@ -120,7 +110,7 @@ def _use_shared_memory(asked, columns, *arrays):
 def _shared_kernel(direction):
     kernel = kernels.function("softmax", f"softmax_{direction}_shared", name_expressions=_NAMES)
     # Past 48 KB of dynamic shared memory a kernel must opt in before its first launch.
-    kernel.max_dynamic_shared_size_bytes = shared_memory_per_block() - REDUCTION_SHARED_BYTES
+    kernel.max_dynamic_shared_size_bytes = backend.shared_memory_per_block() - REDUCTION_SHARED_BYTES
     return kernel
 
 
