@@ -27,8 +27,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from gpt2_cupy import backend, benchmark
 from gpt2_cupy.ops.arrays import LARGEST_INT
 from gpt2_cupy.ops import attention as attention_ops

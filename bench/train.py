@@ -14,7 +14,6 @@ Writes bench/train.json and bench/train.png, prints a table.
 """
 
 import argparse
-import math
 import tempfile
 import time
 from collections import defaultdict

@@ -96,6 +96,12 @@ def output(operation, out, shape, dtype=numpy.float32, name="out"):
     return out
 
 
+def float4_aligned(*arrays):
+    """Whether every array (None skipped) starts on a 16-byte boundary, as float4 loads and stores need.
+    Every fresh allocation does (CuPy's start on 256 bytes); a view into the middle of one may not."""
+    return all(backend.address(array) % 16 == 0 for array in arrays if array is not None)
+
+
 def launch_elementwise(kernel_file, kernel_name, arrays, n, *scalars):
     """Launch an elementwise kernel over n elements of `arrays` (the output first), then `scalars`.
 
@@ -104,7 +110,7 @@ def launch_elementwise(kernel_file, kernel_name, arrays, n, *scalars):
     """
     if n == 0:
         return
-    if all(backend.address(array) % 16 == 0 for array in arrays):
+    if float4_aligned(*arrays):
         kernel, threads = kernels.function(kernel_file, kernel_name + "_float4"), ceil_div(n, 4)
     else:
         kernel, threads = kernels.function(kernel_file, kernel_name), n

@@ -22,7 +22,7 @@ from functools import lru_cache
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import check, output
+from gpt2_cupy.ops.arrays import check, float4_aligned, output
 
 ROW_THREADS = 1024                # kernels/cross_entropy.cu: one block of 1024 threads per row (V ≥ 8192)
 STATIC_SHARED_BYTES = 2 * 32 * 4  # the block reduction's own shared arrays
@@ -53,7 +53,7 @@ def row_fits_in_shared_memory(V):
 def can_cache_row(V, logits, dlogits):
     """Whether the fused kernel keeps the row in shared memory: it fits, and both arrays start on 16 bytes
     (the kernel moves float4s, and a row of dlogits must start where the row of logits does, modulo 16)."""
-    return row_fits_in_shared_memory(V) and backend.address(logits) % 16 == 0 and backend.address(dlogits) % 16 == 0
+    return row_fits_in_shared_memory(V) and float4_aligned(logits, dlogits)
 
 
 def cross_entropy_forward(logits, targets, *, ignore_index=-100):

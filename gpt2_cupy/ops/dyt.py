@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output
 from gpt2_cupy.ops.layernorm import (BACKWARD_WARPS_PER_BLOCK, GROUPS_PER_LANE, WARP_SIZE, add_column_sums,
                                      backward_blocks, require_gradient_buffers, row_layout)
 
@@ -46,7 +46,7 @@ def dyt_forward(x, alpha, weight, bias, *, out=None):
     if n == 0:
         return out
     arrays = (out, x, alpha, weight, weight if bias is None else bias)
-    vectors = columns % 4 == 0 and all(backend.address(a) % 16 == 0 for a in (out, x, weight, arrays[4]))
+    vectors = columns % 4 == 0 and float4_aligned(out, x, weight, arrays[4])
     name, threads = ("dyt_forward_float4", n // 4) if vectors else ("dyt_forward", n)
     _kernel(name)((ceil_div(threads, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                   (*arrays, np.int32(n), np.int32(columns), np.int32(bias is not None)))
@@ -63,7 +63,7 @@ def dyt_backward(dout, x, alpha, weight, *, dalpha, dweight, dbias=None, out=Non
     row_layout("dyt_backward", columns, (dout, x, out, weight))  # the same limit on C for both kernels
     if rows == 0 or columns == 0:
         return out
-    vectors = columns % 4 == 0 and all(backend.address(a) % 16 == 0 for a in (dout, x, out, weight))
+    vectors = columns % 4 == 0 and float4_aligned(dout, x, out, weight)
     _backward_columns(4 if vectors else 1, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns)
     return out
 

@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import ceil_div, check, output
+from gpt2_cupy.ops.arrays import ceil_div, check, float4_aligned, output
 
 WARP_SIZE = 32
 WARPS_PER_BLOCK = 8            # forward: 256 threads, eight rows at a time per block
@@ -50,7 +50,7 @@ NAMES = _names("layernorm_forward") + _names("layernorm_backward") + _names("lay
 
 def row_layout(operation, columns, arrays):
     """(WIDTH, K) of the warp-per-row kernels for rows of `columns`: float4 groups when they fit and align."""
-    aligned = all(backend.address(a) % 16 == 0 for a in arrays if a is not None)
+    aligned = float4_aligned(*arrays)
     for width in (4, 1):
         if width == 4 and (columns % 4 or not aligned):
             continue

@@ -30,7 +30,7 @@ and must not overlap a or b. The kernel is gpt2_cupy/kernels/matmul.cu, from cha
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output
 
 TILE = 128        # a block computes a TILE x TILE tile of C (kernels/matmul.cu: TILE_M)
 TILE_K = 8        # K is read in slices of 8 (kernels/matmul.cu: TILE_K)
@@ -138,7 +138,7 @@ def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=Fa
         return out
     # float4 loads and stores need rows of a multiple of 4 floats and 16-byte aligned starting addresses.
     vector_loads = (a.shape[-1] % 4 == 0 and b.shape[-1] % 4 == 0 and N % 4 == 0
-                    and all(backend.address(x) % 16 == 0 for x in (a, b, out)))
+                    and float4_aligned(a, b, out))
     kernel = _kernel(_kernel_name(bool(transpose_a), bool(transpose_b), vector_loads))
     splits, k_per_split = k_splits(M, N, K, batch)
     if splits > 1:

@@ -23,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import ceil_div, check, output
+from gpt2_cupy.ops.arrays import ceil_div, check, float4_aligned, output
 
 WARP_SIZE = 32
 WARPS_PER_BLOCK = 8             # rows per block for the warp kernels: 256 threads
@@ -42,7 +42,6 @@ SHARED_MEMORY_BLOCKS_PER_MULTIPROCESSOR = 0
 # Room for the shared-memory kernels' own __shared__ arrays besides the row: the block reduction's 32 maxima,
 # 32 sums and its result, 272 bytes once the compiler has aligned them (the backward's block_sum needs less).
 REDUCTION_SHARED_BYTES = 512
-FLOAT4_BYTES = 16
 
 
 def _names(direction):
@@ -98,11 +97,11 @@ def row_fits_in_shared_memory(columns):
 def _use_shared_memory(asked, columns, *arrays):
     """Whether long rows go to the shared-memory kernels: asked None means whenever they can run."""
     possible = (row_fits_in_shared_memory(columns)
-                and all(backend.address(array) % FLOAT4_BYTES == 0 for array in arrays))
+                and float4_aligned(*arrays))
     if asked and not possible:
         raise ValueError(f"softmax: the shared-memory kernels need rows of at most "
                          f"{(backend.shared_memory_per_block() - REDUCTION_SHARED_BYTES) // 4 - 3} floats and arrays "
-                         f"that start on {FLOAT4_BYTES} bytes")
+                         "that start on 16 bytes")
     return possible if asked is None else asked
 
 
