@@ -57,12 +57,17 @@ def ours(T, cupy, variant):
         out, lse = attention_forward(q, k, v, variant=variant)
         attention_backward(dout, q, k, v, out, lse, variant=variant)
 
+    def fused_one_pass():
+        out, lse = attention_forward(q, k, v, variant=variant)
+        attention_backward(dout, q, k, v, out, lse, variant=variant, deterministic=False)
+
     def naive_both():
         _, p = attention_forward_naive(q, k, v, variant=variant)
         attention_backward_naive(dout, q, k, v, p, variant=variant)
 
     return {f"fused {variant}, forward": lambda: attention_forward(q, k, v, variant=variant),
             f"fused {variant}, forward + backward": fused_both,
+            f"fused {variant}, one pass (dq atomics), forward + backward": fused_one_pass,
             f"naive {variant}, forward": lambda: attention_forward_naive(q, k, v, variant=variant),
             f"naive {variant}, forward + backward": naive_both}
 
@@ -109,6 +114,9 @@ def kernel_runs(cupy):
             lambda rows=rows: attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot, *common, rows), 4)
         runs[f"kernel attention_backward_dq, {rows} rows"] = (
             lambda rows=rows: attention_ops._dq(dq, dout, q, k, v, lse, rowdot, *common, rows), 3)
+    # The one-pass backward's kernel: dk, dv and dq (added into dq with atomics), 5 half-products.
+    runs["kernel attention_backward_dk_dv with dq atomics, 64 rows"] = (
+        lambda: attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot, *common, attention_ops.TILE, dq), 5)
     return runs
 
 

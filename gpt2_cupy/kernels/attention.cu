@@ -113,10 +113,10 @@ __device__ void tile_dots(float dot[ROWS_PER_THREAD][COLUMNS_PER_THREAD], const 
 }
 
 // accumulator[r][c] += Σ_j weights[row_group + 16r][j] * values[j][column_group * D/16 + c]: the thread's
-// rows of a (ROWS, 64) tile of weights (P or dS, rows 64 + WEIGHTS_PAD floats apart) times a (64, D) tile of
+// rows of a (ROWS, 64) tile of weights (P or dS, rows WEIGHTS_STRIDE floats apart) times a (64, D) tile of
 // values; the thread owns D / 16 consecutive columns of each of its rows. Per 4 steps of j: one float4 of
 // weights per row, 4 reads of values, ROWS / 16 x D / 16 x 4 multiply-adds.
-template <int D, int ROWS_PER_THREAD>
+template <int D, int ROWS_PER_THREAD, int WEIGHTS_STRIDE = COLUMNS + WEIGHTS_PAD>
 __device__ void tile_accumulate(float accumulator[ROWS_PER_THREAD][D / GROUPS], const float* weights,
                                 const float* values)
 {
@@ -127,7 +127,7 @@ __device__ void tile_accumulate(float accumulator[ROWS_PER_THREAD][D / GROUPS], 
         for (int jj = 0; jj < 4; jj++)
             load_consecutive(value[jj], &values[(j + jj) * (D + PAD) + column_group * (D / GROUPS)]);
         for (int r = 0; r < ROWS_PER_THREAD; r++) {
-            float4 weight = *reinterpret_cast<const float4*>(&weights[(row_group + GROUPS * r) * (COLUMNS + WEIGHTS_PAD) + j]);
+            float4 weight = *reinterpret_cast<const float4*>(&weights[(row_group + GROUPS * r) * WEIGHTS_STRIDE + j]);
             for (int c = 0; c < D / GROUPS; c++) {
                 accumulator[r][c] += weight.x * value[0][c];
                 accumulator[r][c] += weight.y * value[1][c];
@@ -175,6 +175,19 @@ __device__ void store_micro_tile(float* tile, float value[ROWS_PER_THREAD][COLUM
     for (int r = 0; r < ROWS_PER_THREAD; r++)
         for (int c = 0; c < COLUMNS_PER_THREAD; c++)
             tile[(row_group + GROUPS * r) * (COLUMNS + WEIGHTS_PAD) + column_group + GROUPS * c] = value[r][c];
+}
+
+// The same micro-tile written transposed, to tile[64][ROWS + PAD]: the thread's (row, column) entry goes to
+// row `column`, column `row`. A warp writes 16 columns x 2 rows: with rows ROWS + 4 floats apart, 16 banks
+// of 32, two floats per bank (rows 80 floats apart, as store_micro_tile's, would put 8 on one bank).
+template <int ROWS_PER_THREAD>
+__device__ void store_micro_tile_transposed(float* tile, float value[ROWS_PER_THREAD][COLUMNS_PER_THREAD])
+{
+    constexpr int STRIDE = GROUPS * ROWS_PER_THREAD + PAD;
+    int row_group = threadIdx.x / GROUPS, column_group = threadIdx.x % GROUPS;
+    for (int r = 0; r < ROWS_PER_THREAD; r++)
+        for (int c = 0; c < COLUMNS_PER_THREAD; c++)
+            tile[(column_group + GROUPS * c) * STRIDE + row_group + GROUPS * r] = value[r][c];
 }
 
 // Forward. grid = (heads, ⌈T/ROWS⌉): a block owns ROWS queries of one head and loops over the key tiles,
@@ -294,12 +307,19 @@ __device__ void probability_and_gradient(float& p, float& ds, float score, float
 //   dv_j += Σ_i P_ij dout_i,  dk_j += Σ_i dS_ij q_i / √D.
 // Every dk, dv element is summed by one thread in a fixed order: no atomics, the same bits every run.
 // P (transposed: rows = keys) goes through one shared tile, then dS through the same tile.
-// Shared memory: k, v tiles of ROWS x (D + 4) floats, q, dout tiles of 64 x (D + 4), a ROWS x 80 tile.
-template <int D, bool RELU, int ROWS>
+// DQ_ATOMIC: the one-pass backward. The block also adds each query tile's share of dq,
+// dq_i += Σ_j dS_ij k_j / √D over its 64 keys (ROWS = 64), into dq with atomicAdd: dq must hold zeros
+// before the launch, and the dq pass is not needed. dS goes to a second tile, transposed (rows = queries),
+// which every warp reads whole: a __syncthreads between writing and reading it. The blocks that share a
+// query tile add into it in whatever order they run: dq's bits vary from run to run.
+// Shared memory: k, v tiles of ROWS x (D + 4) floats, q, dout tiles of 64 x (D + 4), a ROWS x 80 tile, and
+// with DQ_ATOMIC a 64 x (ROWS + 4) tile.
+template <int D, bool RELU, int ROWS, bool DQ_ATOMIC>
 __global__ void __launch_bounds__(THREADS, (ROWS == 64 ? 2 : 1)) attention_backward_dk_dv(float* dk, float* dv,
-    const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* rowdot,
-    int T, int causal)
+    float* dq, const float* dout, const float* q, const float* k, const float* v, const float* lse,
+    const float* rowdot, int T, int causal)
 {
+    static_assert(!DQ_ATOMIC || ROWS == COLUMNS, "the one-pass dq takes tiles of 64 keys");
     constexpr int ROWS_PER_THREAD = ROWS / GROUPS;
     extern __shared__ __align__(16) float shared[];
     float* k_tile = shared;
@@ -307,12 +327,13 @@ __global__ void __launch_bounds__(THREADS, (ROWS == 64 ? 2 : 1)) attention_backw
     float* q_tile = v_tile + ROWS * (D + PAD);
     float* dout_tile = q_tile + COLUMNS * (D + PAD);
     float* weights_tile = dout_tile + COLUMNS * (D + PAD);  // P, then dS, transposed
+    float* ds_by_query = weights_tile + ROWS * (COLUMNS + WEIGHTS_PAD);  // DQ_ATOMIC: dS, rows = queries
     const float scale = rsqrtf((float)D);
     int row_group = threadIdx.x / GROUPS, column_group = threadIdx.x % GROUPS;
     long long head = blockIdx.x;
     int first_key = blockIdx.y * ROWS;
     q += head * T * D; k += head * T * D; v += head * T * D; dout += head * T * D;
-    dk += head * T * D; dv += head * T * D;
+    dk += head * T * D; dv += head * T * D; dq += head * T * D;
     if (!RELU) { lse += head * T; rowdot += head * T; }
 
     load_tile<ROWS, D>(k_tile, k, first_key, T);
@@ -347,8 +368,20 @@ __global__ void __launch_bounds__(THREADS, (ROWS == 64 ? 2 : 1)) attention_backw
         tile_accumulate<D, ROWS_PER_THREAD>(dv_rows, weights_tile, dout_tile);
         __syncwarp();  // the warp is done with P before dS overwrites it
         store_micro_tile<ROWS_PER_THREAD>(weights_tile, ds);
+        if (DQ_ATOMIC) store_micro_tile_transposed<ROWS_PER_THREAD>(ds_by_query, ds);
         __syncwarp();
         tile_accumulate<D, ROWS_PER_THREAD>(dk_rows, weights_tile, q_tile);
+        if (DQ_ATOMIC) {
+            __syncthreads();  // every warp's part of the transposed dS tile is written
+            float dq_part[COLUMNS / GROUPS][D / GROUPS] = {};  // rows = the tile's 64 queries
+            tile_accumulate<D, COLUMNS / GROUPS, ROWS + PAD>(dq_part, ds_by_query, k_tile);
+            for (int r = 0; r < COLUMNS / GROUPS; r++) {
+                int query = first_query + row_group + GROUPS * r;
+                if (query < T)
+                    for (int c = 0; c < D / GROUPS; c++)
+                        atomicAdd(&dq[(long long)query * D + column_group * (D / GROUPS) + c], scale * dq_part[r][c]);
+            }
+        }
     }
     store_rows<D, ROWS_PER_THREAD>(dk, dk_rows, first_key, T, scale);
     store_rows<D, ROWS_PER_THREAD>(dv, dv_rows, first_key, T, 1.0f);

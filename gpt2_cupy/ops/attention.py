@@ -1,7 +1,7 @@
 """Causal self-attention on float32 heads, forward and backward (chapter 08).
 
     out, lse = attention_forward(q, k, v, causal=True, variant="softmax")
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=True, variant="softmax")
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=True, variant="softmax", deterministic=True)
 
 q, k, v: (..., T, d), any leading axes (GPT-2: (B, H, T, d)), d = 32 or 64. The scores are S = q kᵀ / √d;
 causal=True lets query t see keys 0..t.
@@ -11,8 +11,10 @@ causal=True lets query t see keys 0..t.
 
 These are the fused kernels (kernels/attention.cu): S and P = softmax(S) are never written to memory, so
 the only memory beyond the inputs and outputs is lse and the backward's row sums, O(T) per head. The
-backward recomputes P from lse; dk and dv come from one kernel, dq from a second, each element summed by
-one thread in a fixed order (no atomics): the same bits on every run. Each kernel takes 64 or 128 rows
+backward recomputes P from lse. deterministic=True (the default): dk and dv come from one kernel, dq from a
+second, each element summed by one thread in a fixed order (no atomics): the same bits on every run.
+deterministic=False: one pass, the dk, dv kernel also adds each tile's share of dq with atomicAdd: fewer
+products (5 instead of 7), but dq's last bits vary from run to run. Each kernel takes 64 or 128 rows
 (queries, or keys for dk, dv) per block, a template parameter; FORWARD_ROWS, BACKWARD_DK_DV_ROWS and
 BACKWARD_DQ_ROWS say which the op launches, and bench/attention.py times both.
 
@@ -51,17 +53,20 @@ LARGEST_GRID_Y = 65535
 _TILES = {"attention_forward": (1, 2, 1), "attention_backward_dk_dv": (2, 2, 1), "attention_backward_dq": (2, 2, 1)}
 
 
-def _shared_bytes(name, d, rows):
+def _shared_bytes(name, d, rows, dq_atomic=False):
     row_tiles, column_tiles, weight_tiles = _TILES[name]
-    return ((row_tiles * rows + column_tiles * TILE) * (d + PAD) + weight_tiles * rows * (TILE + WEIGHTS_PAD)) * FLOAT
+    transposed = TILE * (rows + PAD) if dq_atomic else 0  # the one-pass backward's dS tile, rows = queries
+    return ((row_tiles * rows + column_tiles * TILE) * (d + PAD) + weight_tiles * rows * (TILE + WEIGHTS_PAD)
+            + transposed) * FLOAT
 
 
-def _kernel(name, d, variant, rows):
+def _kernel(name, d, variant, rows, dq_atomic=None):
     """(kernel, bytes of shared memory it needs): one module per instantiation, so that a run compiles
-    only the versions it uses."""
-    full_name = f"{name}<{d}, {'true' if variant == 'relu' else 'false'}, {rows}>"
+    only the versions it uses. dq_atomic: the dk, dv kernel's fourth template parameter."""
+    full_name = f"{name}<{d}, {'true' if variant == 'relu' else 'false'}, {rows}"
+    full_name += ">" if dq_atomic is None else f", {'true' if dq_atomic else 'false'}>"
     kernel = kernels.function("attention", full_name, name_expressions=(full_name,))
-    shared = _shared_bytes(name, d, rows)
+    shared = _shared_bytes(name, d, rows, bool(dq_atomic))
     if kernel.max_dynamic_shared_size_bytes < shared:
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
         kernel.max_dynamic_shared_size_bytes = shared
@@ -104,8 +109,10 @@ def _forward(out, lse, q, k, v, heads, T, d, causal, variant, rows=FORWARD_ROWS)
            (out, lse if lse is not None else out, q, k, v, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax"):
-    """(dq, dk, dv): the gradients of q, k, v, given dout = dL/dout and the forward's out and lse."""
+def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax", deterministic=True):
+    """(dq, dk, dv): the gradients of q, k, v, given dout = dL/dout and the forward's out and lse.
+
+    deterministic=False takes the one-pass backward (dq added with atomics): faster, not bit-reproducible."""
     name = "attention_backward"
     pattern = ("...", "T", "d")
     sizes = check(name, dout=(dout, pattern), q=(q, pattern), k=(k, pattern), v=(v, pattern), out=(out, pattern),
@@ -114,21 +121,26 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax
     if variant == "softmax" and lse is None:
         raise ValueError(f"{name}: the softmax variant needs the lse that attention_forward returned")
     heads, T = _heads_and_tiles(name, sizes)
-    dq, dk, dv = (backend.xp.empty(q.shape, dtype=np.float32) for _ in range(3))
+    # The one-pass backward adds into dq: it starts from zeros.
+    dq = backend.xp.empty(q.shape, dtype=np.float32) if deterministic else backend.xp.zeros(q.shape, np.float32)
+    dk, dv = (backend.xp.empty(q.shape, dtype=np.float32) for _ in range(2))
     rowdot = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
-    _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, sizes["d"], causal, variant)
+    _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, sizes["d"], causal, variant, deterministic)
     return dq, dk, dv
 
 
-def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, d, causal, variant):
+def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, d, causal, variant, deterministic=True):
     if heads * T == 0:
         return
     if variant == "softmax":
         _rowdot(rowdot, dout, out, heads * T, d)
     else:  # the ReLU kernels never read lse or rowdot: dout stands in for both pointers
         lse = rowdot = dout
-    _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
-    _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
+    if deterministic:
+        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
+        _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
+    else:
+        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=TILE, dq_atomic=dq)
 
 
 # The backward's three launches, each its own function so that bench/attention.py can time them apart
@@ -140,10 +152,13 @@ def _rowdot(rowdot, dout, out, rows, d):
         (rowdot, dout, out, np.int32(rows), np.int32(d)))
 
 
-def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=BACKWARD_DK_DV_ROWS):
-    kernel, shared = _kernel("attention_backward_dk_dv", d, variant, rows)
+def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=BACKWARD_DK_DV_ROWS,
+           dq_atomic=None):
+    """dk, dv; with dq_atomic (a zeroed dq, rows must be TILE) also dq, added with atomics."""
+    kernel, shared = _kernel("attention_backward_dk_dv", d, variant, rows, dq_atomic is not None)
     kernel((heads, ceil_div(T, rows)), (THREADS,),
-           (dk, dv, dout, q, k, v, lse, rowdot, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
+           (dk, dv, dk if dq_atomic is None else dq_atomic, dout, q, k, v, lse, rowdot, np.int32(T),
+            np.int32(bool(causal))), shared_mem=shared)
 
 
 def _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=BACKWARD_DQ_ROWS):
