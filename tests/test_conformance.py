@@ -735,6 +735,61 @@ def test_atomic_cas_loop_builds_a_float_maximum(atomics, rng, to_device, to_host
     assert to_host(result)[0] == x.max()
 
 
+VECTOR_ATOMICS = r"""
+// Thread i adds the four floats x[4i .. 4i + 3] into bucket i % buckets of float4 sums, and two of them into
+// a bucket of float2 sums: atomicAdd on float4 and float2 (compute capability 9.0 and later).
+extern "C" __global__ void vector_sums(float* sums4, float* sums2, const float* x, int buckets, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float4 value = reinterpret_cast<const float4*>(x)[i];
+        atomicAdd(reinterpret_cast<float4*>(sums4) + i % buckets, value);
+        atomicAdd(reinterpret_cast<float2*>(sums2) + i % buckets, make_float2(value.x, value.w));
+    }
+}
+
+// One thread: the old contents come back, element by element.
+extern "C" __global__ void vector_old_values(float* old4, float* old2, float* sums4, float* sums2)
+{
+    float4 previous4 = atomicAdd(reinterpret_cast<float4*>(sums4), make_float4(10.0f, 20.0f, 30.0f, 40.0f));
+    float2 previous2 = atomicAdd(reinterpret_cast<float2*>(sums2), make_float2(50.0f, 60.0f));
+    old4[0] = previous4.x; old4[1] = previous4.y; old4[2] = previous4.z; old4[3] = previous4.w;
+    old2[0] = previous2.x; old2[1] = previous2.y;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def vector_atomics():
+    if backend.name == "cuda" and int(backend.xp.cuda.Device().compute_capability) < 90:
+        pytest.skip("atomicAdd on float2 and float4 needs compute capability 9.0 (Hopper) or later")
+    return backend.RawModule(code=VECTOR_ATOMICS)
+
+
+def test_atomic_add_float4_and_float2_under_contention(vector_atomics, rng, to_device, to_host):
+    """50 003 threads add float4s (and float2s) into 13 buckets: every element of every term is counted."""
+    n, buckets = 50_003, 13
+    x = rng.random((n, 4), dtype=np.float32)
+    sums4, sums2 = to_device(np.zeros((buckets, 4), np.float32)), to_device(np.zeros((buckets, 2), np.float32))
+    vector_atomics.get_function("vector_sums")((blocks_for(n, 256),), (256,),
+                                               (sums4, sums2, to_device(x), np.int32(buckets), np.int32(n)))
+    expected = np.zeros((buckets, 4))
+    np.add.at(expected, np.arange(n) % buckets, x.astype(np.float64))
+    np.testing.assert_allclose(to_host(sums4), expected, rtol=1e-4)
+    np.testing.assert_allclose(to_host(sums2), expected[:, [0, 3]], rtol=1e-4)
+
+
+def test_atomic_add_float4_returns_the_old_values(vector_atomics, to_device, to_host):
+    """The float4 and float2 atomicAdd return what the memory held before, and leave the sums."""
+    sums4, sums2 = to_device(np.array([1, 2, 3, 4], np.float32)), to_device(np.array([5, 6], np.float32))
+    old4, old2 = to_device(np.zeros(4, np.float32)), to_device(np.zeros(2, np.float32))
+    vector_atomics.get_function("vector_old_values")((1,), (1,), (old4, old2, sums4, sums2))
+    np.testing.assert_array_equal(to_host(old4), [1, 2, 3, 4])
+    np.testing.assert_array_equal(to_host(old2), [5, 6])
+    np.testing.assert_array_equal(to_host(sums4), [11, 22, 33, 44])
+    np.testing.assert_array_equal(to_host(sums2), [55, 66])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Vector types
 # ---------------------------------------------------------------------------------------------------------

@@ -94,6 +94,17 @@ def test_a_misaligned_float4_access_is_reported_as_misaligned():
         RawKernel(code, "copy_float4")((1,), (4,), (np.zeros(16, dtype=np.float32), np.zeros(64, dtype=np.float32)))
 
 
+def test_a_misaligned_float4_atomic_add_is_reported_as_misaligned():
+    code = r"""
+    extern "C" __global__ void add_float4(float* sums)
+    {
+        atomicAdd(reinterpret_cast<float4*>(sums + 2), make_float4(1.0f, 1.0f, 1.0f, 1.0f));  // 8 bytes past 16
+    }
+    """
+    with pytest.raises(KernelError, match="misaligned"):
+        RawKernel(code, "add_float4")((1,), (1,), (np.zeros(16, dtype=np.float32),))
+
+
 LOCAL_ARRAY = r"""
 extern "C" __global__ void reverse_in_local_memory(float* out, int n)
 {

@@ -506,6 +506,20 @@ __forceinline__ float atomicAdd(float* a, float v) {
 __forceinline__ double atomicAdd(double* a, double v) {
     return gpt2cupy_atomic_update<double, unsigned long long>(a, v, [](double x, double y) { return x + y; });
 }
+// float2 and float4 atomicAdd (compute capability 9.0 and later, global memory): each element is added
+// atomically, not the vector as one access, as CUDA documents; the address must be aligned to the vector.
+__forceinline__ float2 atomicAdd(float2* a, float2 v) {
+    if (reinterpret_cast<unsigned long long>(a) % sizeof(float2) != 0)
+        gpt2cupy_assert_failed("atomicAdd(float2*) at a misaligned address: it must be a multiple of 8 bytes", "atomicAdd", 0);
+    float x = atomicAdd(&a->x, v.x);
+    return make_float2(x, atomicAdd(&a->y, v.y));
+}
+__forceinline__ float4 atomicAdd(float4* a, float4 v) {
+    if (reinterpret_cast<unsigned long long>(a) % sizeof(float4) != 0)
+        gpt2cupy_assert_failed("atomicAdd(float4*) at a misaligned address: it must be a multiple of 16 bytes", "atomicAdd", 0);
+    float x = atomicAdd(&a->x, v.x), y = atomicAdd(&a->y, v.y), z = atomicAdd(&a->z, v.z);
+    return make_float4(x, y, z, atomicAdd(&a->w, v.w));
+}
 __forceinline__ float atomicExch(float* a, float v) {
     return gpt2cupy_bit_cast<float>(atomicExch(reinterpret_cast<unsigned int*>(a), gpt2cupy_bit_cast<unsigned int>(v)));
 }
