@@ -12,7 +12,11 @@ shared-memory kernels (the row read from global memory once; the package's choic
 the two-pass kernels (the row read twice; the fallback), each with several grids (one block per row, or
 1 or 2 blocks per multiprocessor, each looping over rows), and the shared-memory kernels compiled with
 the other number of float4 loads in flight per thread: 8 for the forward (the package's: 4), 4 for the
-backward (the package's: 8 of each array).
+backward (the package's: 8 of each array). At the attention shape the warp-per-row kernels run one by one
+too: the package's float4 kernels (softmax_*_warp<4, 8>) next to the one-float-per-load ones they replaced
+(softmax_*_warp<1, 32>), in blocks of 4 warps as well as the package's 8, and the forward compiled with
+-DFORWARD_WARP_ROW_BLOCKS=3 and 6 (the package's: 5), registers for that many blocks of 256 threads per
+multiprocessor.
 """
 
 import numpy as np
@@ -41,6 +45,42 @@ def other_loads_in_flight(direction):
     return kernel
 
 
+# The forward warp kernels compiled to fit another number of 256-thread blocks per multiprocessor.
+OTHER_FORWARD_BLOCKS = (3, 6)
+
+
+def warp_rows(direction, columns, width, warps_per_block, options=()):
+    """launch(rows, *arguments): softmax_{direction}_warp<width, K> over `rows` rows, a warp each, in blocks
+    of warps_per_block warps; arguments are the kernel's own, outputs first."""
+    kernel = softmax_ops._warp_kernel(direction, columns, width, options)
+
+    def launch(rows, *arguments):
+        kernel((softmax_ops.ceil_div(rows, warps_per_block),), (warps_per_block * softmax_ops.WARP_SIZE,), arguments)
+
+    return launch
+
+
+def warp_row_candidates(x, y, dout, dx, rows, columns, forward_bytes, backward_bytes):
+    """The warp-per-row kernels one by one: {name: (bytes moved, function that runs it once)}."""
+    one, no_causal = np.float32(1.0), np.int32(0)
+    sizes = (np.int32(rows), np.int32(columns))
+    variants = {"one float per load": (1, softmax_ops.WARPS_PER_BLOCK),
+                "float4, 8 warps per block": (4, softmax_ops.WARPS_PER_BLOCK),
+                "float4, 4 warps per block": (4, 4)}
+    runs = {}
+    for label, (width, warps) in variants.items():
+        forward = warp_rows("forward", columns, width, warps)
+        backward = warp_rows("backward", columns, width, warps)
+        runs[f"forward, {label}"] = (forward_bytes, lambda f=forward: f(rows, y, x, *sizes, one, no_causal))
+        runs[f"backward, {label}"] = (backward_bytes, lambda b=backward: b(rows, dx, dout, y, *sizes, one))
+    for blocks in OTHER_FORWARD_BLOCKS:
+        option = f"-DFORWARD_WARP_ROW_BLOCKS={blocks}"
+        forward = warp_rows("forward", columns, 4, softmax_ops.WARPS_PER_BLOCK, (option,))
+        runs[f"forward, float4, registers for {blocks} blocks per SM"] = (
+            forward_bytes, lambda f=forward: f(rows, y, x, *sizes, one, no_causal))
+    return runs
+
+
 def candidates(rows, columns, cupy):
     """{name: (bytes moved, function that runs it once)} for a (rows, columns) float32 input."""
     random = cupy.random.default_rng(0)
@@ -54,6 +94,8 @@ def candidates(rows, columns, cupy):
         "forward": (forward_bytes, lambda: softmax_forward(x, out=y)),
         "backward": (backward_bytes, lambda: softmax_backward(dout, y, out=dx)),
     }
+    if columns <= softmax_ops.LONGEST_WARP_ROW:
+        runs.update(warp_row_candidates(x, y, dout, dx, rows, columns, forward_bytes, backward_bytes))
     if columns > softmax_ops.LONGEST_WARP_ROW:  # the long-row kernels, each with its grids
         one, no_causal = np.float32(1.0), np.int32(0)
         grids = {"shared memory": ((0, "one block per row"), (1, "1 block per SM")),
@@ -83,6 +125,9 @@ def candidates(rows, columns, cupy):
         y_square = y.reshape(rows // T, T, T)
         runs["forward, causal"] = (read + elements * FLOAT,
                                    lambda: softmax_forward(x_square, causal=True, out=y_square))
+        if columns <= softmax_ops.LONGEST_WARP_ROW:
+            runs["forward, causal, one float per load"] = (read + elements * FLOAT, lambda: softmax_ops._forward(
+                y, x, rows, columns, np.float32(1.0), np.int32(1), width=1))
 
     def cupy_softmax():
         e = cupy.exp(x - x.max(axis=-1, keepdims=True))

@@ -1,7 +1,8 @@
 """Softmax (chapter 04): gpt2_cupy.ops.softmax against float64 numpy, finite differences and PyTorch.
 
-Row lengths cover the kernels (a warp per row up to 1024 columns; beyond, a block per row with the row in
-shared memory, or the two-pass block kernels it falls back to) and lengths that are not multiples of 32
+Row lengths cover the kernels (a warp per row up to 1024 columns, with float4 loads when the rows are a
+multiple of 4 long and the arrays start on 16 bytes, single floats otherwise; beyond, a block per row with
+the row in shared memory, or the two-pass block kernels it falls back to) and lengths that are not multiples of 32
 (1, 31, 33, 1000, 50257) nor of 4 (rows that start off a 16-byte boundary); inputs include huge values (1e4,
 where exp overflows unless the maximum is subtracted) and -inf entries (masked positions).
 """
@@ -243,3 +244,71 @@ def test_shared_memory_kernels_reuse_their_cache_without_races(rng, to_device, t
         softmax_ops._shared_kernel("backward")((2,), (1024,), (dx, dout_device, y, *arguments), shared_mem=shared_mem)
     assert relative_error(to_host(y), softmax_reference(x, 0.5)) < TOLERANCE
     assert relative_error(to_host(dx), softmax_backward_reference(dout, to_host(y), 0.5)) < TOLERANCE
+
+
+@pytest.fixture
+def warp_widths(monkeypatch):
+    """The floats per load of every warp kernel the op launches, recorded in order."""
+    widths = []
+    original = softmax_ops._warp_kernel
+
+    def recording(direction, columns, width, options=()):
+        widths.append(width)
+        return original(direction, columns, width, options)
+
+    monkeypatch.setattr(softmax_ops, "_warp_kernel", recording)
+    return widths
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full rows", "causal"])
+@pytest.mark.parametrize("columns", [4, 128, 132, 1020, 1024])
+def test_float4_warp_kernels_match_float64(columns, causal, warp_widths, rng, to_device, to_host):
+    """Rows that are a multiple of 4 long, in arrays that start on 16 bytes, move as float4s: K = 1, 2, 4, 8
+    groups per lane, some lanes with no group (132, 1020), causal rows whose last valid column falls at
+    every place within a group."""
+    shape = (1, columns, columns) if causal else (37, columns)
+    x = rng.normal(0.0, 3.0, shape).astype(np.float32)
+    dout = rng.normal(size=shape).astype(np.float32)
+    y = softmax_forward(to_device(x), scale=0.125, causal=causal)
+    assert relative_error(to_host(y), softmax_reference(x, 0.125, causal)) < TOLERANCE
+    dx = softmax_backward(to_device(dout), y, scale=0.125)
+    assert relative_error(to_host(dx), softmax_backward_reference(dout, to_host(y), 0.125)) < TOLERANCE
+    assert warp_widths == [4, 4]
+    if causal:  # the masked neighbours a float4 brings along never reach the arithmetic
+        assert np.all(np.triu(to_host(y), 1) == 0)
+        poisoned = np.where(np.tril(np.ones((columns, columns), dtype=bool)), x, np.nan).astype(np.float32)
+        np.testing.assert_array_equal(to_host(softmax_forward(to_device(poisoned), scale=0.125, causal=True)),
+                                      to_host(y))
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_both_widths_agree_with_float64_on_the_same_rows(width, rng, to_device, to_host):
+    """The one-float kernels stay available (the benchmark compares them): asked for, both give the softmax."""
+    rows, columns = 19, 1024
+    x = rng.normal(0.0, 3.0, (rows, columns)).astype(np.float32)
+    dout = rng.normal(size=(rows, columns)).astype(np.float32)
+    x_device = to_device(x)
+    y, dx = backend.xp.empty_like(x_device), backend.xp.empty_like(x_device)
+    softmax_ops._forward(y, x_device, rows, columns, np.float32(0.5), np.int32(0), width=width)
+    softmax_ops._backward(dx, to_device(dout), y, rows, columns, np.float32(0.5), width=width)
+    assert relative_error(to_host(y), softmax_reference(x, 0.5)) < TOLERANCE
+    assert relative_error(to_host(dx), softmax_backward_reference(dout, to_host(y), 0.5)) < TOLERANCE
+
+
+def test_rows_off_16_bytes_take_one_float_loads(warp_widths, rng, to_device, to_host):
+    """A view that starts 4 bytes past a 16-byte boundary, or rows whose length is not a multiple of 4 (so
+    that every other row starts off one), cannot be read as float4s: the op takes the one-float kernels."""
+    rows, columns = 6, 128
+    x = rng.normal(0.0, 3.0, (rows, columns)).astype(np.float32)
+    dout = rng.normal(size=(rows, columns)).astype(np.float32)
+    buffer = backend.xp.zeros(rows * columns + 1, dtype=np.float32)
+    shifted = buffer[1:].reshape(rows, columns)  # C-contiguous, starting 4 bytes into the buffer
+    shifted[...] = to_device(x)
+    assert backend.address(shifted) % 16 == 4
+    y = softmax_forward(shifted, scale=0.5)
+    assert relative_error(to_host(y), softmax_reference(x, 0.5)) < TOLERANCE
+    dx = softmax_backward(to_device(dout), y, scale=0.5, out=shifted)  # here only the output is off 16 bytes
+    assert relative_error(to_host(dx), softmax_backward_reference(dout, to_host(y), 0.5)) < TOLERANCE
+    wide = rng.normal(size=(rows, 130)).astype(np.float32)
+    assert relative_error(to_host(softmax_forward(to_device(wide))), softmax_reference(wide)) < TOLERANCE
+    assert warp_widths == [1, 1, 1]

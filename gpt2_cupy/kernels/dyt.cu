@@ -200,7 +200,13 @@ __device__ __forceinline__ void load_group_from_l2(float* destination, const flo
 // visible to every other block before its count is. counters: gridDim.x + 1 zeros before the launch (and
 // after it). Partials: weight_partials and bias_partials (gridDim.y, columns), alpha_partials gridDim.x
 // gridDim.y floats. Launch with blockDim (32, ROW_SLOTS).
-template <int WIDTH, int ROW_SLOTS>
+//
+// ROWS_AT_ONCE: a thread loads that many of its rows (x and dout, 2 ROWS_AT_ONCE groups) before it computes
+// any of them. With one row at a time, the store of dx between two rows keeps the compiler from moving the
+// next row's loads above it (dx could be the same memory as x or dout, as far as it knows): two loads in
+// flight per thread, too few to cover the memory's latency. The rows are still added in the same order
+// (row, row + ROW_SLOTS, ...), so the sums are the same bits for any ROWS_AT_ONCE.
+template <int WIDTH, int ROW_SLOTS, int ROWS_AT_ONCE>
 __global__ void __launch_bounds__(WARP_SIZE * ROW_SLOTS)
 dyt_backward_columns(float* dx, float* dalpha_sum, float* dweight_sum, float* dbias_sum, float* weight_partials,
                      float* bias_partials, float* alpha_partials, unsigned int* counters, const float* dout,
@@ -226,21 +232,33 @@ dyt_backward_columns(float* dx, float* dalpha_sum, float* dweight_sum, float* db
     int first = blockIdx.y * rows_per_block;
     int last_row = min(first + rows_per_block, rows);
     if (inside) {
-        for (int row = first + slot; row < last_row; row += ROW_SLOTS) {
-            long long start = (long long)row * columns + column;
-            float v[WIDTH], d[WIDTH], result[WIDTH];
-            load_group<WIDTH>(v, x + start, true);
-            load_group<WIDTH>(d, dout + start, true);
+        for (int row = first + slot; row < last_row; row += ROWS_AT_ONCE * ROW_SLOTS) {
+            // All loads first: 2 ROWS_AT_ONCE loads in flight per thread (past the block's rows: zeros).
+            float v[ROWS_AT_ONCE][WIDTH], d[ROWS_AT_ONCE][WIDTH];
 #pragma unroll
-            for (int w = 0; w < WIDTH; ++w) {
-                float t = tanhf(a * v[w]);
-                float g = d[w] * scale[w] * (1.0f - t * t);  // dout * weight * tanh'(alpha x)
-                result[w] = g * a;
-                dalpha += g * v[w];
-                dweight[w] += d[w] * t;
-                dbias[w] += d[w];
+            for (int r = 0; r < ROWS_AT_ONCE; ++r) {
+                long long start = (long long)(row + r * ROW_SLOTS) * columns + column;
+                bool present = row + r * ROW_SLOTS < last_row;
+                load_group<WIDTH>(v[r], x + start, present);
+                load_group<WIDTH>(d[r], dout + start, present);
             }
-            store_group<WIDTH>(dx + start, result);
+            // Then the arithmetic and the stores, row after row in the same order as the loads.
+#pragma unroll
+            for (int r = 0; r < ROWS_AT_ONCE; ++r) {
+                if (row + r * ROW_SLOTS < last_row) {
+                    float result[WIDTH];
+#pragma unroll
+                    for (int w = 0; w < WIDTH; ++w) {
+                        float t = tanhf(a * v[r][w]);
+                        float g = d[r][w] * scale[w] * (1.0f - t * t);  // dout * weight * tanh'(alpha x)
+                        result[w] = g * a;
+                        dalpha += g * v[r][w];
+                        dweight[w] += d[r][w] * t;
+                        dbias[w] += d[r][w];
+                    }
+                    store_group<WIDTH>(dx + (long long)(row + r * ROW_SLOTS) * columns + column, result);
+                }
+            }
         }
     }
 

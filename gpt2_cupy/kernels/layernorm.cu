@@ -328,3 +328,249 @@ __global__ void layernorm_backward_shared(float* dx, float* weight_partials, flo
         bias_partials[(long long)blockIdx.x * columns + column] = bias_total;
     }
 }
+
+// The finishing steps of layernorm_backward_one_launch. Partial rows hold 2 * columns floats: dweight's, then
+// dbias's. Shared memory holds one slice of 2 * columns floats per warp.
+
+// WIDTH floats written by other blocks of this launch, read through the L2 cache (__ldcg), where every
+// multiprocessor's writes meet, never from this multiprocessor's own L1 (which is not kept coherent).
+template <int WIDTH>
+__device__ __forceinline__ void load_group_from_l2(float* destination, const float* source)
+{
+    if (WIDTH == 4) {
+        float4 group = __ldcg(reinterpret_cast<const float4*>(source));
+        destination[0] = group.x;
+        destination[1] = group.y;
+        destination[2] = group.z;
+        destination[3] = group.w;
+    } else {
+        for (int w = 0; w < WIDTH; ++w) {
+            destination[w] = __ldcg(source + w);
+        }
+    }
+}
+
+// Rows [first, first + count) of `rows` added into the calling warp's slice: warp w adds rows first + w,
+// first + w + warps, ... in that order, each lane its own columns (the row layout: 2 K loads of WIDTH floats
+// per row, all in flight together), read through the L2 cache.
+template <int WIDTH, int K>
+__device__ void add_rows_into_slices(float* weight_sums, float* bias_sums, const float* rows, int first, int count,
+                                     int columns)
+{
+    int warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    float weight_total[K * WIDTH], bias_total[K * WIDTH];
+#pragma unroll
+    for (int i = 0; i < K * WIDTH; ++i) {
+        weight_total[i] = 0.0f;
+        bias_total[i] = 0.0f;
+    }
+    for (int row = first + warp; row < first + count; row += warps) {
+        const float* weight_part = rows + 2LL * row * columns;
+        const float* bias_part = weight_part + columns;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int column = (lane + k * WARP_SIZE) * WIDTH;
+            if (column < columns) {
+                float weight_group[WIDTH], bias_group[WIDTH];
+                load_group_from_l2<WIDTH>(weight_group, weight_part + column);
+                load_group_from_l2<WIDTH>(bias_group, bias_part + column);
+#pragma unroll
+                for (int w = 0; w < WIDTH; ++w) {
+                    weight_total[k * WIDTH + w] += weight_group[w];
+                    bias_total[k * WIDTH + w] += bias_group[w];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int column = (lane + k * WARP_SIZE) * WIDTH;
+        if (column < columns) {
+            store_group<WIDTH>(weight_sums + column, weight_total + k * WIDTH);
+            store_group<WIDTH>(bias_sums + column, bias_total + k * WIDTH);
+        }
+    }
+}
+
+// The warps' slices added in order, warp 0, 1, ..., written to weight_row and bias_row, or, with
+// `accumulate`, added into them (bias_row may then be null: no bias).
+__device__ void add_slices_in_order(float* weight_row, float* bias_row, const float* shared, int warps, int columns,
+                                    bool accumulate)
+{
+    for (int column = threadIdx.x; column < columns; column += blockDim.x) {
+        float weight_total = 0.0f, bias_total = 0.0f;
+        for (int w = 0; w < warps; ++w) {
+            weight_total += shared[2 * w * columns + column];
+            bias_total += shared[(2 * w + 1) * columns + column];
+        }
+        if (!accumulate) {
+            weight_row[column] = weight_total;
+            bias_row[column] = bias_total;
+        } else {
+            weight_row[column] += weight_total;  // add, not set: a parameter's gradient accumulates
+            if (bias_row != nullptr) {
+                bias_row[column] += bias_total;
+            }
+        }
+    }
+}
+
+// The backward in one launch: layernorm_backward_shared's work with two changes.
+//
+// More loads in flight: a warp loads ROWS_AT_ONCE of its rows (rows row, row + warps, ...) before it computes
+// any of them, 2 K ROWS_AT_ONCE loads per lane instead of 2 K; it then handles them in that order, so each
+// warp's slice adds the rows in the same order as with one row at a time.
+//
+// The column sums finished inside the launch, by the last blocks to finish. One block cannot add all the
+// partial rows quickly (256 rows of 2 C floats at (8, 1024, 768): 1.5 MB through one multiprocessor), so the
+// finish is a two-level tree, each level in a fixed order:
+//   1. every block writes its row of partial dweight and dbias (partials[b], 2 C floats);
+//   2. blocks are counted in groups of blocks_per_group consecutive blocks (the last group may be smaller);
+//      the last block of a group to finish (a ticket from atomicAdd on counters[group], after __threadfence()
+//      made its own partial row visible) adds the group's partial rows into the group's row,
+//      partials[gridDim.x + group], and sets its counter back to 0;
+//   3. the last group to finish (counters[groups]) adds the group rows into dweight and dbias (+=: a
+//      parameter's gradient accumulates) and sets that counter back to 0.
+// Steps 2 and 3 add rows the way the row loop does: warp w takes rows w, w + warps, ... into its slice, with
+// all of a row's loads in flight, then the block adds the slices in order, warp 0, 1, ...
+// The tickets decide only which block adds, never the order of the additions: the same bits on every run.
+// Rows written by other blocks are read with __ldcg, through the L2 cache where all blocks' writes meet.
+// partials: (gridDim.x + groups, 2, columns) floats; counters: groups + 1 zeros, left at zero. Dynamic shared
+// memory: 2 * warps * columns floats. Blocks of at most 8 warps; with two rows at once, the compiler is asked
+// to fit two blocks per multiprocessor (at most 128 registers per thread): at (8, 1024, 768) the 256 blocks
+// are then all resident at once, about two per multiprocessor, as with one row at a time.
+template <int WIDTH, int K, int ROWS_AT_ONCE>
+__global__ void __launch_bounds__(8 * WARP_SIZE, ROWS_AT_ONCE > 1 ? 2 : 1)
+layernorm_backward_one_launch(float* dx, float* dweight_sum, float* dbias_sum, float* partials, unsigned int* counters,
+                              const float* dout, const float* x, const float* weight, const float* mean,
+                              const float* rstd, int rows, int columns, int rows_per_block, int blocks_per_group,
+                              int has_bias)
+{
+    extern __shared__ float shared[];
+    int warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    float* weight_sums = shared + 2 * warp * columns;  // this warp's slice
+    float* bias_sums = weight_sums + columns;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int column = (lane + k * WARP_SIZE) * WIDTH;
+        for (int w = 0; w < WIDTH && column + w < columns; ++w) {
+            weight_sums[column + w] = 0.0f;
+            bias_sums[column + w] = 0.0f;
+        }
+    }
+
+    int first = blockIdx.x * rows_per_block;
+    int last_row = min(first + rows_per_block, rows);
+    for (int row = first + warp; row < last_row; row += ROWS_AT_ONCE * warps) {
+        // Every load of ROWS_AT_ONCE rows first (rows past the block's end: zeros, never used).
+        float x_hat[ROWS_AT_ONCE][K * WIDTH], d[ROWS_AT_ONCE][K * WIDTH];
+        float row_mean[ROWS_AT_ONCE], row_rstd[ROWS_AT_ONCE];
+#pragma unroll
+        for (int r = 0; r < ROWS_AT_ONCE; ++r) {
+            int this_row = row + r * warps;
+            bool present = this_row < last_row;
+            long long start = (long long)this_row * columns;
+            row_mean[r] = present ? mean[this_row] : 0.0f;
+            row_rstd[r] = present ? rstd[this_row] : 0.0f;
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                int column = (lane + k * WARP_SIZE) * WIDTH;
+                load_group<WIDTH>(x_hat[r] + k * WIDTH, x + start + column, present && column < columns);
+                load_group<WIDTH>(d[r] + k * WIDTH, dout + start + column, present && column < columns);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS_AT_ONCE; ++r) {
+            int this_row = row + r * warps;
+            if (this_row >= last_row) {  // the same for the whole warp: the shuffles below see every lane
+                break;
+            }
+            long long start = (long long)this_row * columns;
+            float g_sum = 0.0f, g_x_hat_sum = 0.0f;
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                int column = (lane + k * WARP_SIZE) * WIDTH;
+                float scale[WIDTH];
+                load_group<WIDTH>(scale, weight + column, column < columns);
+#pragma unroll
+                for (int w = 0; w < WIDTH; ++w) {
+                    int i = k * WIDTH + w;
+                    x_hat[r][i] = (x_hat[r][i] - row_mean[r]) * row_rstd[r];
+                    float g = scale[w] * d[r][i];  // 0 past the row's end, where d is 0
+                    g_sum += g;
+                    g_x_hat_sum += g * x_hat[r][i];
+                }
+            }
+            float g_mean = warp_sum(g_sum) / columns;
+            float g_x_hat_mean = warp_sum(g_x_hat_sum) / columns;
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                int column = (lane + k * WARP_SIZE) * WIDTH;
+                if (column < columns) {
+                    float scale[WIDTH], result[WIDTH], weight_group[WIDTH], bias_group[WIDTH];
+                    load_group<WIDTH>(scale, weight + column, true);
+                    load_group<WIDTH>(weight_group, weight_sums + column, true);
+                    load_group<WIDTH>(bias_group, bias_sums + column, true);
+#pragma unroll
+                    for (int w = 0; w < WIDTH; ++w) {
+                        int i = k * WIDTH + w;
+                        result[w] = row_rstd[r] * (scale[w] * d[r][i] - g_mean - x_hat[r][i] * g_x_hat_mean);
+                        weight_group[w] += d[r][i] * x_hat[r][i];
+                        bias_group[w] += d[r][i];
+                    }
+                    store_group<WIDTH>(dx + start + column, result);
+                    store_group<WIDTH>(weight_sums + column, weight_group);
+                    store_group<WIDTH>(bias_sums + column, bias_group);
+                }
+            }
+        }
+    }
+
+    // 1. The block's partial row: its warps' slices added in order, warp 0, 1, ...
+    __syncthreads();
+    float* own_row = partials + 2LL * blockIdx.x * columns;
+    add_slices_in_order(own_row, own_row + columns, shared, warps, columns, false);
+
+    // 2. The last block of the group adds the group's partial rows.
+    int blocks = gridDim.x;
+    int group = blockIdx.x / blocks_per_group, groups = (blocks + blocks_per_group - 1) / blocks_per_group;
+    int group_first = group * blocks_per_group, group_size = min(blocks_per_group, blocks - group_first);
+    // The ticket goes to the whole block through shared[0]: the warps' slices are added up, no longer needed
+    // (and a __shared__ variable of its own would take the block past the 48 KB it may use without asking).
+    unsigned int* ticket = reinterpret_cast<unsigned int*>(shared);
+    __threadfence();  // each thread's part of the row reaches memory before the block's ticket says it is there
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *ticket = atomicAdd(&counters[group], 1u) + 1;
+    }
+    __syncthreads();
+    bool last = *ticket == (unsigned int)group_size;
+    __syncthreads();  // every thread has read the ticket before the slices are used again
+    if (!last) {
+        return;
+    }
+    add_rows_into_slices<WIDTH, K>(weight_sums, bias_sums, partials, group_first, group_size, columns);
+    __syncthreads();
+    float* group_row = partials + 2LL * (blocks + group) * columns;
+    add_slices_in_order(group_row, group_row + columns, shared, warps, columns, false);
+
+    // 3. The last group adds the group rows into the gradients.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        counters[group] = 0;  // ready for the next launch
+        *ticket = atomicAdd(&counters[groups], 1u) + 1;
+    }
+    __syncthreads();
+    last = *ticket == (unsigned int)groups;
+    __syncthreads();
+    if (!last) {
+        return;
+    }
+    add_rows_into_slices<WIDTH, K>(weight_sums, bias_sums, partials, blocks, groups, columns);
+    __syncthreads();
+    add_slices_in_order(dweight_sum, has_bias ? dbias_sum : nullptr, shared, warps, columns, true);
+    if (threadIdx.x == 0) {
+        counters[groups] = 0;
+    }
+}

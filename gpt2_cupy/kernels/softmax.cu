@@ -38,10 +38,70 @@ __device__ __forceinline__ int valid_columns(int row, int columns, int causal)
     return causal ? row % columns + 1 : columns;
 }
 
-// A warp per row; lane `lane` holds elements lane, lane + 32, ..., lane + 32 (K - 1): K loads in flight per
-// lane, all issued before the first is needed. Launch with columns <= 32 K, blockDim.x a multiple of 32.
-template <int K>
-__global__ void softmax_forward_warp(float* y, const float* x, int rows, int columns, float scale, int causal)
+// ---- Rows up to 1024: a warp per row, the row in registers ---------------------------------------------
+// Lane `lane` holds the groups of WIDTH neighbouring columns that start at columns (lane + 32 k) WIDTH,
+// k = 0 .. K - 1. WIDTH = 1: one float per load, the warp's 32 loads one 128-byte line. WIDTH = 4: one
+// float4 per load, the warp's 32 loads four neighbouring lines, 512 bytes: a quarter of the load and store
+// instructions and their address arithmetic for the same bytes, each moving a whole 16-byte piece. float4
+// needs every group on a 16-byte boundary: columns a multiple of 4 and the arrays starting on 16 bytes (the
+// op checks; otherwise WIDTH = 1). WIDTH and K are template parameters, compile-time constants: the loops
+// unroll and the arrays below live in registers. No load's address depends on an earlier load's value, so
+// the compiler issues all K before it waits for the first: K loads in flight per lane. Launch with
+// columns <= 32 K WIDTH and blockDim.x a multiple of 32, at most WARP_ROW_THREADS (the op launches 8 warps,
+// 8 rows, per block).
+//
+// Registers decide how many warps a multiprocessor holds (65536 registers): the more warps, the more
+// loads in flight to cover memory's latency. __launch_bounds__(threads, blocks) asks the compiler to fit
+// `blocks` blocks of `threads` threads on a multiprocessor. For the forward, 5 blocks of 256 threads
+// leave 51 registers per thread (48 once rounded), enough for the 32 floats of a row of 1024 and the
+// rest: 40 warps. Left free, CUDA 13's compiler takes 79: 3 blocks, 24 warps. The backward holds two rows,
+// 64 floats per lane, and takes what it needs (78 registers, 3 blocks). (bench/softmax.py also compiles
+// the file with -DFORWARD_WARP_ROW_BLOCKS=3 and 6, to compare: 6 leaves 40 registers, too few for the row,
+// and the compiler spills some values to memory.)
+#define WARP_ROW_THREADS 256
+#ifndef FORWARD_WARP_ROW_BLOCKS
+#define FORWARD_WARP_ROW_BLOCKS 5
+#endif
+
+// WIDTH floats from source into destination when `inside`; nothing is read otherwise.
+template <int WIDTH>
+__device__ __forceinline__ void load_group(float* destination, const float* source, bool inside)
+{
+    if (!inside) {
+        for (int w = 0; w < WIDTH; ++w) {
+            destination[w] = 0.0f;
+        }
+    } else if (WIDTH == 4) {
+        float4 group = *reinterpret_cast<const float4*>(source);
+        destination[0] = group.x;
+        destination[1] = group.y;
+        destination[2] = group.z;
+        destination[3] = group.w;
+    } else {
+        for (int w = 0; w < WIDTH; ++w) {
+            destination[w] = source[w];
+        }
+    }
+}
+
+template <int WIDTH>
+__device__ __forceinline__ void store_group(float* destination, const float* source)
+{
+    if (WIDTH == 4) {
+        *reinterpret_cast<float4*>(destination) = make_float4(source[0], source[1], source[2], source[3]);
+    } else {
+        for (int w = 0; w < WIDTH; ++w) {
+            destination[w] = source[w];
+        }
+    }
+}
+
+// Causal rows: a group is loaded when its first column takes part. With WIDTH = 4 the group that holds the
+// row's last valid column may bring up to 3 masked neighbours along, from the same 32-byte sector of memory
+// that the valid ones come from anyway; a select puts -inf in their place, whatever they hold (even NaN).
+template <int WIDTH, int K>
+__global__ void __launch_bounds__(WARP_ROW_THREADS, FORWARD_WARP_ROW_BLOCKS)
+softmax_forward_warp(float* y, const float* x, int rows, int columns, float scale, int causal)
 {
     int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
@@ -52,35 +112,45 @@ __global__ void softmax_forward_warp(float* y, const float* x, int rows, int col
     float* y_row = y + (long long)row * columns;
     int valid = valid_columns(row, columns, causal);
 
-    float z[K];
+    float z[K * WIDTH];
     float maximum = negative_infinity();
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        int column = lane + k * WARP_SIZE;
-        z[k] = column < valid ? scale * x_row[column] : negative_infinity();
-        maximum = fmaxf(maximum, z[k]);
+        int column = (lane + k * WARP_SIZE) * WIDTH;
+        load_group<WIDTH>(z + k * WIDTH, x_row + column, column < valid);
+#pragma unroll
+        for (int w = 0; w < WIDTH; ++w) {
+            int i = k * WIDTH + w;
+            z[i] = column + w < valid ? scale * z[i] : negative_infinity();  // a choice: a NaN there is dropped
+            maximum = fmaxf(maximum, z[i]);
+        }
     }
     maximum = warp_max(maximum);
     float sum = 0.0f;
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-        z[k] = expf(z[k] - maximum);  // <= 1: no overflow whatever x is
-        sum += z[k];
+    for (int i = 0; i < K * WIDTH; ++i) {
+        z[i] = expf(z[i] - maximum);  // <= 1: no overflow whatever x is
+        sum += z[i];
     }
     float inverse_sum = 1.0f / warp_sum(sum);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        int column = lane + k * WARP_SIZE;
+        int column = (lane + k * WARP_SIZE) * WIDTH;
         if (column < columns) {
-            y_row[column] = column < valid ? z[k] * inverse_sum : 0.0f;
+            float y_group[WIDTH];
+#pragma unroll
+            for (int w = 0; w < WIDTH; ++w) {
+                y_group[w] = column + w < valid ? z[k * WIDTH + w] * inverse_sum : 0.0f;
+            }
+            store_group<WIDTH>(y_row + column, y_group);
         }
     }
 }
 
 // dx = scale * y * (dout - sum_j dout_j y_j), a warp per row, both rows in registers.
-template <int K>
-__global__ void softmax_backward_warp(float* dx, const float* dout, const float* y, int rows, int columns,
-                                      float scale)
+template <int WIDTH, int K>
+__global__ void __launch_bounds__(WARP_ROW_THREADS)
+softmax_backward_warp(float* dx, const float* dout, const float* y, int rows, int columns, float scale)
 {
     int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
@@ -88,21 +158,29 @@ __global__ void softmax_backward_warp(float* dx, const float* dout, const float*
         return;
     }
     long long start = (long long)row * columns;
-    float y_values[K], dout_values[K];
+    float y_values[K * WIDTH], dout_values[K * WIDTH];
     float dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        int column = lane + k * WARP_SIZE;
-        y_values[k] = column < columns ? y[start + column] : 0.0f;
-        dout_values[k] = column < columns ? dout[start + column] : 0.0f;
-        dot += dout_values[k] * y_values[k];
+        int column = (lane + k * WARP_SIZE) * WIDTH;
+        load_group<WIDTH>(y_values + k * WIDTH, y + start + column, column < columns);
+        load_group<WIDTH>(dout_values + k * WIDTH, dout + start + column, column < columns);
+#pragma unroll
+        for (int w = 0; w < WIDTH; ++w) {
+            dot += dout_values[k * WIDTH + w] * y_values[k * WIDTH + w];  // a group past the row's end holds 0s
+        }
     }
     dot = warp_sum(dot);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        int column = lane + k * WARP_SIZE;
+        int column = (lane + k * WARP_SIZE) * WIDTH;
         if (column < columns) {
-            dx[start + column] = scale * y_values[k] * (dout_values[k] - dot);
+            float dx_group[WIDTH];
+#pragma unroll
+            for (int w = 0; w < WIDTH; ++w) {
+                dx_group[w] = scale * y_values[k * WIDTH + w] * (dout_values[k * WIDTH + w] - dot);
+            }
+            store_group<WIDTH>(dx + start + column, dx_group);
         }
     }
 }

@@ -9,9 +9,9 @@ bias (C,), bias may be None; alpha, the learnable scale of the input, a float32 
 lives). The backward returns dx and ADDS into dalpha (shape (1,)), dweight and dbias (may be None),
 deterministically: per-block partial sums, then a fixed-order sum (kernels/dyt.cu).
 
-Backward kernels: dyt_backward_columns<WIDTH, ROW_SLOTS> (the op's), one launch: each thread owns a group of
-WIDTH columns over many rows, and the last block to finish a stripe of columns adds the partial sums (a
-counter per stripe, kept here per device). dyt_backward<WIDTH, K>, LayerNorm's warp-per-row layout followed
+Backward kernels: dyt_backward_columns<WIDTH, ROW_SLOTS, ROWS_AT_ONCE> (the op's), one launch: each thread owns
+a group of WIDTH columns over many rows, loading ROWS_AT_ONCE rows before computing them, and the last block to
+finish a stripe of columns adds the partial sums (a counter per stripe, layernorm.counters()). dyt_backward<WIDTH, K>, LayerNorm's warp-per-row layout followed
 by two column_sums_accumulate launches, stays for the benchmark (_backward_rows).
 """
 
@@ -22,15 +22,18 @@ import numpy as np
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output
 from gpt2_cupy.ops.layernorm import (BACKWARD_WARPS_PER_BLOCK, GROUPS_PER_LANE, WARP_SIZE, add_column_sums,
-                                     backward_blocks, require_gradient_buffers, row_layout)
+                                     backward_blocks, counters, require_gradient_buffers, row_layout)
 
 ROW_SLOTS = 8            # blocks of (32, 8) threads: a warp per row slot
-ROWS_PER_BLOCK = 128     # 16 rows per thread (bench/layernorm.py times 32 to 256); a fixed number, so the order
+ROWS_PER_BLOCK = 128     # 16 rows per thread (bench/layernorm.py times 64 to 256); a fixed number, so the order
                          # of the sums is the same on every GPU
+ROWS_AT_ONCE = 4         # rows a thread loads before computing them: 8 float4 loads in flight per thread
+# The float4 variants bench/layernorm.py times: (ROW_SLOTS, ROWS_AT_ONCE).
+CANDIDATES = tuple((slots, rows) for slots in (4, 8, 16) for rows in (1, 2, 4, 8))
 NAMES = (tuple(f"dyt_backward<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
-         + tuple(f"dyt_backward_columns<{width}, {ROW_SLOTS}>" for width in (4, 1)))
+         + tuple(f"dyt_backward_columns<4, {slots}, {rows}>" for slots, rows in CANDIDATES)
+         + (f"dyt_backward_columns<1, {ROW_SLOTS}, {ROWS_AT_ONCE}>",))
 LARGEST_GRID_Y = 65535   # CUDA's limit on gridDim.y
-_counters = {}           # per device: the zeroed counters of the last-block pattern, reset by the kernel
 
 
 def _kernel(name):
@@ -68,19 +71,8 @@ def dyt_backward(dout, x, alpha, weight, *, dalpha, dweight, dbias=None, out=Non
     return out
 
 
-def counters(count):
-    """`count` zeroed unsigned ints on the current device, the same ones on every call: the kernels that use
-    them leave them at zero. Grown (new zeros) when a launch needs more. Two launches that use them must not
-    run at the same time (on two streams of one device), or their counts would mix."""
-    device = backend.xp.cuda.Device().id if backend.name == "cuda" else -1
-    current = _counters.get(device)
-    if current is None or current.size < count:
-        current = _counters[device] = backend.xp.zeros(max(count, 64), dtype=np.uint32)
-    return current
-
-
-def _backward_columns(width, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns,
-                      rows_per_block=ROWS_PER_BLOCK):
+def _backward_columns(width, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns, *,
+                      rows_per_block=ROWS_PER_BLOCK, row_slots=ROW_SLOTS, rows_at_once=ROWS_AT_ONCE):
     stripes = ceil_div(columns, WARP_SIZE * width)
     rows_per_block = max(rows_per_block, ceil_div(rows, LARGEST_GRID_Y))  # beyond 4 million rows, longer blocks
     row_blocks = ceil_div(rows, rows_per_block)
@@ -88,8 +80,8 @@ def _backward_columns(width, out, dalpha, dweight, dbias, dout, x, alpha, weight
     weight_partials = partials[:row_blocks * columns]
     bias_partials = partials[row_blocks * columns:2 * row_blocks * columns]
     alpha_partials = partials[2 * row_blocks * columns:]
-    _kernel(f"dyt_backward_columns<{width}, {ROW_SLOTS}>")(
-        (stripes, row_blocks), (WARP_SIZE, ROW_SLOTS),
+    _kernel(f"dyt_backward_columns<{width}, {row_slots}, {rows_at_once}>")(
+        (stripes, row_blocks), (WARP_SIZE, row_slots),
         (out, dalpha, dweight, weight if dbias is None else dbias, weight_partials, bias_partials, alpha_partials,
          counters(stripes + 1), dout, x, alpha, weight, np.int32(rows), np.int32(columns),
          np.int32(rows_per_block), np.int32(dbias is not None)))

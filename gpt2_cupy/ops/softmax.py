@@ -9,13 +9,14 @@ kernels skip the masked upper triangle instead of reading it, and write 0 there.
 causal flag: y is 0 in the masked triangle, and so is dx.
 
 Rows of at most 1024 elements go to a warp per row, the row held in registers (kernels/softmax.cu,
-softmax_forward_warp<K> with K = 1, 2, 4, ..., 32 elements per lane). Longer rows go to a block of 1024
-threads per row with the row kept in shared memory (softmax_forward_shared, softmax_backward_shared): read
-from global memory once. When the row does not fit in a block's shared memory (past about 58 000 floats on
-an H100), or an array does not start on 16 bytes (the shared-memory kernels move float4s), they go to the
-two-pass kernels softmax_forward_block and softmax_backward_block, which read the row twice (a grid of one
-block per multiprocessor, each looping over rows). `out=` writes into an existing array, which may be the
-input itself.
+softmax_forward_warp<WIDTH, K>): when the row length is a multiple of 4 and the arrays start on 16 bytes,
+each lane moves K float4s (WIDTH = 4, K = 1, 2, 4 or 8); otherwise K single floats (WIDTH = 1, K = 1, 2, 4,
+..., 32). Longer rows go to a block of 1024 threads per row with the row kept in shared memory
+(softmax_forward_shared, softmax_backward_shared): read from global memory once. When the row does not fit
+in a block's shared memory (past about 58 000 floats on an H100), or an array does not start on 16 bytes
+(the shared-memory kernels move float4s), they go to the two-pass kernels softmax_forward_block and
+softmax_backward_block, which read the row twice (a grid of one block per multiprocessor, each looping over
+rows). `out=` writes into an existing array, which may be the input itself.
 """
 
 from functools import lru_cache
@@ -26,9 +27,11 @@ from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import ceil_div, check, float4_aligned, output
 
 WARP_SIZE = 32
-WARPS_PER_BLOCK = 8             # rows per block for the warp kernels: 256 threads
-ELEMENTS_PER_LANE = (1, 2, 4, 8, 16, 32)
-LONGEST_WARP_ROW = WARP_SIZE * ELEMENTS_PER_LANE[-1]   # 1024: longer rows take a block each
+WARPS_PER_BLOCK = 8             # rows per block for the warp kernels: 256 threads (WARP_ROW_THREADS, the most)
+# The warp kernels' groups per lane, K, by WIDTH (floats per load): the op takes the smallest K that covers
+# the row, 32 K WIDTH >= columns. WIDTH = 4 needs columns % 4 == 0 and arrays that start on 16 bytes.
+GROUPS_PER_LANE = {4: (1, 2, 4, 8), 1: (1, 2, 4, 8, 16, 32)}
+LONGEST_WARP_ROW = WARP_SIZE * GROUPS_PER_LANE[1][-1]   # 1024: longer rows take a block each
 THREADS_PER_LONG_ROW = 1024   # LONG_ROW_THREADS in kernels/softmax.cu: the shared-memory kernels' launch bounds
 # The two-pass kernels for long rows: a grid of this many blocks per multiprocessor, each looping over rows,
 # rather than one block per row. Fewer rows in flight (132 rows of 50257 floats are 27 MB) let the output
@@ -45,15 +48,22 @@ REDUCTION_SHARED_BYTES = 512
 
 
 def _names(direction):
-    return tuple(f"softmax_{direction}_warp<{k}>" for k in ELEMENTS_PER_LANE)
+    return tuple(f"softmax_{direction}_warp<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
 
 
 _NAMES = _names("forward") + _names("backward")
 
 
-def _warp_kernel(direction, columns):
-    k = next(k for k in ELEMENTS_PER_LANE if WARP_SIZE * k >= columns)
-    return kernels.function("softmax", f"softmax_{direction}_warp<{k}>", name_expressions=_NAMES)
+def warp_row_width(columns, *arrays):
+    """Floats per load of the warp kernels for rows of `columns` (at most 1024): 4 when the row's float4s
+    lie on 16-byte boundaries in every array, else 1."""
+    return 4 if columns % 4 == 0 and float4_aligned(*arrays) else 1
+
+
+def _warp_kernel(direction, columns, width, options=()):
+    k = next(k for k in GROUPS_PER_LANE[width] if WARP_SIZE * k * width >= columns)
+    return kernels.function("softmax", f"softmax_{direction}_warp<{width}, {k}>", options=tuple(options),
+                            name_expressions=_NAMES)
 
 
 def softmax_forward(x, *, scale=1.0, causal=False, out=None):
@@ -113,14 +123,16 @@ def _shared_kernel(direction):
     return kernel
 
 
-def _forward(out, x, rows, columns, scale, causal, blocks_per_multiprocessor=None, shared_memory=None):
+def _forward(out, x, rows, columns, scale, causal, blocks_per_multiprocessor=None, shared_memory=None,
+             width=None):
     """shared_memory: None picks the kernel for long rows (the shared-memory one when it can run), True or
     False asks for one (the benchmark and the tests compare them); blocks_per_multiprocessor as in
-    long_row_blocks (None: the kernel's default grid)."""
+    long_row_blocks (None: the kernel's default grid); width: the warp kernels' floats per load (None:
+    warp_row_width's choice; 1 may always be asked for, 4 only where warp_row_width allows it)."""
     if rows == 0 or columns == 0:
         return
     if columns <= LONGEST_WARP_ROW:
-        kernel = _warp_kernel("forward", columns)
+        kernel = _warp_kernel("forward", columns, width or warp_row_width(columns, out, x))
         kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
                (out, x, np.int32(rows), np.int32(columns), scale, causal))
     elif _use_shared_memory(shared_memory, columns, out, x):
@@ -135,12 +147,13 @@ def _forward(out, x, rows, columns, scale, causal, blocks_per_multiprocessor=Non
                (out, x, np.int32(rows), np.int32(columns), scale, causal))
 
 
-def _backward(out, dout, y, rows, columns, scale, blocks_per_multiprocessor=None, shared_memory=None):
+def _backward(out, dout, y, rows, columns, scale, blocks_per_multiprocessor=None, shared_memory=None,
+              width=None):
     """The arguments as in _forward."""
     if rows == 0 or columns == 0:
         return
     if columns <= LONGEST_WARP_ROW:
-        kernel = _warp_kernel("backward", columns)
+        kernel = _warp_kernel("backward", columns, width or warp_row_width(columns, out, dout, y))
         kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
                (out, dout, y, np.int32(rows), np.int32(columns), scale))
     elif _use_shared_memory(shared_memory, columns, out, dout, y):
