@@ -8,11 +8,11 @@ At GPT-2's (B, T, C) = (8, 1024, 768). Bytes counted are what each kernel must m
   DyT forward         read x, write y                      4 (2 N C)
   DyT backward        read dout, x, write dx               4 (3 N C)
 (the parameters, C floats, and the partial sums stay in the cache and are not counted).
-The backward kernels the ops use ("LayerNorm backward", "DyT backward") run next to the previous versions
-(LayerNorm: layernorm_backward_shared plus a column_sums_accumulate launch; DyT: one row loaded at a time),
-the first versions (column sums in registers, one finishing launch per parameter), and the candidates of
-the one-launch kernels: rows per block, warps per block or row slots, and rows loaded at once; the table
-ends with the fastest candidate of each. PyTorch's figures
+The backward kernels the ops use ("LayerNorm backward", "DyT backward") run next to the first versions
+(column sums in registers, one finishing launch per parameter), to other rows-per-block choices, to DyT's
+previous kernel (one row loaded at a time) and its candidates (row slots, rows loaded at once), and to the
+two launches of the LayerNorm backward timed apart (what the column sums' finishing launch costs); the
+table ends with the fastest DyT candidate. PyTorch's figures
 use the same byte counts for its kernels (aten native_layer_norm and native_layer_norm_backward, and
 `weight * tanh(alpha * x) + bias` as eager tensor expressions for DyT), so that GB/s compare times.
 """
@@ -46,15 +46,27 @@ def candidates(cupy):
     elementwise_forward, elementwise_backward = FLOAT * 2 * N * C, FLOAT * 3 * N * C
 
     layout = (4, 6)  # float4 groups, K = 6: C = 768
+    rows_per_block = layernorm_ops.ROWS_PER_BLOCK
 
-    def layernorm_backward_with(rows, warps, rows_at_once):
+    def layernorm_backward_with(rows):
         return lambda: layernorm_ops._backward(layout, dx, dweight, dbias, dout, x, weight, mean, rstd, N, C,
-                                               rows_per_block=rows, warps=warps, rows_at_once=rows_at_once)
+                                               rows_per_block=rows)
 
     def dyt_backward_with(rows, row_slots, rows_at_once):
         return lambda: dyt_ops._backward_columns(4, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C,
                                                  rows_per_block=rows, row_slots=row_slots,
                                                  rows_at_once=rows_at_once)
+
+    # The LayerNorm backward's two launches, each alone: the row kernel writing its blocks' partial sums,
+    # and column_sums_accumulate adding them into dweight and dbias.
+    warps = layernorm_ops.shared_warps(C)
+    blocks = -(-N // rows_per_block)
+    partials = cupy.zeros((2, blocks, C), dtype=cupy.float32)
+    row_kernel = kernels.function("layernorm", "layernorm_backward_shared<4, 6>", name_expressions=layernorm_ops.NAMES)
+
+    def layernorm_rows_alone():
+        row_kernel((blocks,), (warps * 32,), (dx, partials[0], partials[1], dout, x, weight, mean, rstd, np.int32(N),
+                                              np.int32(C), np.int32(rows_per_block)), shared_mem=2 * warps * C * 4)
 
     step = backend.RawKernel(kernels.source("steps/layernorm_forward_warp_per_row"), "layernorm_forward_warp_per_row")
     rows = np.int32(N)
@@ -69,19 +81,19 @@ def candidates(cupy):
         "LayerNorm forward": (forward_bytes, lambda: layernorm_forward(x, weight, bias, out=y)),
         "LayerNorm backward": (backward_bytes, lambda: layernorm_backward(
             dout, x, weight, mean, rstd, dweight=dweight, dbias=dbias, out=dx)),
-        "LayerNorm backward, two launches (previous)": (backward_bytes, lambda: (
-            layernorm_ops._backward_two_launches(layout, dx, dweight, dbias, dout, x, weight, mean, rstd, N, C))),
         "LayerNorm backward, column sums in registers (first kernel)": (backward_bytes, lambda: (
             layernorm_ops._backward_registers(layout, dx, dweight, dbias, dout, x, weight, mean, rstd, N, C))),
-        **{f"LayerNorm backward, one launch, {rows} rows per block, {warps} warps, {at_once} at once": (
-            backward_bytes, layernorm_backward_with(rows, warps, at_once))
-           for rows in (16, 32, 64) for warps in (4, 8) for at_once in layernorm_ops.ROWS_AT_ONCE_CHOICES},
+        **{f"LayerNorm backward, {rows} rows per block": (backward_bytes, layernorm_backward_with(rows))
+           for rows in (16, 24, 32, 64) if rows != rows_per_block},
+        "LayerNorm backward, the row kernel alone": (backward_bytes, layernorm_rows_alone),
+        "LayerNorm backward, column_sums_accumulate alone": (  # its own bytes: the partials read, the sums
+            partials.nbytes + 4 * FLOAT * C, lambda: layernorm_ops.add_column_sums((dweight, dbias), partials)),
         "DyT forward": (elementwise_forward, lambda: dyt_forward(x, alpha, weight, bias, out=y)),
         "DyT backward": (elementwise_backward, lambda: dyt_backward(
             dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias, out=dx)),
-        "DyT backward, one row at a time (previous)": (elementwise_backward, dyt_backward_with(128, 8, 1)),
         "DyT backward, a warp per row (first kernel)": (elementwise_backward, lambda: dyt_ops._backward_rows(
             layout, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C)),
+        "DyT backward, one row at a time (previous)": (elementwise_backward, dyt_backward_with(128, 8, 1)),
         **{f"DyT backward, {rows} rows per block, {slots} row slots, {at_once} at once": (
             elementwise_backward, dyt_backward_with(rows, slots, at_once))
            for rows in (64, 128, 256) for slots, at_once in dyt_ops.CANDIDATES if slots * at_once <= rows},
@@ -110,22 +122,6 @@ def candidates(cupy):
     return runs
 
 
-def registers():
-    """{kernel: (registers per thread, bytes of local memory per thread)} of the backward kernels timed here, as
-    the compiler built them (CuPy's Function.num_regs and local_size_bytes; local memory means spilled
-    registers): the registers decide how many warps fit on a multiprocessor."""
-    names = {"layernorm": ["layernorm_backward_shared<4, 6>"]
-             + [f"layernorm_backward_one_launch<4, 6, {rows}>" for rows in layernorm_ops.ROWS_AT_ONCE_CHOICES],
-             "dyt": [f"dyt_backward_columns<4, {slots}, {rows}>" for slots, rows in dyt_ops.CANDIDATES]}
-    expressions = {"layernorm": layernorm_ops.NAMES, "dyt": dyt_ops.NAMES}
-    found = {}
-    for file, kernel_names in names.items():
-        for name in kernel_names:
-            function = kernels.function(file, name, name_expressions=expressions[file])
-            found[name] = (getattr(function, "num_regs", None), getattr(function, "local_size_bytes", None))
-    return found
-
-
 def measure():
     benchmark.require_gpu()
     cupy = backend.xp
@@ -135,7 +131,7 @@ def measure():
         results[name] = {"gb_per_s": benchmark.gigabytes_per_second(bytes_moved, seconds),
                          "microseconds": seconds * 1e6}
     return {**benchmark.measured_on(), "copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9,
-            "shape": [B, T, C], "results": results, "registers": registers()}
+            "shape": [B, T, C], "results": results}
 
 
 def table(measured):
@@ -145,20 +141,17 @@ def table(measured):
     results = measured["results"]
     lines += benchmark.bandwidth_rows({name: value["gb_per_s"] for name, value in results.items()}, ceiling,
                                       {name: value["microseconds"] / 1e6 for name, value in results.items()})
-    for name, (count, local_bytes) in measured.get("registers", {}).items():
-        lines.append(f"  {name}: {count} registers per thread, {local_bytes} bytes of local memory")
     ours = results["LayerNorm forward"]["microseconds"] + results["LayerNorm backward"]["microseconds"]
     lines.append(f"  LayerNorm forward + backward: {ours:.1f} µs")
     if "torch LayerNorm forward (native_layer_norm)" in results:
         theirs = (results["torch LayerNorm forward (native_layer_norm)"]["microseconds"]
                   + results["torch LayerNorm backward (native_layer_norm_backward)"]["microseconds"])
         lines.append(f"  torch LayerNorm forward + backward: {theirs:.1f} µs")
-    for prefix in ("LayerNorm backward, one launch,", "DyT backward, "):
-        candidates = [name for name in results if name.startswith(prefix) and "at once" in name]
-        if candidates:
-            best = min(candidates, key=lambda name: results[name]["microseconds"])
-            lines.append(f"  fastest candidate: {best}: {results[best]['microseconds']:.1f} µs, "
-                         f"{results[best]['gb_per_s'] / ceiling:.1%} of the copy")
+    candidates = [name for name in results if name.startswith("DyT backward, ") and "at once" in name]
+    if candidates:
+        best = min(candidates, key=lambda name: results[name]["microseconds"])
+        lines.append(f"  fastest DyT candidate: {best}: {results[best]['microseconds']:.1f} µs, "
+                     f"{results[best]['gb_per_s'] / ceiling:.1%} of the copy")
     dyt = results["DyT forward"]["microseconds"] + results["DyT backward"]["microseconds"]
     lines.append(f"  DyT forward + backward: {dyt:.1f} µs")
     if "torch DyT forward + backward (autograd)" in results:

@@ -253,6 +253,25 @@ extern "C" __global__ void keep_positive(float* kept, int* count, const float* x
 """
 
 
+def test_block_votes_are_not_races():
+    """__syncthreads_count, _and and _or share a count among the block's threads inside the executor: that
+    bookkeeping is the runtime's own, not the kernel's memory, and must not be reported."""
+    code = r"""
+extern "C" __global__ void votes(int* out, const int* x)
+{
+    int positive = x[threadIdx.x] > 0;
+    int count = __syncthreads_count(positive);
+    int all = __syncthreads_and(positive);
+    int any = __syncthreads_or(positive);
+    if (threadIdx.x == 0) { out[0] = count; out[1] = all; out[2] = any; }
+}
+"""
+    x = np.where(np.arange(64) % 3 == 0, 1, -1).astype(np.int32)
+    out = np.zeros(3, dtype=np.int32)
+    launch_checked(code, "votes", (1,), (64,), (out, x))
+    np.testing.assert_array_equal(out, [np.count_nonzero(x > 0), 0, 1])
+
+
 def test_stream_compaction_through_atomic_slots_is_not_a_race(rng):
     """The order of the kept values depends on the order of the atomics: allowed, so no RaceError."""
     n = 3000

@@ -172,7 +172,6 @@ def test_layernorm_backward_kernels_agree_for_any_rows_per_block(rows_per_block,
     layout = layernorm_ops.row_layout("test", columns, (to_device(x),))
     dx_reference, dweight_terms = layernorm_backward_terms(dout, x, weight)
     for run in (lambda *arrays: layernorm_ops._backward(*arrays, rows_per_block=rows_per_block),
-                lambda *arrays: layernorm_ops._backward_two_launches(*arrays, rows_per_block=rows_per_block),
                 layernorm_ops._backward_registers):
         dx = to_device(np.empty_like(x))
         dweight, dbias = to_device(np.zeros(columns, np.float32)), to_device(np.zeros(columns, np.float32))
@@ -180,37 +179,6 @@ def test_layernorm_backward_kernels_agree_for_any_rows_per_block(rows_per_block,
         assert relative_error(to_host(dx), dx_reference) < TOLERANCE
         assert_within_summation_bound(to_host(dweight), dweight_terms.reshape(-1, columns))
         assert_within_summation_bound(to_host(dbias), dout.reshape(-1, columns))
-
-
-@pytest.mark.parametrize("rows", [1, 33, 1000, 8193])
-@pytest.mark.parametrize("columns", [33, 100])
-def test_layernorm_backward_one_launch_finishes_any_number_of_blocks(rows, columns, rng, to_device, to_host):
-    """layernorm_backward_one_launch for row counts that make one block, a partial block, partial groups of
-    blocks (8193 rows: 257 blocks, the last group of one), with one and two rows loaded at once and groups of
-    16 and 3 blocks: dx against float64, the parameter gradients ADDED into non-zero buffers within the
-    summation bound; two consecutive launches give the same bits (the counters are back at zero after each);
-    and the rows loaded at once do not change a bit (each warp adds its rows in the same order)."""
-    x, weight, bias, dout = inputs(rng, (rows, columns))
-    start_weight, start_bias = (rng.normal(size=columns).astype(np.float32) for _ in range(2))
-    y, mean, rstd = layernorm_forward(to_device(x), to_device(weight), to_device(bias))
-    layout = layernorm_ops.row_layout("test", columns, (to_device(x),))
-    dx_reference, dweight_terms = layernorm_backward_terms(dout, x, weight)
-    arrays = [to_device(a) for a in (dout, x, weight)]
-    for blocks_per_group in (16, 3):
-        results = []
-        for rows_at_once in (1, 1, 2):
-            dx = to_device(np.empty_like(x))
-            dweight, dbias = to_device(start_weight), to_device(start_bias)
-            layernorm_ops._backward(layout, dx, dweight, dbias, *arrays, mean, rstd, rows, columns,
-                                    rows_at_once=rows_at_once, blocks_per_group=blocks_per_group)
-            results.append([to_host(a) for a in (dx, dweight, dbias)])
-            assert not to_host(layernorm_ops.counters(1)).any()
-        assert relative_error(results[0][0], dx_reference) < TOLERANCE
-        assert_within_sum_of_computed_terms(results[0][1], dweight_terms, start_weight)
-        assert_within_summation_bound(results[0][2], dout, start_bias)
-        for other in results[1:]:
-            for first, second in zip(results[0], other):
-                np.testing.assert_array_equal(first, second)
 
 
 def test_layernorm_backward_without_bias_leaves_dweight_unchanged(rng, to_device, to_host):
@@ -429,18 +397,15 @@ def test_dyt_backward_rows_at_once_change_no_bit(rows, columns, rng, to_device, 
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("rows", [33, 200])
-def test_the_one_launch_backwards_pass_the_race_and_bounds_checks(rows, rng, to_device):
-    """The CPU executor's race check runs the launch again with every access checked: the last-block finishes
-    of layernorm_backward_one_launch and dyt_backward_columns (partial rows written, __threadfence(), a ticket,
-    then read by another block) must not race, and no access may fall outside its array."""
+def test_the_dyt_backward_passes_the_race_and_bounds_checks(rows, rng, to_device):
+    """The CPU executor's race check runs the launch again with every access checked: the last-block finish
+    of dyt_backward_columns (partial rows written, __threadfence(), a ticket, then read by another block) must
+    not race, and no access may fall outside its array."""
     from gpt2_cupy.cpu.checks import launch_checks
 
     x, weight, bias, dout = (to_device(a) for a in inputs(rng, (rows, 100)))
-    y, mean, rstd = layernorm_forward(x, weight, bias)
     gradients = [to_device(np.zeros(n, np.float32)) for n in (1, 100, 100)]
     alpha = to_device(np.array([0.6], np.float32))
     with launch_checks(bounds=True, races=True):
-        layernorm_ops._backward((4, 1), to_device(np.empty_like(x)), gradients[1], gradients[2], dout, x, weight,
-                                mean, rstd, rows, 100, rows_at_once=2, blocks_per_group=3)
         dyt_ops._backward_columns(4, to_device(np.empty_like(x)), *gradients, dout, x, alpha, weight, rows, 100,
                                   rows_per_block=16, row_slots=4, rows_at_once=2)

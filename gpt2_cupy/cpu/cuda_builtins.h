@@ -604,20 +604,22 @@ __forceinline__ int __all_sync(unsigned int mask, int predicate) {
 // barrier after it) and none has added to the next one yet (they have not passed this barrier). The first
 // vote of each block starts from clean counts, even after a block that failed halfway through a vote.
 __forceinline__ int gpt2cupy_block_count(int predicate) {
+    // The block's threads share these (fibers of one OS thread, so never at the same instant); relaxed atomics,
+    // which the race check does not record, keep this bookkeeping out of its report about the kernel's memory.
     static thread_local int counts[3];
     static thread_local unsigned int call;
     static thread_local unsigned long long block = ~0ull;
-    if (block != gpt2cupy_block_serial()) {
-        block = gpt2cupy_block_serial();
-        counts[0] = counts[1] = counts[2] = 0;
-        call = 0;
+    if (__atomic_load_n(&block, __ATOMIC_RELAXED) != gpt2cupy_block_serial()) {
+        __atomic_store_n(&block, gpt2cupy_block_serial(), __ATOMIC_RELAXED);
+        for (int& count : counts) __atomic_store_n(&count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&call, 0u, __ATOMIC_RELAXED);
     }
-    unsigned int mine = call;
-    counts[(mine + 1) % 3] = 0;
-    counts[mine % 3] += predicate != 0;
+    unsigned int mine = __atomic_load_n(&call, __ATOMIC_RELAXED);
+    __atomic_store_n(&counts[(mine + 1) % 3], 0, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&counts[mine % 3], predicate != 0, __ATOMIC_RELAXED);
     __syncthreads();
-    call = mine + 1;
-    return counts[mine % 3];
+    __atomic_store_n(&call, mine + 1, __ATOMIC_RELAXED);
+    return __atomic_load_n(&counts[mine % 3], __ATOMIC_RELAXED);
 }
 __forceinline__ int __syncthreads_count(int predicate) { return gpt2cupy_block_count(predicate); }
 __forceinline__ int __syncthreads_and(int predicate) { return gpt2cupy_block_count(predicate == 0) == 0; }

@@ -11,7 +11,7 @@ deterministically: per-block partial sums, then a fixed-order sum (kernels/dyt.c
 
 Backward kernels: dyt_backward_columns<WIDTH, ROW_SLOTS, ROWS_AT_ONCE> (the op's), one launch: each thread owns
 a group of WIDTH columns over many rows, loading ROWS_AT_ONCE rows before computing them, and the last block to
-finish a stripe of columns adds the partial sums (a counter per stripe, layernorm.counters()). dyt_backward<WIDTH, K>, LayerNorm's warp-per-row layout followed
+finish a stripe of columns adds the partial sums (a counter per stripe, kept here per device). dyt_backward<WIDTH, K>, LayerNorm's warp-per-row layout followed
 by two column_sums_accumulate launches, stays for the benchmark (_backward_rows).
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output
 from gpt2_cupy.ops.layernorm import (BACKWARD_WARPS_PER_BLOCK, GROUPS_PER_LANE, WARP_SIZE, add_column_sums,
-                                     backward_blocks, counters, require_gradient_buffers, row_layout)
+                                     backward_blocks, require_gradient_buffers, row_layout)
 
 ROW_SLOTS = 8            # blocks of (32, 8) threads: a warp per row slot
 ROWS_PER_BLOCK = 128     # 16 rows per thread (bench/layernorm.py times 64 to 256); a fixed number, so the order
@@ -34,6 +34,7 @@ NAMES = (tuple(f"dyt_backward<{width}, {k}>" for width, ks in GROUPS_PER_LANE.it
          + tuple(f"dyt_backward_columns<4, {slots}, {rows}>" for slots, rows in CANDIDATES)
          + (f"dyt_backward_columns<1, {ROW_SLOTS}, {ROWS_AT_ONCE}>",))
 LARGEST_GRID_Y = 65535   # CUDA's limit on gridDim.y
+_counters = {}           # per device: the zeroed counters of the last-block pattern, reset by the kernel
 
 
 def _kernel(name):
@@ -69,6 +70,17 @@ def dyt_backward(dout, x, alpha, weight, *, dalpha, dweight, dbias=None, out=Non
     vectors = columns % 4 == 0 and float4_aligned(dout, x, out, weight)
     _backward_columns(4 if vectors else 1, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns)
     return out
+
+
+def counters(count):
+    """`count` zeroed unsigned ints on the current device, the same ones on every call: the kernels that use
+    them leave them at zero. Grown (new zeros) when a launch needs more. Two launches that use them must not
+    run at the same time (on two streams of one device), or their counts would mix."""
+    device = backend.xp.cuda.Device().id if backend.name == "cuda" else -1
+    current = _counters.get(device)
+    if current is None or current.size < count:
+        current = _counters[device] = backend.xp.zeros(max(count, 64), dtype=np.uint32)
+    return current
 
 
 def _backward_columns(width, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns, *,

@@ -10,13 +10,11 @@ the same sums, bit for bit, on every run.
 
 Kernels (kernels/layernorm.cu): a warp per row, the row in registers. When C is a multiple of 4 (at most
 2048) and the arrays are 16-byte aligned, lanes move four floats per load (layernorm_forward<4, K>);
-otherwise one (layernorm_forward<1, K>, C at most 1024). The backward (layernorm_backward_one_launch) keeps
-its running column sums in shared memory, a slice per warp, and its blocks write one row of partial sums
-each for a fixed number of rows; inside the same launch, the last block of each group of blocks adds its
-group's rows, and the last group adds the group rows into dweight and dbias, each in a fixed order (a
-counter per group, kept here per device: counters()). The earlier backwards stay for the benchmark:
-layernorm_backward_shared followed by a column_sums_accumulate launch (_backward_two_launches), and the
-first, layernorm_backward (column sums in registers, _backward_registers).
+otherwise one (layernorm_forward<1, K>, C at most 1024). The backward (layernorm_backward_shared) keeps its
+running column sums in shared memory, a slice per warp, and its blocks write one row of partial sums each
+for a fixed number of rows; column_sums_accumulate adds them into dweight and dbias in one launch, in a
+fixed order. The first backward, layernorm_backward (column sums in registers, one launch per parameter
+to finish), stays for the benchmark (_backward_registers).
 """
 
 import math
@@ -41,23 +39,13 @@ BLOCKS_PER_MULTIPROCESSOR = 3
 SHARED_WARPS_PER_BLOCK = 8
 SHARED_BYTES_PER_BLOCK = 48 * 1024
 ROWS_PER_BLOCK = 32
-# layernorm_backward_one_launch: a warp loads this many rows before computing them (bench/layernorm.py times
-# 1 and 2); the partial rows are added in groups of BLOCKS_PER_GROUP blocks, then the group rows: at 8192
-# rows, 256 blocks, 16 groups of 16, so that no block adds more than 16 rows. Fixed numbers: the same order
-# of additions on every GPU.
-ROWS_AT_ONCE = 1
-ROWS_AT_ONCE_CHOICES = (1, 2)
-BLOCKS_PER_GROUP = 16
-_counters = {}   # per device: the zeroed counters of the last-block pattern, reset by the kernels
 
 
 def _names(kernel):
     return tuple(f"{kernel}<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
 
 
-NAMES = (_names("layernorm_forward") + _names("layernorm_backward") + _names("layernorm_backward_shared")
-         + tuple(f"layernorm_backward_one_launch<{width}, {k}, {rows}>" for width, ks in GROUPS_PER_LANE.items()
-                 for k in ks for rows in ROWS_AT_ONCE_CHOICES))
+NAMES = _names("layernorm_forward") + _names("layernorm_backward") + _names("layernorm_backward_shared")
 
 
 def row_layout(operation, columns, arrays):
@@ -84,18 +72,6 @@ def require_gradient_buffers(operation, **buffers):
 
 def _kernel(name):
     return kernels.function("layernorm", name, name_expressions=NAMES)
-
-
-def counters(count):
-    """`count` zeroed unsigned ints on the current device, the same ones on every call: the kernels that use
-    them (layernorm_backward_one_launch, dyt_backward_columns) leave them at zero. Grown (new zeros) when a
-    launch needs more. Two launches that use them must not run at the same time (on two streams of one
-    device), or their counts would mix."""
-    device = backend.xp.cuda.Device().id if backend.name == "cuda" else -1
-    current = _counters.get(device)
-    if current is None or current.size < count:
-        current = _counters[device] = backend.xp.zeros(max(count, 64), dtype=np.uint32)
-    return current
 
 
 def layernorm_forward(x, weight, bias, *, eps=1e-5, out=None):
@@ -154,23 +130,8 @@ def shared_warps(columns):
     return max(1, min(SHARED_WARPS_PER_BLOCK, SHARED_BYTES_PER_BLOCK // (2 * 4 * columns)))
 
 
-def _backward(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns, *,
-              rows_per_block=ROWS_PER_BLOCK, rows_at_once=ROWS_AT_ONCE, warps=None,
-              blocks_per_group=BLOCKS_PER_GROUP):
-    width, k = layout
-    warps = warps or shared_warps(columns)
-    blocks = ceil_div(rows, rows_per_block)
-    groups = ceil_div(blocks, blocks_per_group)
-    partials = backend.xp.empty((blocks + groups, 2, columns), dtype=np.float32)  # blocks' rows, then groups'
-    _kernel(f"layernorm_backward_one_launch<{width}, {k}, {rows_at_once}>")(
-        (blocks,), (warps * WARP_SIZE,),
-        (out, dweight, weight if dbias is None else dbias, partials, counters(groups + 1), dout, x, weight, mean,
-         rstd, np.int32(rows), np.int32(columns), np.int32(rows_per_block), np.int32(blocks_per_group),
-         np.int32(dbias is not None)), shared_mem=2 * warps * columns * 4)
-
-
-def _backward_two_launches(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns,
-                           rows_per_block=ROWS_PER_BLOCK):
+def _backward(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns,
+              rows_per_block=ROWS_PER_BLOCK):
     width, k = layout
     warps = shared_warps(columns)
     blocks = ceil_div(rows, rows_per_block)
