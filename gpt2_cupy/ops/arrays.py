@@ -102,6 +102,12 @@ def float4_aligned(*arrays):
     return all(backend.address(array) % 16 == 0 for array in arrays if array is not None)
 
 
+def row_width(columns, *arrays):
+    """Floats per load for rows of `columns` float32s: 4 when every row of every array (None skipped) starts
+    on 16 bytes, which needs a row length that is a multiple of 4 and arrays that start on 16 bytes; else 1."""
+    return 4 if columns % 4 == 0 and float4_aligned(*arrays) else 1
+
+
 def launch_elementwise(kernel_file, kernel_name, arrays, n, *scalars):
     """Launch an elementwise kernel over n elements of `arrays` (the output first), then `scalars`.
 

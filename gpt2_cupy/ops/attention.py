@@ -140,7 +140,7 @@ def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, d, causal, 
         _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
         _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
     else:
-        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=TILE, dq_atomic=dq)
+        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=TILE, dq=dq)
 
 
 # The backward's three launches, each its own function so that bench/attention.py can time them apart
@@ -152,12 +152,11 @@ def _rowdot(rowdot, dout, out, rows, d):
         (rowdot, dout, out, np.int32(rows), np.int32(d)))
 
 
-def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=BACKWARD_DK_DV_ROWS,
-           dq_atomic=None):
-    """dk, dv; with dq_atomic (a zeroed dq, rows must be TILE) also dq, added with atomics."""
-    kernel, shared = _kernel("attention_backward_dk_dv", d, variant, rows, dq_atomic is not None)
+def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=BACKWARD_DK_DV_ROWS, dq=None):
+    """dk, dv; given dq (zeros, and rows = TILE), also dq, added into it with atomics (the one-pass backward)."""
+    kernel, shared = _kernel("attention_backward_dk_dv", d, variant, rows, dq_atomic=dq is not None)
     kernel((heads, ceil_div(T, rows)), (THREADS,),
-           (dk, dv, dk if dq_atomic is None else dq_atomic, dout, q, k, v, lse, rowdot, np.int32(T),
+           (dk, dv, dk if dq is None else dq, dout, q, k, v, lse, rowdot, np.int32(T),
             np.int32(bool(causal))), shared_mem=shared)
 
 

@@ -11,8 +11,9 @@ deterministically: per-block partial sums, then a fixed-order sum (kernels/dyt.c
 
 Backward kernels: dyt_backward_columns<WIDTH, ROW_SLOTS, ROWS_AT_ONCE> (the op's), one launch: each thread owns
 a group of WIDTH columns over many rows, loading ROWS_AT_ONCE rows before computing them, and the last block to
-finish a stripe of columns adds the partial sums (a counter per stripe, kept here per device). dyt_backward<WIDTH, K>, LayerNorm's warp-per-row layout followed
-by two column_sums_accumulate launches, stays for the benchmark (_backward_rows).
+finish a stripe of columns adds the partial sums (a counter per stripe, kept here per device).
+dyt_backward<WIDTH, K>, LayerNorm's warp-per-row layout followed by two column_sums_accumulate launches, stays
+for the benchmark (_backward_rows).
 """
 
 import math
@@ -20,7 +21,7 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output, row_width
 from gpt2_cupy.ops.layernorm import (BACKWARD_WARPS_PER_BLOCK, GROUPS_PER_LANE, WARP_SIZE, add_column_sums,
                                      backward_blocks, require_gradient_buffers, row_layout)
 
@@ -28,17 +29,18 @@ ROW_SLOTS = 8            # blocks of (32, 8) threads: a warp per row slot
 ROWS_PER_BLOCK = 128     # 16 rows per thread (bench/layernorm.py times 64 to 256); a fixed number, so the order
                          # of the sums is the same on every GPU
 ROWS_AT_ONCE = 4         # rows a thread loads before computing them: 8 float4 loads in flight per thread
-# The float4 variants bench/layernorm.py times: (ROW_SLOTS, ROWS_AT_ONCE).
-CANDIDATES = tuple((slots, rows) for slots in (4, 8, 16) for rows in (1, 2, 4, 8))
 NAMES = (tuple(f"dyt_backward<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
-         + tuple(f"dyt_backward_columns<4, {slots}, {rows}>" for slots, rows in CANDIDATES)
-         + (f"dyt_backward_columns<1, {ROW_SLOTS}, {ROWS_AT_ONCE}>",))
+         + tuple(f"dyt_backward_columns<{width}, {ROW_SLOTS}, {ROWS_AT_ONCE}>" for width in (4, 1)))
+# The float4 variants bench/layernorm.py times, (ROW_SLOTS, ROWS_AT_ONCE), compiled in a module of their own
+# when first asked for, so that the op's first call compiles only its own kernels.
+CANDIDATES = tuple((slots, rows) for slots in (4, 8, 16) for rows in (1, 2, 4, 8))
+CANDIDATE_NAMES = tuple(f"dyt_backward_columns<4, {slots}, {rows}>" for slots, rows in CANDIDATES)
 LARGEST_GRID_Y = 65535   # CUDA's limit on gridDim.y
 _counters = {}           # per device: the zeroed counters of the last-block pattern, reset by the kernel
 
 
 def _kernel(name):
-    return kernels.function("dyt", name, name_expressions=NAMES)
+    return kernels.function("dyt", name, name_expressions=NAMES if name in NAMES else CANDIDATE_NAMES)
 
 
 def dyt_forward(x, alpha, weight, bias, *, out=None):
@@ -50,8 +52,8 @@ def dyt_forward(x, alpha, weight, bias, *, out=None):
     if n == 0:
         return out
     arrays = (out, x, alpha, weight, weight if bias is None else bias)
-    vectors = columns % 4 == 0 and float4_aligned(out, x, weight, arrays[4])
-    name, threads = ("dyt_forward_float4", n // 4) if vectors else ("dyt_forward", n)
+    name, threads = (("dyt_forward_float4", n // 4) if row_width(columns, out, x, weight, arrays[4]) == 4
+                     else ("dyt_forward", n))
     _kernel(name)((ceil_div(threads, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
                   (*arrays, np.int32(n), np.int32(columns), np.int32(bias is not None)))
     return out
@@ -67,8 +69,8 @@ def dyt_backward(dout, x, alpha, weight, *, dalpha, dweight, dbias=None, out=Non
     row_layout("dyt_backward", columns, (dout, x, out, weight))  # the same limit on C for both kernels
     if rows == 0 or columns == 0:
         return out
-    vectors = columns % 4 == 0 and float4_aligned(dout, x, out, weight)
-    _backward_columns(4 if vectors else 1, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns)
+    _backward_columns(row_width(columns, dout, x, out, weight), out, dalpha, dweight, dbias, dout, x, alpha, weight,
+                      rows, columns)
     return out
 
 

@@ -25,7 +25,7 @@ The kernels are kernels/embedding.cu, taught in chapters/06_embedding.ipynb.
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import LARGEST_INT, THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output
+from gpt2_cupy.ops.arrays import LARGEST_INT, THREADS_PER_BLOCK, ceil_div, check, output, row_width
 
 WARP_SIZE = 32
 COLUMNS_PER_WARP = 128     # the backward's warps each cover 128 columns (kernels/embedding.cu)
@@ -126,7 +126,7 @@ def _lookup(out, ids, table, positions, T, V, C):
     name = "embedding_forward" if positions is None else "token_position_embedding_forward"
     tables = (table,) if positions is None else (table, positions)
     sizes = (np.int32(N),) if positions is None else (np.int32(N), np.int32(T))
-    if C % 4 == 0 and float4_aligned(out, *tables):
+    if row_width(C, out, *tables) == 4:
         kernel, threads = kernels.function("embedding", name + "_float4"), N * C // 4
     else:
         kernel, threads = kernels.function("embedding", name), N * C

@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import ceil_div, check, float4_aligned, output
+from gpt2_cupy.ops.arrays import ceil_div, check, output, row_width
 
 WARP_SIZE = 32
 WARPS_PER_BLOCK = 8            # forward: 256 threads, eight rows at a time per block
@@ -50,10 +50,7 @@ NAMES = _names("layernorm_forward") + _names("layernorm_backward") + _names("lay
 
 def row_layout(operation, columns, arrays):
     """(WIDTH, K) of the warp-per-row kernels for rows of `columns`: float4 groups when they fit and align."""
-    aligned = float4_aligned(*arrays)
-    for width in (4, 1):
-        if width == 4 and (columns % 4 or not aligned):
-            continue
+    for width in ((4, 1) if row_width(columns, *arrays) == 4 else (1,)):
         for k in GROUPS_PER_LANE[width]:
             if WARP_SIZE * k * width >= columns:
                 return width, k

@@ -20,7 +20,7 @@ Arrays are the backend's (cupy on a GPU, numpy on the CPU), float32 and C-contig
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output, rows
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output, row_width, rows
 from gpt2_cupy.ops.matmul import launch_matmul
 
 ROWS_PER_BLOCK = 512  # rows of dout summed by one block of bias_partial_sums (512 to 1024 measured best)
@@ -99,7 +99,7 @@ def _bias_backward(dout_rows, dbias, rows_per_block):
     if row_count == 0 or columns == 0:
         return
     # 16-byte loads need every row to start on a 16-byte boundary.
-    width = 4 if columns % 4 == 0 and float4_aligned(dout_rows) else 1
+    width = row_width(columns, dout_rows)
     row_ranges = ceil_div(row_count, rows_per_block)
     if row_ranges > LARGEST_GRID_Y:  # a launch limit, not an argument check: linear_backward can reach it too
         raise ValueError(f"bias_backward: {row_count} rows need more than {LARGEST_GRID_Y} blocks of "

@@ -24,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import ceil_div, check, float4_aligned, output
+from gpt2_cupy.ops.arrays import ceil_div, check, float4_aligned, output, row_width
 
 WARP_SIZE = 32
 WARPS_PER_BLOCK = 8             # rows per block for the warp kernels: 256 threads (WARP_ROW_THREADS, the most)
@@ -52,12 +52,6 @@ def _names(direction):
 
 
 _NAMES = _names("forward") + _names("backward")
-
-
-def warp_row_width(columns, *arrays):
-    """Floats per load of the warp kernels for rows of `columns` (at most 1024): 4 when the row's float4s
-    lie on 16-byte boundaries in every array, else 1."""
-    return 4 if columns % 4 == 0 and float4_aligned(*arrays) else 1
 
 
 def _warp_kernel(direction, columns, width, options=()):
@@ -128,11 +122,11 @@ def _forward(out, x, rows, columns, scale, causal, blocks_per_multiprocessor=Non
     """shared_memory: None picks the kernel for long rows (the shared-memory one when it can run), True or
     False asks for one (the benchmark and the tests compare them); blocks_per_multiprocessor as in
     long_row_blocks (None: the kernel's default grid); width: the warp kernels' floats per load (None:
-    warp_row_width's choice; 1 may always be asked for, 4 only where warp_row_width allows it)."""
+    arrays.row_width's choice; 1 may always be asked for, 4 only where row_width allows it)."""
     if rows == 0 or columns == 0:
         return
     if columns <= LONGEST_WARP_ROW:
-        kernel = _warp_kernel("forward", columns, width or warp_row_width(columns, out, x))
+        kernel = _warp_kernel("forward", columns, width or row_width(columns, out, x))
         kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
                (out, x, np.int32(rows), np.int32(columns), scale, causal))
     elif _use_shared_memory(shared_memory, columns, out, x):
@@ -153,7 +147,7 @@ def _backward(out, dout, y, rows, columns, scale, blocks_per_multiprocessor=None
     if rows == 0 or columns == 0:
         return
     if columns <= LONGEST_WARP_ROW:
-        kernel = _warp_kernel("backward", columns, width or warp_row_width(columns, out, dout, y))
+        kernel = _warp_kernel("backward", columns, width or row_width(columns, out, dout, y))
         kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
                (out, dout, y, np.int32(rows), np.int32(columns), scale))
     elif _use_shared_memory(shared_memory, columns, out, dout, y):
