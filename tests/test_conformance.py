@@ -1089,3 +1089,29 @@ def test_raw_kernel_with_compile_options(to_device, to_host):
     out = to_device(np.zeros(8, dtype=np.int32))
     backend.RawKernel(code, "fill", options=("-DFILL_VALUE=42",))((1,), (8,), (out,))
     np.testing.assert_array_equal(to_host(out), np.full(8, 42))
+
+
+NESTED_LAUNCH_BOUNDS = r"""
+#define GROUPS 8
+#define THREADS_FOR(ROWS) ((ROWS) / 4 * GROUPS)
+
+// __launch_bounds__ whose arguments nest parentheses three deep once the macro is expanded.
+template <int ROWS>
+__global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 3 : 2)) scale_rows(float* out, const float* x, int n)
+{
+    int i = blockIdx.x * THREADS_FOR(ROWS) + threadIdx.x;
+    if (i < n) out[i] = (float)ROWS * x[i];
+}
+"""
+
+
+@pytest.mark.parametrize("rows", [64, 128])
+def test_launch_bounds_with_nested_parentheses_from_a_macro(rows, rng, to_device, to_host):
+    """A template kernel whose __launch_bounds__ arguments are a macro with parentheses inside parentheses."""
+    name = f"scale_rows<{rows}>"
+    kernel = backend.RawModule(code=NESTED_LAUNCH_BOUNDS, name_expressions=[name]).get_function(name)
+    n, threads = 1000, rows // 4 * 8
+    x = rng.standard_normal(n).astype(np.float32)
+    out = to_device(np.zeros(n, dtype=np.float32))
+    kernel((blocks_for(n, threads),), (threads,), (out, to_device(x), np.int32(n)))
+    np.testing.assert_array_equal(to_host(out), np.float32(rows) * x)

@@ -50,7 +50,10 @@ _EXTERN_SHARED = re.compile(
     rf"extern\s+{SHARED_MARKER}\b(?P<declaration>[^;{{}}]*?)\b(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;")
 _GLOBAL_FUNCTION = re.compile(
     rf"{GLOBAL_MARKER}\b(?P<head>(?:[^;{{}}()]|\((?:[^()]|\([^()]*\))*\))*?)\b(?!(?:{BOUNDS_MARKER}|__attribute__|__declspec|alignas)\b)(?P<name>[A-Za-z_]\w*)\s*\(")
-_LAUNCH_BOUNDS = re.compile(rf"{BOUNDS_MARKER}\s*\((?P<arguments>(?:[^()]|\([^()]*\))*)\)")
+# A __launch_bounds__ call after _numbered_launch_bounds: its arguments, which may nest parentheses deeper than
+# a regular expression can follow (a macro such as THREADS_FOR(ROWS) expands to ((ROWS) / 4 * 8)), replaced
+# by their index in a list.
+_NUMBERED_LAUNCH_BOUNDS = re.compile(rf"{BOUNDS_MARKER}\((?P<index>\d+)\)")
 _LINE_MARKER = re.compile(r'^# (\d+) "([^"]*)"', re.M)
 
 # NVRTC options with no meaning on a CPU: accepted and ignored.
@@ -127,16 +130,33 @@ def _first_number(expression):
     return None
 
 
+def _numbered_launch_bounds(text):
+    """(text with each `__launch_bounds__(arguments)` written as `__launch_bounds__(i)`, [arguments, ...]):
+    the arguments are found by matching parentheses, at any depth."""
+    pieces, arguments, copied = [], [], 0
+    for marker in re.finditer(rf"{BOUNDS_MARKER}\s*\(", text):
+        if marker.start() < copied:
+            continue
+        open_paren = marker.end() - 1
+        inside = _parameter_list(text, open_paren)
+        pieces.append(text[copied:marker.start()] + f"{BOUNDS_MARKER}({len(arguments)})")
+        arguments.append(inside)
+        copied = open_paren + len(inside) + 2
+    pieces.append(text[copied:])
+    return "".join(pieces), arguments
+
+
 def find_kernels(preprocessed):
     """Every __global__ function in the preprocessed source, by name."""
     kernels = {}
+    preprocessed, bounds_arguments = _numbered_launch_bounds(preprocessed)
     for match in _GLOBAL_FUNCTION.finditer(preprocessed):
         name = match.group("name")
         parameters = _split_parameters(_parameter_list(preprocessed, match.end() - 1))
         max_threads = 1024
-        bounds = _LAUNCH_BOUNDS.search(match.group("head"))
+        bounds = _NUMBERED_LAUNCH_BOUNDS.search(match.group("head"))
         if bounds:
-            first = _first_number(bounds.group("arguments"))
+            first = _first_number(bounds_arguments[int(bounds.group("index"))])
             if first:
                 max_threads = min(1024, first)
         kernels[name] = KernelSignature(
@@ -160,7 +180,7 @@ def _source_line(preprocessed, offset):
 
 
 def _without_launch_bounds(text):
-    return _LAUNCH_BOUNDS.sub("", text)
+    return _NUMBERED_LAUNCH_BOUNDS.sub("", _numbered_launch_bounds(text)[0])
 
 
 def _refuse_initialized_shared(preprocessed, code):

@@ -35,17 +35,21 @@ from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 TILE = 64                  # keys (or queries) per tile of columns: kernels/attention.cu's COLUMNS
 ROW_CHOICES = (64, 128)    # rows per block, a template parameter of every kernel (ROWS)
 # The rows per block that each kernel uses, chosen by timing bench/attention.py's candidates on an H100:
-FORWARD_ROWS = 128
+FORWARD_ROWS = 64
 BACKWARD_DK_DV_ROWS = 64
 BACKWARD_DQ_ROWS = 64
-THREADS = 256              # a 16 x 16 grid of threads: kernels/attention.cu's THREADS
 PAD = 4                    # floats of padding after each row of a q, k, v or dout tile in shared memory
-WEIGHTS_PAD = 16           # and after each row of a P or dS tile
+WEIGHTS_PAD = 8            # and after each row of a P or dS tile
 FLOAT = 4                  # bytes
 HEAD_SIZES = (32, 64)      # d, a template parameter of the kernels
 VARIANTS = ("softmax", "relu")
 ROWDOT_WARPS_PER_BLOCK = 8
 LARGEST_GRID_Y = 65535
+
+
+def threads(rows):
+    """Threads per block for `rows` rows: rows / 4 row groups x 8 column groups (THREADS_FOR in attention.cu)."""
+    return rows // 4 * 8
 
 
 # The tiles each kernel keeps in shared memory, in rows of d + PAD floats (its ROWS-row tiles, its 64-row
@@ -105,7 +109,7 @@ def _forward(out, lse, q, k, v, heads, T, d, causal, variant, rows=FORWARD_ROWS)
         return
     # The ReLU variant has no lse: the kernel never touches that pointer, so out stands in for it.
     kernel, shared = _kernel("attention_forward", d, variant, rows)
-    kernel((heads, ceil_div(T, rows)), (THREADS,),
+    kernel((heads, ceil_div(T, rows)), (threads(rows),),
            (out, lse if lse is not None else out, q, k, v, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
 
 
@@ -155,14 +159,14 @@ def _rowdot(rowdot, dout, out, rows, d):
 def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=BACKWARD_DK_DV_ROWS, dq=None):
     """dk, dv; given dq (zeros, and rows = TILE), also dq, added into it with atomics (the one-pass backward)."""
     kernel, shared = _kernel("attention_backward_dk_dv", d, variant, rows, dq_atomic=dq is not None)
-    kernel((heads, ceil_div(T, rows)), (THREADS,),
+    kernel((heads, ceil_div(T, rows)), (threads(rows),),
            (dk, dv, dk if dq is None else dq, dout, q, k, v, lse, rowdot, np.int32(T),
             np.int32(bool(causal))), shared_mem=shared)
 
 
 def _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=BACKWARD_DQ_ROWS):
     kernel, shared = _kernel("attention_backward_dq", d, variant, rows)
-    kernel((heads, ceil_div(T, rows)), (THREADS,),
+    kernel((heads, ceil_div(T, rows)), (threads(rows),),
            (dq, dout, q, k, v, lse, rowdot, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
 
 
