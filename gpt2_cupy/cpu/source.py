@@ -146,10 +146,10 @@ def _numbered_launch_bounds(text):
     return "".join(pieces), arguments
 
 
-def find_kernels(preprocessed):
-    """Every __global__ function in the preprocessed source, by name."""
+def find_kernels(preprocessed, bounds_arguments):
+    """Every __global__ function in the preprocessed source, by name; the source's __launch_bounds__ are
+    numbered (_numbered_launch_bounds), and bounds_arguments holds their arguments."""
     kernels = {}
-    preprocessed, bounds_arguments = _numbered_launch_bounds(preprocessed)
     for match in _GLOBAL_FUNCTION.finditer(preprocessed):
         name = match.group("name")
         parameters = _split_parameters(_parameter_list(preprocessed, match.end() - 1))
@@ -177,10 +177,6 @@ def _source_line(preprocessed, offset):
     if file is None:
         return None
     return line + preprocessed.count("\n", marker_end, offset) - 1 if file == SOURCE_NAME else None
-
-
-def _without_launch_bounds(text):
-    return _NUMBERED_LAUNCH_BOUNDS.sub("", _numbered_launch_bounds(text)[0])
 
 
 def _refuse_initialized_shared(preprocessed, code):
@@ -241,8 +237,9 @@ def prepare(code, options):
     user_start = preprocessed.find(f'"{SOURCE_NAME}"')
     user_start = preprocessed.rfind("\n", 0, user_start) + 1 if user_start >= 0 else 0
     header, user = preprocessed[:user_start], preprocessed[user_start:]
-    kernels = find_kernels(user)
-    _refuse_initialized_shared(user, code)
+    _refuse_initialized_shared(user, code)  # before numbering, which may join lines: it reports line numbers
+    user, bounds_arguments = _numbered_launch_bounds(user)
+    kernels = find_kernels(user, bounds_arguments)
 
     in_function = _function_scopes(user)
 
@@ -256,7 +253,7 @@ def prepare(code, options):
                 "gpt2cupy::DynamicShared{gpt2cupy_dynamic_shared_memory()};")
 
     body = _EXTERN_SHARED.sub(pointer_to_dynamic_shared, user)
-    body = _without_launch_bounds(body).replace(GLOBAL_MARKER, "").replace(SHARED_MARKER, "static thread_local")
+    body = _NUMBERED_LAUNCH_BOUNDS.sub("", body).replace(GLOBAL_MARKER, "").replace(SHARED_MARKER, "static thread_local")
     return PreparedSource(kernels=kernels, body=header + body)
 
 
