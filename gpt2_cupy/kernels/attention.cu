@@ -312,15 +312,23 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 3 : 2)) atten
 }
 
 // rowdot[i] = Σ_d dout[i][d] * out[i][d], the softmax backward's row sum (D_i in FlashAttention-2):
-// Σ_j P_ij dP_ij = Σ_j P_ij <dout_i, v_j> = <dout_i, out_i>. A warp per row.
+// Σ_j P_ij dP_ij = Σ_j P_ij <dout_i, v_j> = <dout_i, out_i>. A half-warp per row, a float4 per lane: one
+// load instruction covers two whole rows at D = 64, where a warp per row with a float per lane needed four
+// (measured on an H100 at 98304 rows of 64: 19.7 µs, against 22.8 µs a warp per row).
+#define HALF_WARP 16
 extern "C" __global__ void attention_backward_rowdot(float* rowdot, const float* dout, const float* out, int rows, int D)
 {
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= rows) return;  // the whole warp leaves together
+    int row = (blockIdx.x * blockDim.x + threadIdx.x) / HALF_WARP, lane = threadIdx.x % HALF_WARP;
     float sum = 0.0f;
-    for (int d = lane; d < D; d += 32) sum += dout[(long long)row * D + d] * out[(long long)row * D + d];
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);
-    if (lane == 0) rowdot[row] = sum;
+    if (row < rows) {  // no early return: the shuffles below need every lane of the warp
+        for (int d = 4 * lane; d < D; d += 4 * HALF_WARP) {
+            float4 a = *reinterpret_cast<const float4*>(dout + (long long)row * D + d);
+            float4 b = *reinterpret_cast<const float4*>(out + (long long)row * D + d);
+            sum += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        }
+    }
+    for (int offset = HALF_WARP / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);  // within the half
+    if (row < rows && lane == 0) rowdot[row] = sum;
 }
 
 // P of one (query, key) pair in the backward, from its unscaled score s = q·k, recomputed from the saved

@@ -43,7 +43,7 @@ WEIGHTS_PAD = 8            # and after each row of a P or dS tile
 FLOAT = 4                  # bytes
 HEAD_SIZES = (32, 64)      # d, a template parameter of the kernels
 VARIANTS = ("softmax", "relu")
-ROWDOT_WARPS_PER_BLOCK = 8
+ROWDOT_ROWS_PER_BLOCK = 16      # a half-warp per row: 256 threads
 LARGEST_GRID_Y = 65535
 
 
@@ -152,7 +152,7 @@ def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, d, causal, 
 
 def _rowdot(rowdot, dout, out, rows, d):
     kernels.function("attention", "attention_backward_rowdot")(
-        (ceil_div(rows, ROWDOT_WARPS_PER_BLOCK),), (ROWDOT_WARPS_PER_BLOCK * 32,),
+        (ceil_div(rows, ROWDOT_ROWS_PER_BLOCK),), (ROWDOT_ROWS_PER_BLOCK * 16,),
         (rowdot, dout, out, np.int32(rows), np.int32(d)))
 
 
