@@ -11,8 +11,7 @@ At GPT-2's (B, T, C) = (8, 1024, 768). Bytes counted are what each kernel must m
 An elementwise kernel with the backward's traffic (the residual add: read two arrays, write one) gives
 the bandwidth that a kernel with no row or column work reaches at this size.
 The backward kernels the ops use ("LayerNorm backward", "DyT backward") run next to the first versions
-(column sums in registers, one finishing launch per parameter), to LayerNorm's without the next row's loads
-in flight, to other rows-per-block choices, to DyT's
+(column sums in registers, one finishing launch per parameter), to other rows-per-block choices, to DyT's
 previous kernel (one row loaded at a time) and its candidates (row slots, rows loaded at once), and to the
 two launches of the LayerNorm backward timed apart (what the column sums' finishing launch costs); the
 table ends with the fastest DyT candidate. PyTorch's figures
@@ -72,16 +71,6 @@ def candidates(cupy):
         row_kernel((blocks,), (warps * 32,), (dx, partials[0], partials[1], dout, x, weight, mean, rstd, np.int32(N),
                                               np.int32(C), np.int32(rows_per_block)), shared_mem=2 * warps * C * 4)
 
-    # The same kernel with PREFETCH false: a row's loads are issued only when the row before it is done.
-    one_row_name = "layernorm_backward_shared<4, 6, false>"
-    one_row_kernel = kernels.function("layernorm", one_row_name, name_expressions=(one_row_name,))
-
-    def layernorm_one_row_at_a_time():
-        one_row_kernel((blocks,), (warps * 32,), (dx, partials[0], partials[1], dout, x, weight, mean, rstd,
-                                                  np.int32(N), np.int32(C), np.int32(rows_per_block)),
-                       shared_mem=2 * warps * C * 4)
-        layernorm_ops.add_column_sums((dweight, dbias), partials)
-
     step = backend.RawKernel(kernels.source("steps/layernorm_forward_warp_per_row"), "layernorm_forward_warp_per_row")
     rows = np.int32(N)
 
@@ -99,7 +88,6 @@ def candidates(cupy):
             dout, x, weight, mean, rstd, dweight=dweight, dbias=dbias, out=dx)),
         "LayerNorm backward, column sums in registers (first kernel)": (backward_bytes, lambda: (
             layernorm_ops._backward_registers(layout, dx, dweight, dbias, dout, x, weight, mean, rstd, N, C))),
-        "LayerNorm backward, without the next row in flight": (backward_bytes, layernorm_one_row_at_a_time),
         **{f"LayerNorm backward, {rows} rows per block": (backward_bytes, layernorm_backward_with(rows))
            for rows in (32, 48, 96, 128) if rows != rows_per_block},
         "LayerNorm backward, the row kernel alone": (backward_bytes, layernorm_rows_alone),

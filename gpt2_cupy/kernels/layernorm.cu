@@ -231,43 +231,23 @@ extern "C" __global__ void column_sums_accumulate(float* first_sums, float* seco
     }
 }
 
-// A lane's groups of one row of x and of dout, K WIDTH floats each; zeros where present is false (a row past
-// the block's last) or past the row's end.
-template <int WIDTH, int K>
-__device__ __forceinline__ void load_row(float* x_row, float* dout_row, const float* x, const float* dout, int row,
-                                         bool present, int columns, int lane)
-{
-    long long start = (long long)row * columns;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        int column = (lane + k * WARP_SIZE) * WIDTH;
-        load_group<WIDTH>(x_row + k * WIDTH, x + start + column, present && column < columns);
-        load_group<WIDTH>(dout_row + k * WIDTH, dout + start + column, present && column < columns);
-    }
-}
-
 // The backward with fewer registers, so that more warps share a multiprocessor: the running column sums live
 // in shared memory, a private slice of 2 * columns floats per warp (a lane adds only into its own columns of
 // its own warp's slice: no other thread touches them, so no synchronisation and no atomics), and weight is
 // read again where it is needed (3 KB at C = 768: it stays in the L1 cache). What remains in registers per
-// lane is the row: x_hat and dout, 2 K WIDTH floats, 48 at C = 768.
-// PREFETCH: the next row's loads are issued before this row is computed, into a second pair of arrays, so that
-// a warp always has a row on its way from memory (48 more registers at C = 768; up to C = 768 the launch
-// bounds hold the kernel to 128, so that two blocks of 256 threads fit on a multiprocessor). Without it, a warp's loads wait for the
-// previous row's stores: the compiler may not move a load of x above a store to dx, which might be the same
-// memory. Rows longer than 32 floats per lane (C > 1024 with float4s) would not fit in those registers: they
-// are not prefetched.
+// lane is the row: x_hat and dout, 2 K WIDTH floats, 48 at C = 768, about 80 registers in all against ~170
+// for layernorm_backward above: 65536 / (80 * 32) = 25 warps fit where 12 did.
 // Block b handles rows [b rows_per_block, (b + 1) rows_per_block), its warps taking turns; at the end the
 // block adds the warps' slices in order (warp 0, 1, ...) and writes one row of partial dweight and one of
 // partial dbias; column_sums_accumulate then adds the blocks' rows of both into dweight and dbias in one
 // launch. rows_per_block is a fixed number, not a function of the GPU, so that the order of every addition,
 // and hence every bit of the result, is the same on any device. Dynamic shared memory: 2 * warps * columns
 // floats.
-template <int WIDTH, int K, bool PREFETCH = (K * WIDTH <= 32)>
-__global__ void __launch_bounds__(256, K * WIDTH <= 24 ? 2 : 1)
-layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partials, const float* dout,
-                          const float* x, const float* weight, const float* mean, const float* rstd, int rows,
-                          int columns, int rows_per_block)
+template <int WIDTH, int K>
+__global__ void layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partials,
+                                          const float* dout, const float* x, const float* weight,
+                                          const float* mean, const float* rstd, int rows, int columns,
+                                          int rows_per_block)
 {
     extern __shared__ float shared[];
     int warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
@@ -284,19 +264,17 @@ layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partial
 
     int first = blockIdx.x * rows_per_block;
     int last = min(first + rows_per_block, rows);
-    float x_hat[K * WIDTH], d[K * WIDTH];  // the row being computed: x, then x_hat in place; and dout
-    if (PREFETCH) {
-        load_row<WIDTH, K>(x_hat, d, x, dout, first + warp, first + warp < last, columns, lane);
-    }
     for (int row = first + warp; row < last; row += warps) {
         long long start = (long long)row * columns;
-        float next_x[PREFETCH ? K * WIDTH : 1], next_d[PREFETCH ? K * WIDTH : 1];
-        if (PREFETCH) {  // the next row's loads, in flight while this row is computed
-            load_row<WIDTH, K>(next_x, next_d, x, dout, row + warps, row + warps < last, columns, lane);
-        } else {
-            load_row<WIDTH, K>(x_hat, d, x, dout, row, true, columns, lane);
-        }
         float row_mean = mean[row], row_rstd = rstd[row];
+        float x_hat[K * WIDTH], d[K * WIDTH];
+        // First pass: only loads and arithmetic, so that all 2 K loads of the row are in flight at once.
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            int column = (lane + k * WARP_SIZE) * WIDTH;
+            load_group<WIDTH>(x_hat + k * WIDTH, x + start + column, column < columns);
+            load_group<WIDTH>(d + k * WIDTH, dout + start + column, column < columns);
+        }
         float g_sum = 0.0f, g_x_hat_sum = 0.0f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -314,7 +292,7 @@ layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partial
         }
         float g_mean = warp_sum(g_sum) / columns;
         float g_x_hat_mean = warp_sum(g_x_hat_sum) / columns;
-        // dx, and this row's terms added into the warp's running column sums.
+        // Second pass: dx, and this row's terms added into the warp's running column sums.
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             int column = (lane + k * WARP_SIZE) * WIDTH;
@@ -335,13 +313,6 @@ layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partial
                 store_group<WIDTH>(dx + start + column, result);
                 store_group<WIDTH>(weight_sums + column, weight_group);
                 store_group<WIDTH>(bias_sums + column, bias_group);
-            }
-        }
-        if (PREFETCH) {
-#pragma unroll
-            for (int i = 0; i < K * WIDTH; ++i) {
-                x_hat[i] = next_x[i];
-                d[i] = next_d[i];
             }
         }
     }

@@ -11,9 +11,9 @@ the same sums, bit for bit, on every run.
 Kernels (kernels/layernorm.cu): a warp per row, the row in registers. When C is a multiple of 4 (at most
 2048) and the arrays are 16-byte aligned, lanes move four floats per load (layernorm_forward<4, K>);
 otherwise one (layernorm_forward<1, K>, C at most 1024). The backward (layernorm_backward_shared) keeps its
-running column sums in shared memory, a slice per warp, has the next row's loads in flight while it computes a
-row, and its blocks write one row of partial sums each for a fixed number of rows; column_sums_accumulate adds
-them into dweight and dbias in one launch, in a fixed order. The first backward, layernorm_backward (column sums in registers, one launch per parameter
+running column sums in shared memory, a slice per warp, and its blocks write one row of partial sums each
+for a fixed number of rows; column_sums_accumulate adds them into dweight and dbias in one launch, in a
+fixed order. The first backward, layernorm_backward (column sums in registers, one launch per parameter
 to finish), stays for the benchmark (_backward_registers).
 """
 
@@ -35,8 +35,8 @@ BACKWARD_WARPS_PER_BLOCK = 4
 BLOCKS_PER_MULTIPROCESSOR = 3
 # layernorm_backward_shared: up to 8 warps per block, each with a slice of 2 C floats of shared memory, as many
 # as fit in the 48 KB a block gets without asking; a fixed 64 rows per block (not sized by the GPU, so the
-# sums are added in the same order everywhere): 128 blocks of 8 warps at 8192 rows, 8 rows per warp, each
-# prefetched while the one before is computed (bench/layernorm.py times 32 to 128 rows per block).
+# sums are added in the same order everywhere): 128 blocks of 8 warps at 8192 rows, one per multiprocessor on an
+# H100, and 128 rows of partial sums to finish (bench/layernorm.py times 32 to 128 rows per block).
 SHARED_WARPS_PER_BLOCK = 8
 SHARED_BYTES_PER_BLOCK = 48 * 1024
 ROWS_PER_BLOCK = 64
