@@ -243,8 +243,13 @@ extern "C" __global__ void column_sums_accumulate(float* first_sums, float* seco
 // launch. rows_per_block is a fixed number, not a function of the GPU, so that the order of every addition,
 // and hence every bit of the result, is the same on any device. Dynamic shared memory: 2 * warps * columns
 // floats.
+// __launch_bounds__(256, 2): at most 256 threads per block, and registers for 2 blocks per multiprocessor
+// (128 per thread). Without it, ptxas settles on 80 registers for <4, 6> and, short of room, issues the last
+// two of a lane's six pairs of row loads only after the arithmetic on the first four has begun (two batches of
+// LDG.E.128 in `cuobjdump -sass`); with it, it takes 102 and all twelve leave together. Rows longer than 32
+// floats per lane need more than 128 registers: one block per multiprocessor, as they had without the bound.
 template <int WIDTH, int K>
-__global__ void layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partials,
+__global__ void __launch_bounds__(256, K * WIDTH <= 32 ? 2 : 1) layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partials,
                                           const float* dout, const float* x, const float* weight,
                                           const float* mean, const float* rstd, int rows, int columns,
                                           int rows_per_block)
