@@ -235,8 +235,8 @@ extern "C" __global__ void column_sums_accumulate(float* first_sums, float* seco
 // in shared memory, a private slice of 2 * columns floats per warp (a lane adds only into its own columns of
 // its own warp's slice: no other thread touches them, so no synchronisation and no atomics), and weight is
 // read again where it is needed (3 KB at C = 768: it stays in the L1 cache). What remains in registers per
-// lane is the row: x_hat and dout, 2 K WIDTH floats, 48 at C = 768, about 80 registers in all against ~170
-// for layernorm_backward above: 65536 / (80 * 32) = 25 warps fit where 12 did.
+// lane is the row: x_hat and dout, 2 K WIDTH floats, 48 at C = 768, 102 registers in all against ~170 for
+// layernorm_backward above: 65536 / (102 * 32) = 20 warps fit where 12 did.
 // Block b handles rows [b rows_per_block, (b + 1) rows_per_block), its warps taking turns; at the end the
 // block adds the warps' slices in order (warp 0, 1, ...) and writes one row of partial dweight and one of
 // partial dbias; column_sums_accumulate then adds the blocks' rows of both into dweight and dbias in one
