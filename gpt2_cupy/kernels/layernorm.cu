@@ -249,10 +249,10 @@ extern "C" __global__ void column_sums_accumulate(float* first_sums, float* seco
 // LDG.E.128 in `cuobjdump -sass`); with it, it takes 102 and all twelve leave together. Rows longer than 32
 // floats per lane need more than 128 registers: one block per multiprocessor, as they had without the bound.
 template <int WIDTH, int K>
-__global__ void __launch_bounds__(256, K * WIDTH <= 32 ? 2 : 1) layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partials,
-                                          const float* dout, const float* x, const float* weight,
-                                          const float* mean, const float* rstd, int rows, int columns,
-                                          int rows_per_block)
+__global__ void __launch_bounds__(256, K * WIDTH <= 32 ? 2 : 1)
+layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partials, const float* dout,
+                          const float* x, const float* weight, const float* mean, const float* rstd, int rows,
+                          int columns, int rows_per_block)
 {
     extern __shared__ float shared[];
     int warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
