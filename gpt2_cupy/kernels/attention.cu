@@ -27,6 +27,8 @@
 // e^((s - m) / √D) = 2^(s log2(e) / √D - m log2(e) / √D) is one multiply-add and one exp2 per score.
 // Only the tiles that cross the diagonal (or the end of the sequence) are masked element by element; the
 // others take a version of the same loop without the comparisons (a template flag, MASKED).
+// A tile on the diagonal (ROWS = 64: its rows and columns are the same 64 positions) has one quadrant
+// masked whole, the 32 queries 0-31 against the 32 keys 32-63: those products are skipped (QUADRANT below).
 // The tiles take 71 to 142 KB of shared memory, more than the 48 KB a kernel may declare statically:
 // they are carved out of one extern __shared__ array, whose size the launch gives.
 // Registers: __launch_bounds__(threads, blocks) holds the compiler to the registers that `blocks` blocks
@@ -42,6 +44,22 @@
 #define FULL_MASK 0xffffffffu
 #define LOG2E 1.4426950408889634f
 #define NEGATIVE_INFINITY __uint_as_float(0xff800000u)  // NVRTC has no math.h, so no INFINITY
+
+// The quadrant of a diagonal tile whose products a tile product skips (a template parameter, QUADRANT).
+// Where the rows are queries and the columns keys (forward, dq), the masked quadrant is the upper right:
+// rows 0-31, columns 32-63; where the rows are keys (dk, dv), it is the lower left: rows 32-63, columns 0-31.
+// With ROWS = 64, a thread's micro-tile rows r < 2 are rows 0-31 of the tile and its columns c < 4 are
+// columns 0-31, so the test below is on compile-time constants and costs nothing: a quarter of the diagonal
+// tile's multiply-adds are simply not there.
+#define NO_QUADRANT 0
+#define UPPER_RIGHT 1
+#define LOWER_LEFT 2
+__device__ __forceinline__ bool in_skipped_quadrant(int quadrant, int r, bool second_half_column)
+{
+    bool first_half_row = r < ROWS_PER_THREAD / 2;
+    return (quadrant == UPPER_RIGHT && first_half_row && second_half_column) ||
+           (quadrant == LOWER_LEFT && !first_half_row && !second_half_column);
+}
 
 // Lane l of a warp is row group 4 warp + l % 4, column group l / 4: a quarter-warp holds all 4 of the warp's
 // row groups and 2 column groups. Per 4 steps of D the warp reads 8 columns (float4s of 8 different
@@ -80,8 +98,8 @@ __device__ void load_tile(float* tile, const float* matrix, int first_row, int T
 // dot[r][c] = <rows[row r], columns[column c]> over D: the thread's micro-tile of a (ROWS, D) tile times a
 // (64, D) tile transposed. Each float4 read serves 8 (row) or 4 (column) dot products. The loop over D is
 // unrolled 4 times, not fully: fully unrolled, the compiler starts every read early and needs more
-// registers than the launch bounds leave.
-template <int D, int ROWS>
+// registers than the launch bounds leave. Products in QUADRANT are left at 0.
+template <int D, int ROWS, int QUADRANT = NO_QUADRANT>
 __device__ void tile_dots(float dot[ROWS_PER_THREAD][COLUMNS_PER_THREAD], const float* rows, const float* columns)
 {
     constexpr int ROW_GROUPS = ROWS / ROWS_PER_THREAD;
@@ -96,6 +114,7 @@ __device__ void tile_dots(float dot[ROWS_PER_THREAD][COLUMNS_PER_THREAD], const 
         for (int r = 0; r < ROWS_PER_THREAD; r++) {
             float4 a = *reinterpret_cast<const float4*>(&rows[(row_group + ROW_GROUPS * r) * (D + PAD) + i]);
             for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
+                if (in_skipped_quadrant(QUADRANT, r, c >= COLUMNS_PER_THREAD / 2)) continue;
                 dot[r][c] += a.x * column[c].x;  // one multiply-add each
                 dot[r][c] += a.y * column[c].y;
                 dot[r][c] += a.z * column[c].z;
@@ -110,28 +129,35 @@ __device__ void tile_dots(float dot[ROWS_PER_THREAD][COLUMNS_PER_THREAD], const 
 // the thread owns D / 8 columns of each of its rows, D / 32 float4s 32 floats apart (the 8 column groups'
 // float4s of one row of values are 128 consecutive bytes: one pass). Per 4 steps of j: one float4 of
 // weights per row, 4 x D / 32 float4s of values, 4 x D / 8 x 4 multiply-adds.
-template <int D, int ROWS, int STRIDE = WEIGHTS_STRIDE>
+// With a QUADRANT to skip, the loop over j runs in two halves (0-31, 32-63), each over the rows that have
+// weights there, so that which rows take part is known at compile time.
+template <int D, int ROWS, int STRIDE = WEIGHTS_STRIDE, int QUADRANT = NO_QUADRANT>
 __device__ void tile_accumulate(float accumulator[ROWS_PER_THREAD][D / COLUMN_GROUPS], const float* weights,
                                 const float* values)
 {
     constexpr int ROW_GROUPS = ROWS / ROWS_PER_THREAD;
     constexpr int CHUNKS = D / (4 * COLUMN_GROUPS);
+    constexpr int HALVES = QUADRANT == NO_QUADRANT ? 1 : 2, SPAN = COLUMNS / HALVES;
     int row_group = thread_row_group(), column_group = thread_column_group();
+#pragma unroll
+    for (int half = 0; half < HALVES; half++) {
 #pragma unroll 4
-    for (int j = 0; j < COLUMNS; j += 4) {
-        float4 value[4][CHUNKS];
-        for (int jj = 0; jj < 4; jj++)
-            for (int h = 0; h < CHUNKS; h++)
-                value[jj][h] = *reinterpret_cast<const float4*>(
-                    &values[(j + jj) * (D + PAD) + 4 * column_group + 4 * COLUMN_GROUPS * h]);
-        for (int r = 0; r < ROWS_PER_THREAD; r++) {
-            float4 w = *reinterpret_cast<const float4*>(&weights[(row_group + ROW_GROUPS * r) * STRIDE + j]);
-            for (int h = 0; h < CHUNKS; h++) {
-                float* a = &accumulator[r][4 * h];
-                a[0] += w.x * value[0][h].x; a[0] += w.y * value[1][h].x; a[0] += w.z * value[2][h].x; a[0] += w.w * value[3][h].x;
-                a[1] += w.x * value[0][h].y; a[1] += w.y * value[1][h].y; a[1] += w.z * value[2][h].y; a[1] += w.w * value[3][h].y;
-                a[2] += w.x * value[0][h].z; a[2] += w.y * value[1][h].z; a[2] += w.z * value[2][h].z; a[2] += w.w * value[3][h].z;
-                a[3] += w.x * value[0][h].w; a[3] += w.y * value[1][h].w; a[3] += w.z * value[2][h].w; a[3] += w.w * value[3][h].w;
+        for (int j = half * SPAN; j < (half + 1) * SPAN; j += 4) {
+            float4 value[4][CHUNKS];
+            for (int jj = 0; jj < 4; jj++)
+                for (int h = 0; h < CHUNKS; h++)
+                    value[jj][h] = *reinterpret_cast<const float4*>(
+                        &values[(j + jj) * (D + PAD) + 4 * column_group + 4 * COLUMN_GROUPS * h]);
+            for (int r = 0; r < ROWS_PER_THREAD; r++) {
+                if (in_skipped_quadrant(QUADRANT, r, half == 1)) continue;
+                float4 w = *reinterpret_cast<const float4*>(&weights[(row_group + ROW_GROUPS * r) * STRIDE + j]);
+                for (int h = 0; h < CHUNKS; h++) {
+                    float* a = &accumulator[r][4 * h];
+                    a[0] += w.x * value[0][h].x; a[0] += w.y * value[1][h].x; a[0] += w.z * value[2][h].x; a[0] += w.w * value[3][h].x;
+                    a[1] += w.x * value[0][h].y; a[1] += w.y * value[1][h].y; a[1] += w.z * value[2][h].y; a[1] += w.w * value[3][h].y;
+                    a[2] += w.x * value[0][h].z; a[2] += w.y * value[1][h].z; a[2] += w.z * value[2][h].z; a[2] += w.w * value[3][h].z;
+                    a[3] += w.x * value[0][h].w; a[3] += w.y * value[1][h].w; a[3] += w.z * value[2][h].w; a[3] += w.w * value[3][h].w;
+                }
             }
         }
     }
@@ -290,13 +316,16 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 3 : 2)) atten
         load_tile<COLUMNS, D, THREADS>(v_tile, v, first_key, T);
         __syncthreads();
         float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
-        tile_dots<D, ROWS>(s, q_tile, k_tile);
+        bool diagonal = ROWS == COLUMNS && causal && first_key == first_query;  // its upper right quadrant masked
+        if (diagonal) tile_dots<D, ROWS, UPPER_RIGHT>(s, q_tile, k_tile);
+        else tile_dots<D, ROWS>(s, q_tile, k_tile);
         bool masked = (causal && first_key + COLUMNS - 1 > first_query) || first_key + COLUMNS > T;
         if (masked) forward_probabilities<RELU, true, ROWS, D>(s, o, running_max, running_sum, first_query, first_key, T, causal, scale);
         else forward_probabilities<RELU, false, ROWS, D>(s, o, running_max, running_sum, first_query, first_key, T, causal, scale);
         store_micro_tile<ROWS>(p_tile, s);
         __syncwarp();  // a thread reads back only rows of p_tile that its own warp wrote
-        tile_accumulate<D, ROWS>(o, p_tile, v_tile);
+        if (diagonal) tile_accumulate<D, ROWS, WEIGHTS_STRIDE, UPPER_RIGHT>(o, p_tile, v_tile);
+        else tile_accumulate<D, ROWS>(o, p_tile, v_tile);
     }
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
         int query = first_query + thread_row_group() + ROWS / ROWS_PER_THREAD * r;
@@ -435,15 +464,22 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 2 : 1)) atten
             query_rowdot[c] = !RELU && query < T ? rowdot[query] : 0.0f;
         }
         float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
-        tile_dots<D, ROWS>(s, k_tile, q_tile);  // row j = key, column i = query
+        bool diagonal = ROWS == COLUMNS && causal && first_query == first_key;  // its lower left quadrant masked
+        if (diagonal) tile_dots<D, ROWS, LOWER_LEFT>(s, k_tile, q_tile);  // row j = key, column i = query
+        else tile_dots<D, ROWS>(s, k_tile, q_tile);
         bool masked = (causal && first_query < first_key + ROWS - 1) || first_query + COLUMNS > T || first_key + ROWS > T;
         if (masked) key_probabilities<RELU, true, ROWS>(s, query_lse2, first_key, first_query, T, causal, scale);
         else key_probabilities<RELU, false, ROWS>(s, query_lse2, first_key, first_query, T, causal, scale);
         store_micro_tile<ROWS>(weights_tile, s);
         __syncwarp();  // a thread reads back only rows its own warp wrote
-        tile_accumulate<D, ROWS>(dv_rows, weights_tile, dout_tile);
         float ds[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
-        tile_dots<D, ROWS>(ds, v_tile, dout_tile);  // dP_ij = <dout_i, v_j>
+        if (diagonal) {
+            tile_accumulate<D, ROWS, WEIGHTS_STRIDE, LOWER_LEFT>(dv_rows, weights_tile, dout_tile);
+            tile_dots<D, ROWS, LOWER_LEFT>(ds, v_tile, dout_tile);  // dP_ij = <dout_i, v_j>
+        } else {
+            tile_accumulate<D, ROWS>(dv_rows, weights_tile, dout_tile);
+            tile_dots<D, ROWS>(ds, v_tile, dout_tile);
+        }
         __syncwarp();  // the warp is done reading P before dS overwrites it
         for (int r = 0; r < ROWS_PER_THREAD; r++) {
             for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
@@ -455,11 +491,13 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 2 : 1)) atten
         }
         if (DQ_ATOMIC) store_micro_tile_transposed<ROWS>(ds_by_query, ds);
         __syncwarp();
-        tile_accumulate<D, ROWS>(dk_rows, weights_tile, q_tile);
+        if (diagonal) tile_accumulate<D, ROWS, WEIGHTS_STRIDE, LOWER_LEFT>(dk_rows, weights_tile, q_tile);
+        else tile_accumulate<D, ROWS>(dk_rows, weights_tile, q_tile);
         if (DQ_ATOMIC) {
             __syncthreads();  // every warp's part of the transposed dS tile is written
             float dq_part[ROWS_PER_THREAD][D / COLUMN_GROUPS] = {};  // rows = the tile's 64 queries
-            tile_accumulate<D, COLUMNS, ROWS + PAD>(dq_part, ds_by_query, k_tile);
+            if (diagonal) tile_accumulate<D, COLUMNS, ROWS + PAD, UPPER_RIGHT>(dq_part, ds_by_query, k_tile);
+            else tile_accumulate<D, COLUMNS, ROWS + PAD>(dq_part, ds_by_query, k_tile);
             atomic_add_rows<D, COLUMNS>(dq, dq_part, first_query, T, scale);
         }
     }
@@ -507,14 +545,21 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 2 : 1)) atten
         load_tile<COLUMNS, D, THREADS>(v_tile, v, first_key, T);
         __syncthreads();
         float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD], ds[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
-        tile_dots<D, ROWS>(s, q_tile, k_tile);
-        tile_dots<D, ROWS>(ds, dout_tile, v_tile);  // dP, turned into dS in place below
+        bool diagonal = ROWS == COLUMNS && causal && first_key == first_query;  // its upper right quadrant masked
+        if (diagonal) {
+            tile_dots<D, ROWS, UPPER_RIGHT>(s, q_tile, k_tile);
+            tile_dots<D, ROWS, UPPER_RIGHT>(ds, dout_tile, v_tile);  // dP, turned into dS in place below
+        } else {
+            tile_dots<D, ROWS>(s, q_tile, k_tile);
+            tile_dots<D, ROWS>(ds, dout_tile, v_tile);
+        }
         bool masked = (causal && first_key + COLUMNS - 1 > first_query) || first_key + COLUMNS > T || first_query + ROWS > T;
         if (masked) query_gradients<RELU, true, ROWS>(s, ds, row_lse2, row_rowdot, first_query, first_key, T, causal, scale);
         else query_gradients<RELU, false, ROWS>(s, ds, row_lse2, row_rowdot, first_query, first_key, T, causal, scale);
         store_micro_tile<ROWS>(ds_tile, ds);
         __syncwarp();
-        tile_accumulate<D, ROWS>(dq_rows, ds_tile, k_tile);
+        if (diagonal) tile_accumulate<D, ROWS, WEIGHTS_STRIDE, UPPER_RIGHT>(dq_rows, ds_tile, k_tile);
+        else tile_accumulate<D, ROWS>(dq_rows, ds_tile, k_tile);
     }
     store_rows<D, ROWS>(dq, dq_rows, first_query, T, scale);
 }
