@@ -28,7 +28,8 @@
 // Only the tiles that cross the diagonal (or the end of the sequence) are masked element by element; the
 // others take a version of the same loop without the comparisons (a template flag, MASKED).
 // A tile on the diagonal (ROWS = 64: its rows and columns are the same 64 positions) has one quadrant
-// masked whole, the 32 queries 0-31 against the 32 keys 32-63: those products are skipped (QUADRANT below).
+// masked whole, the 32 queries 0-31 against the 32 keys 32-63: the forward and the two backward passes skip
+// those products (QUADRANT below).
 // The tiles take 71 to 142 KB of shared memory, more than the 48 KB a kernel may declare statically:
 // they are carved out of one extern __shared__ array, whose size the launch gives.
 // Registers: __launch_bounds__(threads, blocks) holds the compiler to the registers that `blocks` blocks
@@ -464,7 +465,10 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 2 : 1)) atten
             query_rowdot[c] = !RELU && query < T ? rowdot[query] : 0.0f;
         }
         float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
-        bool diagonal = ROWS == COLUMNS && causal && first_query == first_key;  // its lower left quadrant masked
+        // A diagonal tile's lower left quadrant is masked. The one-pass kernel does not skip it: with a second
+        // copy of its products it grew from 68 to 126 KB of machine code, and forward + backward got slower
+        // (1.313 ms against 1.306 on the H100), although the kernel alone was 2 % faster.
+        bool diagonal = !DQ_ATOMIC && ROWS == COLUMNS && causal && first_query == first_key;
         if (diagonal) tile_dots<D, ROWS, LOWER_LEFT>(s, k_tile, q_tile);  // row j = key, column i = query
         else tile_dots<D, ROWS>(s, k_tile, q_tile);
         bool masked = (causal && first_query < first_key + ROWS - 1) || first_query + COLUMNS > T || first_key + ROWS > T;
@@ -496,8 +500,7 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 2 : 1)) atten
         if (DQ_ATOMIC) {
             __syncthreads();  // every warp's part of the transposed dS tile is written
             float dq_part[ROWS_PER_THREAD][D / COLUMN_GROUPS] = {};  // rows = the tile's 64 queries
-            if (diagonal) tile_accumulate<D, COLUMNS, ROWS + PAD, UPPER_RIGHT>(dq_part, ds_by_query, k_tile);
-            else tile_accumulate<D, COLUMNS, ROWS + PAD>(dq_part, ds_by_query, k_tile);
+            tile_accumulate<D, COLUMNS, ROWS + PAD>(dq_part, ds_by_query, k_tile);
             atomic_add_rows<D, COLUMNS>(dq, dq_part, first_query, T, scale);
         }
     }
