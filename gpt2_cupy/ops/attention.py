@@ -125,9 +125,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax
     if variant == "softmax" and lse is None:
         raise ValueError(f"{name}: the softmax variant needs the lse that attention_forward returned")
     heads, T = _heads_and_tiles(name, sizes)
-    # The one-pass backward adds into dq: it starts from zeros.
-    dq = backend.xp.empty(q.shape, dtype=np.float32) if deterministic else backend.xp.zeros(q.shape, np.float32)
-    dk, dv = (backend.xp.empty(q.shape, dtype=np.float32) for _ in range(2))
+    dq, dk, dv = (backend.xp.empty(q.shape, dtype=np.float32) for _ in range(3))
     rowdot = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
     _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, sizes["d"], causal, variant, deterministic)
     return dq, dk, dv
@@ -144,6 +142,10 @@ def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, d, causal, 
         _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
         _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
     else:
+        # The one-pass kernel adds into dq, which starts from zeros. They are written after rowdot, just
+        # before that kernel: the zeros then wait in the L2 for its atomics, where written before rowdot they
+        # are pushed out to memory while rowdot reads dout and out.
+        dq.fill(0)
         _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=TILE, dq=dq)
 
 
