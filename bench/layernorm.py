@@ -34,23 +34,51 @@ from gpt2_cupy.ops.residual import residual_forward
 from gpt2_cupy.testing import torch_or_none
 
 B, T, C = 8, 1024, 768
+N = B * T
 FLOAT = 4  # bytes
+FORWARD_BYTES, BACKWARD_BYTES = FLOAT * (2 * N * C + 2 * N), FLOAT * (3 * N * C + 2 * N)  # LayerNorm's
+ELEMENTWISE_FORWARD_BYTES, ELEMENTWISE_BACKWARD_BYTES = FLOAT * 2 * N * C, FLOAT * 3 * N * C  # DyT's
+
+
+def parameters(cupy, random):
+    """weight, bias, alpha and their gradient buffers dweight, dbias, dalpha."""
+    weight = 1 + 0.1 * random.standard_normal(C, dtype=cupy.float32)
+    bias = 0.1 * random.standard_normal(C, dtype=cupy.float32)
+    alpha = cupy.full((1,), 0.5, dtype=cupy.float32)
+    return weight, bias, alpha, cupy.zeros_like(weight), cupy.zeros_like(bias), cupy.zeros_like(alpha)
+
+
+def activations(cupy, random, weight, bias):
+    """x, dout, y, dx, mean, rstd: what one call reads and writes, besides the parameters."""
+    x, dout = (random.standard_normal((B, T, C), dtype=cupy.float32) for _ in range(2))
+    y, dx = cupy.empty_like(x), cupy.empty_like(x)
+    _, mean, rstd = layernorm_forward(x, weight, bias, out=y)
+    return x, dout, y, dx, mean, rstd
+
+
+def op_runs(arrays, params):
+    """{name: (bytes moved, function)}: the ops and the elementwise reference on one set of arrays."""
+    x, dout, y, dx, mean, rstd = arrays
+    weight, bias, alpha, dweight, dbias, dalpha = params
+    return {
+        "Elementwise with the backward's traffic (residual add)": (
+            ELEMENTWISE_BACKWARD_BYTES, lambda: residual_forward(x, dout, out=dx)),
+        "LayerNorm forward": (FORWARD_BYTES, lambda: layernorm_forward(x, weight, bias, out=y)),
+        "LayerNorm backward": (BACKWARD_BYTES, lambda: layernorm_backward(
+            dout, x, weight, mean, rstd, dweight=dweight, dbias=dbias, out=dx)),
+        "DyT forward": (ELEMENTWISE_FORWARD_BYTES, lambda: dyt_forward(x, alpha, weight, bias, out=y)),
+        "DyT backward": (ELEMENTWISE_BACKWARD_BYTES, lambda: dyt_backward(
+            dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias, out=dx)),
+    }
 
 
 def candidates(cupy):
     """{name: (bytes moved, function that runs it once)}."""
-    N = B * T
     random = cupy.random.default_rng(0)
-    x = random.standard_normal((B, T, C), dtype=cupy.float32)
-    dout = random.standard_normal((B, T, C), dtype=cupy.float32)
-    weight = 1 + 0.1 * random.standard_normal(C, dtype=cupy.float32)
-    bias = 0.1 * random.standard_normal(C, dtype=cupy.float32)
-    alpha = cupy.full((1,), 0.5, dtype=cupy.float32)
-    y, dx = cupy.empty_like(x), cupy.empty_like(x)
-    dweight, dbias, dalpha = cupy.zeros_like(weight), cupy.zeros_like(bias), cupy.zeros_like(alpha)
-    _, mean, rstd = layernorm_forward(x, weight, bias, out=y)
-    forward_bytes, backward_bytes = FLOAT * (2 * N * C + 2 * N), FLOAT * (3 * N * C + 2 * N)
-    elementwise_forward, elementwise_backward = FLOAT * 2 * N * C, FLOAT * 3 * N * C
+    params = parameters(cupy, random)
+    weight, bias, alpha, dweight, dbias, dalpha = params
+    x, dout, y, dx, mean, rstd = arrays = activations(cupy, random, weight, bias)
+    ops = op_runs(arrays, params)
 
     layout = (4, 6)  # float4 groups, K = 6: C = 768
     rows_per_block = layernorm_ops.ROWS_PER_BLOCK
@@ -82,29 +110,27 @@ def candidates(cupy):
         layernorm_ops._forward((1, 32), y, mean, rstd, x, weight, bias, N, C, 1e-5)
 
     runs = {
-        "Elementwise with the backward's traffic (residual add)": (elementwise_backward, lambda: residual_forward(
-            x, dout, out=dx)),
-        "LayerNorm forward, a warp per row (step)": (forward_bytes, lambda: step(
+        "Elementwise with the backward's traffic (residual add)": ops[
+            "Elementwise with the backward's traffic (residual add)"],
+        "LayerNorm forward, a warp per row (step)": (FORWARD_BYTES, lambda: step(
             (N // 8,), (256,), (y, mean, rstd, x, weight, rows, np.int32(C), np.float32(1e-5)))),
-        "LayerNorm forward, row in registers, float loads": (forward_bytes, scalar_loads),
-        "LayerNorm forward": (forward_bytes, lambda: layernorm_forward(x, weight, bias, out=y)),
-        "LayerNorm backward": (backward_bytes, lambda: layernorm_backward(
-            dout, x, weight, mean, rstd, dweight=dweight, dbias=dbias, out=dx)),
-        "LayerNorm backward, column sums in registers (first kernel)": (backward_bytes, lambda: (
+        "LayerNorm forward, row in registers, float loads": (FORWARD_BYTES, scalar_loads),
+        "LayerNorm forward": ops["LayerNorm forward"],
+        "LayerNorm backward": ops["LayerNorm backward"],
+        "LayerNorm backward, column sums in registers (first kernel)": (BACKWARD_BYTES, lambda: (
             layernorm_ops._backward_registers(layout, dx, dweight, dbias, dout, x, weight, mean, rstd, N, C))),
-        **{f"LayerNorm backward, {rows} rows per block": (backward_bytes, layernorm_backward_with(rows))
+        **{f"LayerNorm backward, {rows} rows per block": (BACKWARD_BYTES, layernorm_backward_with(rows))
            for rows in (32, 48, 96, 128) if rows != rows_per_block},
-        "LayerNorm backward, the row kernel alone": (backward_bytes, layernorm_rows_alone),
+        "LayerNorm backward, the row kernel alone": (BACKWARD_BYTES, layernorm_rows_alone),
         "LayerNorm backward, column_sums_accumulate alone": (  # its own bytes: the partials read, the sums
             partials.nbytes + 4 * FLOAT * C, lambda: layernorm_ops.add_column_sums((dweight, dbias), partials)),
-        "DyT forward": (elementwise_forward, lambda: dyt_forward(x, alpha, weight, bias, out=y)),
-        "DyT backward": (elementwise_backward, lambda: dyt_backward(
-            dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias, out=dx)),
-        "DyT backward, a warp per row (first kernel)": (elementwise_backward, lambda: dyt_ops._backward_rows(
+        "DyT forward": ops["DyT forward"],
+        "DyT backward": ops["DyT backward"],
+        "DyT backward, a warp per row (first kernel)": (ELEMENTWISE_BACKWARD_BYTES, lambda: dyt_ops._backward_rows(
             layout, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C)),
-        "DyT backward, one row at a time (previous)": (elementwise_backward, dyt_backward_with(128, 8, 1)),
+        "DyT backward, one row at a time (previous)": (ELEMENTWISE_BACKWARD_BYTES, dyt_backward_with(128, 8, 1)),
         **{f"DyT backward, {rows} rows per block, {slots} row slots, {at_once} at once": (
-            elementwise_backward, dyt_backward_with(rows, slots, at_once))
+            ELEMENTWISE_BACKWARD_BYTES, dyt_backward_with(rows, slots, at_once))
            for rows in (64, 128, 256) for slots, at_once in dyt_ops.CANDIDATES if slots * at_once <= rows},
     }
     torch = torch_or_none()
@@ -114,19 +140,19 @@ def candidates(cupy):
     alpha_t = torch.from_dlpack(alpha)
     _, mean_t, rstd_t = torch.ops.aten.native_layer_norm(x_t, (C,), weight_t, bias_t, 1e-5)
     runs["torch LayerNorm forward (native_layer_norm)"] = (
-        forward_bytes, lambda: torch.ops.aten.native_layer_norm(x_t, (C,), weight_t, bias_t, 1e-5))
+        FORWARD_BYTES, lambda: torch.ops.aten.native_layer_norm(x_t, (C,), weight_t, bias_t, 1e-5))
     runs["torch LayerNorm backward (native_layer_norm_backward)"] = (
-        backward_bytes, lambda: torch.ops.aten.native_layer_norm_backward(
+        BACKWARD_BYTES, lambda: torch.ops.aten.native_layer_norm_backward(
             dout_t, x_t, (C,), mean_t, rstd_t, weight_t, bias_t, [True, True, True]))
     runs["torch DyT forward (tensor expression)"] = (
-        elementwise_forward, lambda: weight_t * torch.tanh(alpha_t * x_t) + bias_t)
+        ELEMENTWISE_FORWARD_BYTES, lambda: weight_t * torch.tanh(alpha_t * x_t) + bias_t)
     leaves = [a.clone().requires_grad_() for a in (x_t, alpha_t, weight_t, bias_t)]
 
     def torch_dyt_forward_and_backward():  # eager autograd: the forward's tensors, then the backward's
         y_t = leaves[2] * torch.tanh(leaves[1] * leaves[0]) + leaves[3]
         return torch.autograd.grad(y_t, leaves, dout_t)
 
-    runs["torch DyT forward + backward (autograd)"] = (elementwise_forward + elementwise_backward,
+    runs["torch DyT forward + backward (autograd)"] = (ELEMENTWISE_FORWARD_BYTES + ELEMENTWISE_BACKWARD_BYTES,
                                                        torch_dyt_forward_and_backward)
     return runs
 
@@ -138,40 +164,18 @@ ROTATING = f" ({SETS} sets of arrays in turn)"
 def rotating_candidates(cupy):
     """{name + ROTATING: (bytes moved, function)}: the ops and the elementwise reference, each call on the
     next of SETS sets of arrays, so that no call finds its inputs or its last output in the L2."""
-    N = B * T
     random = cupy.random.default_rng(1)
-    weight = 1 + 0.1 * random.standard_normal(C, dtype=cupy.float32)
-    bias = 0.1 * random.standard_normal(C, dtype=cupy.float32)
-    alpha = cupy.full((1,), 0.5, dtype=cupy.float32)
-    dweight, dbias, dalpha = cupy.zeros_like(weight), cupy.zeros_like(bias), cupy.zeros_like(alpha)
-    arrays = []
-    for _ in range(SETS):
-        x, dout = (random.standard_normal((B, T, C), dtype=cupy.float32) for _ in range(2))
-        y, dx = cupy.empty_like(x), cupy.empty_like(x)
-        _, mean, rstd = layernorm_forward(x, weight, bias, out=y)
-        arrays.append((x, dout, y, dx, mean, rstd))
+    params = parameters(cupy, random)
+    sets = [op_runs(activations(cupy, random, *params[:2]), params) for _ in range(SETS)]
     turn = [0]
 
-    def in_turn(run):
+    def in_turn(name):
         def next_set():
             turn[0] = (turn[0] + 1) % SETS
-            run(*arrays[turn[0]])
+            sets[turn[0]][name][1]()
         return next_set
 
-    forward_bytes, backward_bytes = FLOAT * (2 * N * C + 2 * N), FLOAT * (3 * N * C + 2 * N)
-    runs = {
-        "Elementwise with the backward's traffic (residual add)": (
-            FLOAT * 3 * N * C, lambda x, dout, y, dx, mean, rstd: residual_forward(x, dout, out=dx)),
-        "LayerNorm forward": (forward_bytes, lambda x, dout, y, dx, mean, rstd: layernorm_forward(
-            x, weight, bias, out=y)),
-        "LayerNorm backward": (backward_bytes, lambda x, dout, y, dx, mean, rstd: layernorm_backward(
-            dout, x, weight, mean, rstd, dweight=dweight, dbias=dbias, out=dx)),
-        "DyT forward": (FLOAT * 2 * N * C, lambda x, dout, y, dx, mean, rstd: dyt_forward(
-            x, alpha, weight, bias, out=y)),
-        "DyT backward": (FLOAT * 3 * N * C, lambda x, dout, y, dx, mean, rstd: dyt_backward(
-            dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias, out=dx)),
-    }
-    return {name + ROTATING: (bytes_moved, in_turn(run)) for name, (bytes_moved, run) in runs.items()}
+    return {name + ROTATING: (bytes_moved, in_turn(name)) for name, (bytes_moved, _) in sets[0].items()}
 
 
 def measure():
