@@ -23,6 +23,8 @@ use the same byte counts for its kernels (aten native_layer_norm and native_laye
 `weight * tanh(alpha * x) + bias` as eager tensor expressions for DyT), so that GB/s compare times.
 """
 
+import re
+
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, kernels
@@ -72,6 +74,31 @@ def op_runs(arrays, params):
     }
 
 
+def kernel_definition(source, name):
+    """The text of the __global__ function `name` in `source`, from its template line (if any) to its last brace."""
+    start = re.search(r"(template <[^>]*>\s*)?__global__[^{;]*?\b" + name + r"\(", source).start()
+    depth, end = 0, source.index("{", start)
+    while True:
+        depth += {"{": 1, "}": -1}.get(source[end], 0)
+        end += 1
+        if depth == 0:
+            return source[start:end]
+
+
+def stopped_before(file_name, name, marker, stopped_name, instance):
+    """kernels/<file_name>.cu's kernel `name`, copied as `stopped_name` with `return;` on the line before the
+    one that starts with `marker` (after its indentation): the same kernel cut short, so that its time says what
+    the rest of it costs. Compiled with the file's own code ahead of it; returns the kernel <instance>."""
+    source = kernels.source(file_name)
+    definition = kernel_definition(source, name)
+    indent, line = re.search(r"\n( *)(" + re.escape(marker) + ")", definition).groups()
+    stopped = definition.replace(f"{name}(", f"{stopped_name}(", 1).replace(
+        f"\n{indent}{line}", f"\n{indent}return;\n{indent}{line}", 1)
+    name_expression = f"{stopped_name}<{instance}>"
+    return backend.RawModule(code=f"{source}\n{stopped}", name_expressions=(name_expression,)).get_function(
+        name_expression)
+
+
 def candidates(cupy):
     """{name: (bytes moved, function that runs it once)}."""
     random = cupy.random.default_rng(0)
@@ -103,6 +130,14 @@ def candidates(cupy):
         row_kernel((blocks,), (warps * 32,), (dx, partials[0], partials[1], dout, x, weight, mean, rstd, np.int32(N),
                                               np.int32(C), np.int32(rows_per_block)), shared_mem=2 * warps * C * 4)
 
+    # The DyT backward cut short (its counters untouched): where its time beyond an elementwise kernel's goes.
+    instance = f"4, {dyt_ops.ROW_SLOTS}, {dyt_ops.ROWS_AT_ONCE}"
+    dyt_stopped = {part: stopped_before("dyt", "dyt_backward_columns", marker, name, instance)
+                   for part, marker, name in (
+                       ("its finishing step (partial sums written)", "__threadfence();  // each thread's partial",
+                        "dyt_backward_without_finishing"),
+                       ("its column sums (dx alone)", "// 1. The block's row slots", "dyt_backward_dx_alone"))}
+
     step = backend.RawKernel(kernels.source("steps/layernorm_forward_warp_per_row"), "layernorm_forward_warp_per_row")
     rows = np.int32(N)
 
@@ -124,11 +159,18 @@ def candidates(cupy):
         "LayerNorm backward, the row kernel alone": (BACKWARD_BYTES, layernorm_rows_alone),
         "LayerNorm backward, column_sums_accumulate alone": (  # its own bytes: the partials read, the sums
             partials.nbytes + 4 * FLOAT * C, lambda: layernorm_ops.add_column_sums((dweight, dbias), partials)),
+        **{f"LayerNorm backward, column_sums_accumulate alone, {stripes} rows of threads": (
+            partials.nbytes + 4 * FLOAT * C,
+            lambda stripes=stripes: layernorm_ops.add_column_sums((dweight, dbias), partials, stripes))
+           for stripes in (16, 32)},
         "DyT forward": ops["DyT forward"],
         "DyT backward": ops["DyT backward"],
         "DyT backward, a warp per row (first kernel)": (ELEMENTWISE_BACKWARD_BYTES, lambda: dyt_ops._backward_rows(
             layout, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C)),
         "DyT backward, one row at a time (previous)": (ELEMENTWISE_BACKWARD_BYTES, dyt_backward_with(128, 8, 1)),
+        **{f"DyT backward, stopped before {part}": (ELEMENTWISE_BACKWARD_BYTES, lambda kernel=kernel: (
+            dyt_ops._backward_columns(4, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C, kernel=kernel)))
+           for part, kernel in dyt_stopped.items()},
         **{f"DyT backward, {rows} rows per block, {slots} row slots, {at_once} at once": (
             ELEMENTWISE_BACKWARD_BYTES, dyt_backward_with(rows, slots, at_once))
            for rows in (64, 128, 256) for slots, at_once in dyt_ops.CANDIDATES if slots * at_once <= rows},

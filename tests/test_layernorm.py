@@ -181,6 +181,23 @@ def test_layernorm_backward_kernels_agree_for_any_rows_per_block(rows_per_block,
         assert_within_summation_bound(to_host(dbias), dout.reshape(-1, columns))
 
 
+@pytest.mark.parametrize("stripes", [1, 8, 32])
+@pytest.mark.parametrize("parts, columns", [(1, 5), (17, 33), (130, 768)])
+def test_column_sums_add_every_part_into_the_sums(stripes, parts, columns, rng, to_device, to_host):
+    """add_column_sums (column_sums_accumulate): each of two sums gets its own partial rows added, every part
+    once (the unrolled loop's remainder included), with any number of rows of threads; a single sum gets the
+    same bits as the first of two."""
+    partials = rng.normal(size=(2, parts, columns)).astype(np.float32)
+    start = rng.normal(size=(2, columns)).astype(np.float32)
+    sums = (to_device(start[0]), to_device(start[1]))
+    layernorm_ops.add_column_sums(sums, to_device(partials), stripes)
+    for got, first, terms in zip(sums, start, partials):
+        assert_within_summation_bound(to_host(got), terms, first)
+    alone = to_device(start[0])
+    layernorm_ops.add_column_sums((alone,), to_device(partials[:1]), stripes)
+    np.testing.assert_array_equal(to_host(alone), to_host(sums[0]))
+
+
 def test_layernorm_backward_without_bias_leaves_dweight_unchanged(rng, to_device, to_host):
     x, weight, bias, dout = (to_device(a) for a in inputs(rng, (3, 50, 100)))
     y, mean, rstd = layernorm_forward(x, weight, bias)

@@ -205,8 +205,11 @@ __global__ void layernorm_backward(float* dx, float* weight_partials, float* bia
 
 // first_sums[c] += sum over p of partials[0][p][c], and, launched with gridDim.y = 2, second_sums[c] += the
 // same over partials[1]: the finishing step of a deterministic column sum, for partials of shape
-// (gridDim.y, parts, columns). Blocks of (32, 32) threads: threadIdx.x picks a column, the 32 rows of threads
-// each add every 32nd part, then row 0 adds the 32 results in order.
+// (gridDim.y, parts, columns). Blocks of (32, S) threads, S <= 32: threadIdx.x picks a column, the S rows
+// of threads each add every S-th part, then row 0 adds the S results in order.
+// The work is a few hundred kilobytes that wait in the L2, so what the kernel costs is mostly latency: the
+// loop is unrolled so that a thread's loads leave together instead of one after another, and the sum being
+// added to is read first, so that its read overlaps them.
 extern "C" __global__ void column_sums_accumulate(float* first_sums, float* second_sums, const float* partials,
                                                   int parts, int columns)
 {
@@ -214,20 +217,23 @@ extern "C" __global__ void column_sums_accumulate(float* first_sums, float* seco
     const float* own = partials + (long long)blockIdx.y * parts * columns;
     float* sums = blockIdx.y == 0 ? first_sums : second_sums;
     int column = blockIdx.x * WARP_SIZE + threadIdx.x;
+    bool finishing = threadIdx.y == 0 && column < columns;
+    float previous = finishing ? sums[column] : 0.0f;
     float sum = 0.0f;
     if (column < columns) {
+#pragma unroll 16
         for (int part = threadIdx.y; part < parts; part += blockDim.y) {
             sum += own[(long long)part * columns + column];
         }
     }
     stripes[threadIdx.y][threadIdx.x] = sum;
     __syncthreads();
-    if (threadIdx.y == 0 && column < columns) {
+    if (finishing) {
         float total = 0.0f;
         for (int stripe = 0; stripe < blockDim.y; ++stripe) {
             total += stripes[stripe][threadIdx.x];
         }
-        sums[column] += total;  // add, not set: a parameter's gradient accumulates
+        sums[column] = previous + total;  // added, not set: a parameter's gradient accumulates
     }
 }
 

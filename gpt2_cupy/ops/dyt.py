@@ -86,7 +86,9 @@ def counters(count):
 
 
 def _backward_columns(width, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns, *,
-                      rows_per_block=ROWS_PER_BLOCK, row_slots=ROW_SLOTS, rows_at_once=ROWS_AT_ONCE):
+                      rows_per_block=ROWS_PER_BLOCK, row_slots=ROW_SLOTS, rows_at_once=ROWS_AT_ONCE, kernel=None):
+    """Launches dyt_backward_columns<width, row_slots, rows_at_once>, or `kernel`, a compiled kernel with its
+    parameters (bench/layernorm.py times cut-down copies of it)."""
     stripes = ceil_div(columns, WARP_SIZE * width)
     rows_per_block = max(rows_per_block, ceil_div(rows, LARGEST_GRID_Y))  # beyond 4 million rows, longer blocks
     row_blocks = ceil_div(rows, rows_per_block)
@@ -94,7 +96,8 @@ def _backward_columns(width, out, dalpha, dweight, dbias, dout, x, alpha, weight
     weight_partials = partials[:row_blocks * columns]
     bias_partials = partials[row_blocks * columns:2 * row_blocks * columns]
     alpha_partials = partials[2 * row_blocks * columns:]
-    _kernel(f"dyt_backward_columns<{width}, {row_slots}, {rows_at_once}>")(
+    kernel = kernel or _kernel(f"dyt_backward_columns<{width}, {row_slots}, {rows_at_once}>")
+    kernel(
         (stripes, row_blocks), (WARP_SIZE, row_slots),
         (out, dalpha, dweight, weight if dbias is None else dbias, weight_partials, bias_partials, alpha_partials,
          counters(stripes + 1), dout, x, alpha, weight, np.int32(rows), np.int32(columns),

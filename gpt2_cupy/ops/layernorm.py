@@ -40,6 +40,9 @@ BLOCKS_PER_MULTIPROCESSOR = 3
 SHARED_WARPS_PER_BLOCK = 8
 SHARED_BYTES_PER_BLOCK = 48 * 1024
 ROWS_PER_BLOCK = 64
+# column_sums_accumulate: blocks of (32, 8) threads, each thread adding every 8th partial row, 16 at 128 rows
+# (bench/layernorm.py times 8, 16 and 32 rows of threads).
+COLUMN_SUM_STRIPES = 8
 
 
 def _names(kernel):
@@ -113,13 +116,14 @@ def backward_blocks(rows):
     return ceil_div(rows, rows_per_block), rows_per_block
 
 
-def add_column_sums(sums, partials):
+def add_column_sums(sums, partials, stripes=COLUMN_SUM_STRIPES):
     """sums[i] += partials[i] summed over its first axis, in a fixed order, in one launch (kernels/layernorm.cu).
 
     sums: a tuple of one or two (columns,) arrays; partials: (len(sums), parts, columns), contiguous.
+    stripes: rows of threads per block, each adding every stripes-th part (at most 32).
     """
     _, parts, columns = partials.shape
-    _kernel("column_sums_accumulate")((ceil_div(columns, WARP_SIZE), len(sums)), (WARP_SIZE, WARP_SIZE),
+    _kernel("column_sums_accumulate")((ceil_div(columns, WARP_SIZE), len(sums)), (WARP_SIZE, stripes),
                                       (sums[0], sums[-1], partials, np.int32(parts), np.int32(columns)))
 
 
