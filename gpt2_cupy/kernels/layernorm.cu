@@ -207,9 +207,11 @@ __global__ void layernorm_backward(float* dx, float* weight_partials, float* bia
 // same over partials[1]: the finishing step of a deterministic column sum, for partials of shape
 // (gridDim.y, parts, columns). Blocks of (32, S) threads, S <= 32: threadIdx.x picks a column, the S rows
 // of threads each add every S-th part, then row 0 adds the S results in order.
-// The work is a few hundred kilobytes that wait in the L2, so what the kernel costs is mostly latency: the
-// loop is unrolled so that a thread's loads leave together instead of one after another, and the sum being
-// added to is read first, so that its read overlaps them.
+// The work is a few hundred kilobytes that wait in the L2, so what the kernel costs is mostly latency: a
+// thread loads its parts 16 at a time (zeros past the last part) before adding them, so that those loads are
+// in flight together instead of one after another, and the sum being added to is read first, so that its
+// read overlaps them. (A plain loop, even unrolled, checks `part < parts` before each load, and the loads
+// then wait for each other: `cuobjdump -sass` shows it.)
 extern "C" __global__ void column_sums_accumulate(float* first_sums, float* second_sums, const float* partials,
                                                   int parts, int columns)
 {
@@ -221,9 +223,18 @@ extern "C" __global__ void column_sums_accumulate(float* first_sums, float* seco
     float previous = finishing ? sums[column] : 0.0f;
     float sum = 0.0f;
     if (column < columns) {
-#pragma unroll 16
-        for (int part = threadIdx.y; part < parts; part += blockDim.y) {
-            sum += own[(long long)part * columns + column];
+        constexpr int PARTS_AT_ONCE = 16;
+        for (int first = threadIdx.y; first < parts; first += PARTS_AT_ONCE * blockDim.y) {
+            float values[PARTS_AT_ONCE];
+#pragma unroll
+            for (int i = 0; i < PARTS_AT_ONCE; ++i) {
+                int part = first + i * blockDim.y;
+                values[i] = part < parts ? own[(long long)part * columns + column] : 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < PARTS_AT_ONCE; ++i) {
+                sum += values[i];  // in the order of the parts; adding a zero changes nothing
+            }
         }
     }
     stripes[threadIdx.y][threadIdx.x] = sum;
