@@ -13,8 +13,9 @@ the bandwidth that a kernel with no row or column work reaches at this size.
 The backward kernels the ops use ("LayerNorm backward", "DyT backward") run next to the first versions
 (column sums in registers, one finishing launch per parameter), to other rows-per-block choices, to DyT's
 previous kernel (one row loaded at a time) and its candidates (row slots, rows loaded at once), and to the
-two launches of the LayerNorm backward timed apart (what the column sums' finishing launch costs); the
-table ends with the fastest DyT candidate.
+two launches of the LayerNorm backward timed apart (what the column sums' finishing launch costs, with 8, 16
+and 32 rows of threads), and to the DyT backward cut short (`return;` before its column sums, or before its
+finishing step: what each costs); the table ends with the fastest DyT candidate.
 Every run above uses the same arrays call after call, and an output written by one call can still sit in
 the 50 MB L2 when the next call writes it again: those bytes never reach memory, which flatters a kernel
 with a large output. The lines marked "in turn" cycle through 4 sets of arrays (300 MB, six times the L2),
