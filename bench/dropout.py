@@ -21,34 +21,38 @@ P = 0.1
 FLOAT = 4
 
 
+def rates(shape, state, cupy, torch):
+    """{name: GB/s} of the dropout kernels and their references on arrays of `shape` (freed on return)."""
+    n = int(np.prod(shape))
+    x = cupy.random.default_rng(0).standard_normal(shape, dtype=cupy.float32)
+    out = cupy.empty_like(x)
+    ours = 2 * n * FLOAT
+    runs = {
+        "dropout_forward": (ours, lambda: dropout_forward(x, P, state, out=out)),
+        "dropout_backward": (ours, lambda: dropout_backward(x, P, state, out=out)),
+        "advance_rng_state + dropout_forward": (ours, lambda: (advance_rng_state(state, n),
+                                                              dropout_forward(x, P, state, out=out))),
+        "cupy copy (the ceiling, for reference)": (ours, lambda: cupy.copyto(out, x)),
+    }
+    if torch is not None:
+        x_torch = torch.from_dlpack(x)
+        _, mask = torch.ops.aten.native_dropout(x_torch, P, True)
+        runs["torch native_dropout (writes y and a bool mask)"] = (
+            ours + n, lambda: torch.ops.aten.native_dropout(x_torch, P, True))
+        runs["torch native_dropout_backward (reads the mask)"] = (
+            ours + n, lambda: torch.ops.aten.native_dropout_backward(x_torch, mask, 1 / (1 - P)))
+    return {name: benchmark.gigabytes_per_second(moved, benchmark.seconds_per_call(run))
+            for name, (moved, run) in runs.items()}
+
+
 def measure():
     benchmark.require_gpu()
     cupy, torch = backend.xp, torch_or_none()
     results = {"copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9, "p": P, "gb_per_s": {}}
     state = new_rng_state(1234)
     for label, shape in SHAPES.items():
-        n = int(np.prod(shape))
-        x = cupy.random.default_rng(0).standard_normal(shape, dtype=cupy.float32)
-        out = cupy.empty_like(x)
-        ours = 2 * n * FLOAT
-        runs = {
-            "dropout_forward": (ours, lambda: dropout_forward(x, P, state, out=out)),
-            "dropout_backward": (ours, lambda: dropout_backward(x, P, state, out=out)),
-            "advance_rng_state + dropout_forward": (ours, lambda: (advance_rng_state(state, n),
-                                                                  dropout_forward(x, P, state, out=out))),
-            "cupy copy (the ceiling, for reference)": (ours, lambda: cupy.copyto(out, x)),
-        }
-        if torch is not None:
-            x_torch = torch.from_dlpack(x)
-            _, mask = torch.ops.aten.native_dropout(x_torch, P, True)
-            runs["torch native_dropout (writes y and a bool mask)"] = (
-                ours + n, lambda: torch.ops.aten.native_dropout(x_torch, P, True))
-            runs["torch native_dropout_backward (reads the mask)"] = (
-                ours + n, lambda: torch.ops.aten.native_dropout_backward(x_torch, mask, 1 / (1 - P)))
-        results["gb_per_s"][label] = {name: benchmark.gigabytes_per_second(moved, benchmark.seconds_per_call(run))
-                                      for name, (moved, run) in runs.items()}
-        del x, out
-        cupy.get_default_memory_pool().free_all_blocks()
+        results["gb_per_s"][label] = rates(shape, state, cupy, torch)
+        cupy.get_default_memory_pool().free_all_blocks()  # one shape's arrays gone before the next are made
     return {**benchmark.measured_on(), **results}
 
 

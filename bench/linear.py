@@ -31,23 +31,26 @@ def bias_gradient_rates(rows=ROWS, widths=BIAS_WIDTHS, seed=0):
     cupy, torch = backend.xp, torch_or_none()
     one_thread_per_column = kernels.function("bias_column_sum")
     rng = np.random.default_rng(seed)
-    results = {}
-    for columns in widths:
-        dy = cupy.asarray(rng.standard_normal((rows, columns), dtype=np.float32))
-        dbias = cupy.zeros(columns, dtype=cupy.float32)
-        runs = {
-            "one thread per column (version 1)": lambda: one_thread_per_column(
-                (ceil_div(columns, 256),), (256,), (dbias, dy, np.int32(rows), np.int32(columns))),
-            "gpt2_cupy bias_backward (version 2)": lambda: bias_backward(dy, dbias),
-            "cupy dy.sum(axis=0)": lambda: dy.sum(axis=0),
-        }
-        if torch is not None:
-            dy_torch = torch.from_dlpack(dy)
-            runs["torch dy.sum(0)"] = lambda: dy_torch.sum(0)
-        results[columns] = {name: benchmark.gigabytes_per_second(dy.nbytes, benchmark.seconds_per_call(run))
-                            for name, run in runs.items()}
-        del dy
-    return results
+    return {columns: column_sum_rates(cupy.asarray(rng.standard_normal((rows, columns), dtype=np.float32)),
+                                      one_thread_per_column, cupy, torch)
+            for columns in widths}
+
+
+def column_sum_rates(dy, one_thread_per_column, cupy, torch):
+    """{implementation: GB/s of dy read} for the column sum of one dy (freed on return)."""
+    rows, columns = dy.shape
+    dbias = cupy.zeros(columns, dtype=cupy.float32)
+    runs = {
+        "one thread per column (version 1)": lambda: one_thread_per_column(
+            (ceil_div(columns, 256),), (256,), (dbias, dy, np.int32(rows), np.int32(columns))),
+        "gpt2_cupy bias_backward (version 2)": lambda: bias_backward(dy, dbias),
+        "cupy dy.sum(axis=0)": lambda: dy.sum(axis=0),
+    }
+    if torch is not None:
+        dy_torch = torch.from_dlpack(dy)
+        runs["torch dy.sum(0)"] = lambda: dy_torch.sum(0)
+    return {name: benchmark.gigabytes_per_second(dy.nbytes, benchmark.seconds_per_call(run))
+            for name, run in runs.items()}
 
 
 def layer_rates(rows=ROWS, layers=LAYERS, seed=0):
