@@ -378,6 +378,14 @@ __device__ float score_gradient(float p, float dp, float query_rowdot)
     return RELU ? (p > 0.0f ? dp : 0.0f) : p * (dp - query_rowdot);
 }
 
+// Whether the backward counts the pair (query, key) of a tile that straddles the diagonal or the end of the
+// sequence: both inside the sequence (a tile's rows and columns past T are padding) and, when causal, the key
+// not after the query.
+__device__ __forceinline__ bool backward_visible(int query, int key, int T, int causal)
+{
+    return query < T && key < T && (!causal || key <= query);
+}
+
 // The dk, dv kernel's tile of P, in place of the scores (rows = keys, columns = queries).
 template <bool RELU, bool MASKED, int ROWS>
 __device__ void key_probabilities(float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD],
@@ -389,7 +397,7 @@ __device__ void key_probabilities(float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD],
         int key = first_key + row_group + ROWS / ROWS_PER_THREAD * r;
         for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
             int query = first_query + column_group + COLUMN_GROUPS * c;
-            bool visible = !MASKED || (query < T && key < T && (!causal || key <= query));
+            bool visible = !MASKED || backward_visible(query, key, T, causal);
             s[r][c] = visible ? probability<RELU>(s[r][c], scale, query_lse2[c]) : 0.0f;
         }
     }
@@ -407,7 +415,7 @@ __device__ void query_gradients(const float s[ROWS_PER_THREAD][COLUMNS_PER_THREA
         int query = first_query + row_group + ROWS / ROWS_PER_THREAD * r;
         for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
             int key = first_key + column_group + COLUMN_GROUPS * c;
-            bool visible = !MASKED || (query < T && key < T && (!causal || key <= query));
+            bool visible = !MASKED || backward_visible(query, key, T, causal);
             float p = visible ? probability<RELU>(s[r][c], scale, row_lse2[r]) : 0.0f;
             ds[r][c] = score_gradient<RELU>(p, ds[r][c], row_rowdot[r]);
         }
