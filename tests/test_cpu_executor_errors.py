@@ -439,3 +439,16 @@ def test_ctrl_c_stops_a_kernel_that_loops_forever(blocks):
     out = launch_once(RawKernel(SCALE, "scale"))
     x, _, _, _ = scale_arguments()
     np.testing.assert_array_equal(out, 2 * x)
+
+
+def test_an_edited_header_is_compiled_again(tmp_path):
+    """A kernel that #includes a header from an -I folder sees the header's current text, not a cached one."""
+    header = tmp_path / "answer.cuh"
+    code = '#include "answer.cuh"\nextern "C" __global__ void answer(int* out) { out[threadIdx.x] = ANSWER; }\n'
+    results = []
+    for value in (41, 42):
+        header.write_text(f"#define ANSWER {value}\n")
+        out = np.zeros(4, dtype=np.int32)
+        RawKernel(code, "answer", options=("-I", str(tmp_path)))((1,), (4,), (out,))
+        results.append(out.tolist())
+    assert results == [[41] * 4, [42] * 4]

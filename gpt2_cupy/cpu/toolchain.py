@@ -122,12 +122,24 @@ def _build(library, translation_unit, flags, describe, compile_flags=(), cuda_he
     return library
 
 
+def _included_headers(flags):
+    """The names and texts of the headers under each -I folder: the preprocessor's output depends on them,
+    so a header edited after a kernel was first compiled must give a new cache entry."""
+    parts = []
+    for flag in flags:
+        if flag.startswith("-I") and Path(flag[2:]).is_dir():
+            for header in sorted(Path(flag[2:]).rglob("*")):
+                if header.is_file():
+                    parts += [str(header), header.read_bytes()]
+    return parts
+
+
 def preprocess(text, flags, describe):
     """The C preprocessor's output for `text` (macros expanded, #if'd-out code gone, line markers kept),
     cached like a library; `describe` turns the compiler's log into a message."""
     # -nostdinc: no system header either; #include <cstdint> fails here as it does under NVRTC.
     options = ("-E", "-nostdinc", "-nostdinc++")
-    output = cache_directory() / f"preprocessed-{_fingerprint(text, *options, *flags)}.ii"
+    output = cache_directory() / f"preprocessed-{_fingerprint(text, *options, *flags, *_included_headers(flags))}.ii"
     if output.exists():
         return output.read_text()
     with tempfile.TemporaryDirectory(dir=output.parent) as work:
