@@ -46,7 +46,7 @@ lab: setup
 test: setup
 	$(PY) -m pytest tests/ chapters/ --nbval
 
-# Rewrite gpt2_cupy/kernels/**/*.cu from the chapters' exported cells.
+# Rewrite kernels/**/*.cu and kernels/include/*.cuh from the chapters' exported cells.
 kernels: setup
 	$(PY) -m gpt2_cupy.export chapters/
 

@@ -1,4 +1,4 @@
-"""Bandwidth of gpt2_cupy/kernels/steps/vector_add.cu (chapter 00) against the device's copy bandwidth, cupy.add and torch.add.
+"""Bandwidth of kernels/steps/vector_add.cu (chapter 00) against the device's copy bandwidth, cupy.add and torch.add.
 
     python -m bench.vector_add       on a machine with an NVIDIA GPU and CuPy
 

@@ -11,11 +11,13 @@ Everything else imports the names below and never asks which backend is active:
                   that size their grid by it take the same path (and give the same results) on both
     RawKernel(code, name, options=())
     RawModule(code=..., options=(), name_expressions=None) with .get_function(name)
+                  CuPy's own (or the executor's), with kernels/include/ on the include path, so that any
+                  kernel, a chapter's cell as well as a file of kernels/, may `#include "warp.cuh"`
 
 A kernel is called exactly like CuPy's: kernel(grid, block, args, shared_mem=0).
 
 The choice: GPT2_CUPY_BACKEND=cuda|cpu; unset means cuda when CuPy imports and sees a device, else cpu.
-On cuda the names are CuPy's own objects, so there is no wrapper in the hot path.
+On cuda the arrays and kernels are CuPy's own objects, so there is no wrapper in the hot path.
 """
 
 import contextlib
@@ -23,6 +25,8 @@ import os
 from functools import lru_cache
 
 import numpy
+
+from gpt2_cupy import kernels
 
 _ENV = "GPT2_CUPY_BACKEND"
 
@@ -58,8 +62,8 @@ _cupy = _choose()
 if _cupy is not None:
     name = "cuda"
     xp = _cupy
-    RawKernel = _cupy.RawKernel
-    RawModule = _cupy.RawModule
+    _RawKernel = _cupy.RawKernel
+    _RawModule = _cupy.RawModule
     asnumpy = _cupy.asnumpy
 
     def synchronize():
@@ -83,7 +87,7 @@ if _cupy is not None:
 else:
     name = "cpu"
     xp = numpy
-    from .cpu import RawKernel, RawModule  # noqa: E402  (only the CPU backend needs the executor)
+    from .cpu import RawKernel as _RawKernel, RawModule as _RawModule  # (only the CPU backend needs the executor)
 
     def asnumpy(a):
         return numpy.asarray(a)
@@ -107,6 +111,16 @@ else:
         from .cpu.kernel import MAX_DYNAMIC_SHARED_BYTES
 
         return MAX_DYNAMIC_SHARED_BYTES
+
+
+def RawKernel(code, name, options=(), **keywords):
+    """The backend's RawKernel, able to #include the device helpers of kernels/include/."""
+    return _RawKernel(code, name, options=tuple(options) + kernels.include_options(), **keywords)
+
+
+def RawModule(code=None, options=(), **keywords):
+    """The backend's RawModule, able to #include the device helpers of kernels/include/."""
+    return _RawModule(code=code, options=tuple(options) + kernels.include_options(), **keywords)
 
 
 @contextlib.contextmanager

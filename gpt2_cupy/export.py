@@ -1,15 +1,17 @@
-"""One source for every kernel: the chapter cell that teaches it, copied into gpt2_cupy/kernels/.
+"""One source for every kernel: the chapter cell that teaches it, copied into kernels/.
 
-A code cell whose first line is `# export: gpt2_cupy/kernels/NAME.cu` exports the first string literal it
-assigns. The package's kernels, one file per op named after it, go to gpt2_cupy/kernels/; teaching steps
-that only a chapter, its tests and its benchmark run (the naive matmul, say) go to gpt2_cupy/kernels/steps/:
+A code cell whose first line is `# export: kernels/NAME.cu` exports the first string literal it assigns.
+The package's kernels, one file per op named after it, go to kernels/; teaching steps that only a chapter,
+its tests and its benchmark run (the naive matmul, say) go to kernels/steps/; device helpers that several
+kernels share (the warp reductions, say) go to kernels/include/NAME.cuh, exported by the chapter that
+teaches them:
 
-    # export: gpt2_cupy/kernels/steps/vector_add.cu
+    # export: kernels/steps/vector_add.cu
     vector_add_source = r'''
     extern "C" __global__ void vector_add(...) { ... }
     '''
 
-    python -m gpt2_cupy.export chapters/          rewrite gpt2_cupy/kernels/**/*.cu from the chapters
+    python -m gpt2_cupy.export chapters/          rewrite kernels/**/*.cu and kernels/include/*.cuh
     python -m gpt2_cupy.export --check chapters/  exit 1 and name the files that differ (what the tests do)
 """
 
@@ -20,7 +22,7 @@ import re
 import sys
 from pathlib import Path
 
-EXPORT_MARK = re.compile(r"^#\s*export:\s*(gpt2_cupy/kernels/(?:steps/)?[\w.-]+\.cu)\s*$")
+EXPORT_MARK = re.compile(r"^#\s*export:\s*(kernels/(?:(?:steps/)?[\w.-]+\.cu|include/[\w.-]+\.cuh))\s*$")
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
@@ -38,7 +40,7 @@ def _first_string_assigned(code, where):
 
 
 def exported_kernels(notebook):
-    """[(gpt2_cupy/kernels/NAME.cu, source text)] for the export cells of one notebook, in order."""
+    """[(kernels/NAME.cu, source text)] for the export cells of one notebook, in order."""
     cells = json.loads(Path(notebook).read_text())["cells"]
     exports = []
     for number, cell in enumerate(cells):
@@ -53,7 +55,7 @@ def exported_kernels(notebook):
 
 
 def all_exports(notebooks):
-    """{gpt2_cupy/kernels/NAME.cu: (notebook, source)} over notebooks; a file exported twice is an error."""
+    """{kernels/NAME.cu: (notebook, source)} over notebooks; a file exported twice is an error."""
     found = {}
     for notebook in notebooks:
         for target, kernel_source in exported_kernels(notebook):

@@ -1,4 +1,4 @@
-"""gpt2_cupy/kernels/steps/vector_add.cu (chapter 00) against float64 numpy, on sizes that are not multiples of the block size.
+"""kernels/steps/vector_add.cu (chapter 00) against float64 numpy, on sizes that are not multiples of the block size.
 
 float32 addition rounds the exact sum once, so every element must lie within 2^-24 (relative) of the float64
 sum, and equal numpy's own float32 sum bit for bit.

@@ -15,5 +15,5 @@ The op contract, which every op here follows (and which the autograd tape relies
 - Arrays are the backend's (cupy on a GPU, numpy on the CPU), float32 unless said otherwise, C-contiguous.
   A public op checks its arguments once (gpt2_cupy.ops.arrays.check) and raises a TypeError or ValueError
   naming the op and the argument; the internal functions it calls do not check again.
-- Kernels take their outputs first, then inputs, then sizes (gpt2_cupy/kernels/__init__.py).
+- Kernels take their outputs first, then inputs, then sizes (kernels/__init__.py).
 """

@@ -7,7 +7,7 @@
 Any shape works (in the model: (B, T, 4C), the MLP's hidden activations); dout and out have x's shape.
 `out=` writes into an existing array, which may be the input itself (x, or dout for the backward).
 
-The kernels are gpt2_cupy/kernels/gelu.cu, taught in chapters/03_gelu_residual.ipynb. Arrays that start at a
+The kernels are kernels/gelu.cu, taught in chapters/03_gelu_residual.ipynb. Arrays that start at a
 16-byte aligned address (every freshly allocated array does) go through the float4 kernels, four
 elements per thread; any other array through the one-element-per-thread kernels.
 """

@@ -24,7 +24,7 @@ in place, without a temporary and a separate addition.
 Arrays are the backend's (cupy on a GPU, numpy on the CPU), float32. Inputs should be C-contiguous; a 2-D
 input that is the transpose of a C-contiguous array (a.T of one) is used as it is stored, by flipping its
 transpose flag, and any other layout is first copied into a contiguous array. `out` must be C-contiguous
-and must not overlap a or b. The kernel is gpt2_cupy/kernels/matmul.cu, from chapters/01_matmul.ipynb.
+and must not overlap a or b. The kernel is kernels/matmul.cu, from chapters/01_matmul.ipynb.
 """
 
 import numpy

@@ -12,7 +12,7 @@ residual_backward returns the same array twice, not copies: write into neither w
 needed. `out=` writes into an existing array, which may be one of the inputs (fork_backward(dout,
 dx_branch, out=dx_branch) sums in place, without a new allocation).
 
-The kernels are gpt2_cupy/kernels/residual.cu, taught in chapters/03_gelu_residual.ipynb. Arrays that start at a
+The kernels are kernels/residual.cu, taught in chapters/03_gelu_residual.ipynb. Arrays that start at a
 16-byte aligned address go through the float4 kernel, the others through the one-element-per-thread one.
 """
 

@@ -6,16 +6,8 @@
 // Rows of C = columns floats. The forward is elementwise; the backward keeps a lane on the same columns
 // for every row it handles, so that the column sums build up in registers (layernorm.cu's layout).
 
-#define WARP_SIZE 32
-#define FULL_MASK 0xffffffffu
-
-__device__ __forceinline__ float warp_sum(float value)
-{
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
-        value += __shfl_xor_sync(FULL_MASK, value, offset);
-    }
-    return value;
-}
+#include "warp.cuh"
+#include "float_groups.cuh"
 
 // One thread per element.
 extern "C" __global__ void dyt_forward(float* y, const float* x, const float* alpha, const float* weight,
@@ -42,38 +34,6 @@ extern "C" __global__ void dyt_forward_float4(float* y, const float* x, const fl
         float4 b = has_bias ? *reinterpret_cast<const float4*>(bias + column) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         reinterpret_cast<float4*>(y)[i] = make_float4(w.x * tanhf(a * v.x) + b.x, w.y * tanhf(a * v.y) + b.y,
                                                       w.z * tanhf(a * v.z) + b.z, w.w * tanhf(a * v.w) + b.w);
-    }
-}
-
-template <int WIDTH>
-__device__ __forceinline__ void load_group(float* destination, const float* source, bool inside)
-{
-    if (!inside) {
-        for (int w = 0; w < WIDTH; ++w) {
-            destination[w] = 0.0f;
-        }
-    } else if (WIDTH == 4) {
-        float4 group = *reinterpret_cast<const float4*>(source);
-        destination[0] = group.x;
-        destination[1] = group.y;
-        destination[2] = group.z;
-        destination[3] = group.w;
-    } else {
-        for (int w = 0; w < WIDTH; ++w) {
-            destination[w] = source[w];
-        }
-    }
-}
-
-template <int WIDTH>
-__device__ __forceinline__ void store_group(float* destination, const float* source)
-{
-    if (WIDTH == 4) {
-        *reinterpret_cast<float4*>(destination) = make_float4(source[0], source[1], source[2], source[3]);
-    } else {
-        for (int w = 0; w < WIDTH; ++w) {
-            destination[w] = source[w];
-        }
     }
 }
 

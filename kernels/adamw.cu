@@ -10,6 +10,8 @@
 #define HYPERPARAMETERS 5   // per group: learning rate, beta1, beta2, eps, weight decay (SGD: lr, momentum, weight decay)
 #define NORM_THREADS 256
 
+#include "warp.cuh"
+
 __device__ __forceinline__ int group_of(int element, const int* group_ends, int groups)
 {
     int g = 0;
@@ -99,26 +101,6 @@ extern "C" __global__ void sgd_update(float* params, float* momentum_buffer, con
     sgd_one(theta4.w, b4.w, g4.w, lr, momentum, weight_decay);
     reinterpret_cast<float4*>(params)[i] = theta4;
     reinterpret_cast<float4*>(momentum_buffer)[i] = b4;
-}
-
-// The sum of a block's values, in a fixed order (shuffles, then warp 0): returned to thread 0.
-__device__ float block_sum(float value)
-{
-    __shared__ float warp_sums[NORM_THREADS / 32];
-    for (int offset = 16; offset > 0; offset /= 2) {
-        value += __shfl_xor_sync(0xffffffff, value, offset);
-    }
-    if (threadIdx.x % 32 == 0) {
-        warp_sums[threadIdx.x / 32] = value;
-    }
-    __syncthreads();
-    float total = 0.0f;
-    if (threadIdx.x == 0) {
-        for (int w = 0; w < NORM_THREADS / 32; ++w) {
-            total += warp_sums[w];
-        }
-    }
-    return total;
 }
 
 // The global gradient norm, first half: each block sums the squares of its grid-stride share of the

@@ -1,16 +1,7 @@
 // LayerNorm forward, first version: a warp per row, one float per load, the row walked three times in
 // memory (the sum, the squared deviations, the output): the second and third walks hit the L1 or L2 cache
 // when they are lucky. No bias (the package's kernel has it).
-#define WARP_SIZE 32
-#define FULL_MASK 0xffffffffu
-
-__device__ __forceinline__ float warp_sum(float value)
-{
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
-        value += __shfl_xor_sync(FULL_MASK, value, offset);
-    }
-    return value;
-}
+#include "warp.cuh"
 
 extern "C" __global__ void layernorm_forward_warp_per_row(float* y, float* mean, float* rstd, const float* x,
                                                           const float* weight, int rows, int columns, float eps)

@@ -9,49 +9,8 @@
 // one 4-byte load each. The template parameters are compile-time constants, so the loops unroll and the
 // arrays below live in registers. Launch with C <= 32 K WIDTH.
 
-#define WARP_SIZE 32
-#define FULL_MASK 0xffffffffu
-
-__device__ __forceinline__ float warp_sum(float value)
-{
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
-        value += __shfl_xor_sync(FULL_MASK, value, offset);
-    }
-    return value;
-}
-
-// WIDTH floats from source to destination, or zeros for a group past the end of the row.
-template <int WIDTH>
-__device__ __forceinline__ void load_group(float* destination, const float* source, bool inside)
-{
-    if (!inside) {
-        for (int w = 0; w < WIDTH; ++w) {
-            destination[w] = 0.0f;
-        }
-    } else if (WIDTH == 4) {
-        float4 group = *reinterpret_cast<const float4*>(source);
-        destination[0] = group.x;
-        destination[1] = group.y;
-        destination[2] = group.z;
-        destination[3] = group.w;
-    } else {
-        for (int w = 0; w < WIDTH; ++w) {
-            destination[w] = source[w];
-        }
-    }
-}
-
-template <int WIDTH>
-__device__ __forceinline__ void store_group(float* destination, const float* source)
-{
-    if (WIDTH == 4) {
-        *reinterpret_cast<float4*>(destination) = make_float4(source[0], source[1], source[2], source[3]);
-    } else {
-        for (int w = 0; w < WIDTH; ++w) {
-            destination[w] = source[w];
-        }
-    }
-}
+#include "warp.cuh"
+#include "float_groups.cuh"
 
 template <int WIDTH, int K>
 __global__ void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* weight,

@@ -7,29 +7,13 @@
 // causal = 1: the rows are (..., T, T) with T = columns; row t keeps columns 0..t and writes 0 past them,
 // and never reads the masked entries. A row that is all -inf has no softmax: it gives NaN, as 0 / 0.
 
-#define WARP_SIZE 32
-#define FULL_MASK 0xffffffffu
+#include "warp.cuh"
+#include "float_groups.cuh"
 
 // -inf as a bit pattern: NVRTC compiles without <math.h>, so there is no INFINITY macro.
 __device__ __forceinline__ float negative_infinity()
 {
     return __uint_as_float(0xff800000u);
-}
-
-__device__ __forceinline__ float warp_max(float value)
-{
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
-        value = fmaxf(value, __shfl_xor_sync(FULL_MASK, value, offset));
-    }
-    return value;  // every lane holds the maximum: xor shuffles are a butterfly
-}
-
-__device__ __forceinline__ float warp_sum(float value)
-{
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
-        value += __shfl_xor_sync(FULL_MASK, value, offset);
-    }
-    return value;
 }
 
 // How many columns of a row take part: all of them, or 0..t for row t of a causal (T, T) matrix.
@@ -62,39 +46,6 @@ __device__ __forceinline__ int valid_columns(int row, int columns, int causal)
 #ifndef FORWARD_WARP_ROW_BLOCKS
 #define FORWARD_WARP_ROW_BLOCKS 5
 #endif
-
-// WIDTH floats from source into destination when `inside`; nothing is read otherwise.
-template <int WIDTH>
-__device__ __forceinline__ void load_group(float* destination, const float* source, bool inside)
-{
-    if (!inside) {
-        for (int w = 0; w < WIDTH; ++w) {
-            destination[w] = 0.0f;
-        }
-    } else if (WIDTH == 4) {
-        float4 group = *reinterpret_cast<const float4*>(source);
-        destination[0] = group.x;
-        destination[1] = group.y;
-        destination[2] = group.z;
-        destination[3] = group.w;
-    } else {
-        for (int w = 0; w < WIDTH; ++w) {
-            destination[w] = source[w];
-        }
-    }
-}
-
-template <int WIDTH>
-__device__ __forceinline__ void store_group(float* destination, const float* source)
-{
-    if (WIDTH == 4) {
-        *reinterpret_cast<float4*>(destination) = make_float4(source[0], source[1], source[2], source[3]);
-    } else {
-        for (int w = 0; w < WIDTH; ++w) {
-            destination[w] = source[w];
-        }
-    }
-}
 
 // Causal rows: a group is loaded when its first column takes part. With WIDTH = 4 the group that holds the
 // row's last valid column may bring up to 3 masked neighbours along, from the same 32-byte sector of memory
@@ -251,27 +202,6 @@ __device__ MaxSum block_online_combine(MaxSum state)
     return result;
 }
 
-__device__ float block_sum(float value)
-{
-    __shared__ float partials[WARP_SIZE];
-    __shared__ float result;
-    int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
-    value = warp_sum(value);
-    if (lane == 0) {
-        partials[warp] = value;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        float partial = lane < warps ? partials[lane] : 0.0f;
-        partial = warp_sum(partial);
-        if (lane == 0) {
-            result = partial;
-        }
-    }
-    __syncthreads();
-    return result;
-}
-
 // A block per row, for long rows: block b handles rows b, b + gridDim.x, ... (a grid of one block per row,
 // or fewer blocks that each take several rows: then fewer rows are in flight at once, and the second read
 // of a row is more likely to find it still in the L2 cache). Pass 1 reads the row once with the online
@@ -401,12 +331,6 @@ extern "C" __global__ void softmax_backward_block(float* dx, const float* dout, 
 #define BACKWARD_VECTORS_PER_STEP 8
 #endif
 #define LONG_ROW_THREADS 1024
-
-// How many floats from `pointer` to the next 16-byte boundary (0 when it is on one).
-__device__ __forceinline__ int floats_to_boundary(const float* pointer)
-{
-    return (int)((16 - (unsigned long long)pointer % 16) % 16 / 4);
-}
 
 // The online state of a few values at once: their maximum first, then one sum relative to it.
 __device__ __forceinline__ MaxSum max_sum_of(const float* z, int n)

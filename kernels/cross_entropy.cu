@@ -5,6 +5,8 @@
 // One block of ROW_THREADS threads per row. A target outside [0, V) (and not ignore_index) makes its
 // row's loss and gradient NaN: the error shows in the loss without a check that would stop the GPU.
 
+#include "float_groups.cuh"
+
 #ifndef ROW_THREADS  // the op builds a copy with fewer threads for a small vocabulary (-DROW_THREADS=256)
 #define ROW_THREADS 1024
 #endif
@@ -125,7 +127,7 @@ struct RowLayout {
 
 __device__ __forceinline__ RowLayout row_layout(const float* row, int V)
 {
-    int boundary = (int)((16 - (unsigned long long)row % 16) % 16 / 4);  // floats to the next 16-byte boundary
+    int boundary = floats_to_boundary(row);
     int head = min(boundary, V);
     return {head, (4 - boundary) % 4, (V - head) / 4};
 }
