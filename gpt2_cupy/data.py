@@ -11,6 +11,7 @@ every newline, every full-width "？", every character it never saw in training.
 """
 
 import codecs
+import hashlib
 import io
 import os
 import re
@@ -22,8 +23,12 @@ import numpy
 import sentencepiece
 from tqdm import tqdm
 
-# The repository's data/ folder: this file is gpt2_cupy/data.py, so two levels up is the repository.
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+from gpt2_cupy.checkout import REPOSITORY
+
+# The repository's data/ folder, when the package runs from a checkout (or an editable install of one);
+# None for an installed wheel, which carries no corpora.
+DATA_DIR = REPOSITORY / "data" if REPOSITORY is not None else None
+DATA_DIR_VARIABLE = "GPT2_CUPY_DATA"  # a folder of corpora laid out as data/ is
 
 # ---------------------------------------------------------------------------------------------------------
 # The corpora
@@ -336,32 +341,61 @@ class PreparedCorpus:
     val: Path  # val.bin: the last ~10 % of each document
 
 
-def prepare(corpus, vocab_size=None, data_dir=None, progress=True, force=False):
-    """Turn a corpus's text into data/<corpus>/{tokenizer.model, train.bin, val.bin} and return their paths.
+def corpus_folders(data_dir=None):
+    """Where to look for corpora, in order: data_dir (--data-dir), then $GPT2_CUPY_DATA, then the checkout's data/."""
+    candidates = [data_dir, os.environ.get(DATA_DIR_VARIABLE) or None, DATA_DIR]
+    return [Path(folder) for folder in candidates if folder is not None]
 
-    corpus is "tinyshakespeare" or "aozora"; vocab_size defaults to CORPORA[corpus].vocab_size. The tokenizer
-    is trained on the training parts only, so validation text is as new to it as to the model. In both token
-    files, each document's part starts with the end-of-text token. Nothing is redone when the outputs are
-    newer than every input and the tokenizer has the vocabulary size asked for (force=True redoes it anyway).
+
+def find_corpus(corpus, data_dir=None):
+    """(the folder that holds `corpus`, its documents): the first of corpus_folders() that has them."""
+    pattern = CORPORA[corpus].documents
+    for folder in corpus_folders(data_dir):
+        documents = sorted(folder.glob(pattern))
+        if documents:
+            return folder, documents
+    looked = "\n".join(f"  {folder / pattern}" for folder in corpus_folders(data_dir))
+    raise FileNotFoundError(
+        f"corpus {corpus!r} not found; looked for\n{looked}\nPoint at a folder that holds it with --data-dir DIR "
+        f"(data_dir= in Python) or {DATA_DIR_VARIABLE}=DIR: the repository's data/ folder has every corpus.")
+
+
+def prepared_folder(corpus, folder):
+    """Where prepare() writes a corpus's tokenizer and token files: beside its text when that folder can be
+    written to (the checkout's data/), else in the user's cache, one folder per corpus folder."""
+    if os.access(folder, os.W_OK):
+        return folder / corpus
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt2_cupy" / "data"
+    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:12]
+    return cache / f"{corpus}-{digest}"
+
+
+def prepare(corpus, vocab_size=None, data_dir=None, progress=True, force=False):
+    """Turn a corpus's text into {tokenizer.model, train.bin, val.bin} and return their paths.
+
+    corpus is "tinyshakespeare" or "aozora", found by find_corpus() (data_dir, $GPT2_CUPY_DATA, the
+    checkout's data/); the files go to prepared_folder(): data/<corpus>/ in a checkout. vocab_size defaults
+    to CORPORA[corpus].vocab_size. The tokenizer is trained on the training parts only, so validation text
+    is as new to it as to the model. In both token files, each document's part starts with the end-of-text
+    token. Nothing is redone when the outputs are newer than every input and the tokenizer has the
+    vocabulary size asked for (force=True redoes it anyway).
     """
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; the corpora are {', '.join(CORPORA)}")
     spec = CORPORA[corpus]
     vocab_size = spec.vocab_size if vocab_size is None else vocab_size
-    data_dir = DATA_DIR if data_dir is None else Path(data_dir)
-    documents = sorted(data_dir.glob(spec.documents))
-    if not documents:
-        raise FileNotFoundError(f"no files match {data_dir / spec.documents}")
+    folder, documents = find_corpus(corpus, data_dir)
+    written = prepared_folder(corpus, folder)
     outputs = PreparedCorpus(
-        tokenizer=data_dir / corpus / "tokenizer.model",
-        train=data_dir / corpus / "train.bin",
-        val=data_dir / corpus / "val.bin",
+        tokenizer=written / "tokenizer.model",
+        train=written / "train.bin",
+        val=written / "val.bin",
     )
     if not force and is_up_to_date(outputs, documents, vocab_size):
         return outputs
 
     steps = tqdm(total=len(documents) + 1, desc=f"{corpus}: train tokenizer", disable=not progress)
-    parts = [split_train_val(path.read_text(encoding="utf-8"), spec.paragraph_boundary) for path in documents]
+    parts = [split_train_val(read_corpus_file(path), spec.paragraph_boundary) for path in documents]
     with tempfile.TemporaryDirectory() as scratch:
         train_files = [Path(scratch) / f"{index:03d}.txt" for index in range(len(parts))]
         for file, (train_text, _) in zip(train_files, parts):

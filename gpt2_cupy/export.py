@@ -22,8 +22,9 @@ import re
 import sys
 from pathlib import Path
 
+from gpt2_cupy.checkout import REPOSITORY
+
 EXPORT_MARK = re.compile(r"^#\s*export:\s*(kernels/(?:(?:steps/)?[\w.-]+\.cu|include/[\w.-]+\.cuh))\s*$")
-REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 def _cell_text(cell):

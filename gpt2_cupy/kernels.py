@@ -18,20 +18,22 @@ import hashlib
 from functools import lru_cache
 from pathlib import Path
 
+from gpt2_cupy.checkout import REPOSITORY
+
 _PACKAGED = Path(__file__).resolve().parent / "kernel_sources"
-_CHECKOUT = Path(__file__).resolve().parent.parent / "kernels"
 
 
 @lru_cache(maxsize=None)
 def directory():
     """The folder that holds the .cu files: the wheel's copy, else the checkout's kernels/."""
-    for candidate in (_PACKAGED, _CHECKOUT):
-        if (candidate / "include").is_dir():
-            return candidate
+    if (_PACKAGED / "include").is_dir():
+        return _PACKAGED
+    if REPOSITORY is not None and (REPOSITORY / "kernels" / "include").is_dir():
+        return REPOSITORY / "kernels"
     raise FileNotFoundError(
-        f"gpt2_cupy finds no kernels: neither {_PACKAGED} (an installed wheel's copy) nor {_CHECKOUT} (a "
-        "checkout's kernels/ folder) exists. Install the package from a wheel or from the repository "
-        "(pip install -e .), or run from a checkout.")
+        f"gpt2_cupy finds no kernels: {_PACKAGED} (an installed wheel's copy) does not exist, and the package "
+        "does not run from a clone of the repository with its kernels/ folder. Install it from a wheel, "
+        "or from a clone (pip install -e .).")
 
 
 def include_directory():

@@ -55,6 +55,7 @@ PRESETS = {
 @dataclass
 class TrainConfig:
     corpus: str = "tinyshakespeare"  # "tinyshakespeare", "aozora", or a directory with train.bin and val.bin
+    data_dir: str = None            # where the named corpora are; None: $GPT2_CUPY_DATA, then the checkout's data/
     preset: str = "tiny"
     # None: the preset's value
     n_layer: int = None
@@ -119,10 +120,10 @@ class CorpusFiles:
     tokenizer: Path  # None for a directory of token files without a tokenizer.model
 
 
-def open_corpus(corpus, progress=True):
+def open_corpus(corpus, progress=True, data_dir=None):
     """The token files (and tokenizer) of a named corpus, prepared when needed, or of a directory."""
     if corpus in data.CORPORA:
-        prepared = data.prepare(corpus, progress=progress)
+        prepared = data.prepare(corpus, data_dir=data_dir, progress=progress)
         return CorpusFiles(prepared.train, prepared.val, prepared.tokenizer)
     directory = Path(corpus)
     if not directory.is_dir():
@@ -177,7 +178,7 @@ class Trainer:
         self.log_path = self.out_dir / "log.jsonl"
         self.plot_path = self.out_dir / "loss.png"
 
-        self.corpus = open_corpus(config.corpus, progress=config.progress)
+        self.corpus = open_corpus(config.corpus, progress=config.progress, data_dir=config.data_dir)
         self.tokenizer_bytes = self.corpus.tokenizer.read_bytes() if self.corpus.tokenizer else b""
         train_tokens, val_tokens = data.read_tokens(self.corpus.train), data.read_tokens(self.corpus.val)
         vocab_size = config.vocab_size
@@ -436,6 +437,8 @@ def parse_arguments(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--corpus", default="tinyshakespeare",
                         help="tinyshakespeare, aozora, or a directory with train.bin and val.bin")
+    parser.add_argument("--data-dir", dest="data_dir",
+                        help=f"the folder of the named corpora (default: ${data.DATA_DIR_VARIABLE}, then the repository's data/)")
     parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
     option = parser.add_argument
     option("--n-layer", type=int, dest="n_layer")

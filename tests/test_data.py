@@ -7,6 +7,7 @@ sentencepiece's own decoder and from the original files, windows from slicing th
 import os
 import shutil
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -459,3 +460,46 @@ def test_decode_refuses_ids_that_are_not_integers(shakespeare_tokenizer):
     with pytest.raises(TypeError, match="str"):
         shakespeare_tokenizer.decode(["65"])
     assert shakespeare_tokenizer.decode(np.array([65, 66], dtype=np.int32)) == shakespeare_tokenizer.decode([65, 66])
+
+
+def test_a_corpus_not_found_names_every_place_looked_and_how_to_point_at_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "DATA_DIR", tmp_path / "no-checkout")
+    monkeypatch.setenv(data.DATA_DIR_VARIABLE, str(tmp_path / "from-the-environment"))
+    with pytest.raises(FileNotFoundError) as error:
+        data.prepare("tinyshakespeare", data_dir=tmp_path / "given", progress=False)
+    message = str(error.value)
+    for folder in ("given", "from-the-environment", "no-checkout"):
+        assert str(tmp_path / folder / "tinyshakespeare.txt") in message
+    assert "--data-dir" in message and data.DATA_DIR_VARIABLE in message
+
+
+def test_corpora_are_found_in_order_given_folder_environment_checkout(tmp_path, monkeypatch):
+    given, environment = small_data_dir(tmp_path / "given"), small_data_dir(tmp_path / "environment")
+    monkeypatch.setattr(data, "DATA_DIR", tmp_path / "no-checkout")
+    monkeypatch.setenv(data.DATA_DIR_VARIABLE, str(environment))
+    assert data.find_corpus("tinyshakespeare", given)[0] == given
+    assert data.find_corpus("tinyshakespeare")[0] == environment
+    (environment / "tinyshakespeare.txt").unlink()  # not there: the next place is looked in
+    monkeypatch.setattr(data, "DATA_DIR", given)
+    assert data.find_corpus("tinyshakespeare")[0] == given
+
+
+def test_a_corpus_folder_that_cannot_be_written_to_prepares_into_the_cache(tmp_path, monkeypatch):
+    folder = small_data_dir(tmp_path / "read-only")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    writable = os.access
+    monkeypatch.setattr(data.os, "access", lambda path, mode: False if Path(path) == folder else writable(path, mode))
+    outputs = data.prepare("tinyshakespeare", 512, data_dir=folder, progress=False)
+    assert (tmp_path / "cache" / "gpt2_cupy" / "data") in outputs.train.parents
+    assert sorted(p.name for p in folder.iterdir()) == ["aozora", "tinyshakespeare.txt"]  # nothing written beside it
+    assert data.read_tokens(outputs.train).size > 1000
+
+
+@pytest.mark.parametrize("content, problem", [(b"", "empty"), (b"caf\xe9 au lait\n\n" * 100, "not valid UTF-8")])
+def test_prepare_refuses_an_empty_or_non_utf8_corpus_file_by_name(tmp_path, content, problem):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "tinyshakespeare.txt").write_bytes(content)
+    with pytest.raises(ValueError, match=problem) as error:
+        data.prepare("tinyshakespeare", 512, data_dir=folder, progress=False)
+    assert str(folder / "tinyshakespeare.txt") in str(error.value)
