@@ -17,6 +17,8 @@ import numpy
 from gpt2_cupy import backend, kernels
 
 LARGEST_INT = 2**31 - 1   # kernels index with int: no array may have more elements
+LARGEST_GRID_Y = 65535    # CUDA's limit on gridDim.y and gridDim.z (gridDim.x goes to 2**31 - 1)
+WARP_SIZE = 32            # kernels/include/warp.cuh's WARP_SIZE
 THREADS_PER_BLOCK = 256   # the default block size of elementwise and row kernels
 ELLIPSIS = "..."          # in a shape pattern: any number of leading axes, the same in every argument
 

@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output
+from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, output
 from gpt2_cupy.ops.matmul import batched_matmul
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 
@@ -44,7 +44,6 @@ FLOAT = 4                  # bytes
 HEAD_SIZES = (32, 64)      # d, a template parameter of the kernels
 VARIANTS = ("softmax", "relu")
 ROWDOT_ROWS_PER_BLOCK = 16      # a half-warp per row: 256 threads
-LARGEST_GRID_Y = 65535
 
 
 def threads(rows):

@@ -22,7 +22,7 @@ from functools import lru_cache
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import check, float4_aligned, output
+from gpt2_cupy.ops.arrays import LARGEST_INT, check, float4_aligned, output
 
 ROW_THREADS = 1024                # kernels/cross_entropy.cu: one block of 1024 threads per row (V ≥ 8192)
 STATIC_SHARED_BYTES = 2 * 32 * 4  # the block reduction's own shared arrays
@@ -110,7 +110,7 @@ def cross_entropy_fused(logits, targets, *, ignore_index=-100, dlogits=None):
 
 def _check(operation, logits, targets, ignore_index):
     sizes = check(operation, logits=(logits, ("N", "V")), targets=(targets, ("N",), np.int32))
-    if not isinstance(ignore_index, (int, np.integer)) or not -2**31 <= ignore_index < 2**31:
+    if not isinstance(ignore_index, (int, np.integer)) or not -LARGEST_INT - 1 <= ignore_index <= LARGEST_INT:
         raise TypeError(f"{operation}: ignore_index must be an int (a 32-bit one), got {ignore_index!r}")
     if sizes["V"] == 0:
         raise ValueError(f"{operation}: logits has shape {tuple(logits.shape)}; a vocabulary of 0 has no softmax")

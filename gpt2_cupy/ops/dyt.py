@@ -21,8 +21,8 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output, row_width
-from gpt2_cupy.ops.layernorm import (BACKWARD_WARPS_PER_BLOCK, GROUPS_PER_LANE, WARP_SIZE, add_column_sums,
+from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check, output, row_width
+from gpt2_cupy.ops.layernorm import (BACKWARD_WARPS_PER_BLOCK, GROUPS_PER_LANE, add_column_sums,
                                      backward_blocks, require_gradient_buffers, row_layout)
 
 ROW_SLOTS = 8            # blocks of (32, 8) threads: a warp per row slot
@@ -35,7 +35,6 @@ NAMES = (tuple(f"dyt_backward<{width}, {k}>" for width, ks in GROUPS_PER_LANE.it
 # when first asked for, so that the op's first call compiles only its own kernels.
 CANDIDATES = tuple((slots, rows) for slots in (4, 8, 16) for rows in (1, 2, 4, 8))
 CANDIDATE_NAMES = tuple(f"dyt_backward_columns<4, {slots}, {rows}>" for slots, rows in CANDIDATES)
-LARGEST_GRID_Y = 65535   # CUDA's limit on gridDim.y
 _counters = {}           # per device: the zeroed counters of the last-block pattern, reset by the kernel
 
 

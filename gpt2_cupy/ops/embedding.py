@@ -25,9 +25,8 @@ The kernels are kernels/embedding.cu, taught in chapters/06_embedding.ipynb.
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import LARGEST_INT, THREADS_PER_BLOCK, ceil_div, check, output, row_width
+from gpt2_cupy.ops.arrays import LARGEST_INT, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check, output, row_width
 
-WARP_SIZE = 32
 COLUMNS_PER_WARP = 128     # the backward's warps each cover 128 columns (kernels/embedding.cu)
 POSITIONS_PER_CHUNK = 16   # and 16 grouped positions
 SCAN_THREADS = 1024        # the one block of embedding_group_starts

@@ -22,9 +22,8 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import ceil_div, check, output, row_width
+from gpt2_cupy.ops.arrays import WARP_SIZE, ceil_div, check, output, row_width
 
-WARP_SIZE = 32
 WARPS_PER_BLOCK = 8            # forward: 256 threads, eight rows at a time per block
 GROUPS_PER_LANE = {4: (1, 2, 3, 4, 6, 8, 12, 16), 1: (1, 2, 4, 8, 16, 32)}   # K, by WIDTH
 # The first backward, layernorm_backward (and dyt_backward), holds five arrays of 4K floats per lane in

@@ -20,11 +20,10 @@ Arrays are the backend's (cupy on a GPU, numpy on the CPU), float32 and C-contig
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output, row_width, rows
+from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, output, row_width, rows
 from gpt2_cupy.ops.matmul import launch_matmul
 
 ROWS_PER_BLOCK = 512  # rows of dout summed by one block of bias_partial_sums (512 to 1024 measured best)
-LARGEST_GRID_Y = 65535
 
 
 def bias_add(y, bias):

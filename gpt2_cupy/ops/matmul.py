@@ -30,7 +30,7 @@ and must not overlap a or b. The kernel is kernels/matmul.cu, from chapters/01_m
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output
+from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output
 
 TILE = 128        # a block computes a TILE x TILE tile of C (kernels/matmul.cu: TILE_M)
 TILE_K = 8        # K is read in slices of 8 (kernels/matmul.cu: TILE_K)
@@ -39,7 +39,6 @@ BLOCKS_PER_MULTIPROCESSOR = 2
 MIN_K_PER_SPLIT = 128
 MAX_SPLITS = 16
 MACHINE_BALANCE = 13  # FLOP per byte: this kernel's 39 TFLOP/s over 3 TB/s of memory bandwidth on an H100
-LARGEST_GRID_Y_Z = 65535
 
 
 def _kernel_name(transpose_a, transpose_b, vector_loads):
@@ -112,9 +111,9 @@ def _checked(operation, a, b, transpose_a, transpose_b, out, accumulate, batched
             f"{operation}: op(a) is {M} x {K} and op(b) is {sizes['K_of_b']} x {N}, so their inner dimensions "
             f"{K} and {sizes['K_of_b']} differ (a {a.shape} with transpose_a={transpose_a}, b {b.shape} with "
             f"transpose_b={transpose_b})")
-    if ceil_div(M, TILE) > LARGEST_GRID_Y_Z or sizes.get("batch", 1) > LARGEST_GRID_Y_Z:
+    if ceil_div(M, TILE) > LARGEST_GRID_Y or sizes.get("batch", 1) > LARGEST_GRID_Y:
         raise ValueError(f"{operation}: M={M} or batch={sizes.get('batch', 1)} is too large for one launch "
-                         f"(at most {LARGEST_GRID_Y_Z * TILE} rows and {LARGEST_GRID_Y_Z} matrices)")
+                         f"(at most {LARGEST_GRID_Y * TILE} rows and {LARGEST_GRID_Y} matrices)")
     if out is None and accumulate:
         raise ValueError(f"{operation}: accumulate=True adds the product to `out`, so out must be given")
     out = output(operation, out, tuple(sizes[name] for name in batch) + (M, N))

@@ -24,9 +24,8 @@ from functools import lru_cache
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import ceil_div, check, float4_aligned, output, row_width
+from gpt2_cupy.ops.arrays import WARP_SIZE, ceil_div, check, float4_aligned, output, row_width
 
-WARP_SIZE = 32
 WARPS_PER_BLOCK = 8             # rows per block for the warp kernels: 256 threads (WARP_ROW_THREADS, the most)
 # The warp kernels' groups per lane, K, by WIDTH (floats per load): the op takes the smallest K that covers
 # the row, 32 K WIDTH >= columns. WIDTH = 4 needs columns % 4 == 0 and arrays that start on 16 bytes.
