@@ -120,11 +120,12 @@ def _argument_layout(parameters):
 class Function:
     """A compiled kernel, launched like CuPy's: function(grid, block, args, shared_mem=0)."""
 
-    def __init__(self, name, signature, entry_address, entry):
+    def __init__(self, name, signature, entry_address, entry, static_shared_bytes=0):
         self.name = name
         self.max_threads_per_block = signature.max_threads_per_block if signature else 1024
-        self.max_dynamic_shared_size_bytes = DEFAULT_DYNAMIC_SHARED_BYTES
-        self.static_shared_bytes = 0
+        self.static_shared_bytes = static_shared_bytes
+        # What a GPU reports for a kernel until it is raised: the 48 KiB a block gets, less its __shared__ arrays.
+        self._max_dynamic_shared_size_bytes = DEFAULT_DYNAMIC_SHARED_BYTES - static_shared_bytes
         names = signature.parameter_names if signature else []
         self.parameters = [Parameter(names[i] if i < len(names) else f"argument {i}", entry.parameters[i])
                            for i in range(entry.parameter_count)]
@@ -132,6 +133,19 @@ class Function:
         self._pack = struct.Struct(_argument_layout(self.parameters)).pack
         # The entry of the same kernel built for the race check (set by RawModule.get_function).
         self.race_check_entry_address = lambda: None
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self._max_dynamic_shared_size_bytes
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        most = MAX_DYNAMIC_SHARED_BYTES - self.static_shared_bytes
+        if not 0 <= int(value) <= most:
+            static = f" besides its {self.static_shared_bytes} bytes of __shared__ arrays" if self.static_shared_bytes else ""
+            raise LaunchError(f"kernel '{self.name}': max_dynamic_shared_size_bytes={value}, but a block may have at "
+                              f"most {most} bytes of dynamic shared memory{static} (227 KiB in all)")
+        self._max_dynamic_shared_size_bytes = int(value)
 
     def __call__(self, grid, block, args, shared_mem=0, *, check_bounds=None, check_races=None):
         try:
@@ -169,9 +183,9 @@ class Function:
                 raise TypeError(f"kernel '{self.name}': {what} sizes must be integers, got {type(size).__name__} "
                                 f"{size!r} in {value!r} (CuPy refuses it too: use // rather than /)")
         value = tuple(int(v) for v in value) + (1,) * (3 - len(value))
-        if what == "grid":
-            # CuPy launches max(1, n) blocks, so `(n + 255) // 256` blocks with n = 0 runs one block.
-            value = tuple(max(1, size) for size in value)
+        # CuPy launches max(1, n) blocks and threads along each axis, so `(n + 255) // 256` blocks with n = 0
+        # runs one block, and a block of 0 threads runs one thread.
+        value = tuple(max(1, size) for size in value)
         for axis, (size, limit) in enumerate(zip(value, limits)):
             if not 1 <= size <= limit:
                 raise LaunchError(f"kernel '{self.name}': {what} size {size} along {'xyz'[axis]} is outside "
@@ -184,13 +198,10 @@ class Function:
             why = ("its __launch_bounds__" if self.max_threads_per_block < 1024 else "a block")
             raise LaunchError(f"kernel '{self.name}': a block of {threads} threads ({block[0]}x{block[1]}x{block[2]}), "
                               f"but {why} allows at most {self.max_threads_per_block}; a GPU refuses this launch")
-        # As on a GPU: without raising max_dynamic_shared_size_bytes, static and dynamic shared memory
-        # together get 48 KiB; raised, the dynamic part gets what was asked for, up to 227 KiB in all.
-        raised = self.max_dynamic_shared_size_bytes != DEFAULT_DYNAMIC_SHARED_BYTES
-        if raised:
-            limit = min(self.max_dynamic_shared_size_bytes, MAX_DYNAMIC_SHARED_BYTES - self.static_shared_bytes)
-        else:
-            limit = DEFAULT_DYNAMIC_SHARED_BYTES - self.static_shared_bytes
+        # As on a GPU: the dynamic shared memory a launch asks for is at most max_dynamic_shared_size_bytes,
+        # 48 KiB less the static part unless raised (up to 227 KiB in all).
+        limit = self.max_dynamic_shared_size_bytes
+        raised = limit != DEFAULT_DYNAMIC_SHARED_BYTES - self.static_shared_bytes
         if not 0 <= int(shared_mem) <= limit:
             hint = (" (raise kernel.max_dynamic_shared_size_bytes to go past 48 KiB, up to 227 KiB)"
                     if not raised and shared_mem + self.static_shared_bytes <= MAX_DYNAMIC_SHARED_BYTES else "")
@@ -451,8 +462,7 @@ class RawModule:
                 f"{STATIC_SHARED_LIMIT_BYTES} (48 KiB) a kernel may declare statically (ptxas refuses: 'uses too "
                 "much shared data'). Beyond 48 KiB, use extern __shared__ (dynamic) memory and raise "
                 "max_dynamic_shared_size_bytes")
-        function = Function(name, signature, address, entry)
-        function.static_shared_bytes = static_shared
+        function = Function(name, signature, address, entry, static_shared_bytes=static_shared)
         function.race_check_entry_address = lambda: self._race_check_entry_address(name)
         self._functions[name] = function
         return function
@@ -514,7 +524,6 @@ class RawKernel:
         self.name = name
         self.options = tuple(options)
         self._function = None
-        self._max_dynamic_shared_size_bytes = DEFAULT_DYNAMIC_SHARED_BYTES
 
     def compile(self, log_stream=None):
         if self._function is None:
@@ -525,21 +534,17 @@ class RawKernel:
                 self._function = module.get_function(self.name)
             except CompileError as error:
                 raise CompileError(str(error).replace("the module", f"kernel '{self.name}'", 1)) from None
-            self._function.max_dynamic_shared_size_bytes = self._max_dynamic_shared_size_bytes
         return self._function
 
+    # Like CuPy's, reading or setting the attribute compiles the kernel: the answer depends on its
+    # __shared__ arrays.
     @property
     def max_dynamic_shared_size_bytes(self):
-        return self._max_dynamic_shared_size_bytes
+        return self.compile().max_dynamic_shared_size_bytes
 
     @max_dynamic_shared_size_bytes.setter
     def max_dynamic_shared_size_bytes(self, value):
-        if not 0 <= int(value) <= MAX_DYNAMIC_SHARED_BYTES:
-            raise LaunchError(f"max_dynamic_shared_size_bytes={value}: a block may have at most "
-                              f"{MAX_DYNAMIC_SHARED_BYTES} bytes")
-        self._max_dynamic_shared_size_bytes = int(value)
-        if self._function is not None:
-            self._function.max_dynamic_shared_size_bytes = int(value)
+        self.compile().max_dynamic_shared_size_bytes = value
 
     @property
     def max_threads_per_block(self):
