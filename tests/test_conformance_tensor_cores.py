@@ -1,0 +1,147 @@
+"""Conformance: tensor cores through inline PTX, as the public tutorials write them.
+
+mma.sync, ldmatrix, cp.async and cvt.rna.tf32.f32 in small kernels, each checked against float64 numpy.
+Like tests/test_conformance.py these run on whichever backend is active: on a GPU they check our reading of
+the PTX ISA, on the CPU that the executor behaves as the GPU does.
+
+Exact where PTX defines the result (cvt.rna.tf32.f32, ldmatrix, cp.async move bits). Where it does not (the
+order and precision of a tensor core's accumulation), D = A·B + C is checked within
+    MMA_TOLERANCE · (|C| + Σ|A_ik·B_kj|)
+of float64 on the inputs as the tensor core reads them (each product of two tf32, bf16 or f16 values is exact
+in fp32). Each test also checks that its data tells the right answer from the likely wrong ones (another
+fragment layout, TF32 rounded rather than truncated) by more than that tolerance.
+
+bf16 travels as its bits in uint16 arrays (numpy has no bfloat16) and is decoded here with bit operations.
+"""
+
+import numpy as np
+import pytest
+
+from gpt2_cupy import backend
+
+# 8 fp32 units in the last place of the sum of magnitudes: far below what a wrong layout or wrong rounding
+# of the inputs gives, above any order of fp32 accumulation of 16 terms.
+MMA_TOLERANCE = 2.0 ** -20
+
+
+def mma_reference(a, b, c):
+    """(float64 A·B + C, its tolerance) for inputs already as the tensor core reads them."""
+    a, b, c = (np.asarray(x, dtype=np.float64) for x in (a, b, c))
+    return a @ b + c, MMA_TOLERANCE * (np.abs(a) @ np.abs(b) + np.abs(c))
+
+
+def assert_mma_close(got, a, b, c, wrong_inputs=()):
+    """got = A·B + C within the tolerance; and for each (a, b) in wrong_inputs, what those would give is
+    further away than the tolerance (so that this data could catch that mistake)."""
+    expected, tolerance = mma_reference(a, b, c)
+    error = np.abs(got.astype(np.float64) - expected)
+    assert np.all(error <= tolerance), f"largest error {error.max():.3g} where the tolerance is {tolerance.max():.3g}"
+    for wrong_a, wrong_b in wrong_inputs:
+        wrong, _ = mma_reference(wrong_a, wrong_b, c)
+        assert np.any(np.abs(wrong - expected) > tolerance), "the data cannot tell this result from a wrong one"
+
+
+def tf32_nearest_away(x):
+    """float64 values of float32 x rounded to 10 mantissa bits, to nearest, ties away from zero (overflow to inf)."""
+    x = np.asarray(x, dtype=np.float32).astype(np.float64)
+    _, exponent = np.frexp(x)
+    unit = np.ldexp(1.0, np.maximum(exponent - 1, -126) - 10)  # subnormals share the smallest normal's unit
+    with np.errstate(invalid="ignore", over="ignore"):
+        rounded = np.sign(x) * np.floor(np.abs(x) / unit + 0.5) * unit
+        rounded = np.where(np.abs(rounded) > (2.0 - 2.0 ** -10) * 2.0 ** 127, np.sign(x) * np.inf, rounded)
+    return np.where(np.isfinite(x), rounded, x)
+
+
+def tf32_toward_zero(x):
+    """float64 values of float32 x with the mantissa cut to 10 bits."""
+    x = np.asarray(x, dtype=np.float32).astype(np.float64)
+    _, exponent = np.frexp(x)
+    unit = np.ldexp(1.0, np.maximum(exponent - 1, -126) - 10)
+    return np.where(np.isfinite(x), np.sign(x) * np.floor(np.abs(x) / unit) * unit, x)
+
+
+def bf16_bits(x):
+    """The bf16 nearest (ties to even) each float32 of x, as uint16 bits."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_values(bits):
+    """float64 values of bf16 bits."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# mma.sync m16n8k8, TF32: one tile, fragments loaded by hand (PTX ISA, "Matrix Fragments for mma.m16n8k8")
+# ---------------------------------------------------------------------------------------------------------
+
+MMA_TF32_TILE = r"""
+extern "C" __global__ void mma_tf32_tile(const float* A, const float* B, const float* C, float* D, int round_inputs)
+{
+    // A is 16x8 row-major, B is 8x8 (k, n) row-major, C and D are 16x8 row-major; one warp.
+    unsigned lane = threadIdx.x, group = lane >> 2, member = lane & 3;
+    float a_values[4] = {A[group * 8 + member], A[(group + 8) * 8 + member],
+                         A[group * 8 + member + 4], A[(group + 8) * 8 + member + 4]};
+    float b_values[2] = {B[member * 8 + group], B[(member + 4) * 8 + group]};
+    unsigned a[4], b[2];
+    for (int i = 0; i < 4; ++i) {
+        if (round_inputs) asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(a[i]) : "f"(a_values[i]));
+        else a[i] = __float_as_uint(a_values[i]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        if (round_inputs) asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(b[i]) : "f"(b_values[i]));
+        else b[i] = __float_as_uint(b_values[i]);
+    }
+    int row = group, column = 2 * member;
+    float c[4] = {C[row * 8 + column], C[row * 8 + column + 1], C[(row + 8) * 8 + column], C[(row + 8) * 8 + column + 1]};
+    float d[4];
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+                   "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+    D[row * 8 + column] = d[0];
+    D[row * 8 + column + 1] = d[1];
+    D[(row + 8) * 8 + column] = d[2];
+    D[(row + 8) * 8 + column + 1] = d[3];
+}
+"""
+
+
+def run_mma_tf32_tile(a, b, c, round_inputs, to_device, to_host):
+    kernel = backend.RawKernel(MMA_TF32_TILE, "mma_tf32_tile")
+    out = to_device(np.full((16, 8), np.nan, dtype=np.float32))
+    kernel((1,), (32,), (to_device(a), to_device(b), to_device(c), out, np.int32(round_inputs)))
+    return to_host(out)
+
+
+def test_mma_m16n8k8_tf32_with_inputs_rounded_by_cvt_rna(rng, to_device, to_host):
+    """D = A·B + C with A and B rounded to TF32 (cvt.rna.tf32.f32) in the kernel."""
+    a, b = rng.uniform(-1, 1, (16, 8)).astype(np.float32), rng.uniform(-1, 1, (8, 8)).astype(np.float32)
+    c = rng.uniform(-1, 1, (16, 8)).astype(np.float32)
+    got = run_mma_tf32_tile(a, b, c, True, to_device, to_host)
+    assert_mma_close(got, tf32_nearest_away(a), tf32_nearest_away(b), c,
+                     wrong_inputs=[(tf32_toward_zero(a), tf32_toward_zero(b)), (a, b), (a[::-1], b)])
+
+
+def test_mma_m16n8k8_tf32_ignores_the_low_13_bits_of_unconverted_inputs(rng, to_device, to_host):
+    """fp32 bits passed to a .tf32 operand as they are: the tensor core reads the sign, exponent and top 10
+    mantissa bits and ignores the other 13, so each input is cut toward zero (not rounded)."""
+    a, b = rng.uniform(-1, 1, (16, 8)).astype(np.float32), rng.uniform(-1, 1, (8, 8)).astype(np.float32)
+    c = rng.uniform(-1, 1, (16, 8)).astype(np.float32)
+    got = run_mma_tf32_tile(a, b, c, False, to_device, to_host)
+    assert_mma_close(got, tf32_toward_zero(a), tf32_toward_zero(b), c,
+                     wrong_inputs=[(tf32_nearest_away(a), tf32_nearest_away(b)), (a, b)])
+
+
+def test_mma_m16n8k8_tf32_places_every_element_where_ptx_says(to_device, to_host):
+    """With A and B of one-hot rows and columns, each D element names the A row and B column it came from."""
+    a = np.zeros((16, 8), dtype=np.float32)
+    b = np.zeros((8, 8), dtype=np.float32)
+    for row in range(16):
+        a[row, row % 8] = row + 1          # exact in TF32
+    for k in range(8):
+        b[k, :] = 2.0 ** (k + 4) * np.arange(1, 9)
+    c = np.arange(16 * 8, dtype=np.float32).reshape(16, 8) / 64
+    got = run_mma_tf32_tile(a, b, c, False, to_device, to_host)
+    np.testing.assert_array_equal(got, (a.astype(np.float64) @ b + c).astype(np.float32))
