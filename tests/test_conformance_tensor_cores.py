@@ -44,20 +44,25 @@ def assert_mma_close(got, a, b, c, wrong_inputs=()):
 def tf32_nearest_away(x):
     """float64 values of float32 x rounded to 10 mantissa bits, to nearest, ties away from zero (overflow to inf)."""
     x = np.asarray(x, dtype=np.float32).astype(np.float64)
-    _, exponent = np.frexp(x)
-    unit = np.ldexp(1.0, np.maximum(exponent - 1, -126) - 10)  # subnormals share the smallest normal's unit
     with np.errstate(invalid="ignore", over="ignore"):
-        rounded = np.sign(x) * np.floor(np.abs(x) / unit + 0.5) * unit
-        rounded = np.where(np.abs(rounded) > (2.0 - 2.0 ** -10) * 2.0 ** 127, np.sign(x) * np.inf, rounded)
-    return np.where(np.isfinite(x), rounded, x)
+        magnitude = np.floor(np.abs(x) / tf32_unit(x) + 0.5) * tf32_unit(x)
+        magnitude = np.where(magnitude > (2.0 - 2.0 ** -10) * 2.0 ** 127, np.inf, magnitude)
+    return np.where(np.isfinite(x), np.copysign(magnitude, x), x)
 
 
 def tf32_toward_zero(x):
     """float64 values of float32 x with the mantissa cut to 10 bits."""
     x = np.asarray(x, dtype=np.float32).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        magnitude = np.floor(np.abs(x) / tf32_unit(x)) * tf32_unit(x)
+    return np.where(np.isfinite(x), np.copysign(magnitude, x), x)
+
+
+def tf32_unit(x):
+    """The unit in the last place of TF32 (10 mantissa bits) at each float64 x; subnormals share the
+    smallest normal number's."""
     _, exponent = np.frexp(x)
-    unit = np.ldexp(1.0, np.maximum(exponent - 1, -126) - 10)
-    return np.where(np.isfinite(x), np.sign(x) * np.floor(np.abs(x) / unit) * unit, x)
+    return np.ldexp(1.0, np.maximum(exponent - 1, -126) - 10)
 
 
 def bf16_bits(x):
@@ -145,3 +150,123 @@ def test_mma_m16n8k8_tf32_places_every_element_where_ptx_says(to_device, to_host
     c = np.arange(16 * 8, dtype=np.float32).reshape(16, 8) / 64
     got = run_mma_tf32_tile(a, b, c, False, to_device, to_host)
     np.testing.assert_array_equal(got, (a.astype(np.float64) @ b + c).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cvt.rna.tf32.f32: bit-exact, ties away from zero
+# ---------------------------------------------------------------------------------------------------------
+
+CVT_RNA_TF32 = r"""
+extern "C" __global__ void to_tf32(const float* x, unsigned* out, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        unsigned bits;
+        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x[i]));
+        out[i] = bits;
+    }
+}
+"""
+
+TF32_EDGE_CASES = {
+    0x3F801000: "tie between 1 and 1 + 2^-10: away from zero, to 1 + 2^-10 (to even would give 1)",
+    0xBF801000: "the same tie, negative",
+    0x3F803000: "tie between 1 + 2^-10 and 1 + 2^-9 (both ways agree)",
+    0x3F800FFF: "just below a tie",
+    0x3F801001: "just above a tie",
+    0x3FFFF000: "tie that carries into the exponent: 2",
+    0x7F7FE000: "largest TF32 value",
+    0x7F7FEFFF: "just below the tie past the largest value",
+    0x7F7FF000: "tie past the largest value: infinity",
+    0x7F7FFFFF: "largest float: infinity",
+    0xFF7FFFFF: "most negative float: -infinity",
+    0x7F800000: "infinity",
+    0xFF800000: "-infinity",
+    0x00000000: "zero",
+    0x80000000: "-0 keeps its sign",
+    0x00000001: "smallest subnormal: 0",
+    0x00001000: "subnormal tie: away from zero",
+    0x00001FFF: "subnormal above a tie",
+    0x007FFFFF: "largest subnormal: rounds to the smallest normal",
+    0x807FF000: "negative subnormal tie",
+    0x00800000: "smallest normal",
+}
+
+
+def run_to_tf32(bits, to_device, to_host):
+    kernel = backend.RawKernel(CVT_RNA_TF32, "to_tf32")
+    x = np.asarray(bits, dtype=np.uint32).view(np.float32)
+    out = to_device(np.zeros(x.size, dtype=np.uint32))
+    kernel(((x.size + 127) // 128,), (128,), (to_device(x), out, np.int32(x.size)))
+    return to_host(out)
+
+
+def test_cvt_rna_tf32_edge_cases_bit_exact(to_device, to_host):
+    """Ties, overflow, infinities, signed zeros and subnormals round to nearest, ties away from zero."""
+    bits = np.array(list(TF32_EDGE_CASES), dtype=np.uint32)
+    got = run_to_tf32(bits, to_device, to_host)
+    expected = tf32_nearest_away(bits.view(np.float32)).astype(np.float32).view(np.uint32)
+    for value, result, wanted in zip(bits, got, expected):
+        assert result == wanted, f"{value:#010x} ({TF32_EDGE_CASES[int(value)]}): got {result:#010x}, expected {wanted:#010x}"
+    assert expected[0] == 0x3F802000 and expected[8] == 0x7F800000  # the reference itself rounds ties away
+
+
+def test_cvt_rna_tf32_random_bit_patterns_bit_exact(rng, to_device, to_host):
+    """Every finite and infinite float32 class, at random: the result has 10 mantissa bits, rounded as numpy says."""
+    bits = rng.integers(0, 2 ** 32, 20000, dtype=np.uint64).astype(np.uint32)
+    bits = bits[~np.isnan(bits.view(np.float32))]
+    got = run_to_tf32(bits, to_device, to_host)
+    np.testing.assert_array_equal(got, tf32_nearest_away(bits.view(np.float32)).astype(np.float32).view(np.uint32))
+
+
+def test_cvt_rna_tf32_of_nan_is_nan(to_device, to_host):
+    """A NaN stays a NaN (PTX does not say which bits: any NaN passes), including one whose payload lies only in
+    the 13 low bits that the conversion drops."""
+    got = run_to_tf32(np.array([0x7FC00000, 0xFFC00001, 0x7F800001, 0x7FFFFFFF], dtype=np.uint32), to_device, to_host)
+    assert np.all(np.isnan(got.view(np.float32))), [hex(v) for v in got]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ldmatrix: which lane receives which element (PTX ISA, "Warp-level matrix load instruction: ldmatrix")
+# ---------------------------------------------------------------------------------------------------------
+
+LDMATRIX = r"""
+extern "C" __global__ void load_matrices(const unsigned short* matrices, unsigned* out)
+{
+    // Four 8x8 matrices of 16-bit values, each row 16 bytes, rows of matrix m at rows 8m..8m+7 of a padded tile.
+    __shared__ __align__(16) unsigned short tile[32][8 + 8];
+    unsigned lane = threadIdx.x;
+    for (int i = lane; i < 32 * 8; i += 32) tile[i / 8][i % 8] = matrices[i];
+    __syncwarp();
+    unsigned row_address = __cvta_generic_to_shared(&tile[lane][0]);  // lane 8m + r: row r of matrix m
+    unsigned r[4] = {0, 0, 0, 0};
+    if (COUNT == 1)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x1" TRANS ".shared.b16 {%0}, [%1];" : "=r"(r[0]) : "r"(row_address));
+    if (COUNT == 2)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2" TRANS ".shared.b16 {%0, %1}, [%2];"
+                     : "=r"(r[0]), "=r"(r[1]) : "r"(row_address));
+    if (COUNT == 4)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4" TRANS ".shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(row_address));
+    for (int m = 0; m < 4; ++m) out[lane * 4 + m] = r[m];
+}
+"""
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_ldmatrix_gives_each_lane_its_elements(count, transpose, to_device, to_host):
+    """Lane l receives, in register m, elements 2(l%4) and 2(l%4)+1 of row l/4 of matrix m (the lower one in
+    the low 16 bits); with .trans, those of column l/4 (rows 2(l%4) and 2(l%4)+1)."""
+    matrices = np.arange(4 * 8 * 8, dtype=np.uint16).reshape(4, 8, 8) + 0x100
+    options = (f"-DCOUNT={count}", f"-DTRANS=\"{'.trans' if transpose else ''}\"")
+    kernel = backend.RawKernel(LDMATRIX, "load_matrices", options=options)
+    out = to_device(np.zeros((32, 4), dtype=np.uint32))
+    kernel((1,), (32,), (to_device(matrices), out))
+    got = to_host(out)
+    lanes = np.arange(32)
+    for m in range(count):
+        seen = matrices[m].T if transpose else matrices[m]
+        low, high = seen[lanes // 4, 2 * (lanes % 4)], seen[lanes // 4, 2 * (lanes % 4) + 1]
+        np.testing.assert_array_equal(got[:, m], low.astype(np.uint32) | high.astype(np.uint32) << 16, err_msg=f"matrix {m}")
+    np.testing.assert_array_equal(got[:, count:], 0)
