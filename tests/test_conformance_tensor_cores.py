@@ -270,3 +270,74 @@ def test_ldmatrix_gives_each_lane_its_elements(count, transpose, to_device, to_h
         low, high = seen[lanes // 4, 2 * (lanes % 4)], seen[lanes // 4, 2 * (lanes % 4) + 1]
         np.testing.assert_array_equal(got[:, m], low.astype(np.uint32) | high.astype(np.uint32) << 16, err_msg=f"matrix {m}")
     np.testing.assert_array_equal(got[:, count:], 0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# mma.sync m16n8k16 and m16n8k8, bf16 and f16: fragments from padded shared memory through ldmatrix
+# ---------------------------------------------------------------------------------------------------------
+
+MMA_16BIT_TILE = r"""
+// A is 16xK row-major, B is given transposed (8xK: row n holds column n of B, the ".col" layout) and C, D
+// are 16x8 row-major, all 16-bit values as their bits; one warp. Rows are padded by 8 elements (16 bytes).
+extern "C" __global__ void mma_tile(const unsigned short* A, const unsigned short* B_columns, const float* C, float* D)
+{
+    __shared__ __align__(16) unsigned short a_tile[16][K + 8];
+    __shared__ __align__(16) unsigned short b_tile[8][K + 8];
+    unsigned lane = threadIdx.x;
+    for (int i = lane; i < 16 * K; i += 32) a_tile[i / K][i % K] = A[i];
+    for (int i = lane; i < 8 * K; i += 32) b_tile[i / K][i % K] = B_columns[i];
+    __syncwarp();
+    unsigned a[4], b[2];
+    int row = lane >> 2, column = 2 * (lane & 3);
+    float c[4] = {C[row * 8 + column], C[row * 8 + column + 1], C[(row + 8) * 8 + column], C[(row + 8) * 8 + column + 1]};
+    float d[4];
+#if K == 16
+    // A's four 8x8 quarters: rows 0-7 and 8-15 of columns 0-7, then of columns 8-15.
+    unsigned a_row = __cvta_generic_to_shared(&a_tile[lane % 16][(lane / 16) * 8]);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(a_row));
+    unsigned b_row = __cvta_generic_to_shared(&b_tile[lane % 8][((lane / 8) % 2) * 8]);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(b[0]), "=r"(b[1]) : "r"(b_row));
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+                   "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+    unsigned a_row = __cvta_generic_to_shared(&a_tile[lane % 16][0]);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(a[0]), "=r"(a[1]) : "r"(a_row));
+    unsigned b_row = __cvta_generic_to_shared(&b_tile[lane % 8][0]);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" : "=r"(b[0]) : "r"(b_row));
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32." TYPE "." TYPE ".f32 "
+                 "{%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %8, %9, %10};"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#endif
+    D[row * 8 + column] = d[0];
+    D[row * 8 + column + 1] = d[1];
+    D[(row + 8) * 8 + column] = d[2];
+    D[(row + 8) * 8 + column + 1] = d[3];
+}
+"""
+
+
+def sixteen_bit(values, kind):
+    """(uint16 bits, float64 values) of float values in bf16 or f16."""
+    if kind == "bf16":
+        bits = bf16_bits(values)
+        return bits, bf16_values(bits)
+    halves = np.asarray(values, dtype=np.float32).astype(np.float16)
+    return halves.view(np.uint16), halves.astype(np.float64)
+
+
+@pytest.mark.parametrize("k", [16, 8])
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_mma_16_bit_inputs_from_ldmatrix(k, kind, rng, to_device, to_host):
+    """D = A·B + C for m16n8k16 and m16n8k8 with bf16 or f16 A and B, loaded by ldmatrix.x4/x2/x1."""
+    a_bits, a = sixteen_bit(rng.uniform(-2, 2, (16, k)), kind)
+    b_bits, b = sixteen_bit(rng.uniform(-2, 2, (k, 8)), kind)
+    c = rng.uniform(-1, 1, (16, 8)).astype(np.float32)
+    kernel = backend.RawKernel(MMA_16BIT_TILE, "mma_tile", options=(f"-DK={k}", f'-DTYPE="{kind}"'))
+    out = to_device(np.full((16, 8), np.nan, dtype=np.float32))
+    kernel((1,), (32,), (to_device(a_bits), to_device(np.ascontiguousarray(b_bits.T)), to_device(c), out))
+    assert_mma_close(to_host(out), a, b, c, wrong_inputs=[(a[::-1], b), (a, b[::-1]), (a[:, ::-1], b)])

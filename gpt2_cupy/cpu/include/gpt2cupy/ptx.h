@@ -151,15 +151,15 @@ inline double element(const unsigned* registers, int i) {
     return input == Input::bf16 ? from_bf16(half) : from_f16(half);
 }
 
-// D = A·B + C for one m16n8kK tile, 32 lanes together. Each product of two tf32/bf16/f16 values is exact
-// in double; the sum of the K products and C is formed in double and rounded to fp32 once. The tensor
+// D = A·B + C for one m16n8k<depth> tile, 32 lanes together. Each product of two tf32/bf16/f16 values is exact
+// in double; the sum of the depth products and C is formed in double and rounded to fp32 once. The tensor
 // core's own order and precision of accumulation are unspecified: results agree with a GPU's within a few
 // fp32 units of the sum of magnitudes, not bit for bit.
-template <int K, Input input>
+template <int depth, Input input>
 struct Tile {
     static constexpr int per_register = input == Input::tf32 ? 1 : 2;
-    static constexpr int a_registers = 16 * K / 32 / per_register;
-    static constexpr int b_registers = K * 8 / 32 / per_register;
+    static constexpr int a_registers = 16 * depth / 32 / per_register;
+    static constexpr int b_registers = depth * 8 / 32 / per_register;
 
     static void multiply(float (&d)[4], const unsigned (&a)[a_registers], const unsigned (&b)[b_registers],
                          const float (&c)[4], int line) {
@@ -168,21 +168,21 @@ struct Tile {
         for (int r = 0; r < b_registers; ++r) mine[a_registers + r] = b[r];
         gather(mine, all, "mma.sync: all 32 lanes of the warp must execute it together (a lane exited, "
                           "or the block's last warp has fewer than 32 threads)", line);
-        double A[16][K], B[K][8];
+        double a_matrix[16][depth], b_matrix[depth][8];
         for (unsigned source = 0; source < 32; ++source) {
             for (int i = 0; i < a_registers * per_register; ++i) {
                 Place p = a_place<input>(source, i);
-                A[p.row][p.column] = element<input>(all[source], i);
+                a_matrix[p.row][p.column] = element<input>(all[source], i);
             }
             for (int i = 0; i < b_registers * per_register; ++i) {
                 Place p = b_place<input>(source, i);
-                B[p.row][p.column] = element<input>(all[source] + a_registers, i);
+                b_matrix[p.row][p.column] = element<input>(all[source] + a_registers, i);
             }
         }
         for (int i = 0; i < 4; ++i) {
             Place p = c_place(lane(), i);
             double sum = c[i];
-            for (int k = 0; k < K; ++k) sum += A[p.row][k] * B[k][p.column];
+            for (int k = 0; k < depth; ++k) sum += a_matrix[p.row][k] * b_matrix[k][p.column];
             d[i] = (float)sum;
         }
     }
