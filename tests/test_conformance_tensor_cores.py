@@ -341,3 +341,82 @@ def test_mma_16_bit_inputs_from_ldmatrix(k, kind, rng, to_device, to_host):
     out = to_device(np.full((16, 8), np.nan, dtype=np.float32))
     kernel((1,), (32,), (to_device(a_bits), to_device(np.ascontiguousarray(b_bits.T)), to_device(c), out))
     assert_mma_close(to_host(out), a, b, c, wrong_inputs=[(a[::-1], b), (a, b[::-1]), (a[:, ::-1], b)])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# cp.async: a double-buffered tile load (commit_group, wait_group 1), with the source size that zero-fills
+# ---------------------------------------------------------------------------------------------------------
+
+CP_ASYNC_DOUBLE_BUFFER = r"""
+// 64 threads sum a vector of n floats in tiles of 256: thread t's result for tile j is the sum of elements
+// t, t + 64, t + 128 and t + 192 of the tile, which other threads copied. The next tile is in flight while
+// this one is summed. Elements past n are zero-filled by the copy's source size.
+extern "C" __global__ void tile_sums(const float* x, float* sums, int n, int tiles)
+{
+    __shared__ __align__(16) float buffer[2][256];
+    int t = threadIdx.x;
+    auto issue = [&](int tile) {
+        int first = tile * 256 + 4 * t;
+        for (int part = 0; part < 16 / COPY_BYTES; ++part) {
+            int element = first + part * (COPY_BYTES / 4);
+            int valid = n - element < 0 ? 0 : (n - element > COPY_BYTES / 4 ? COPY_BYTES / 4 : n - element);
+            unsigned destination = __cvta_generic_to_shared(&buffer[tile % 2][4 * t + part * (COPY_BYTES / 4)]);
+            const float* source = valid > 0 ? x + element : x;
+            asm volatile("cp.async." CACHE ".shared.global [%0], [%1], %2, %3;\n"
+                         :: "r"(destination), "l"(source), "n"(COPY_BYTES), "r"(valid * 4));
+        }
+    };
+    issue(0);
+    asm volatile("cp.async.commit_group;\n" ::);
+    for (int tile = 0; tile < tiles; ++tile) {
+        if (tile + 1 < tiles) issue(tile + 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);  // all but the newest group have landed: this tile
+        __syncthreads();
+        const float* current = buffer[tile % 2];
+        sums[tile * 64 + t] = ((current[t] + current[t + 64]) + current[t + 128]) + current[t + 192];
+        __syncthreads();  // everyone has read this buffer before the next issue overwrites it
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("cache, copy_bytes", [("cg", 16), ("ca", 16), ("ca", 8), ("ca", 4)])
+def test_cp_async_double_buffered_tiles_with_zero_fill(cache, copy_bytes, rng, to_device, to_host):
+    """Each tile arrives by its wait_group 1, and the bytes past the source size are zeros."""
+    n, tiles = 5 * 256 - 37, 5
+    x = rng.integers(-1000, 1000, n).astype(np.float32)  # integers: every sum is exact
+    kernel = backend.RawKernel(CP_ASYNC_DOUBLE_BUFFER, "tile_sums",
+                               options=(f"-DCOPY_BYTES={copy_bytes}", f'-DCACHE="{cache}"'))
+    sums = to_device(np.full(tiles * 64, np.nan, dtype=np.float32))
+    kernel((1,), (64,), (to_device(x), sums, np.int32(n), np.int32(tiles)))
+    padded = np.concatenate([x, np.zeros(tiles * 256 - n, dtype=np.float32)]).reshape(tiles, 4, 64)
+    np.testing.assert_array_equal(to_host(sums).reshape(tiles, 64), padded.sum(axis=1))
+
+
+CP_ASYNC_READ_TOO_EARLY = r"""
+extern "C" __global__ void read_before_wait(const float* x, float* before, float* after)
+{
+    __shared__ __align__(16) float staged[4];
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < 4; ++i) staged[i] = -1.0f;
+        unsigned destination = __cvta_generic_to_shared(staged);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(destination), "l"(x));
+        asm volatile("cp.async.commit_group;\n" ::);
+        for (int i = 0; i < 4; ++i) before[i] = staged[i];   // too early: the copy may not have landed
+        asm volatile("cp.async.wait_all;\n" ::);
+        for (int i = 0; i < 4; ++i) after[i] = staged[i];
+    }
+}
+"""
+
+
+@pytest.mark.cpu_only
+def test_cp_async_lands_at_the_wait_on_the_cpu(to_device, to_host):
+    """The executor makes each copy land at the wait that covers it, the latest moment a GPU allows: a read
+    before the wait sees the old bytes (on a GPU it may see either), a read after it the new ones."""
+    x = np.array([1, 2, 3, 4], dtype=np.float32)
+    before, after = to_device(np.zeros(4, dtype=np.float32)), to_device(np.zeros(4, dtype=np.float32))
+    backend.RawKernel(CP_ASYNC_READ_TOO_EARLY, "read_before_wait")((1,), (32,), (to_device(x), before, after))
+    np.testing.assert_array_equal(to_host(before), [-1, -1, -1, -1])
+    np.testing.assert_array_equal(to_host(after), x)
