@@ -420,3 +420,116 @@ def test_cp_async_lands_at_the_wait_on_the_cpu(to_device, to_host):
     backend.RawKernel(CP_ASYNC_READ_TOO_EARLY, "read_before_wait")((1,), (32,), (to_device(x), before, after))
     np.testing.assert_array_equal(to_host(before), [-1, -1, -1, -1])
     np.testing.assert_array_equal(to_host(after), x)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A whole product: 64x64x64 bf16 through a two-stage cp.async pipeline, ldmatrix and mma.sync
+# ---------------------------------------------------------------------------------------------------------
+
+GEMM_BF16 = r"""
+// C = A·B for 64x64 bf16 A (row-major) and B (given by columns: B_columns[n][k]), fp32 C; 4 warps, each
+// a 32x32 part of C as 2x4 tiles of 16x8. K goes by 32 through two shared-memory stages: A's are unpadded
+// 64-byte rows whose 16-byte chunks are XOR-swizzled on the shared address, B's are padded by 16 bytes.
+#define DEPTH 32
+extern "C" __global__ void gemm_bf16(const unsigned short* A, const unsigned short* B_columns, float* C)
+{
+    __shared__ __align__(128) unsigned short a_stage[2][64][DEPTH];
+    __shared__ __align__(16) unsigned short b_stage[2][64][DEPTH + 8];
+    int t = threadIdx.x, warp = t / 32, lane = t % 32;
+    unsigned a_base = __cvta_generic_to_shared(&a_stage[0][0][0]);
+    auto a_address = [&](int stage, int row, int chunk) {
+        unsigned address = a_base + (stage * 64 + row) * DEPTH * 2 + chunk * 16;
+        return address ^ (((row >> 1) & 3) << 4);  // chunk c of row r is stored at chunk c ^ ((r / 2) % 4)
+    };
+    auto load = [&](int stage, int k0) {
+        for (int piece = t; piece < 64 * 4; piece += 128) {
+            int row = piece / 4, chunk = piece % 4;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                         :: "r"(a_address(stage, row, chunk)), "l"(A + row * 64 + k0 + chunk * 8));
+            unsigned b_destination = __cvta_generic_to_shared(&b_stage[stage][row][chunk * 8]);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                         :: "r"(b_destination), "l"(B_columns + row * 64 + k0 + chunk * 8));
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    float acc[2][4][4] = {};
+    int warp_row = (warp / 2) * 32, warp_column = (warp % 2) * 32;
+    load(0, 0);
+    for (int step = 0; step < 64 / DEPTH; ++step) {
+        if (step + 1 < 64 / DEPTH) {
+            load((step + 1) % 2, (step + 1) * DEPTH);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+#ifndef FORGET_BARRIER
+        __syncthreads();  // every thread's copies have landed, not only this thread's
+#endif
+        int stage = step % 2;
+        for (int kk = 0; kk < DEPTH / 16; ++kk) {
+            unsigned a[2][4], b[4][2];
+            for (int mi = 0; mi < 2; ++mi)
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(a[mi][0]), "=r"(a[mi][1]), "=r"(a[mi][2]), "=r"(a[mi][3])
+                             : "r"(a_address(stage, warp_row + 16 * mi + lane % 16, 2 * kk + lane / 16)));
+            for (int ni = 0; ni < 4; ++ni) {
+                unsigned address = __cvta_generic_to_shared(
+                    &b_stage[stage][warp_column + 8 * ni + lane % 8][16 * kk + ((lane / 8) % 2) * 8]);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                             : "=r"(b[ni][0]), "=r"(b[ni][1]) : "r"(address));
+            }
+            for (int mi = 0; mi < 2; ++mi)
+                for (int ni = 0; ni < 4; ++ni)
+                    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                                 : "+f"(acc[mi][ni][0]), "+f"(acc[mi][ni][1]), "+f"(acc[mi][ni][2]), "+f"(acc[mi][ni][3])
+                                 : "r"(a[mi][0]), "r"(a[mi][1]), "r"(a[mi][2]), "r"(a[mi][3]),
+                                   "r"(b[ni][0]), "r"(b[ni][1]));
+        }
+        __syncthreads();  // everyone is done with this stage before a later load overwrites it
+    }
+    for (int mi = 0; mi < 2; ++mi)
+        for (int ni = 0; ni < 4; ++ni)
+            for (int i = 0; i < 4; ++i)
+                C[(warp_row + 16 * mi + lane / 4 + 8 * (i / 2)) * 64 + warp_column + 8 * ni + 2 * (lane % 4) + i % 2] = acc[mi][ni][i];
+}
+"""
+
+
+def run_gemm_bf16(a_bits, b_bits, to_device, to_host, options=(), **checks):
+    out = to_device(np.full((64, 64), np.nan, dtype=np.float32))
+    kernel = backend.RawKernel(GEMM_BF16, "gemm_bf16", options=options)
+    kernel((1,), (128,), (to_device(a_bits), to_device(np.ascontiguousarray(b_bits.T)), out), **checks)
+    return to_host(out)
+
+
+def test_gemm_64_bf16_through_cp_async_ldmatrix_and_mma(rng, to_device, to_host):
+    """The tutorial kernel's whole path: swizzled and padded stages filled by cp.async, read by ldmatrix, and four
+    chained m16n8k16 products per output tile (each rounds its sum to fp32: four times the one-tile tolerance)."""
+    a_bits, b_bits = bf16_bits(rng.uniform(-1, 1, (64, 64))), bf16_bits(rng.uniform(-1, 1, (64, 64)))
+    got = run_gemm_bf16(a_bits, b_bits, to_device, to_host)
+    a, b = bf16_values(a_bits), bf16_values(b_bits)
+    expected = a @ b
+    tolerance = 4 * MMA_TOLERANCE * (np.abs(a) @ np.abs(b))
+    error = np.abs(got - expected)
+    assert np.all(error <= tolerance), f"largest error {error.max():.3g}"
+    assert np.all(np.abs(a[:, ::-1] @ b - expected).max() > tolerance.max())
+
+
+@pytest.mark.cpu_only
+def test_gemm_64_bf16_passes_the_race_check(rng, to_device, to_host):
+    """The executor's own bookkeeping (shared-memory windows, each thread's copy queue) is no race."""
+    a_bits, b_bits = bf16_bits(rng.uniform(-1, 1, (64, 64))), bf16_bits(rng.uniform(-1, 1, (64, 64)))
+    got = run_gemm_bf16(a_bits, b_bits, to_device, to_host, check_races=True, check_bounds=True)
+    a, b = bf16_values(a_bits), bf16_values(b_bits)
+    assert np.all(np.abs(got - a @ b) <= 4 * MMA_TOLERANCE * (np.abs(a) @ np.abs(b)))
+
+
+@pytest.mark.cpu_only
+def test_race_check_reports_reading_other_threads_copies_without_a_barrier(rng, to_device, to_host):
+    """cp.async.wait_group waits for the calling thread's copies only: reading what other threads copied needs
+    a __syncthreads() after the wait, and the race check says so."""
+    from gpt2_cupy.cpu import RaceError
+    a_bits, b_bits = bf16_bits(rng.uniform(-1, 1, (64, 64))), bf16_bits(rng.uniform(-1, 1, (64, 64)))
+    with pytest.raises(RaceError, match="shared memory"):
+        run_gemm_bf16(a_bits, b_bits, to_device, to_host, options=("-DFORGET_BARRIER",), check_races=True)
