@@ -533,3 +533,79 @@ def test_race_check_reports_reading_other_threads_copies_without_a_barrier(rng, 
     a_bits, b_bits = bf16_bits(rng.uniform(-1, 1, (64, 64))), bf16_bits(rng.uniform(-1, 1, (64, 64)))
     with pytest.raises(RaceError, match="shared memory"):
         run_gemm_bf16(a_bits, b_bits, to_device, to_host, options=("-DFORGET_BARRIER",), check_races=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What the CPU executor refuses, and how it says so
+# ---------------------------------------------------------------------------------------------------------
+
+UNKNOWN_INSTRUCTION = r"""
+extern "C" __global__ void fence(float* out)
+{
+    out[threadIdx.x] = 1.0f;
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+"""
+
+WGMMA_FENCE = r"""
+extern "C" __global__ void hopper(float* out)
+{
+    float value = out[threadIdx.x];
+    asm volatile("wgmma.fence.sync.aligned;\n"
+                 "wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    out[threadIdx.x] = value;
+}
+"""
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("code, name, instruction, line", [(UNKNOWN_INSTRUCTION, "fence", "fence.proxy.async.shared::cta", 5),
+                                                          (WGMMA_FENCE, "hopper", "wgmma.fence.sync.aligned", 5)])
+def test_unknown_ptx_instruction_is_a_compile_error_naming_it_and_its_line(code, name, instruction, line):
+    from gpt2_cupy.cpu import CompileError
+    with pytest.raises(CompileError) as caught:
+        backend.RawKernel(code, name)((1,), (32,), (np.zeros(32, dtype=np.float32),))
+    message = str(caught.value)
+    assert f"kernel.cu:{line}:" in message and f"'{instruction}'" in message, message
+    assert f"{line:4d} | " in message and "does not know" in message, message
+
+
+@pytest.mark.cpu_only
+def test_unknown_operand_is_a_compile_error():
+    from gpt2_cupy.cpu import CompileError
+    code = r"""
+extern "C" __global__ void special(unsigned* out)
+{
+    unsigned value;
+    asm("mov.u32 %0, %%smid;" : "=r"(value));
+    out[threadIdx.x] = value;
+}
+"""
+    with pytest.raises(CompileError, match=r"kernel.cu:5:.*PTX operand '%smid'"):
+        backend.RawKernel(code, "special")((1,), (32,), (np.zeros(32, dtype=np.uint32),))
+
+
+@pytest.mark.cpu_only
+def test_mma_in_a_warp_of_fewer_than_32_threads_is_a_kernel_error(to_device):
+    """mma.sync is .aligned: all 32 lanes take part. A block of 16 threads cannot run it."""
+    from gpt2_cupy.cpu import KernelError
+    a = np.ones((16, 8), dtype=np.float32)
+    with pytest.raises(KernelError, match=r"kernel.cu:\d+.*mma.sync: all 32 lanes"):
+        backend.RawKernel(MMA_TF32_TILE, "mma_tf32_tile")(
+            (1,), (16,), (a, np.ones((8, 8), dtype=np.float32), a, np.zeros_like(a), np.int32(0)))
+
+
+@pytest.mark.cpu_only
+def test_ldmatrix_from_an_address_not_in_shared_memory_is_a_kernel_error():
+    from gpt2_cupy.cpu import KernelError
+    code = r"""
+extern "C" __global__ void bad_address(unsigned* out)
+{
+    unsigned r;
+    unsigned address = 0x12345670u;  // never produced by __cvta_generic_to_shared
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" : "=r"(r) : "r"(address));
+    out[threadIdx.x] = r;
+}
+"""
+    with pytest.raises(KernelError, match="ldmatrix: a row address is not a shared-memory address"):
+        backend.RawKernel(code, "bad_address")((1,), (32,), (np.zeros(32, dtype=np.uint32),))

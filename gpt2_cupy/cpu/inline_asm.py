@@ -116,6 +116,8 @@ def _statement(inside, line):
     """The C++ block standing for one asm statement (the text between its parentheses)."""
     sections = _split_top_level(inside, ":")
     template = "".join(bytes(s, "utf-8").decode("unicode_escape") for s in _STRING.findall(sections[0]))
+    if len(sections) > 1:  # an asm statement with operands writes a register's % as %%
+        template = template.replace("%%", "%")
     outputs = [t for t in _split_top_level(sections[1], ",") if t.strip()] if len(sections) > 1 else []
     inputs = [t for t in _split_top_level(sections[2], ",") if t.strip()] if len(sections) > 2 else []
     operands = [_Operand(text, index) for index, text in enumerate(outputs + inputs)]
