@@ -609,3 +609,51 @@ extern "C" __global__ void bad_address(unsigned* out)
 """
     with pytest.raises(KernelError, match="ldmatrix: a row address is not a shared-memory address"):
         backend.RawKernel(code, "bad_address")((1,), (32,), (np.zeros(32, dtype=np.uint32),))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The address idioms of CUTLASS-style code: cvta.to.shared in asm, .reg blocks, predicated copies
+# ---------------------------------------------------------------------------------------------------------
+
+CUTLASS_IDIOMS = r"""
+__device__ unsigned shared_address(const void* pointer)
+{
+    unsigned address;
+    asm("{\n"
+        "  .reg .u64 address64;\n"
+        "  cvta.to.shared.u64 address64, %1;\n"
+        "  cvt.u32.u64 %0, address64;\n"
+        "}\n" : "=r"(address) : "l"(pointer));
+    return address;
+}
+
+__device__ void copy_if(unsigned destination, const void* source, bool wanted)
+{
+    asm volatile("{\n"
+                 "  .reg .pred p;\n"
+                 "  setp.ne.b32 p, %0, 0;\n"
+                 "  @p cp.async.ca.shared.global [%1], [%2], 16;\n"
+                 "}\n" :: "r"((int)wanted), "r"(destination), "l"(source));
+}
+
+extern "C" __global__ void guarded_copies(const float* x, float* out)
+{
+    __shared__ __align__(16) float staged[32][4];
+    int t = threadIdx.x;
+    for (int i = 0; i < 4; ++i) staged[t][i] = -1.0f;
+    copy_if(shared_address(&staged[t][0]), x + 4 * t, t % 3 != 0);
+    asm volatile("cp.async.wait_all;\n" ::);
+    __syncthreads();
+    for (int i = 0; i < 4; ++i) out[4 * t + i] = staged[31 - t][i];
+}
+"""
+
+
+def test_cvta_to_shared_and_predicated_cp_async(rng, to_device, to_host):
+    """A shared address made by cvta.to.shared in a .reg block, and cp.async under a setp predicate:
+    threads whose predicate is false copy nothing."""
+    x = rng.integers(0, 100, 128).astype(np.float32)
+    out = to_device(np.zeros(128, dtype=np.float32))
+    backend.RawKernel(CUTLASS_IDIOMS, "guarded_copies")((1,), (32,), (to_device(x), out))
+    staged = np.where((np.arange(32) % 3 != 0)[:, None], x.reshape(32, 4), -1)
+    np.testing.assert_array_equal(to_host(out).reshape(32, 4), staged[::-1])
