@@ -147,7 +147,7 @@ def test_mma_m16n8k8_tf32_places_every_element_where_ptx_says(to_device, to_host
         a[row, row % 8] = row + 1          # exact in TF32
     for k in range(8):
         b[k, :] = 2.0 ** (k + 4) * np.arange(1, 9)
-    c = np.arange(16 * 8, dtype=np.float32).reshape(16, 8) / 64
+    c = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)  # integers: every sum has at most 19 bits, exact in fp32
     got = run_mma_tf32_tile(a, b, c, False, to_device, to_host)
     np.testing.assert_array_equal(got, (a.astype(np.float64) @ b + c).astype(np.float32))
 
