@@ -5,6 +5,7 @@
 // fopen, rand) is rejected here too, and a kernel that compiles on the CPU also compiles for the GPU.
 #pragma once
 #include "executor_abi.h"
+#include "include/gpt2cupy/ptx.h"  // what inline PTX (asm statements) becomes: mma.sync, ldmatrix, cp.async
 
 #define __CUDACC__ 1
 

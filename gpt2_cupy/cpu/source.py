@@ -14,7 +14,7 @@ import bisect
 import re
 from dataclasses import dataclass, field
 
-from . import toolchain
+from . import inline_asm, toolchain
 from .errors import CompileError
 
 SOURCE_NAME = "kernel.cu"
@@ -238,6 +238,7 @@ def prepare(code, options):
     user_start = preprocessed.rfind("\n", 0, user_start) + 1 if user_start >= 0 else 0
     header, user = preprocessed[:user_start], preprocessed[user_start:]
     _refuse_initialized_shared(user, code)  # before numbering, which may join lines: it reports line numbers
+    user = inline_asm.translate(user, code)  # as well; keeps every line where it was
     user, bounds_arguments = _numbered_launch_bounds(user)
     kernels = find_kernels(user, bounds_arguments)
 

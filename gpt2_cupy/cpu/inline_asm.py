@@ -1,0 +1,345 @@
+"""Inline PTX for the CPU executor: each `asm volatile("..." : outputs : inputs)` of a kernel becomes C++.
+
+A GPU kernel reaches its tensor cores through inline PTX, as the public tutorials write it:
+
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                 "{%8,%9}, {%0,%1,%2,%3};" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+
+Here the statement is read (in the preprocessor's output, so asm in macros is found too) and rewritten:
+each operand becomes a local variable of its register's type ("r" 32 bits, "l" 64, "f" float, ...), each
+PTX instruction a C++ statement on those locals calling include/gpt2cupy/ptx.h, and the outputs are
+written back at the end. The replacement keeps the statement's line count, so later lines keep their
+numbers. An instruction outside the list below is a CompileError naming it and the kernel's line.
+"""
+
+import re
+
+from .errors import CompileError
+
+SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 only),bf16,f16}.<same>.f32, "
+             "ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans][.shared].b16, "
+             "cp.async.{ca,cg}.shared.global, cp.async.commit_group, cp.async.wait_group, cp.async.wait_all, "
+             "cvt.rna[.satfinite].tf32.f32, cvt between u32/s32/u64/s64, cvta[.to].shared, mov, setp, "
+             "and .reg declarations")
+
+_ASM = re.compile(r"\b(?:asm|__asm__|__asm)\b(?:\s*\b(?:volatile|__volatile__|__volatile|inline|__inline__|goto)\b)*\s*\(")
+_STRING = re.compile(r'"((?:\\.|[^"\\])*)"')
+
+# C++ type of a register, by operand constraint letter and by PTX type.
+_CONSTRAINT_TYPES = {"r": "unsigned int", "l": "unsigned long long", "f": "float", "d": "double",
+                     "h": "unsigned short", "n": "long long", "c": "unsigned char"}
+_PTX_TYPES = {"pred": "bool", "b16": "unsigned short", "u16": "unsigned short", "s16": "short",
+              "b32": "unsigned int", "u32": "unsigned int", "s32": "int", "f32": "float",
+              "b64": "unsigned long long", "u64": "unsigned long long", "s64": "long long", "f64": "double"}
+_COMPARISONS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+_NS = "gpt2cupy::ptx::"
+
+
+class AsmError(Exception):
+    """An asm statement the executor cannot run; the message says why, without the line."""
+
+
+def translate(preprocessed, code):
+    """The preprocessed kernel text with every asm statement of the kernel's own source made C++."""
+    from .source import SOURCE_NAME, _source_line  # source imports this module
+    pieces, position = [], 0
+    for match in _ASM.finditer(preprocessed):
+        if match.start() < position:
+            continue
+        close = _closing_parenthesis(preprocessed, match.end() - 1)
+        line = _source_line(preprocessed, match.start())
+        if line is None:  # inside a header of the executor's own, not the learner's code
+            continue
+        try:
+            replacement = _statement(preprocessed[match.end():close], line)
+        except AsmError as error:
+            lines = code.splitlines()
+            shown = f"\n\nthe line in question:\n{line:4d} | {lines[line - 1]}" if 0 < line <= len(lines) else ""
+            raise CompileError(f"{SOURCE_NAME}:{line}: error: {error}{shown}") from None
+        pieces += [preprocessed[position:match.start()], replacement, "\n" * preprocessed.count("\n", match.start(), close)]
+        position = close + 1
+    return "".join(pieces) + preprocessed[position:]
+
+
+def _closing_parenthesis(text, open_index):
+    depth, index = 0, open_index
+    while index < len(text):
+        character = text[index]
+        if character == '"':
+            index = _STRING.match(text, index).end()
+            continue
+        depth += {"(": 1, ")": -1}.get(character, 0)
+        if depth == 0:
+            return index
+        index += 1
+    raise AsmError("an asm statement without its closing parenthesis")
+
+
+def _split_top_level(text, separator):
+    """Parts of `text` between the separators outside parentheses, brackets, braces and strings."""
+    parts, depth, start, index = [], 0, 0, 0
+    while index < len(text):
+        character = text[index]
+        if character == '"':
+            index = _STRING.match(text, index).end()
+            continue
+        if character in "([{":
+            depth += 1
+        elif character in ")]}":
+            depth -= 1
+        elif character == separator and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+        index += 1
+    return parts + [text[start:]]
+
+
+class _Operand:
+    """One C++ operand of the asm statement: constraint, expression, and the local that stands for it."""
+
+    def __init__(self, text, index):
+        match = re.fullmatch(r'\s*(?:\[\s*(?P<name>\w+)\s*\]\s*)?(?P<constraint>(?:"(?:\\.|[^"\\])*"\s*)+)\((?P<expression>.*)\)\s*',
+                             text, re.S)
+        if not match:
+            raise AsmError(f"asm operand `{text.strip()}` is not of the form \"constraint\"(expression)")
+        self.name, self.expression, self.index = match.group("name"), match.group("expression"), index
+        self.constraint = "".join(_STRING.findall(match.group("constraint")))
+        letters = [c for c in self.constraint if c in _CONSTRAINT_TYPES]
+        if not letters:
+            raise AsmError(f'asm operand constraint "{self.constraint}" is not one of "r", "l", "f", "d", "h", "n"')
+        self.type = _CONSTRAINT_TYPES[letters[0]]
+        self.local = f"gpt2cupy_asm_{index}"
+
+
+def _statement(inside, line):
+    """The C++ block standing for one asm statement (the text between its parentheses)."""
+    sections = _split_top_level(inside, ":")
+    template = "".join(bytes(s, "utf-8").decode("unicode_escape") for s in _STRING.findall(sections[0]))
+    if len(sections) > 1:  # an asm statement with operands writes a register's % as %%
+        template = template.replace("%%", "%")
+    outputs = [t for t in _split_top_level(sections[1], ",") if t.strip()] if len(sections) > 1 else []
+    inputs = [t for t in _split_top_level(sections[2], ",") if t.strip()] if len(sections) > 2 else []
+    operands = [_Operand(text, index) for index, text in enumerate(outputs + inputs)]
+    for operand in operands[:len(outputs)]:
+        if not operand.constraint.startswith(("=", "+")):
+            raise AsmError(f'asm output operand "{operand.constraint}" must start with "=" or "+"')
+    body = _Body(operands, line).translate(template)
+    declarations = " ".join(f"{o.type} {o.local}{{}};" for o in operands)
+    reads = " ".join(f"{o.local} = {_NS}bits<{o.type}>({o.expression});"
+                     for o in operands if o.index >= len(outputs) or o.constraint.startswith("+"))
+    writes = " ".join(f"{_NS}assign({o.expression}, {o.local});" for o in operands[:len(outputs)])
+    return f"do {{ {declarations} {reads} {body} {writes} }} while (0)"
+
+
+class _Body:
+    """The PTX template of one asm statement, as C++ statements."""
+
+    def __init__(self, operands, line):
+        self.operands = operands
+        self.line = line
+        self.registers = {}  # PTX register name -> (C++ name, C++ type), from .reg declarations
+
+    def translate(self, template):
+        template = re.sub(r"//[^\n]*|/\*.*?\*/", " ", template, flags=re.S)
+        statements, index = [], 0
+        while index < len(template):
+            character = template[index]
+            if character.isspace():
+                index += 1
+            elif character in "{}":
+                statements.append(character)
+                index += 1
+            else:
+                end = template.find(";", index)
+                end = len(template) if end < 0 else end
+                statements.append(self.instruction(template[index:end].strip()))
+                index = end + 1
+        return " ".join(statements)
+
+    def instruction(self, text):
+        guard = re.match(r"@(!?)\s*(%?\w+)\s+", text)
+        if guard:
+            negate, predicate = guard.groups()
+            condition = f"!{self.scalar(predicate)}" if negate else self.scalar(predicate)
+            return f"if ({condition}) {{ {self.instruction(text[guard.end():])} }}"
+        opcode, rest = (re.split(r"\s+", text, maxsplit=1) + [""])[:2]
+        operands = [o.strip() for o in _split_top_level(rest, ",")] if rest.strip() else []
+        if opcode == ".reg":
+            return self.declare(rest)
+        for pattern, translate in self.INSTRUCTIONS:
+            match = re.fullmatch(pattern, opcode)
+            if match:
+                return translate(self, match, operands)
+        raise AsmError(f"the CPU executor does not know the PTX instruction '{opcode}' (in an asm statement). "
+                       f"It runs: {SUPPORTED}")
+
+    # ---- operands ----
+    def scalar(self, text):
+        """The C++ expression of a scalar PTX operand: %N, %[name], a .reg register, or a number."""
+        text = text.strip()
+        number = re.fullmatch(r"(-?)(0[xX][0-9a-fA-F]+|\d+)[uU]?", text)
+        if number:
+            return f"({text.rstrip('uU')}ll)"
+        if re.fullmatch(r"0[fF][0-9a-fA-F]{8}", text):
+            return f"{_NS}bits<float>(0x{text[2:]}u)"
+        index = re.fullmatch(r"%(\d+)", text)
+        if index:
+            if int(index.group(1)) >= len(self.operands):
+                raise AsmError(f"asm template names operand {text}, but the statement has {len(self.operands)}")
+            return self.operands[int(index.group(1))].local
+        name = re.fullmatch(r"%\[(\w+)\]", text)
+        if name:
+            for operand in self.operands:
+                if operand.name == name.group(1):
+                    return operand.local
+            raise AsmError(f"asm template names operand {text}, which the statement does not declare")
+        if text.lstrip("%") == "laneid":
+            return f"{_NS}lane()"
+        if text in self.registers:
+            return self.registers[text][0]
+        raise AsmError(f"PTX operand '{text}' is neither an asm operand (%0, %1, ...) nor a declared .reg register")
+
+    def vector(self, text, length, what):
+        if not (text.startswith("{") and text.endswith("}")):
+            raise AsmError(f"{what}: expected a vector operand {{...}} of {length} registers, got '{text}'")
+        elements = [self.scalar(e) for e in text[1:-1].split(",")]
+        if len(elements) != length:
+            raise AsmError(f"{what}: expected {length} registers in '{text}', got {len(elements)}")
+        return elements
+
+    def address(self, text, what):
+        """[register], [register+offset] or [register-offset], as a 64-bit C++ value."""
+        match = re.fullmatch(r"\[\s*([^\]+\-]+?)\s*(?:([+-])\s*(\w+))?\s*\]", text)
+        if not match:
+            raise AsmError(f"{what}: expected an address operand [register] or [register+offset], got '{text}'")
+        base, sign, offset = match.groups()
+        value = f"{_NS}bits<unsigned long long>({self.scalar(base)})"
+        return f"({value} {sign} (unsigned long long){self.scalar(offset)})" if sign else value
+
+    def declare(self, text):
+        match = re.fullmatch(r"\s*\.(\w+)\s+(.+)", text)
+        if not match or match.group(1) not in _PTX_TYPES:
+            raise AsmError(f"the CPU executor does not know the PTX declaration '.reg {text.strip()}'")
+        cpp_type, declared = _PTX_TYPES[match.group(1)], []
+        for name in (n.strip() for n in match.group(2).split(",")):
+            ranged = re.fullmatch(r"(\w+)<(\d+)>", name)
+            names = [f"{ranged.group(1)}{i}" for i in range(int(ranged.group(2)))] if ranged else [name]
+            for each in names:
+                self.registers[each] = (f"gpt2cupy_reg_{re.sub(r'[^0-9A-Za-z_]', '_', each)}", cpp_type)
+                declared.append(f"{cpp_type} {self.registers[each][0]}{{}};")
+        return " ".join(declared)
+
+    def expect(self, operands, count, opcode):
+        if len(operands) != count:
+            raise AsmError(f"{opcode}: expected {count} operands, got {len(operands)}")
+
+    # ---- instructions ----
+    def mma(self, match, operands):
+        shape, a_type, b_type = match.group("shape"), match.group("a"), match.group("b")
+        k = 8 if shape == "m16n8k8" else 16
+        if a_type != b_type or (a_type == "tf32" and k != 8):
+            raise AsmError(f"the CPU executor does not run '{match.group(0)}': it runs mma.sync with A and B of one "
+                           "type: tf32 at m16n8k8, bf16 or f16 at m16n8k8 and m16n8k16, with f32 C and D")
+        per_register = 1 if a_type == "tf32" else 2
+        a_count, b_count = 16 * k // 32 // per_register, k * 8 // 32 // per_register
+        self.expect(operands, 4, "mma.sync")
+        d = self.vector(operands[0], 4, "mma.sync D")
+        a = self.vector(operands[1], a_count, "mma.sync A")
+        b = self.vector(operands[2], b_count, "mma.sync B")
+        c = self.vector(operands[3], 4, "mma.sync C")
+        as_bits = lambda values, kind: ", ".join(f"{_NS}bits<{kind}>({v})" for v in values)  # noqa: E731
+        return (f"{{ const unsigned gpt2cupy_a[{a_count}] = {{{as_bits(a, 'unsigned')}}}; "
+                f"const unsigned gpt2cupy_b[{b_count}] = {{{as_bits(b, 'unsigned')}}}; "
+                f"const float gpt2cupy_c[4] = {{{as_bits(c, 'float')}}}; float gpt2cupy_d[4]; "
+                f"{_NS}Tile<{k}, {_NS}Input::{a_type}>::multiply(gpt2cupy_d, gpt2cupy_a, gpt2cupy_b, gpt2cupy_c, {self.line}); "
+                + " ".join(f"{_NS}assign({target}, gpt2cupy_d[{i}]);" for i, target in enumerate(d)) + " }")
+
+    def ldmatrix(self, match, operands):
+        count = int(match.group("count"))
+        self.expect(operands, 2, "ldmatrix")
+        registers = self.vector(operands[0], count, "ldmatrix")
+        address = self.address(operands[1], "ldmatrix")
+        transpose, shared = str(bool(match.group("trans"))).lower(), str(bool(match.group("shared"))).lower()
+        return (f"{{ unsigned gpt2cupy_r[4]; {_NS}ldmatrix(gpt2cupy_r, {count}, {transpose}, {address}, {shared}, {self.line}); "
+                + " ".join(f"{_NS}assign({target}, gpt2cupy_r[{i}]);" for i, target in enumerate(registers)) + " }")
+
+    def cp_async(self, match, operands):
+        fixed = 3 + bool(match.group("hint"))
+        if not fixed <= len(operands) <= fixed + 1:
+            raise AsmError(f"{match.group(0)}: expected [destination], [source], size, an optional source size "
+                           f"or ignore-src predicate{', and a cache policy' if match.group('hint') else ''}")
+        destination = self.address(operands[0], "cp.async destination")
+        source = self.address(operands[1], "cp.async source")
+        size = self.scalar(operands[2])
+        if len(operands) == fixed + 1:  # the source size, or a predicate that ignores the source
+            extra = operands[3]
+            if self.registers.get(extra.strip(), ("", ""))[1] == "bool":
+                source_size = f"({self.scalar(extra)} ? 0ull : (unsigned long long){size})"
+            else:
+                source_size = f"{_NS}bits<unsigned long long>({self.scalar(extra)})"
+        else:
+            source_size = size
+        cache_global = str(match.group("cache") == "cg").lower()
+        return f"{_NS}cp_async({destination}, {source}, (unsigned){size}, {source_size}, {cache_global}, {self.line});"
+
+    def commit_group(self, match, operands):
+        self.expect(operands, 0, "cp.async.commit_group")
+        return f"{_NS}cp_async_commit_group();"
+
+    def wait_group(self, match, operands):
+        self.expect(operands, 1, "cp.async.wait_group")
+        return f"{_NS}cp_async_wait_group((unsigned){self.scalar(operands[0])});"
+
+    def wait_all(self, match, operands):
+        self.expect(operands, 0, "cp.async.wait_all")
+        return f"{_NS}cp_async_wait_all();"
+
+    def cvt_tf32(self, match, operands):
+        self.expect(operands, 2, match.group(0))
+        satfinite = str(bool(match.group("satfinite"))).lower()
+        return (f"{_NS}assign({self.scalar(operands[0])}, "
+                f"{_NS}cvt_rna_tf32({_NS}bits<float>({self.scalar(operands[1])}), {satfinite}));")
+
+    def cvt_integer(self, match, operands):
+        self.expect(operands, 2, match.group(0))
+        to, source = _PTX_TYPES[match.group("to")], _PTX_TYPES[match.group("from")]
+        return (f"{_NS}assign({self.scalar(operands[0])}, "
+                f"({to})({source}){_NS}bits<{source}>({self.scalar(operands[1])}));")
+
+    def cvta(self, match, operands):
+        self.expect(operands, 2, match.group(0))
+        value = f"{_NS}bits<unsigned long long>({self.scalar(operands[1])})"
+        if match.group("to"):
+            converted = f"{_NS}to_shared((const void*){value})"
+        else:
+            converted = (f"(unsigned long long){_NS}from_shared({value}, \"cvta.shared: not a shared-memory address\", "
+                         f"{self.line})")
+        return f"{_NS}assign({self.scalar(operands[0])}, ({_PTX_TYPES[match.group('type')]}){converted});"
+
+    def mov(self, match, operands):
+        self.expect(operands, 2, match.group(0))
+        cpp_type = _PTX_TYPES[match.group("type")]
+        return f"{_NS}assign({self.scalar(operands[0])}, {_NS}bits<{cpp_type}>({self.scalar(operands[1])}));"
+
+    def setp(self, match, operands):
+        self.expect(operands, 3, match.group(0))
+        cpp_type = _PTX_TYPES[match.group("type")]
+        left, right = (f"{_NS}bits<{cpp_type}>({self.scalar(o)})" for o in operands[1:])
+        return f"{self.scalar(operands[0])} = ({left} {_COMPARISONS[match.group('comparison')]} {right});"
+
+    _SHARED = r"\.shared(?:::cta)?"
+    _INTEGER = r"u32|s32|b32|u64|s64|b64"
+    INSTRUCTIONS = (
+        (r"mma\.sync\.aligned\.(?P<shape>m16n8k8|m16n8k16)\.row\.col\.f32\.(?P<a>\w+)\.(?P<b>\w+)\.f32", mma),
+        (rf"ldmatrix\.sync\.aligned\.m8n8\.x(?P<count>[124])(?P<trans>\.trans)?(?P<shared>{_SHARED})?\.b16", ldmatrix),
+        (rf"cp\.async\.(?P<cache>ca|cg){_SHARED}\.global(?:\.L2::(?:64|128|256)B)?(?P<hint>\.L2::cache_hint)?", cp_async),
+        (r"cp\.async\.commit_group", commit_group),
+        (r"cp\.async\.wait_group", wait_group),
+        (r"cp\.async\.wait_all", wait_all),
+        (r"cvt\.rna(?P<satfinite>\.satfinite)?\.tf32\.f32", cvt_tf32),
+        (rf"cvt\.(?P<to>{_INTEGER})\.(?P<from>{_INTEGER})", cvt_integer),
+        (rf"cvta(?P<to>\.to)?{_SHARED}\.(?P<type>u32|u64)", cvta),
+        (r"mov\.(?P<type>b16|u16|s16|b32|u32|s32|f32|b64|u64|s64|f64)", mov),
+        (rf"setp\.(?P<comparison>eq|ne|lt|le|gt|ge)\.(?P<type>{_INTEGER})", setp),
+    )
