@@ -657,3 +657,25 @@ def test_cvta_to_shared_and_predicated_cp_async(rng, to_device, to_host):
     backend.RawKernel(CUTLASS_IDIOMS, "guarded_copies")((1,), (32,), (to_device(x), out))
     staged = np.where((np.arange(32) % 3 != 0)[:, None], x.reshape(32, 4), -1)
     np.testing.assert_array_equal(to_host(out).reshape(32, 4), staged[::-1])
+
+
+def test_inline_ptx_in_an_included_header_runs_and_its_errors_name_the_header(tmp_path, rng, to_device, to_host):
+    """The asm wrappers of a header on the include path (as kernels/include/ holds them) run as the kernel's
+    own do; an instruction the executor does not know is reported at the header's line."""
+    (tmp_path / "tf32.cuh").write_text(
+        "__device__ __forceinline__ unsigned int to_tf32_bits(float x)\n{\n    unsigned int bits;\n"
+        '    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));\n    return bits;\n}\n')
+    code = ('#include "tf32.cuh"\nextern "C" __global__ void through_header(unsigned int* out, const float* x, int n)\n'
+            "{\n    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i < n) out[i] = to_tf32_bits(x[i]);\n}\n")
+    x = rng.normal(size=1000).astype(np.float32)
+    out = to_device(np.zeros(x.size, dtype=np.uint32))
+    backend.RawKernel(code, "through_header", options=(f"-I{tmp_path}",))((8,), (128,), (out, to_device(x), np.int32(x.size)))
+    np.testing.assert_array_equal(to_host(out), tf32_nearest_away(x).astype(np.float32).view(np.uint32))
+
+    if backend.name == "cpu":
+        from gpt2_cupy.cpu import CompileError
+
+        (tmp_path / "unknown.cuh").write_text('__device__ void fence() {\n    asm volatile("fence.proxy.async.shared::cta;");\n}\n')
+        unknown = '#include "unknown.cuh"\nextern "C" __global__ void k() { fence(); }\n'
+        with pytest.raises(CompileError, match=r"unknown\.cuh:2: error: .*fence\.proxy\.async"):
+            backend.RawKernel(unknown, "k", options=(f"-I{tmp_path}",))((1,), (32,), ())

@@ -14,8 +14,11 @@ numbers. An instruction outside the list below is a CompileError naming it and t
 """
 
 import re
+from pathlib import Path
 
 from .errors import CompileError
+
+_EXECUTOR = Path(__file__).resolve().parent  # its headers: cuda_builtins.h, include/...
 
 SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 only),bf16,f16}.<same>.f32, "
              "ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans][.shared].b16, "
@@ -42,21 +45,24 @@ class AsmError(Exception):
 
 def translate(preprocessed, code):
     """The preprocessed kernel text with every asm statement of the kernel's own source made C++."""
-    from .source import SOURCE_NAME, _source_line  # source imports this module
+    from .source import SOURCE_NAME, source_location  # source imports this module
     pieces, position = [], 0
     for match in _ASM.finditer(preprocessed):
         if match.start() < position:
             continue
         close = _closing_parenthesis(preprocessed, match.end() - 1)
-        line = _source_line(preprocessed, match.start())
-        if line is None:  # inside a header of the executor's own, not the learner's code
-            continue
+        file, line = source_location(preprocessed, match.start())
+        if file is None or Path(file).resolve().is_relative_to(_EXECUTOR):
+            continue  # the executor's own headers hold no PTX
         try:
             replacement = _statement(preprocessed[match.end():close], line)
         except AsmError as error:
-            lines = code.splitlines()
+            if file == SOURCE_NAME:
+                lines = code.splitlines()
+            else:  # a header the kernel includes, kernels/include/mma.cuh say
+                lines = Path(file).read_text().splitlines() if Path(file).is_file() else []
             shown = f"\n\nthe line in question:\n{line:4d} | {lines[line - 1]}" if 0 < line <= len(lines) else ""
-            raise CompileError(f"{SOURCE_NAME}:{line}: error: {error}{shown}") from None
+            raise CompileError(f"{file}:{line}: error: {error}{shown}") from None
         pieces += [preprocessed[position:match.start()], replacement, "\n" * preprocessed.count("\n", match.start(), close)]
         position = close + 1
     return "".join(pieces) + preprocessed[position:]

@@ -168,15 +168,22 @@ def find_kernels(preprocessed, bounds_arguments):
     return kernels
 
 
-def _source_line(preprocessed, offset):
-    """The learner's line number of a place in the preprocessor's output (from its line markers)."""
+def source_location(preprocessed, offset):
+    """(file, line) of a place in the preprocessor's output, from its line markers: file is SOURCE_NAME for
+    the learner's source, else the path of the header it comes from; (None, None) before the first marker."""
     line, file = 1, None
     for marker in _LINE_MARKER.finditer(preprocessed, 0, offset):
         line, file = int(marker.group(1)), marker.group(2)
         marker_end = marker.end()
     if file is None:
-        return None
-    return line + preprocessed.count("\n", marker_end, offset) - 1 if file == SOURCE_NAME else None
+        return None, None
+    return file, line + preprocessed.count("\n", marker_end, offset) - 1
+
+
+def _source_line(preprocessed, offset):
+    """The learner's line number of a place in the preprocessor's output, or None outside their source."""
+    file, line = source_location(preprocessed, offset)
+    return line if file == SOURCE_NAME else None
 
 
 def _refuse_initialized_shared(preprocessed, code):
