@@ -110,12 +110,13 @@ inline double from_tf32(unsigned value) { return bits<float>(value & 0xffffe000u
 
 // cvt.rna.tf32.f32: to 10 mantissa bits, to nearest, ties away from zero. Adding half a unit of the 13
 // dropped bits to the magnitude does that, carrying into the exponent (and past the largest value, to
-// infinity) as rounding does. A NaN becomes the canonical NaN. With .satfinite, infinity and overflow
-// become the largest finite value of the sign.
+// infinity) as rounding does. A NaN is not rounded: its low 13 bits are cleared, as an H200 does, so a NaN
+// whose payload lies only in those bits comes out as infinity. With .satfinite, a NaN becomes the canonical
+// NaN, and infinity and overflow the largest finite value of the sign.
 inline unsigned cvt_rna_tf32(float value, bool satfinite = false) {
     unsigned x = bits<unsigned>(value);
     unsigned sign = x & 0x80000000u, magnitude = x & 0x7fffffffu;
-    if (magnitude > 0x7f800000u) return 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return satfinite ? 0x7fffffffu : x & 0xffffe000u;
     unsigned rounded = magnitude == 0x7f800000u ? magnitude : (magnitude + 0x1000u) & 0xffffe000u;
     if (satfinite && rounded >= 0x7f800000u) rounded = 0x7f7fe000u;
     return sign | rounded;
