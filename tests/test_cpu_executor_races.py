@@ -6,6 +6,8 @@ atomic operation, race. A lost update (`count += 1` by many threads) is named as
 and element; results that differ only by the order of atomic operations are not races.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -460,3 +462,58 @@ def test_the_dyt_backward_last_block_sums_pass_the_race_check(rng):
     np.testing.assert_allclose(dweight, (dout * squashed).sum(axis=0), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(dbias, dout.sum(axis=0), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(dalpha[0], (local * weight * x).sum(), rtol=1e-4, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A shuffle that reads a lane outside its mask, or one that has exited: undefined on a GPU
+# ---------------------------------------------------------------------------------------------------------
+
+WARP_SUM_WITH_MASK = r"""
+extern "C" __global__ void warp_sum(float* out, const float* x, unsigned int mask, int first_offset, int width)
+{
+    float sum = x[blockIdx.x * blockDim.x + threadIdx.x];
+    if ((mask >> (threadIdx.x % 32)) & 1u) {
+        for (int offset = first_offset; offset > 0; offset /= 2) sum += __shfl_down_sync(mask, sum, offset, width);
+    }
+    out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+}
+"""
+
+
+def warp_sum(threads, mask, first_offset, check_races, width=32):
+    x = np.arange(threads, dtype=np.float32)
+    out = np.zeros(threads, dtype=np.float32)
+    arguments = (out, x, np.uint32(mask), np.int32(first_offset), np.int32(width))
+    RawKernel(WARP_SUM_WITH_MASK, "warp_sum")((1,), (threads,), arguments, check_races=check_races)
+    return out
+
+
+def test_a_shuffle_reading_a_lane_outside_its_mask_is_reported_with_the_lane():
+    """Lanes 0-15 shuffle down by 16 with a mask of lanes 0-15 and a width of 32: lane l reads lane l + 16."""
+    with pytest.raises(RaceError) as caught:
+        warp_sum(32, 0x0000FFFF, 16, check_races=True)
+    message = str(caught.value)
+    assert "kernel 'warp_sum'" in message and "block (0, 0, 0)" in message
+    assert re.search(r"thread \((\d+), 0, 0\): a warp shuffle \(mask 0x0000ffff\) reads lane (\d+), which is not in the mask",
+                     message)
+    reader, source = map(int, re.search(r"thread \((\d+), 0, 0\).* reads lane (\d+)", message).groups())
+    assert source == reader + 16
+
+
+def test_a_shuffle_reading_past_a_short_last_warp_is_reported():
+    """48 threads: the second warp has 16 lanes, and a full-mask shuffle down by 16 reads lanes that do not exist."""
+    with pytest.raises(RaceError, match=r"thread \((3[2-9]|4[0-7]), 0, 0\).*reads lane (1[6-9]|2\d|3[01]), which has exited or does not exist"):
+        warp_sum(48, 0xFFFFFFFF, 16, check_races=True)
+
+
+def test_a_shuffle_inside_its_mask_is_not_reported():
+    """Lanes 0-15 with a width of 16: a lane whose source lies past lane 15 gets its own value, as CUDA defines."""
+    out = warp_sum(32, 0x0000FFFF, 8, check_races=True, width=16)
+    assert out[0] == sum(range(16))
+
+
+def test_without_the_check_an_absent_lane_gives_the_readers_own_value():
+    """Undefined on a GPU; the executor stays deterministic: at the shuffle by 16 each of lanes 0-15 reads an
+    absent lane and gets its own value back, doubling it; the rest of the sum is exact."""
+    out = warp_sum(32, 0x0000FFFF, 16, check_races=False)
+    assert out[0] == 2 * sum(range(16))

@@ -16,7 +16,7 @@ import sys
 import numpy
 
 from . import checked_launch, checks, runtime, source, toolchain
-from .errors import CompileError, KernelError, KernelNotFoundError, LaunchError, OutOfBoundsError
+from .errors import CompileError, KernelError, KernelNotFoundError, LaunchError, OutOfBoundsError, RaceError
 
 # What a launch raises about the learner's kernel or call (as opposed to a bug of the executor).
 LEARNER_ERRORS = (CompileError, KernelError, KernelNotFoundError, LaunchError, TypeError, ValueError)
@@ -306,6 +306,8 @@ class Function:
                 f"element {element}; it has {array.size} elements ({array.dtype}, valid indices 0..{array.size - 1})")
         if result.failure == runtime.ASSERTION_FAILED:
             raise KernelError(f"kernel '{self.name}', {where}: {message}")
+        if result.failure == runtime.UNDEFINED_SHUFFLE:
+            raise RaceError(f"kernel '{self.name}', {where}: {message}")
         if result.failure == runtime.MEMORY_FAULT and bounds_checked:
             raise KernelError(f"kernel '{self.name}', {where}: {message}; it is in no array argument's reach "
                               "(2^32 elements either side): a pointer not from the arguments, or uninitialised?")

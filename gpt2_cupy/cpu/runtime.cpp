@@ -132,6 +132,7 @@ enum Failure : int {
     interrupted = 6,
     arithmetic_fault = 7,
     misaligned_access = 8,
+    undefined_shuffle = 9,  // (race check) a shuffle read a lane that did not take part
 };
 
 }  // namespace
@@ -1302,7 +1303,8 @@ namespace {
 extern "C" {
 
 __thread gpt2cupy::ThreadCoordinates* gpt2cupy_current_thread = nullptr;
-const int gpt2cupy_warp_size = 32;
+// extern: a const at namespace scope would otherwise be internal, and kernels would not find it.
+extern const int gpt2cupy_warp_size = 32;
 
 void gpt2cupy_fiber_main(Fiber* fiber) { this_thread_runner->fiber_main(fiber); }
 
@@ -1319,6 +1321,22 @@ const gpt2cupy::WarpExchange* gpt2cupy_warp_exchange(unsigned int mask, unsigned
     const gpt2cupy::WarpExchange* table = runner->warp_exchange(mask, value);
     runner->in_kernel_code = 1;
     return table;
+}
+
+void gpt2cupy_shuffle_from_absent_lane(unsigned int mask, unsigned int source) {
+    BlockRunner* runner = this_thread_runner;
+    if (!tracking_races || runner == nullptr || runner->current_fiber() == nullptr) return;
+    runner->in_kernel_code = 0;
+    const bool named = (mask >> source) & 1u;
+    char message[512];
+    std::snprintf(message, sizeof(message),
+                  "a warp shuffle (mask 0x%08x) reads lane %u, which %s: CUDA leaves the value it returns undefined "
+                  "(the executor would give the reading lane its own value). Name in the mask every lane the "
+                  "shuffle reads, and have them all reach it (a block whose size is not a multiple of 32 has a "
+                  "shorter last warp)",
+                  mask, source, named ? "has exited or does not exist" : "is not in the mask");
+    runner->fail_current(undefined_shuffle, message);
+    throw 0;
 }
 
 void* gpt2cupy_dynamic_shared_memory(void) {
