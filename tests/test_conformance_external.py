@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
+from test_conformance_builtins import bfloat16_bits_reference, bfloat16_to_float
 
 
 def blocks_for(n, block):
@@ -202,3 +203,109 @@ def test_cuda_arch_is_defined_as_hopper_also_where_kernels_are_found(to_device, 
     out = to_device(np.zeros(32, dtype=np.int32))
     backend.RawKernel(CUDA_ARCH, "architecture")((1,), (32,), (out,))
     assert set(to_host(out).tolist()) == {sum(range(32)) + 1000 * 900}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Elements smaller than a word: bfloat16 as llm.c stores it (one per thread, and eight at a time through a
+# 16-byte Packed128 with __ldcs/__stcs), bytes and bools. Neighbouring threads store to one 4-byte word.
+# ---------------------------------------------------------------------------------------------------------
+
+BFLOAT16_ELEMENTWISE = r"""
+#include <cuda_bf16.h>
+typedef __nv_bfloat16 floatX;
+
+// 16 bytes of elements of type T, loaded and stored as one int4 (llm.c's Packed128).
+template <class T>
+struct alignas(16) Packed128 {
+    static constexpr int size = sizeof(int4) / sizeof(T);
+    T payload[size];
+    __device__ Packed128() {}
+    __device__ explicit Packed128(int4 bits) { memcpy(&payload, &bits, sizeof(bits)); }
+    __device__ int4 get_bits() const {
+        int4 bits;
+        memcpy(&bits, &payload, sizeof(bits));
+        return bits;
+    }
+    __device__ T& operator[](int index) { return payload[index]; }
+};
+template <class T> __device__ Packed128<T> load128cs(const T* address) {
+    return Packed128<T>(__ldcs(reinterpret_cast<const int4*>(address)));
+}
+template <class T> __device__ void store128cs(T* target, Packed128<T> value) {
+    __stcs(reinterpret_cast<int4*>(target), value.get_bits());
+}
+
+// One element per thread: neighbouring threads write the two halves of one word.
+extern "C" __global__ void residual_forward(floatX* out, const floatX* a, const floatX* b, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __float2bfloat16((float)a[i] + (float)b[i]);
+}
+
+// Eight elements per thread, 16 bytes at a time (n a multiple of 8).
+extern "C" __global__ void multiply_packed(floatX* out, const floatX* a, const floatX* b, int n)
+{
+    int i = (blockIdx.x * blockDim.x + threadIdx.x) * Packed128<floatX>::size;
+    if (i >= n) return;
+    Packed128<floatX> packed_a = load128cs(a + i), packed_b = load128cs(b + i), packed_out;
+    for (int k = 0; k < Packed128<floatX>::size; ++k)
+        packed_out[k] = __float2bfloat16((float)packed_a[k] * (float)packed_b[k]);
+    store128cs(out + i, packed_out);
+}
+
+// A byte and a bool per thread.
+extern "C" __global__ void signs(unsigned char* positive, bool* negative, const float* x, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        positive[i] = x[i] > 0.0f;
+        negative[i] = x[i] < 0.0f;
+    }
+}
+
+// A 16-bit store per thread.
+extern "C" __global__ void thread_numbers(unsigned short* out) { out[blockIdx.x * blockDim.x + threadIdx.x] = threadIdx.x; }
+"""
+
+
+def bfloat16_inputs(rng, n):
+    """bfloat16 bits (as uint16, numpy has no bfloat16) of normal random values."""
+    return bfloat16_bits_reference(rng.standard_normal(n).astype(np.float32))
+
+
+def test_bfloat16_one_element_per_thread(rng, to_device, to_host):
+    n = 1001
+    a, b = bfloat16_inputs(rng, n), bfloat16_inputs(rng, n)
+    out = to_device(np.zeros(n, dtype=np.uint16))
+    backend.RawModule(code=BFLOAT16_ELEMENTWISE).get_function("residual_forward")(
+        (blocks_for(n, 128),), (128,), (out, to_device(a), to_device(b), np.int32(n)))
+    expected = bfloat16_bits_reference(bfloat16_to_float(a) + bfloat16_to_float(b))  # one float32 sum, then RNE
+    np.testing.assert_array_equal(to_host(out), expected)
+
+
+def test_bfloat16_eight_elements_per_thread_through_packed128(rng, to_device, to_host):
+    n = 8 * 300
+    a, b = bfloat16_inputs(rng, n), bfloat16_inputs(rng, n)
+    out = to_device(np.zeros(n, dtype=np.uint16))
+    backend.RawModule(code=BFLOAT16_ELEMENTWISE).get_function("multiply_packed")(
+        (blocks_for(n // 8, 64),), (64,), (out, to_device(a), to_device(b), np.int32(n)))
+    # Two 8-bit significands multiply exactly in float32: the only rounding is the one to bfloat16.
+    product = bfloat16_to_float(a).astype(np.float64) * bfloat16_to_float(b)
+    np.testing.assert_array_equal(to_host(out), bfloat16_bits_reference(product.astype(np.float32)))
+
+
+def test_bytes_and_bools_one_per_thread(rng, to_device, to_host):
+    n = 777
+    x = rng.standard_normal(n).astype(np.float32)
+    x[::50] = 0.0
+    positive, negative = to_device(np.full(n, 7, dtype=np.uint8)), to_device(np.ones(n, dtype=np.bool_))
+    backend.RawModule(code=BFLOAT16_ELEMENTWISE).get_function("signs")(
+        (blocks_for(n, 96),), (96,), (positive, negative, to_device(x), np.int32(n)))
+    np.testing.assert_array_equal(to_host(positive), (x > 0).astype(np.uint8))
+    np.testing.assert_array_equal(to_host(negative), x < 0)
+
+
+def test_sixteen_bit_stores_one_per_thread(to_device, to_host):
+    out = to_device(np.zeros(3 * 33, dtype=np.uint16))
+    backend.RawModule(code=BFLOAT16_ELEMENTWISE).get_function("thread_numbers")((3,), (33,), (out,))
+    np.testing.assert_array_equal(to_host(out), np.tile(np.arange(33, dtype=np.uint16), 3))

@@ -517,3 +517,70 @@ def test_without_the_check_an_absent_lane_gives_the_readers_own_value():
     absent lane and gets its own value back, doubling it; the rest of the sum is exact."""
     out = warp_sum(32, 0x0000FFFF, 16, check_races=False)
     assert out[0] == 2 * sum(range(16))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bytes, not words: neighbouring threads that store a half, a bfloat16, a byte or a bool do not race
+# ---------------------------------------------------------------------------------------------------------
+
+SUB_WORD_STORES = r"""
+#include <cuda_bf16.h>
+extern "C" __global__ void bfloat16_residual(__nv_bfloat16* out, const __nv_bfloat16* a, const __nv_bfloat16* b, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __float2bfloat16((float)a[i] + (float)b[i]);
+}
+extern "C" __global__ void byte_flags(unsigned char* flags, bool* odd, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        flags[i] = (unsigned char)(i * 3);
+        odd[i] = i % 2;
+    }
+}
+// Two threads to each byte: thread 2k and thread 2k + 1 both store to byte k.
+extern "C" __global__ void two_threads_per_byte(unsigned char* bytes)
+{
+    bytes[threadIdx.x / 2] = (unsigned char)threadIdx.x;
+}
+// Each thread writes its byte, then reads its neighbour's with no barrier between.
+extern "C" __global__ void read_neighbours_byte(unsigned char* out, const unsigned char* in)
+{
+    __shared__ unsigned char staged[64];
+    staged[threadIdx.x] = in[threadIdx.x];
+    out[threadIdx.x] = staged[(threadIdx.x + 1) % blockDim.x];
+}
+"""
+
+
+def test_a_bfloat16_elementwise_kernel_has_no_race():
+    n = 1000
+    out = np.zeros(n, dtype=np.uint16)
+    a = np.full(n, 0x3F80, dtype=np.uint16)  # 1.0
+    RawKernel(SUB_WORD_STORES, "bfloat16_residual")((8,), (128,), (out, a, a.copy(), np.int32(n)), check_races=True)
+    np.testing.assert_array_equal(out, np.full(n, 0x4000, dtype=np.uint16))  # 2.0
+
+
+def test_bytes_and_bools_of_neighbouring_threads_have_no_race():
+    n = 1000
+    flags, odd = np.zeros(n, dtype=np.uint8), np.zeros(n, dtype=np.bool_)
+    RawKernel(SUB_WORD_STORES, "byte_flags")((8,), (128,), (flags, odd, np.int32(n)), check_races=True)
+    np.testing.assert_array_equal(flags, (np.arange(n) * 3).astype(np.uint8))
+    np.testing.assert_array_equal(odd, np.arange(n) % 2 == 1)
+
+
+def test_two_threads_storing_to_one_byte_race():
+    with pytest.raises(RaceError, match=r"race on 'bytes' element \d+: .*both write it"):
+        RawKernel(SUB_WORD_STORES, "two_threads_per_byte")((1,), (64,), (np.zeros(32, dtype=np.uint8),), check_races=True)
+
+
+def test_every_distinct_race_of_a_launch_is_listed_up_to_ten_and_the_rest_counted():
+    """64 threads each read a byte another thread writes, with no barrier: 64 places, 10 reported in full."""
+    with pytest.raises(RaceError) as caught:
+        RawKernel(SUB_WORD_STORES, "read_neighbours_byte")(
+            (1,), (64,), (np.zeros(64, dtype=np.uint8), np.arange(64, dtype=np.uint8)), check_races=True)
+    message = str(caught.value)
+    assert "race on shared memory" in message
+    assert "63 more race(s) in this launch:" in message
+    assert len(re.findall(r"^  shared memory .*: a (write and a read|read and a write), thread", message, re.M)) == 9
+    assert message.endswith("... and 54 more")

@@ -27,6 +27,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #if defined(__linux__) && defined(__x86_64__)
@@ -138,6 +139,16 @@ enum Failure : int {
 }  // namespace
 
 extern "C" {
+// One race the race check found: the place both threads touched, the thread that touched it second and
+// the one before it.
+struct gpt2cupy_race {
+    int kind;
+    unsigned long long address;
+    unsigned block[3], thread[3];
+    unsigned other_block[3], other_thread[3];
+};
+constexpr int gpt2cupy_races_kept = 10;
+
 struct gpt2cupy_launch_result {
     int failure;
     unsigned block[3];
@@ -145,12 +156,9 @@ struct gpt2cupy_launch_result {
     unsigned long long fault_address;
     int fault_is_write;  // 1 write, 0 read, -1 unknown
     char message[1024];
-    // The race check's first finding (race_kind 0: none): the address both threads touched, the thread
-    // that touched it second (block, thread above) and the one before it.
-    int race_kind;
-    unsigned long long race_address;
-    unsigned other_block[3];
-    unsigned other_thread[3];
+    // The race check's findings, one per place, in the order found: how many, and the first few.
+    unsigned long long race_count;
+    gpt2cupy_race races[gpt2cupy_races_kept];
 };
 
 struct gpt2cupy_launch_request {
@@ -382,18 +390,20 @@ public:
         return all;
     }
     gpt2cupy_launch_result result() const { return result_; }
-    // The race check keeps its first finding; the launch runs on, so its outputs can be compared too.
+    // The race check keeps one finding per place (the first few whole, the rest counted); the launch runs
+    // on, so its outputs can be compared too.
     void report_race(int kind, unsigned long long address, const ThreadCoordinates& second,
                      const ThreadCoordinates& first) {
-        // The first finding is kept, unless a lost update (a read, then a write back) comes later: the
-        // read that began it was reported as a read of another thread's write.
-        if (result_.race_kind != 0 && !(kind == 3 && result_.race_kind != 3)) return;
-        result_.race_kind = kind;
-        result_.race_address = address;
-        result_.block[0] = second.block_idx.x; result_.block[1] = second.block_idx.y; result_.block[2] = second.block_idx.z;
-        result_.thread[0] = second.thread_idx.x; result_.thread[1] = second.thread_idx.y; result_.thread[2] = second.thread_idx.z;
-        result_.other_block[0] = first.block_idx.x; result_.other_block[1] = first.block_idx.y; result_.other_block[2] = first.block_idx.z;
-        result_.other_thread[0] = first.thread_idx.x; result_.other_thread[1] = first.thread_idx.y; result_.other_thread[2] = first.thread_idx.z;
+        if (!race_places_.insert(address).second) {
+            // A place already reported keeps its first finding, unless a lost update (a read, then a write
+            // back) comes later: the read that began it was reported as a read of another thread's write.
+            for (unsigned long long k = 0; k < std::min<unsigned long long>(result_.race_count, gpt2cupy_races_kept); ++k)
+                if (result_.races[k].address == address && kind == 3 && result_.races[k].kind != 3)
+                    keep_race(result_.races[k], kind, address, second, first);
+            return;
+        }
+        if (result_.race_count < gpt2cupy_races_kept) keep_race(result_.races[result_.race_count], kind, address, second, first);
+        result_.race_count += 1;
     }
 
 private:
@@ -405,7 +415,17 @@ private:
     std::atomic<bool> interrupted_{false};
     std::mutex mutex_;
     gpt2cupy_launch_result result_{};
+    std::unordered_set<unsigned long long> race_places_;  // the addresses of the races reported
     std::vector<std::pair<unsigned long long, std::string>> outputs_;
+
+    static void keep_race(gpt2cupy_race& race, int kind, unsigned long long address, const ThreadCoordinates& second,
+                          const ThreadCoordinates& first) {
+        race = gpt2cupy_race{kind, address,
+                             {second.block_idx.x, second.block_idx.y, second.block_idx.z},
+                             {second.thread_idx.x, second.thread_idx.y, second.thread_idx.z},
+                             {first.block_idx.x, first.block_idx.y, first.block_idx.z},
+                             {first.thread_idx.x, first.thread_idx.y, first.thread_idx.z}};
+    }
 };
 
 // ---- the scheduler of one block ---------------------------------------------------------------------
@@ -985,8 +1005,8 @@ void stop_workers() {
 }
 
 // ---- the race check: every access of a kernel built with -fsanitize=thread comes here -----------------
-// The race pass runs on one OS thread. For each 4-byte granule of memory it keeps the last write and the
-// last read: which thread, in which barrier interval (epoch) of which block, after how many warp
+// The race pass runs on one OS thread. For each 4-byte word of memory (each byte, once a word has been
+// accessed in pieces smaller than itself) it keeps the last write and the last read: which thread, in which barrier interval (epoch) of which block, after how many warp
 // operations. Two accesses by different threads, at least one a write and neither atomic, race unless a
 // barrier lies between them: a __syncthreads() (another epoch) or, within a warp, a warp operation the
 // earlier thread has been through since. Atomics are not recorded: their order is free by design.
@@ -1004,8 +1024,10 @@ struct Access {
 };
 struct Granule {
     Access write, read;
+    bool split = false;  // a word whose bytes are tracked one by one, in race_bytes
 };
-std::unordered_map<unsigned long long, Granule> race_shadow;
+std::unordered_map<unsigned long long, Granule> race_shadow;  // by word (address / 4)
+std::unordered_map<unsigned long long, Granule> race_bytes;   // by byte address, for the words split
 bool tracking_races = false;
 
 const gpt2cupy_launch_request* race_request = nullptr;
@@ -1169,49 +1191,73 @@ void record_order_event(bool is_fence) {
     runner->in_kernel_code = was_in_kernel_code;
 }
 
+// An access of the running thread to one place (a word, or a byte of a word that holds smaller data),
+// checked against the place's last write and read, then recorded there. A race is reported once per
+// access (`reported`), at the first place of it that races.
+void check_place(Granule& place, const Access& now, bool is_write, unsigned long long at, bool& reported) {
+    BlockRunner* runner = this_thread_runner;
+    const unsigned thread = now.thread;
+    int kind = no_race;
+    const Access* other = nullptr;
+    const bool read_it_first = place.read.valid && place.read.thread == thread &&
+                               place.read.block == now.block && place.read.epoch == now.epoch;
+    if (place.write.valid && (place.write.thread != thread || place.write.block != now.block) &&
+        !ordered(*runner, place.write, thread, at)) {
+        kind = !is_write ? write_then_read : (read_it_first ? read_modify_write : write_then_write);
+        other = &place.write;
+        // Another block's write, read after an atomic operation: the last-block pattern without its fence.
+        if (kind == write_then_read && other->block != now.block && acquired(thread) > other->sequence &&
+            in_global_memory(at))
+            kind = write_then_read_without_fence;
+    } else if (is_write && place.read.valid && (place.read.thread != thread || place.read.block != now.block) &&
+               !ordered(*runner, place.read, thread, at)) {
+        kind = read_then_write;
+        other = &place.read;
+    }
+    if (kind != no_race && !reported && runner->launch() != nullptr) {
+        // The other thread's coordinates, rebuilt from its block and linear index.
+        const gpt2cupy_launch_request& request = runner->launch()->request();
+        const ThreadCoordinates& coordinates = runner->current_fiber()->coordinates;
+        ThreadCoordinates then = coordinates;
+        unsigned bx = request.block[0], by = request.block[1], gx = request.grid[0], gy = request.grid[1];
+        unsigned long long b = other->block;
+        then.block_idx = uint3{(unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / ((unsigned long long)gx * gy))};
+        then.thread_idx = uint3{other->thread % bx, (other->thread / bx) % by, other->thread / (bx * by)};
+        runner->launch()->report_race(kind, at, coordinates, then);
+        reported = true;
+    }
+    if (is_write) {
+        place.write = now;
+    } else {
+        place.read = now;
+    }
+}
+
+// From now on the word's bytes are tracked one by one, each starting from the word's record.
+void split_word(Granule& word, unsigned long long word_address) {
+    for (unsigned long long byte = 0; byte < 4; ++byte) race_bytes[word_address + byte] = Granule{word.write, word.read};
+    word.split = true;
+}
+
 void record_access_unpreempted(const void* address, unsigned long long size, bool is_write) {
     BlockRunner* runner = this_thread_runner;
     if (runner == nullptr || runner->current_fiber() == nullptr || runner->in_own_stack(address)) return;
     const Fiber* fiber = runner->current_fiber();
-    unsigned thread = runner->linear_index(fiber);
-    Access now{runner->block_linear_, runner->epoch_, race_sequence, thread, fiber->warp_syncs, true};
-    unsigned long long first = reinterpret_cast<unsigned long long>(address) / 4;
-    unsigned long long last = (reinterpret_cast<unsigned long long>(address) + (size ? size : 1) - 1) / 4;
-    for (unsigned long long key = first; key <= last; ++key) {
-        Granule& granule = race_shadow[key];
-        int kind = no_race;
-        const Access* other = nullptr;
-        const unsigned long long at = key * 4;
-        const bool read_it_first = granule.read.valid && granule.read.thread == thread &&
-                                   granule.read.block == now.block && granule.read.epoch == now.epoch;
-        if (granule.write.valid && (granule.write.thread != thread || granule.write.block != now.block) &&
-            !ordered(*runner, granule.write, thread, at)) {
-            kind = !is_write ? write_then_read : (read_it_first ? read_modify_write : write_then_write);
-            other = &granule.write;
-            // Another block's write, read after an atomic operation: the last-block pattern without its fence.
-            if (kind == write_then_read && other->block != now.block && acquired(thread) > other->sequence &&
-                in_global_memory(at))
-                kind = write_then_read_without_fence;
-        } else if (is_write && granule.read.valid && (granule.read.thread != thread || granule.read.block != now.block) &&
-                   !ordered(*runner, granule.read, thread, at)) {
-            kind = read_then_write;
-            other = &granule.read;
+    Access now{runner->block_linear_, runner->epoch_, race_sequence, runner->linear_index(fiber), fiber->warp_syncs, true};
+    const unsigned long long begin = reinterpret_cast<unsigned long long>(address), end = begin + (size ? size : 1);
+    bool reported = false;
+    for (unsigned long long key = begin / 4; key <= (end - 1) / 4; ++key) {
+        Granule& word = race_shadow[key];
+        const unsigned long long word_address = key * 4;
+        const unsigned long long from = std::max(begin, word_address), to = std::min(end, word_address + 4);
+        if (to - from == 4 && !word.split) {
+            check_place(word, now, is_write, word_address, reported);
+            continue;
         }
-        if (kind != no_race && runner->launch() != nullptr) {
-            // The other thread's coordinates, rebuilt from its block and linear index.
-            const gpt2cupy_launch_request& request = runner->launch()->request();
-            ThreadCoordinates then = fiber->coordinates;
-            unsigned bx = request.block[0], by = request.block[1], gx = request.grid[0], gy = request.grid[1];
-            unsigned long long b = other->block;
-            then.block_idx = uint3{(unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / ((unsigned long long)gx * gy))};
-            then.thread_idx = uint3{other->thread % bx, (other->thread / bx) % by, other->thread / (bx * by)};
-            runner->launch()->report_race(kind, key * 4, fiber->coordinates, then);
-        }
-        if (is_write) {
-            granule.write = now;
-        } else {
-            granule.read = now;
-        }
+        // A byte or two (a half, a bfloat16, a uint8, a bool): neighbouring threads may store to the other
+        // bytes of the word without racing.
+        if (!word.split) split_word(word, word_address);
+        for (unsigned long long byte = from; byte < to; ++byte) check_place(race_bytes[byte], now, is_write, byte, reported);
     }
 }
 
@@ -1417,6 +1463,7 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     tracking_races = request->track_races != 0;
     race_request = request;
     race_shadow.clear();
+    race_bytes.clear();
     race_fences.clear();
     launch_in_flight = &launch;
     launch_running.store(true);
@@ -1435,6 +1482,7 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     if (tracking_races) {
         tracking_races = false;
         race_shadow = std::unordered_map<unsigned long long, Granule>();  // its memory back
+        race_bytes = std::unordered_map<unsigned long long, Granule>();
         race_fences = std::unordered_map<unsigned long long, BlockFences>();
     }
     sigaction(SIGINT, &previous_interrupt_action, nullptr);
