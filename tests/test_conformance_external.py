@@ -309,3 +309,40 @@ def test_sixteen_bit_stores_one_per_thread(to_device, to_host):
     out = to_device(np.zeros(3 * 33, dtype=np.uint16))
     backend.RawModule(code=BFLOAT16_ELEMENTWISE).get_function("thread_numbers")((3,), (33,), (out,))
     np.testing.assert_array_equal(to_host(out), np.tile(np.arange(33, dtype=np.uint16), 3))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Null pointers: CuPy passes a Python int as 8 bytes, so 0 for a pointer parameter is NULL
+# ---------------------------------------------------------------------------------------------------------
+
+# A row's softmax and, where the caller wants them, the probabilities (llm.c's fused classifier writes
+# them only when its `probs` is not null).
+SOFTMAX_WITH_OPTIONAL_PROBABILITIES = r"""
+extern "C" __global__ void row_max_and_probabilities(float* row_max, float* probs, const float* logits, int columns)
+{
+    if (threadIdx.x != 0) return;
+    const float* row = logits + (size_t)blockIdx.x * columns;
+    float largest = row[0];
+    for (int c = 1; c < columns; ++c) largest = fmaxf(largest, row[c]);
+    row_max[blockIdx.x] = largest;
+    if (probs == nullptr) return;
+    float sum = 0.0f;
+    for (int c = 0; c < columns; ++c) sum += expf(row[c] - largest);
+    for (int c = 0; c < columns; ++c) probs[(size_t)blockIdx.x * columns + c] = expf(row[c] - largest) / sum;
+}
+"""
+
+
+@pytest.mark.parametrize("null", [0, np.uint64(0), np.int64(0)], ids=["int", "uint64", "int64"])
+def test_zero_for_a_pointer_parameter_is_a_null_pointer(null, rng, to_device, to_host):
+    rows, columns = 3, 50
+    logits = rng.standard_normal((rows, columns)).astype(np.float32)
+    kernel = backend.RawKernel(SOFTMAX_WITH_OPTIONAL_PROBABILITIES, "row_max_and_probabilities")
+    row_max = to_device(np.zeros(rows, dtype=np.float32))
+    kernel((rows,), (32,), (row_max, null, to_device(logits), np.int32(columns)))
+    np.testing.assert_array_equal(to_host(row_max), logits.max(axis=1))
+
+    probs = to_device(np.zeros((rows, columns), dtype=np.float32))
+    kernel((rows,), (32,), (row_max, probs, to_device(logits), np.int32(columns)))
+    shifted = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(to_host(probs), shifted / shifted.sum(axis=1, keepdims=True), rtol=1e-5)

@@ -153,7 +153,7 @@ class Function:
         if not (bounds or races):
             self._raise_for(self._launch(grid, block, values))
             return
-        arrays = [(i, a) for i, a in enumerate(args) if self.parameters[i].is_pointer]
+        arrays = [(i, a) for i, a in enumerate(args) if self.parameters[i].is_pointer and isinstance(a, numpy.ndarray)]
         checked_launch.launch_checked(self, grid, block, values, arrays, bounds, races)
 
     # ---- checking a launch ---------------------------------------------------------------------------
@@ -231,8 +231,14 @@ class Function:
             f"double2, or numpy.zeros((), dtype=numpy.dtype([...]))[()] with the struct's fields)")
 
     def _pointer(self, index, parameter, value):
+        if _is_null_pointer(value):
+            return 0
+        if value is None:
+            raise TypeError(f"{self._where(index, parameter)}: got None, which CuPy does not pass as a null pointer "
+                            "(it passes no argument at all). For NULL pass 0, as CuPy takes it")
         if not isinstance(value, numpy.ndarray):
-            raise TypeError(f"{self._where(index, parameter)}: expects an array, got {type(value).__name__}")
+            raise TypeError(f"{self._where(index, parameter)}: expects an array (or 0 for a null pointer), "
+                            f"got {type(value).__name__}")
         if not value.flags.c_contiguous:
             raise ValueError(f"{self._where(index, parameter)}: the array is not C-contiguous (a transposed or "
                              "sliced view?); a kernel indexes raw memory, so pass numpy.ascontiguousarray(...)")
@@ -322,6 +328,15 @@ class Function:
         for index, address in addresses.items():
             replaced[index] = address
         return replaced
+
+
+def _is_null_pointer(value):
+    """What CuPy passes as a null pointer: an integer 0 of 8 bytes (a Python int becomes a numpy.int64)."""
+    if isinstance(value, bool) or isinstance(value, numpy.bool_):
+        return False
+    if isinstance(value, int):
+        return value == 0
+    return isinstance(value, numpy.integer) and value.dtype.itemsize == 8 and value == 0
 
 
 def _kernel_library(code, prepared, options, entry_expressions, what, for_race_check=False):
