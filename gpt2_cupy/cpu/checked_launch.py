@@ -176,6 +176,11 @@ _RACE_STORIES = {
     runtime.READ_THEN_WRITE: (
         "{first} reads it and {second} writes it with no __syncthreads() (or __syncwarp() within a warp) "
         "between them, so the read may see the new value or the old one"),
+    runtime.ATOMIC_AND_PLAIN: (
+        "{first} and {second} touch it, one through an atomic operation and the other with a plain load or "
+        "store, with no __syncthreads() (or __syncwarp() within a warp) between them: the plain access may come "
+        "before or after the atomic updates (a sum one thread starts at zero needs a __syncthreads() before any "
+        "thread adds to it, and another before it is read)"),
 }
 
 
@@ -183,6 +188,7 @@ _RACE_NAMES = {
     runtime.READ_MODIFY_WRITE: "lost update", runtime.WRITE_THEN_WRITE: "two writes",
     runtime.WRITE_THEN_READ: "a write and a read", runtime.READ_THEN_WRITE: "a read and a write",
     runtime.WRITE_THEN_READ_WITHOUT_FENCE: "another block's write read without a __threadfence()",
+    runtime.ATOMIC_AND_PLAIN: "an atomic operation and a plain access",
 }
 
 

@@ -1013,7 +1013,8 @@ void stop_workers() {
 // Between blocks, global memory is ordered only the way a GPU orders it (the "last block" pattern, below).
 enum RaceKind : int {
     no_race = 0, write_then_read = 1, write_then_write = 2, read_modify_write = 3, read_then_write = 4,
-    write_then_read_without_fence = 5  // another block's write, read after an atomic, but no __threadfence() released it
+    write_then_read_without_fence = 5,  // another block's write, read after an atomic, but no __threadfence() released it
+    atomic_and_plain = 6  // an atomic operation and another thread's plain access of the block, nothing between
 };
 
 struct Access {
@@ -1024,6 +1025,7 @@ struct Access {
 };
 struct Granule {
     Access write, read;
+    Access atomic;  // the last atomic operation (compared with plain accesses of its own block only)
     bool split = false;  // a word whose bytes are tracked one by one, in race_bytes
 };
 std::unordered_map<unsigned long long, Granule> race_shadow;  // by word (address / 4)
@@ -1167,7 +1169,7 @@ bool ordered(const BlockRunner& runner, const Access& earlier, unsigned now_thre
     return false;
 }
 
-void record_access_unpreempted(const void* address, unsigned long long size, bool is_write);
+void record_access_unpreempted(const volatile void* address, unsigned long long size, bool is_write, bool is_atomic);
 
 // Called from kernel code, but runtime code itself: the watchdog must not switch threads in the middle.
 void record_access(const void* address, unsigned long long size, bool is_write) {
@@ -1175,11 +1177,25 @@ void record_access(const void* address, unsigned long long size, bool is_write) 
     if (!tracking_races || runner == nullptr) return;
     sig_atomic_t was_in_kernel_code = runner->in_kernel_code;
     runner->in_kernel_code = 0;
-    record_access_unpreempted(address, size, is_write);
+    record_access_unpreempted(address, size, is_write, false);
     runner->in_kernel_code = was_in_kernel_code;
 }
 
 // A __threadfence() (is_fence) or an atomic operation of the running thread, for the ordering between blocks.
+void record_order_event(bool is_fence);
+
+// An atomic operation of the running thread on `size` bytes at `address`: an event that orders blocks, and an
+// access that races with another thread's plain one when nothing orders the two.
+void record_atomic_operation(const volatile void* address, unsigned long long size, bool is_write) {
+    record_order_event(false);
+    BlockRunner* runner = this_thread_runner;
+    if (!tracking_races || runner == nullptr) return;
+    sig_atomic_t was_in_kernel_code = runner->in_kernel_code;
+    runner->in_kernel_code = 0;
+    record_access_unpreempted(address, size, is_write, true);
+    runner->in_kernel_code = was_in_kernel_code;
+}
+
 void record_order_event(bool is_fence) {
     BlockRunner* runner = this_thread_runner;
     if (!tracking_races || runner == nullptr || runner->current_fiber() == nullptr) return;
@@ -1193,8 +1209,10 @@ void record_order_event(bool is_fence) {
 
 // An access of the running thread to one place (a word, or a byte of a word that holds smaller data),
 // checked against the place's last write and read, then recorded there. A race is reported once per
-// access (`reported`), at the first place of it that races.
-void check_place(Granule& place, const Access& now, bool is_write, unsigned long long at, bool& reported) {
+// access (`reported`), at the first place of it that races. An atomic operation is checked against the
+// plain accesses, and recorded apart from them: atomic operations never race with each other.
+void check_place(Granule& place, const Access& now, bool is_write, bool is_atomic, unsigned long long at,
+                 bool& reported) {
     BlockRunner* runner = this_thread_runner;
     const unsigned thread = now.thread;
     int kind = no_race;
@@ -1214,6 +1232,14 @@ void check_place(Granule& place, const Access& now, bool is_write, unsigned long
         kind = read_then_write;
         other = &place.read;
     }
+    if (is_atomic && kind != no_race) kind = atomic_and_plain;
+    // A plain access after another thread's atomic operation in the block (a sum read, or started at zero,
+    // while others still add). Between blocks the ticket pattern orders them; they are not compared.
+    if (!is_atomic && kind == no_race && place.atomic.valid && place.atomic.block == now.block &&
+        place.atomic.thread != thread && !ordered(*runner, place.atomic, thread, at)) {
+        kind = atomic_and_plain;
+        other = &place.atomic;
+    }
     if (kind != no_race && !reported && runner->launch() != nullptr) {
         // The other thread's coordinates, rebuilt from its block and linear index.
         const gpt2cupy_launch_request& request = runner->launch()->request();
@@ -1226,6 +1252,10 @@ void check_place(Granule& place, const Access& now, bool is_write, unsigned long
         runner->launch()->report_race(kind, at, coordinates, then);
         reported = true;
     }
+    if (is_atomic) {
+        place.atomic = now;
+        return;
+    }
     if (is_write) {
         place.write = now;
     } else {
@@ -1235,29 +1265,30 @@ void check_place(Granule& place, const Access& now, bool is_write, unsigned long
 
 // From now on the word's bytes are tracked one by one, each starting from the word's record.
 void split_word(Granule& word, unsigned long long word_address) {
-    for (unsigned long long byte = 0; byte < 4; ++byte) race_bytes[word_address + byte] = Granule{word.write, word.read};
+    for (unsigned long long byte = 0; byte < 4; ++byte) race_bytes[word_address + byte] = Granule{word.write, word.read, word.atomic};
     word.split = true;
 }
 
-void record_access_unpreempted(const void* address, unsigned long long size, bool is_write) {
+void record_access_unpreempted(const volatile void* address, unsigned long long size, bool is_write, bool is_atomic) {
     BlockRunner* runner = this_thread_runner;
-    if (runner == nullptr || runner->current_fiber() == nullptr || runner->in_own_stack(address)) return;
+    if (runner == nullptr || runner->current_fiber() == nullptr) return;
     const Fiber* fiber = runner->current_fiber();
     Access now{runner->block_linear_, runner->epoch_, race_sequence, runner->linear_index(fiber), fiber->warp_syncs, true};
     const unsigned long long begin = reinterpret_cast<unsigned long long>(address), end = begin + (size ? size : 1);
+    if (runner->in_own_stack(reinterpret_cast<const void*>(begin))) return;
     bool reported = false;
     for (unsigned long long key = begin / 4; key <= (end - 1) / 4; ++key) {
         Granule& word = race_shadow[key];
         const unsigned long long word_address = key * 4;
         const unsigned long long from = std::max(begin, word_address), to = std::min(end, word_address + 4);
         if (to - from == 4 && !word.split) {
-            check_place(word, now, is_write, word_address, reported);
+            check_place(word, now, is_write, is_atomic, word_address, reported);
             continue;
         }
         // A byte or two (a half, a bfloat16, a uint8, a bool): neighbouring threads may store to the other
         // bytes of the word without racing.
         if (!word.split) split_word(word, word_address);
-        for (unsigned long long byte = from; byte < to; ++byte) check_place(race_bytes[byte], now, is_write, byte, reported);
+        for (unsigned long long byte = from; byte < to; ++byte) check_place(race_bytes[byte], now, is_write, is_atomic, byte, reported);
     }
 }
 
@@ -1305,35 +1336,35 @@ void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); 
 // where asked: the memory-order argument follows C++'s numbering, which __atomic builtins share).
 #define GPT2CUPY_TSAN_ATOMIC(N, T)                                                                           \
     T __tsan_atomic##N##_load(const volatile T* a, int) {                                                    \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), false);                                                        \
         return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                         \
     }                                                                                                        \
     void __tsan_atomic##N##_store(volatile T* a, T v, int) {                                                 \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                            \
     }                                                                                                        \
     T __tsan_atomic##N##_exchange(volatile T* a, T v, int) {                                                 \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                                  \
     }                                                                                                        \
     GPT2CUPY_TSAN_FETCH(N, T, add) GPT2CUPY_TSAN_FETCH(N, T, sub) GPT2CUPY_TSAN_FETCH(N, T, and)             \
     GPT2CUPY_TSAN_FETCH(N, T, or) GPT2CUPY_TSAN_FETCH(N, T, xor) GPT2CUPY_TSAN_FETCH(N, T, nand)             \
     int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) {                    \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);             \
     }                                                                                                        \
     int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {                      \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         return __atomic_compare_exchange_n(a, c, v, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);              \
     }                                                                                                        \
     T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {                          \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                   \
         return c;                                                                                            \
     }
 #define GPT2CUPY_TSAN_FETCH(N, T, OP)                                                                        \
     T __tsan_atomic##N##_fetch_##OP(volatile T* a, T v, int) {                                               \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         return __atomic_fetch_##OP(a, v, __ATOMIC_SEQ_CST);                                                  \
     }
 GPT2CUPY_TSAN_ATOMIC(8, unsigned char) GPT2CUPY_TSAN_ATOMIC(16, unsigned short)
