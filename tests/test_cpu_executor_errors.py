@@ -470,3 +470,22 @@ def test_only_an_eight_byte_zero_is_a_null_pointer(value, says):
 
 def test_a_null_pointer_passes_the_checks():
     RawKernel(NULL_OR_ARRAY, "maybe_write")((1,), (4,), (0,), check_bounds=True, check_races=True)
+
+
+GRID_SYNC = r"""
+#include <cooperative_groups.h>
+namespace cg = cooperative_groups;
+extern "C" __global__ void two_phases(float* out)
+{
+    out[blockIdx.x] = 1.0f;
+    cg::this_grid().sync();
+    out[blockIdx.x] += out[(blockIdx.x + 1) % gridDim.x];
+}
+"""
+
+
+@pytest.mark.parametrize("cooperative", [False, True])
+def test_a_grid_wide_sync_is_refused_with_what_to_do(cooperative):
+    kernel = RawKernel(GRID_SYNC, "two_phases", enable_cooperative_groups=cooperative)
+    with pytest.raises(KernelError, match=r"grid_group::sync\(\).*split the kernel in two launches"):
+        kernel((4,), (32,), (np.zeros(4, dtype=np.float32),))

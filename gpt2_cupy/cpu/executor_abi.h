@@ -69,6 +69,8 @@ void gpt2cupy_shuffle_from_absent_lane(unsigned int mask, unsigned int source);
 void* gpt2cupy_dynamic_shared_memory(void);
 int gpt2cupy_printf(const char* format, ...);
 [[noreturn]] void gpt2cupy_assert_failed(const char* condition, const char* file, int line);
+// Something the executor cannot do as a GPU does: the launch fails with `why`.
+[[noreturn]] void gpt2cupy_unsupported(const char* why);
 // Let the block's other threads run before this one goes on (a thread waiting for something they do).
 void gpt2cupy_yield(void);
 // Grows by one each time a block starts on this OS thread: block-shared state kept by the built-ins

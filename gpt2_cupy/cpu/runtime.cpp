@@ -1467,6 +1467,12 @@ void gpt2cupy_assert_failed(const char* condition, const char* file, int line) {
     throw 0;  // unwinds the thread's own stack to fiber_main
 }
 
+void gpt2cupy_unsupported(const char* why) {
+    this_thread_runner->in_kernel_code = 0;
+    this_thread_runner->fail_current(cpp_exception, why);
+    throw 0;
+}
+
 // ---- the ABI Python calls -----------------------------------------------------------------------------
 int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_result* result,
                     char** output, unsigned long long* output_length) {
