@@ -101,11 +101,16 @@ extern "C" __global__ void scale_columns(float* out, const float* x, int columns
 """
 
 
-def scale_columns(step):
-    x = np.arange(3 * 100, dtype=np.float32)
+def launch_on_floats(code, name, grid, size, **checks):
+    """Launch a kernel(out, x, int) on x = 0, 1, 2, ... of `size` floats with blocks of 32 threads; returns out, x."""
+    x = np.arange(size, dtype=np.float32)
     out = np.zeros_like(x)
-    RawKernel(COLUMN_SCALE.replace("STEP", step), "scale_columns")((3,), (32,), (out, x, np.int32(100)),
-                                                                   check_races=True)
+    RawKernel(code, name)(grid, (32,), (out, x, np.int32(100)), **checks)
+    return out, x
+
+
+def scale_columns(step):
+    out, x = launch_on_floats(COLUMN_SCALE.replace("STEP", step), "scale_columns", (3,), 3 * 100, check_races=True)
     return out, 2 * x
 
 
@@ -127,11 +132,7 @@ extern "C" __global__ void guarded_copy(float* out, const float* x, int n)
 
 
 def guarded_copy(guard):
-    x = np.arange(100, dtype=np.float32)
-    out = np.zeros_like(x)
-    RawKernel(GUARDED_COPY.replace("GUARD", guard), "guarded_copy")((4,), (32,), (out, x, np.int32(100)),
-                                                                    check_bounds=True)
-    return out, x
+    return launch_on_floats(GUARDED_COPY.replace("GUARD", guard), "guarded_copy", (4,), 100, check_bounds=True)
 
 
 def test_an_off_by_one_bound():

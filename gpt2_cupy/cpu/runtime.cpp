@@ -1172,12 +1172,12 @@ bool ordered(const BlockRunner& runner, const Access& earlier, unsigned now_thre
 void record_access_unpreempted(const volatile void* address, unsigned long long size, bool is_write, bool is_atomic);
 
 // Called from kernel code, but runtime code itself: the watchdog must not switch threads in the middle.
-void record_access(const void* address, unsigned long long size, bool is_write) {
+void record_access(const volatile void* address, unsigned long long size, bool is_write, bool is_atomic = false) {
     BlockRunner* runner = this_thread_runner;
     if (!tracking_races || runner == nullptr) return;
     sig_atomic_t was_in_kernel_code = runner->in_kernel_code;
     runner->in_kernel_code = 0;
-    record_access_unpreempted(address, size, is_write, false);
+    record_access_unpreempted(address, size, is_write, is_atomic);
     runner->in_kernel_code = was_in_kernel_code;
 }
 
@@ -1188,12 +1188,7 @@ void record_order_event(bool is_fence);
 // access that races with another thread's plain one when nothing orders the two.
 void record_atomic_operation(const volatile void* address, unsigned long long size, bool is_write) {
     record_order_event(false);
-    BlockRunner* runner = this_thread_runner;
-    if (!tracking_races || runner == nullptr) return;
-    sig_atomic_t was_in_kernel_code = runner->in_kernel_code;
-    runner->in_kernel_code = 0;
-    record_access_unpreempted(address, size, is_write, true);
-    runner->in_kernel_code = was_in_kernel_code;
+    record_access(address, size, is_write, true);
 }
 
 void record_order_event(bool is_fence) {
