@@ -452,3 +452,40 @@ def test_an_edited_header_is_compiled_again(tmp_path):
         RawKernel(code, "answer", options=("-I", str(tmp_path)))((1,), (4,), (out,))
         results.append(out.tolist())
     assert results == [[41] * 4, [42] * 4]
+
+
+NULL_OR_ARRAY = r"""
+extern "C" __global__ void maybe_write(float* out) { if (out != nullptr) out[threadIdx.x] = 1.0f; }
+"""
+
+
+@pytest.mark.parametrize("value, says", [(None, "got None, which CuPy does not pass as a null pointer"),
+                                         (np.int32(0), "expects an array (or 0 for a null pointer), got int32"),
+                                         (12345, "expects an array (or 0 for a null pointer), got int")])
+def test_only_an_eight_byte_zero_is_a_null_pointer(value, says):
+    """CuPy passes None as no argument at all, a numpy.int32 as 4 bytes, and a non-zero int as an address."""
+    with pytest.raises(TypeError, match=re.escape(says)):
+        RawKernel(NULL_OR_ARRAY, "maybe_write")((1,), (4,), (value,))
+
+
+def test_a_null_pointer_passes_the_checks():
+    RawKernel(NULL_OR_ARRAY, "maybe_write")((1,), (4,), (0,), check_bounds=True, check_races=True)
+
+
+GRID_SYNC = r"""
+#include <cooperative_groups.h>
+namespace cg = cooperative_groups;
+extern "C" __global__ void two_phases(float* out)
+{
+    out[blockIdx.x] = 1.0f;
+    cg::this_grid().sync();
+    out[blockIdx.x] += out[(blockIdx.x + 1) % gridDim.x];
+}
+"""
+
+
+@pytest.mark.parametrize("cooperative", [False, True])
+def test_a_grid_wide_sync_is_refused_with_what_to_do(cooperative):
+    kernel = RawKernel(GRID_SYNC, "two_phases", enable_cooperative_groups=cooperative)
+    with pytest.raises(KernelError, match=r"grid_group::sync\(\).*split the kernel in two launches"):
+        kernel((4,), (32,), (np.zeros(4, dtype=np.float32),))

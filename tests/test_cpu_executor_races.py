@@ -6,6 +6,8 @@ atomic operation, race. A lost update (`count += 1` by many threads) is named as
 and element; results that differ only by the order of atomic operations are not races.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -460,3 +462,125 @@ def test_the_dyt_backward_last_block_sums_pass_the_race_check(rng):
     np.testing.assert_allclose(dweight, (dout * squashed).sum(axis=0), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(dbias, dout.sum(axis=0), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(dalpha[0], (local * weight * x).sum(), rtol=1e-4, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A shuffle that reads a lane outside its mask, or one that has exited: undefined on a GPU
+# ---------------------------------------------------------------------------------------------------------
+
+WARP_SUM_WITH_MASK = r"""
+extern "C" __global__ void warp_sum(float* out, const float* x, unsigned int mask, int first_offset, int width)
+{
+    float sum = x[blockIdx.x * blockDim.x + threadIdx.x];
+    if ((mask >> (threadIdx.x % 32)) & 1u) {
+        for (int offset = first_offset; offset > 0; offset /= 2) sum += __shfl_down_sync(mask, sum, offset, width);
+    }
+    out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+}
+"""
+
+
+def warp_sum(threads, mask, first_offset, check_races, width=32):
+    x = np.arange(threads, dtype=np.float32)
+    out = np.zeros(threads, dtype=np.float32)
+    arguments = (out, x, np.uint32(mask), np.int32(first_offset), np.int32(width))
+    RawKernel(WARP_SUM_WITH_MASK, "warp_sum")((1,), (threads,), arguments, check_races=check_races)
+    return out
+
+
+def test_a_shuffle_reading_a_lane_outside_its_mask_is_reported_with_the_lane():
+    """Lanes 0-15 shuffle down by 16 with a mask of lanes 0-15 and a width of 32: lane l reads lane l + 16."""
+    with pytest.raises(RaceError) as caught:
+        warp_sum(32, 0x0000FFFF, 16, check_races=True)
+    message = str(caught.value)
+    assert "kernel 'warp_sum'" in message and "block (0, 0, 0)" in message
+    assert re.search(r"thread \((\d+), 0, 0\): a warp shuffle \(mask 0x0000ffff\) reads lane (\d+), which is not in the mask",
+                     message)
+    reader, source = map(int, re.search(r"thread \((\d+), 0, 0\).* reads lane (\d+)", message).groups())
+    assert source == reader + 16
+
+
+def test_a_shuffle_reading_past_a_short_last_warp_is_reported():
+    """48 threads: the second warp has 16 lanes, and a full-mask shuffle down by 16 reads lanes that do not exist."""
+    with pytest.raises(RaceError, match=r"thread \((3[2-9]|4[0-7]), 0, 0\).*reads lane (1[6-9]|2\d|3[01]), which has exited or does not exist"):
+        warp_sum(48, 0xFFFFFFFF, 16, check_races=True)
+
+
+def test_a_shuffle_inside_its_mask_is_not_reported():
+    """Lanes 0-15 with a width of 16: a lane whose source lies past lane 15 gets its own value, as CUDA defines."""
+    out = warp_sum(32, 0x0000FFFF, 8, check_races=True, width=16)
+    assert out[0] == sum(range(16))
+
+
+def test_without_the_check_an_absent_lane_gives_the_readers_own_value():
+    """Undefined on a GPU; the executor stays deterministic: at the shuffle by 16 each of lanes 0-15 reads an
+    absent lane and gets its own value back, doubling it; the rest of the sum is exact."""
+    out = warp_sum(32, 0x0000FFFF, 16, check_races=False)
+    assert out[0] == 2 * sum(range(16))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bytes, not words: neighbouring threads that store a half, a bfloat16, a byte or a bool do not race
+# ---------------------------------------------------------------------------------------------------------
+
+SUB_WORD_STORES = r"""
+#include <cuda_bf16.h>
+extern "C" __global__ void bfloat16_residual(__nv_bfloat16* out, const __nv_bfloat16* a, const __nv_bfloat16* b, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __float2bfloat16((float)a[i] + (float)b[i]);
+}
+extern "C" __global__ void byte_flags(unsigned char* flags, bool* odd, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        flags[i] = (unsigned char)(i * 3);
+        odd[i] = i % 2;
+    }
+}
+// Two threads to each byte: thread 2k and thread 2k + 1 both store to byte k.
+extern "C" __global__ void two_threads_per_byte(unsigned char* bytes)
+{
+    bytes[threadIdx.x / 2] = (unsigned char)threadIdx.x;
+}
+// Each thread writes its byte, then reads its neighbour's with no barrier between.
+extern "C" __global__ void read_neighbours_byte(unsigned char* out, const unsigned char* in)
+{
+    __shared__ unsigned char staged[64];
+    staged[threadIdx.x] = in[threadIdx.x];
+    out[threadIdx.x] = staged[(threadIdx.x + 1) % blockDim.x];
+}
+"""
+
+
+def test_a_bfloat16_elementwise_kernel_has_no_race():
+    n = 1000
+    out = np.zeros(n, dtype=np.uint16)
+    a = np.full(n, 0x3F80, dtype=np.uint16)  # 1.0
+    RawKernel(SUB_WORD_STORES, "bfloat16_residual")((8,), (128,), (out, a, a.copy(), np.int32(n)), check_races=True)
+    np.testing.assert_array_equal(out, np.full(n, 0x4000, dtype=np.uint16))  # 2.0
+
+
+def test_bytes_and_bools_of_neighbouring_threads_have_no_race():
+    n = 1000
+    flags, odd = np.zeros(n, dtype=np.uint8), np.zeros(n, dtype=np.bool_)
+    RawKernel(SUB_WORD_STORES, "byte_flags")((8,), (128,), (flags, odd, np.int32(n)), check_races=True)
+    np.testing.assert_array_equal(flags, (np.arange(n) * 3).astype(np.uint8))
+    np.testing.assert_array_equal(odd, np.arange(n) % 2 == 1)
+
+
+def test_two_threads_storing_to_one_byte_race():
+    with pytest.raises(RaceError, match=r"race on 'bytes' element \d+: .*both write it"):
+        RawKernel(SUB_WORD_STORES, "two_threads_per_byte")((1,), (64,), (np.zeros(32, dtype=np.uint8),), check_races=True)
+
+
+def test_every_distinct_race_of_a_launch_is_listed_up_to_ten_and_the_rest_counted():
+    """64 threads each read a byte another thread writes, with no barrier: 64 places, 10 reported in full."""
+    with pytest.raises(RaceError) as caught:
+        RawKernel(SUB_WORD_STORES, "read_neighbours_byte")(
+            (1,), (64,), (np.zeros(64, dtype=np.uint8), np.arange(64, dtype=np.uint8)), check_races=True)
+    message = str(caught.value)
+    assert "race on shared memory" in message
+    assert "63 more race(s) in this launch:" in message
+    assert len(re.findall(r"^  shared memory .*: a (write and a read|read and a write), thread", message, re.M)) == 9
+    assert message.endswith("... and 54 more")

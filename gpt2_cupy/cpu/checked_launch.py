@@ -176,6 +176,19 @@ _RACE_STORIES = {
     runtime.READ_THEN_WRITE: (
         "{first} reads it and {second} writes it with no __syncthreads() (or __syncwarp() within a warp) "
         "between them, so the read may see the new value or the old one"),
+    runtime.ATOMIC_AND_PLAIN: (
+        "{first} and {second} touch it, one through an atomic operation and the other with a plain load or "
+        "store, with no __syncthreads() (or __syncwarp() within a warp) between them: the plain access may come "
+        "before or after the atomic updates (a sum one thread starts at zero needs a __syncthreads() before any "
+        "thread adds to it, and another before it is read)"),
+}
+
+
+_RACE_NAMES = {
+    runtime.READ_MODIFY_WRITE: "lost update", runtime.WRITE_THEN_WRITE: "two writes",
+    runtime.WRITE_THEN_READ: "a write and a read", runtime.READ_THEN_WRITE: "a read and a write",
+    runtime.WRITE_THEN_READ_WITHOUT_FENCE: "another block's write read without a __threadfence()",
+    runtime.ATOMIC_AND_PLAIN: "an atomic operation and a plain access",
 }
 
 
@@ -187,11 +200,9 @@ def _raise_for_race(function, result, regions, forward_copies, backward_copies):
     if function.race_check_entry_address() is None:
         _compare(function, regions, forward_copies, backward_copies)
         return
-    if result.race_kind == runtime.NO_RACE:
+    races = result.kept_races()
+    if not races:
         return
-    found = _inside(result.race_address, regions, backward_copies)
-    place = (f"'{function.parameters[found[0]].name}' element {found[2]}" if found
-             else "shared memory (or another variable outside the array arguments)")
     differ = ""
     for region, forward, backward in zip(regions, forward_copies, backward_copies):
         for index, array in region.members:
@@ -201,15 +212,37 @@ def _raise_for_race(function, result, regions, forward_copies, backward_copies):
             if changed.size and not differ:
                 differ = (f" '{function.parameters[index].name}' differs in {changed.size} of {array.size} elements "
                           f"when the threads run in another order (first at element {int(changed[0])}).")
+    first, second = _race_threads(races[0])
+    place = _race_place(function, races[0], regions, backward_copies)
+    kind = "read-modify-write race" if races[0].kind == runtime.READ_MODIFY_WRITE else "race"
+    story = _RACE_STORIES[races[0].kind].format(first=first, second=second)
+    raise RaceError(f"kernel '{function.name}': {kind} on {place}:{differ} {story[0].upper()}{story[1:]}"
+                    f"{_other_races(function, result, races[1:], regions, backward_copies)}")
 
+
+def _race_place(function, race, regions, copies):
+    found = _inside(race.address, regions, copies)
+    return (f"'{function.parameters[found[0]].name}' element {found[2]}" if found
+            else "shared memory (or another variable outside the array arguments)")
+
+
+def _race_threads(race):
+    """(the thread that touched the place first, the one that touched it second), in words."""
     def coordinates(values):
         return f"({', '.join(map(str, values))})"
+    return (f"thread {coordinates(race.other_thread)} of block {coordinates(race.other_block)}",
+            f"thread {coordinates(race.thread)} of block {coordinates(race.block)}")
 
-    first = f"thread {coordinates(result.other_thread)} of block {coordinates(result.other_block)}"
-    second = f"thread {coordinates(result.thread)} of block {coordinates(result.block)}"
-    kind = "read-modify-write race" if result.race_kind == runtime.READ_MODIFY_WRITE else "race"
-    story = _RACE_STORIES[result.race_kind].format(first=first, second=second)
-    raise RaceError(f"kernel '{function.name}': {kind} on {place}:{differ} {story[0].upper()}{story[1:]}")
+
+def _other_races(function, result, races, regions, copies):
+    """The launch's other races, one line each, and how many more were found."""
+    if not races:
+        return ""
+    lines = [f"  {_race_place(function, race, regions, copies)}: {_RACE_NAMES[race.kind]}, "
+             f"{' then '.join(_race_threads(race))}" for race in races]
+    unlisted = result.race_count - 1 - len(races)
+    more = f"\n  ... and {unlisted} more" if unlisted else ""
+    return f"\n{result.race_count - 1} more race(s) in this launch:\n" + "\n".join(lines) + more
 
 
 def _compare(function, regions, forward_copies, backward_copies):

@@ -8,6 +8,8 @@
 #include "include/gpt2cupy/ptx.h"  // what inline PTX (asm statements) becomes: mma.sync, ldmatrix, cp.async
 
 #define __CUDACC__ 1
+// The device the executor imitates: an H100 (compute capability 9.0), as gpt2_cupy.backend describes it.
+#define __CUDA_ARCH__ 900
 
 // ---- qualifiers ------------------------------------------------------------------------------------
 #define __global__
@@ -25,10 +27,11 @@
 #define __shared__ static thread_local
 
 // ---- where a thread is -----------------------------------------------------------------------------
-#define threadIdx (static_cast<const uint3&>(gpt2cupy_current_thread->thread_idx))
-#define blockIdx (static_cast<const uint3&>(gpt2cupy_current_thread->block_idx))
-#define blockDim (static_cast<const dim3&>(gpt2cupy_current_thread->block_dim))
-#define gridDim (static_cast<const dim3&>(gpt2cupy_current_thread->grid_dim))
+// The types by their qualified names: a kernel may name a parameter `dim3` or `uint3`, as nvcc allows.
+#define threadIdx (static_cast<const ::uint3&>(gpt2cupy_current_thread->thread_idx))
+#define blockIdx (static_cast<const ::uint3&>(gpt2cupy_current_thread->block_idx))
+#define blockDim (static_cast<const ::dim3&>(gpt2cupy_current_thread->block_dim))
+#define gridDim (static_cast<const ::dim3&>(gpt2cupy_current_thread->grid_dim))
 // A variable on a GPU, not a compile-time constant: `float s[warpSize]` fails there and here.
 extern "C" const int gpt2cupy_warp_size;
 #define warpSize gpt2cupy_warp_size
@@ -546,11 +549,17 @@ __forceinline__ unsigned long long gpt2cupy_to_slot(T value) {
     __builtin_memcpy(&slot, &value, sizeof(T));
     return slot;
 }
-// The value lane `source` put on the table, or the caller's own value where CUDA says so
-// (a source outside the segment, or a lane that did not take part).
+// The value lane `source` put on the table, or the caller's own value where CUDA says so (a source
+// outside the segment). A source lane that did not take part (not in the mask, or exited) gives a value
+// CUDA leaves undefined: the race check reports it; without the check it is the caller's own value.
 template <class T>
-__forceinline__ T gpt2cupy_take(const gpt2cupy::WarpExchange* table, unsigned int source, bool inside, T own) {
-    if (!inside || source >= 32 || !((table->arrived >> source) & 1u)) return own;
+__forceinline__ T gpt2cupy_take(const gpt2cupy::WarpExchange* table, unsigned int mask, unsigned int source,
+                                bool inside, T own) {
+    if (!inside || source >= 32) return own;
+    if (!((table->arrived >> source) & 1u)) {
+        gpt2cupy_shuffle_from_absent_lane(mask, source);
+        return own;
+    }
     T value;
     __builtin_memcpy(&value, &table->value[source], sizeof(T));
     return value;
@@ -560,21 +569,21 @@ __forceinline__ T __shfl_sync(unsigned int mask, T var, int source_lane, int wid
     const gpt2cupy::WarpExchange* table = gpt2cupy_warp_exchange(mask, gpt2cupy_to_slot(var));
     unsigned int lane = gpt2cupy_current_thread->lane;
     unsigned int segment_start = lane & ~(unsigned int)(width - 1);
-    return gpt2cupy_take(table, segment_start + ((unsigned int)source_lane & (unsigned int)(width - 1)), true, var);
+    return gpt2cupy_take(table, mask, segment_start + ((unsigned int)source_lane & (unsigned int)(width - 1)), true, var);
 }
 template <class T>
 __forceinline__ T __shfl_up_sync(unsigned int mask, T var, unsigned int delta, int width = 32) {
     const gpt2cupy::WarpExchange* table = gpt2cupy_warp_exchange(mask, gpt2cupy_to_slot(var));
     unsigned int lane = gpt2cupy_current_thread->lane;
     unsigned int position = lane & (unsigned int)(width - 1);
-    return gpt2cupy_take(table, lane - delta, position >= delta, var);
+    return gpt2cupy_take(table, mask, lane - delta, position >= delta, var);
 }
 template <class T>
 __forceinline__ T __shfl_down_sync(unsigned int mask, T var, unsigned int delta, int width = 32) {
     const gpt2cupy::WarpExchange* table = gpt2cupy_warp_exchange(mask, gpt2cupy_to_slot(var));
     unsigned int lane = gpt2cupy_current_thread->lane;
     unsigned int position = lane & (unsigned int)(width - 1);
-    return gpt2cupy_take(table, lane + delta, position + delta < (unsigned int)width, var);
+    return gpt2cupy_take(table, mask, lane + delta, position + delta < (unsigned int)width, var);
 }
 template <class T>
 __forceinline__ T __shfl_xor_sync(unsigned int mask, T var, int lane_mask, int width = 32) {
@@ -582,7 +591,7 @@ __forceinline__ T __shfl_xor_sync(unsigned int mask, T var, int lane_mask, int w
     unsigned int lane = gpt2cupy_current_thread->lane;
     unsigned int source = lane ^ (unsigned int)lane_mask;
     unsigned int segment_end = (lane & ~(unsigned int)(width - 1)) + (unsigned int)width;
-    return gpt2cupy_take(table, source, source < segment_end, var);
+    return gpt2cupy_take(table, mask, source, source < segment_end, var);
 }
 __forceinline__ unsigned int __ballot_sync(unsigned int mask, int predicate) {
     const gpt2cupy::WarpExchange* table = gpt2cupy_warp_exchange(mask, predicate != 0);

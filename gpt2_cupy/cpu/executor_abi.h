@@ -63,9 +63,14 @@ extern __thread gpt2cupy::ThreadCoordinates* gpt2cupy_current_thread;
 void gpt2cupy_syncthreads(void);
 // Put this lane's value on the warp's table, wait for the lanes in mask, and return the table.
 const gpt2cupy::WarpExchange* gpt2cupy_warp_exchange(unsigned int mask, unsigned long long value);
+// A shuffle of the running thread read lane `source`, which did not take part: under the race check the
+// launch fails with where it happened; otherwise it returns and the shuffle goes on.
+void gpt2cupy_shuffle_from_absent_lane(unsigned int mask, unsigned int source);
 void* gpt2cupy_dynamic_shared_memory(void);
 int gpt2cupy_printf(const char* format, ...);
 [[noreturn]] void gpt2cupy_assert_failed(const char* condition, const char* file, int line);
+// Something the executor cannot do as a GPU does: the launch fails with `why`.
+[[noreturn]] void gpt2cupy_unsupported(const char* why);
 // Let the block's other threads run before this one goes on (a thread waiting for something they do).
 void gpt2cupy_yield(void);
 // Grows by one each time a block starts on this OS thread: block-shared state kept by the built-ins

@@ -16,7 +16,7 @@ import sys
 import numpy
 
 from . import checked_launch, checks, runtime, source, toolchain
-from .errors import CompileError, KernelError, KernelNotFoundError, LaunchError, OutOfBoundsError
+from .errors import CompileError, KernelError, KernelNotFoundError, LaunchError, OutOfBoundsError, RaceError
 
 # What a launch raises about the learner's kernel or call (as opposed to a bug of the executor).
 LEARNER_ERRORS = (CompileError, KernelError, KernelNotFoundError, LaunchError, TypeError, ValueError)
@@ -167,7 +167,7 @@ class Function:
         if not (bounds or races):
             self._raise_for(self._launch(grid, block, values))
             return
-        arrays = [(i, a) for i, a in enumerate(args) if self.parameters[i].is_pointer]
+        arrays = [(i, a) for i, a in enumerate(args) if self.parameters[i].is_pointer and isinstance(a, numpy.ndarray)]
         checked_launch.launch_checked(self, grid, block, values, arrays, bounds, races)
 
     # ---- checking a launch ---------------------------------------------------------------------------
@@ -242,8 +242,14 @@ class Function:
             f"double2, or numpy.zeros((), dtype=numpy.dtype([...]))[()] with the struct's fields)")
 
     def _pointer(self, index, parameter, value):
+        if _is_null_pointer(value):
+            return 0
+        if value is None:
+            raise TypeError(f"{self._where(index, parameter)}: got None, which CuPy does not pass as a null pointer "
+                            "(it passes no argument at all). For NULL pass 0, as CuPy takes it")
         if not isinstance(value, numpy.ndarray):
-            raise TypeError(f"{self._where(index, parameter)}: expects an array, got {type(value).__name__}")
+            raise TypeError(f"{self._where(index, parameter)}: expects an array (or 0 for a null pointer), "
+                            f"got {type(value).__name__}")
         if not value.flags.c_contiguous:
             raise ValueError(f"{self._where(index, parameter)}: the array is not C-contiguous (a transposed or "
                              "sliced view?); a kernel indexes raw memory, so pass numpy.ascontiguousarray(...)")
@@ -317,6 +323,8 @@ class Function:
                 f"element {element}; it has {array.size} elements ({array.dtype}, valid indices 0..{array.size - 1})")
         if result.failure == runtime.ASSERTION_FAILED:
             raise KernelError(f"kernel '{self.name}', {where}: {message}")
+        if result.failure == runtime.UNDEFINED_SHUFFLE:
+            raise RaceError(f"kernel '{self.name}', {where}: {message}")
         if result.failure == runtime.MEMORY_FAULT and bounds_checked:
             raise KernelError(f"kernel '{self.name}', {where}: {message}; it is in no array argument's reach "
                               "(2^32 elements either side): a pointer not from the arguments, or uninitialised?")
@@ -331,6 +339,15 @@ class Function:
         for index, address in addresses.items():
             replaced[index] = address
         return replaced
+
+
+def _is_null_pointer(value):
+    """What CuPy passes as a null pointer: an integer 0 of 8 bytes (a Python int becomes a numpy.int64)."""
+    if isinstance(value, bool) or isinstance(value, numpy.bool_):
+        return False
+    if isinstance(value, int):
+        return value == 0
+    return isinstance(value, numpy.integer) and value.dtype.itemsize == 8 and value == 0
 
 
 def _kernel_library(code, prepared, options, entry_expressions, what, for_race_check=False):

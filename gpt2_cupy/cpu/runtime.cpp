@@ -27,6 +27,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #if defined(__linux__) && defined(__x86_64__)
@@ -132,11 +133,22 @@ enum Failure : int {
     interrupted = 6,
     arithmetic_fault = 7,
     misaligned_access = 8,
+    undefined_shuffle = 9,  // (race check) a shuffle read a lane that did not take part
 };
 
 }  // namespace
 
 extern "C" {
+// One race the race check found: the place both threads touched, the thread that touched it second and
+// the one before it.
+struct gpt2cupy_race {
+    int kind;
+    unsigned long long address;
+    unsigned block[3], thread[3];
+    unsigned other_block[3], other_thread[3];
+};
+constexpr int gpt2cupy_races_kept = 10;
+
 struct gpt2cupy_launch_result {
     int failure;
     unsigned block[3];
@@ -144,12 +156,9 @@ struct gpt2cupy_launch_result {
     unsigned long long fault_address;
     int fault_is_write;  // 1 write, 0 read, -1 unknown
     char message[1024];
-    // The race check's first finding (race_kind 0: none): the address both threads touched, the thread
-    // that touched it second (block, thread above) and the one before it.
-    int race_kind;
-    unsigned long long race_address;
-    unsigned other_block[3];
-    unsigned other_thread[3];
+    // The race check's findings, one per place, in the order found: how many, and the first few.
+    unsigned long long race_count;
+    gpt2cupy_race races[gpt2cupy_races_kept];
 };
 
 struct gpt2cupy_launch_request {
@@ -381,18 +390,20 @@ public:
         return all;
     }
     gpt2cupy_launch_result result() const { return result_; }
-    // The race check keeps its first finding; the launch runs on, so its outputs can be compared too.
+    // The race check keeps one finding per place (the first few whole, the rest counted); the launch runs
+    // on, so its outputs can be compared too.
     void report_race(int kind, unsigned long long address, const ThreadCoordinates& second,
                      const ThreadCoordinates& first) {
-        // The first finding is kept, unless a lost update (a read, then a write back) comes later: the
-        // read that began it was reported as a read of another thread's write.
-        if (result_.race_kind != 0 && !(kind == 3 && result_.race_kind != 3)) return;
-        result_.race_kind = kind;
-        result_.race_address = address;
-        result_.block[0] = second.block_idx.x; result_.block[1] = second.block_idx.y; result_.block[2] = second.block_idx.z;
-        result_.thread[0] = second.thread_idx.x; result_.thread[1] = second.thread_idx.y; result_.thread[2] = second.thread_idx.z;
-        result_.other_block[0] = first.block_idx.x; result_.other_block[1] = first.block_idx.y; result_.other_block[2] = first.block_idx.z;
-        result_.other_thread[0] = first.thread_idx.x; result_.other_thread[1] = first.thread_idx.y; result_.other_thread[2] = first.thread_idx.z;
+        if (!race_places_.insert(address).second) {
+            // A place already reported keeps its first finding, unless a lost update (a read, then a write
+            // back) comes later: the read that began it was reported as a read of another thread's write.
+            for (unsigned long long k = 0; k < std::min<unsigned long long>(result_.race_count, gpt2cupy_races_kept); ++k)
+                if (result_.races[k].address == address && kind == 3 && result_.races[k].kind != 3)
+                    keep_race(result_.races[k], kind, address, second, first);
+            return;
+        }
+        if (result_.race_count < gpt2cupy_races_kept) keep_race(result_.races[result_.race_count], kind, address, second, first);
+        result_.race_count += 1;
     }
 
 private:
@@ -404,7 +415,17 @@ private:
     std::atomic<bool> interrupted_{false};
     std::mutex mutex_;
     gpt2cupy_launch_result result_{};
+    std::unordered_set<unsigned long long> race_places_;  // the addresses of the races reported
     std::vector<std::pair<unsigned long long, std::string>> outputs_;
+
+    static void keep_race(gpt2cupy_race& race, int kind, unsigned long long address, const ThreadCoordinates& second,
+                          const ThreadCoordinates& first) {
+        race = gpt2cupy_race{kind, address,
+                             {second.block_idx.x, second.block_idx.y, second.block_idx.z},
+                             {second.thread_idx.x, second.thread_idx.y, second.thread_idx.z},
+                             {first.block_idx.x, first.block_idx.y, first.block_idx.z},
+                             {first.thread_idx.x, first.thread_idx.y, first.thread_idx.z}};
+    }
 };
 
 // ---- the scheduler of one block ---------------------------------------------------------------------
@@ -984,15 +1005,16 @@ void stop_workers() {
 }
 
 // ---- the race check: every access of a kernel built with -fsanitize=thread comes here -----------------
-// The race pass runs on one OS thread. For each 4-byte granule of memory it keeps the last write and the
-// last read: which thread, in which barrier interval (epoch) of which block, after how many warp
+// The race pass runs on one OS thread. For each 4-byte word of memory (each byte, once a word has been
+// accessed in pieces smaller than itself) it keeps the last write and the last read: which thread, in which barrier interval (epoch) of which block, after how many warp
 // operations. Two accesses by different threads, at least one a write and neither atomic, race unless a
 // barrier lies between them: a __syncthreads() (another epoch) or, within a warp, a warp operation the
 // earlier thread has been through since. Atomics are not recorded: their order is free by design.
 // Between blocks, global memory is ordered only the way a GPU orders it (the "last block" pattern, below).
 enum RaceKind : int {
     no_race = 0, write_then_read = 1, write_then_write = 2, read_modify_write = 3, read_then_write = 4,
-    write_then_read_without_fence = 5  // another block's write, read after an atomic, but no __threadfence() released it
+    write_then_read_without_fence = 5,  // another block's write, read after an atomic, but no __threadfence() released it
+    atomic_and_plain = 6  // an atomic operation and another thread's plain access of the block, nothing between
 };
 
 struct Access {
@@ -1003,8 +1025,11 @@ struct Access {
 };
 struct Granule {
     Access write, read;
+    Access atomic;  // the last atomic operation (compared with plain accesses of its own block only)
+    bool split = false;  // a word whose bytes are tracked one by one, in race_bytes
 };
-std::unordered_map<unsigned long long, Granule> race_shadow;
+std::unordered_map<unsigned long long, Granule> race_shadow;  // by word (address / 4)
+std::unordered_map<unsigned long long, Granule> race_bytes;   // by byte address, for the words split
 bool tracking_races = false;
 
 const gpt2cupy_launch_request* race_request = nullptr;
@@ -1144,19 +1169,28 @@ bool ordered(const BlockRunner& runner, const Access& earlier, unsigned now_thre
     return false;
 }
 
-void record_access_unpreempted(const void* address, unsigned long long size, bool is_write);
+void record_access_unpreempted(const volatile void* address, unsigned long long size, bool is_write, bool is_atomic);
 
 // Called from kernel code, but runtime code itself: the watchdog must not switch threads in the middle.
-void record_access(const void* address, unsigned long long size, bool is_write) {
+void record_access(const volatile void* address, unsigned long long size, bool is_write, bool is_atomic = false) {
     BlockRunner* runner = this_thread_runner;
     if (!tracking_races || runner == nullptr) return;
     sig_atomic_t was_in_kernel_code = runner->in_kernel_code;
     runner->in_kernel_code = 0;
-    record_access_unpreempted(address, size, is_write);
+    record_access_unpreempted(address, size, is_write, is_atomic);
     runner->in_kernel_code = was_in_kernel_code;
 }
 
 // A __threadfence() (is_fence) or an atomic operation of the running thread, for the ordering between blocks.
+void record_order_event(bool is_fence);
+
+// An atomic operation of the running thread on `size` bytes at `address`: an event that orders blocks, and an
+// access that races with another thread's plain one when nothing orders the two.
+void record_atomic_operation(const volatile void* address, unsigned long long size, bool is_write) {
+    record_order_event(false);
+    record_access(address, size, is_write, true);
+}
+
 void record_order_event(bool is_fence) {
     BlockRunner* runner = this_thread_runner;
     if (!tracking_races || runner == nullptr || runner->current_fiber() == nullptr) return;
@@ -1168,49 +1202,88 @@ void record_order_event(bool is_fence) {
     runner->in_kernel_code = was_in_kernel_code;
 }
 
-void record_access_unpreempted(const void* address, unsigned long long size, bool is_write) {
+// An access of the running thread to one place (a word, or a byte of a word that holds smaller data),
+// checked against the place's last write and read, then recorded there. A race is reported once per
+// access (`reported`), at the first place of it that races. An atomic operation is checked against the
+// plain accesses, and recorded apart from them: atomic operations never race with each other.
+void check_place(Granule& place, const Access& now, bool is_write, bool is_atomic, unsigned long long at,
+                 bool& reported) {
     BlockRunner* runner = this_thread_runner;
-    if (runner == nullptr || runner->current_fiber() == nullptr || runner->in_own_stack(address)) return;
+    const unsigned thread = now.thread;
+    int kind = no_race;
+    const Access* other = nullptr;
+    const bool read_it_first = place.read.valid && place.read.thread == thread &&
+                               place.read.block == now.block && place.read.epoch == now.epoch;
+    if (place.write.valid && (place.write.thread != thread || place.write.block != now.block) &&
+        !ordered(*runner, place.write, thread, at)) {
+        kind = !is_write ? write_then_read : (read_it_first ? read_modify_write : write_then_write);
+        other = &place.write;
+        // Another block's write, read after an atomic operation: the last-block pattern without its fence.
+        if (kind == write_then_read && other->block != now.block && acquired(thread) > other->sequence &&
+            in_global_memory(at))
+            kind = write_then_read_without_fence;
+    } else if (is_write && place.read.valid && (place.read.thread != thread || place.read.block != now.block) &&
+               !ordered(*runner, place.read, thread, at)) {
+        kind = read_then_write;
+        other = &place.read;
+    }
+    if (is_atomic && kind != no_race) kind = atomic_and_plain;
+    // A plain access after another thread's atomic operation in the block (a sum read, or started at zero,
+    // while others still add). Between blocks the ticket pattern orders them; they are not compared.
+    if (!is_atomic && kind == no_race && place.atomic.valid && place.atomic.block == now.block &&
+        place.atomic.thread != thread && !ordered(*runner, place.atomic, thread, at)) {
+        kind = atomic_and_plain;
+        other = &place.atomic;
+    }
+    if (kind != no_race && !reported && runner->launch() != nullptr) {
+        // The other thread's coordinates, rebuilt from its block and linear index.
+        const gpt2cupy_launch_request& request = runner->launch()->request();
+        const ThreadCoordinates& coordinates = runner->current_fiber()->coordinates;
+        ThreadCoordinates then = coordinates;
+        unsigned bx = request.block[0], by = request.block[1], gx = request.grid[0], gy = request.grid[1];
+        unsigned long long b = other->block;
+        then.block_idx = uint3{(unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / ((unsigned long long)gx * gy))};
+        then.thread_idx = uint3{other->thread % bx, (other->thread / bx) % by, other->thread / (bx * by)};
+        runner->launch()->report_race(kind, at, coordinates, then);
+        reported = true;
+    }
+    if (is_atomic) {
+        place.atomic = now;
+        return;
+    }
+    if (is_write) {
+        place.write = now;
+    } else {
+        place.read = now;
+    }
+}
+
+// From now on the word's bytes are tracked one by one, each starting from the word's record.
+void split_word(Granule& word, unsigned long long word_address) {
+    for (unsigned long long byte = 0; byte < 4; ++byte) race_bytes[word_address + byte] = Granule{word.write, word.read, word.atomic};
+    word.split = true;
+}
+
+void record_access_unpreempted(const volatile void* address, unsigned long long size, bool is_write, bool is_atomic) {
+    BlockRunner* runner = this_thread_runner;
+    if (runner == nullptr || runner->current_fiber() == nullptr) return;
     const Fiber* fiber = runner->current_fiber();
-    unsigned thread = runner->linear_index(fiber);
-    Access now{runner->block_linear_, runner->epoch_, race_sequence, thread, fiber->warp_syncs, true};
-    unsigned long long first = reinterpret_cast<unsigned long long>(address) / 4;
-    unsigned long long last = (reinterpret_cast<unsigned long long>(address) + (size ? size : 1) - 1) / 4;
-    for (unsigned long long key = first; key <= last; ++key) {
-        Granule& granule = race_shadow[key];
-        int kind = no_race;
-        const Access* other = nullptr;
-        const unsigned long long at = key * 4;
-        const bool read_it_first = granule.read.valid && granule.read.thread == thread &&
-                                   granule.read.block == now.block && granule.read.epoch == now.epoch;
-        if (granule.write.valid && (granule.write.thread != thread || granule.write.block != now.block) &&
-            !ordered(*runner, granule.write, thread, at)) {
-            kind = !is_write ? write_then_read : (read_it_first ? read_modify_write : write_then_write);
-            other = &granule.write;
-            // Another block's write, read after an atomic operation: the last-block pattern without its fence.
-            if (kind == write_then_read && other->block != now.block && acquired(thread) > other->sequence &&
-                in_global_memory(at))
-                kind = write_then_read_without_fence;
-        } else if (is_write && granule.read.valid && (granule.read.thread != thread || granule.read.block != now.block) &&
-                   !ordered(*runner, granule.read, thread, at)) {
-            kind = read_then_write;
-            other = &granule.read;
+    Access now{runner->block_linear_, runner->epoch_, race_sequence, runner->linear_index(fiber), fiber->warp_syncs, true};
+    const unsigned long long begin = reinterpret_cast<unsigned long long>(address), end = begin + (size ? size : 1);
+    if (runner->in_own_stack(reinterpret_cast<const void*>(begin))) return;
+    bool reported = false;
+    for (unsigned long long key = begin / 4; key <= (end - 1) / 4; ++key) {
+        Granule& word = race_shadow[key];
+        const unsigned long long word_address = key * 4;
+        const unsigned long long from = std::max(begin, word_address), to = std::min(end, word_address + 4);
+        if (to - from == 4 && !word.split) {
+            check_place(word, now, is_write, is_atomic, word_address, reported);
+            continue;
         }
-        if (kind != no_race && runner->launch() != nullptr) {
-            // The other thread's coordinates, rebuilt from its block and linear index.
-            const gpt2cupy_launch_request& request = runner->launch()->request();
-            ThreadCoordinates then = fiber->coordinates;
-            unsigned bx = request.block[0], by = request.block[1], gx = request.grid[0], gy = request.grid[1];
-            unsigned long long b = other->block;
-            then.block_idx = uint3{(unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / ((unsigned long long)gx * gy))};
-            then.thread_idx = uint3{other->thread % bx, (other->thread / bx) % by, other->thread / (bx * by)};
-            runner->launch()->report_race(kind, key * 4, fiber->coordinates, then);
-        }
-        if (is_write) {
-            granule.write = now;
-        } else {
-            granule.read = now;
-        }
+        // A byte or two (a half, a bfloat16, a uint8, a bool): neighbouring threads may store to the other
+        // bytes of the word without racing.
+        if (!word.split) split_word(word, word_address);
+        for (unsigned long long byte = from; byte < to; ++byte) check_place(race_bytes[byte], now, is_write, is_atomic, byte, reported);
     }
 }
 
@@ -1258,35 +1331,35 @@ void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); 
 // where asked: the memory-order argument follows C++'s numbering, which __atomic builtins share).
 #define GPT2CUPY_TSAN_ATOMIC(N, T)                                                                           \
     T __tsan_atomic##N##_load(const volatile T* a, int) {                                                    \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), false);                                                        \
         return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                         \
     }                                                                                                        \
     void __tsan_atomic##N##_store(volatile T* a, T v, int) {                                                 \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                            \
     }                                                                                                        \
     T __tsan_atomic##N##_exchange(volatile T* a, T v, int) {                                                 \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                                  \
     }                                                                                                        \
     GPT2CUPY_TSAN_FETCH(N, T, add) GPT2CUPY_TSAN_FETCH(N, T, sub) GPT2CUPY_TSAN_FETCH(N, T, and)             \
     GPT2CUPY_TSAN_FETCH(N, T, or) GPT2CUPY_TSAN_FETCH(N, T, xor) GPT2CUPY_TSAN_FETCH(N, T, nand)             \
     int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) {                    \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);             \
     }                                                                                                        \
     int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) {                      \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         return __atomic_compare_exchange_n(a, c, v, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);              \
     }                                                                                                        \
     T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {                          \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                   \
         return c;                                                                                            \
     }
 #define GPT2CUPY_TSAN_FETCH(N, T, OP)                                                                        \
     T __tsan_atomic##N##_fetch_##OP(volatile T* a, T v, int) {                                               \
-        record_order_event(false);                                                                           \
+        record_atomic_operation(a, sizeof(T), true);                                                         \
         return __atomic_fetch_##OP(a, v, __ATOMIC_SEQ_CST);                                                  \
     }
 GPT2CUPY_TSAN_ATOMIC(8, unsigned char) GPT2CUPY_TSAN_ATOMIC(16, unsigned short)
@@ -1302,7 +1375,8 @@ namespace {
 extern "C" {
 
 __thread gpt2cupy::ThreadCoordinates* gpt2cupy_current_thread = nullptr;
-const int gpt2cupy_warp_size = 32;
+// extern: a const at namespace scope would otherwise be internal, and kernels would not find it.
+extern const int gpt2cupy_warp_size = 32;
 
 void gpt2cupy_fiber_main(Fiber* fiber) { this_thread_runner->fiber_main(fiber); }
 
@@ -1319,6 +1393,22 @@ const gpt2cupy::WarpExchange* gpt2cupy_warp_exchange(unsigned int mask, unsigned
     const gpt2cupy::WarpExchange* table = runner->warp_exchange(mask, value);
     runner->in_kernel_code = 1;
     return table;
+}
+
+void gpt2cupy_shuffle_from_absent_lane(unsigned int mask, unsigned int source) {
+    BlockRunner* runner = this_thread_runner;
+    if (!tracking_races || runner == nullptr || runner->current_fiber() == nullptr) return;
+    runner->in_kernel_code = 0;
+    const bool named = (mask >> source) & 1u;
+    char message[512];
+    std::snprintf(message, sizeof(message),
+                  "a warp shuffle (mask 0x%08x) reads lane %u, which %s: CUDA leaves the value it returns undefined "
+                  "(the executor would give the reading lane its own value). Name in the mask every lane the "
+                  "shuffle reads, and have them all reach it (a block whose size is not a multiple of 32 has a "
+                  "shorter last warp)",
+                  mask, source, named ? "has exited or does not exist" : "is not in the mask");
+    runner->fail_current(undefined_shuffle, message);
+    throw 0;
 }
 
 void* gpt2cupy_dynamic_shared_memory(void) {
@@ -1372,6 +1462,12 @@ void gpt2cupy_assert_failed(const char* condition, const char* file, int line) {
     throw 0;  // unwinds the thread's own stack to fiber_main
 }
 
+void gpt2cupy_unsupported(const char* why) {
+    this_thread_runner->in_kernel_code = 0;
+    this_thread_runner->fail_current(cpp_exception, why);
+    throw 0;
+}
+
 // ---- the ABI Python calls -----------------------------------------------------------------------------
 int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_result* result,
                     char** output, unsigned long long* output_length) {
@@ -1399,6 +1495,7 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     tracking_races = request->track_races != 0;
     race_request = request;
     race_shadow.clear();
+    race_bytes.clear();
     race_fences.clear();
     launch_in_flight = &launch;
     launch_running.store(true);
@@ -1417,6 +1514,7 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     if (tracking_races) {
         tracking_races = false;
         race_shadow = std::unordered_map<unsigned long long, Granule>();  // its memory back
+        race_bytes = std::unordered_map<unsigned long long, Granule>();
         race_fences = std::unordered_map<unsigned long long, BlockFences>();
     }
     sigaction(SIGINT, &previous_interrupt_action, nullptr);

@@ -31,21 +31,34 @@ class LaunchRequest(ctypes.Structure):
                 ("global_ranges", ctypes.POINTER(ctypes.c_ulonglong)), ("global_range_count", ctypes.c_int)]
 
 
+class Race(ctypes.Structure):
+    """One race: its kind, the place, the thread that touched it second (block, thread) and the one before."""
+    _fields_ = [("kind", ctypes.c_int), ("address", ctypes.c_ulonglong),
+                ("block", ctypes.c_uint * 3), ("thread", ctypes.c_uint * 3),
+                ("other_block", ctypes.c_uint * 3), ("other_thread", ctypes.c_uint * 3)]
+
+
+RACES_KEPT = 10  # the races a launch reports in full; the rest are counted
+
+
 class LaunchResult(ctypes.Structure):
     _fields_ = [("failure", ctypes.c_int), ("block", ctypes.c_uint * 3), ("thread", ctypes.c_uint * 3),
                 ("fault_address", ctypes.c_ulonglong), ("fault_is_write", ctypes.c_int),
                 ("message", ctypes.c_char * 1024),
-                ("race_kind", ctypes.c_int), ("race_address", ctypes.c_ulonglong),
-                ("other_block", ctypes.c_uint * 3), ("other_thread", ctypes.c_uint * 3)]
+                ("race_count", ctypes.c_ulonglong), ("races", Race * RACES_KEPT)]
+
+    def kept_races(self):
+        return list(self.races[:min(self.race_count, RACES_KEPT)])
 
 
-# LaunchResult.race_kind: what the race check found first
-NO_RACE, WRITE_THEN_READ, WRITE_THEN_WRITE, READ_MODIFY_WRITE, READ_THEN_WRITE, WRITE_THEN_READ_WITHOUT_FENCE = range(6)
+# Race.kind: what the race check found
+NO_RACE, WRITE_THEN_READ, WRITE_THEN_WRITE, READ_MODIFY_WRITE, READ_THEN_WRITE, WRITE_THEN_READ_WITHOUT_FENCE, \
+    ATOMIC_AND_PLAIN = range(7)
 
 
 # LaunchResult.failure
 OK, ASSERTION_FAILED, MEMORY_FAULT, DEADLOCK, STACK_OVERFLOW, CPP_EXCEPTION, INTERRUPTED, ARITHMETIC_FAULT, \
-    MISALIGNED_ACCESS = range(9)
+    MISALIGNED_ACCESS, UNDEFINED_SHUFFLE = range(10)
 
 
 @lru_cache(maxsize=None)

@@ -44,10 +44,17 @@ struct DynamicShared {{
 #line 1 "{SOURCE_NAME}"
 """
 
-# `extern __shared__ float buffer[];` (with any __align__ or other attribute): every such array starts at
-# the block's dynamic shared memory.
+# `extern __shared__ float buffer[];`, with the specifiers in any order nvcc accepts (`extern float
+# __shared__ buffer[];`, `__shared__ extern ...`) and any __align__ or other attribute: every such array
+# starts at the block's dynamic shared memory. A declaration that begins with one of the two words is a
+# candidate; _is_extern_shared says whether it has both.
 _EXTERN_SHARED = re.compile(
-    rf"extern\s+{SHARED_MARKER}\b(?P<declaration>[^;{{}}]*?)\b(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;")
+    rf"(?<!\w)(?P<declaration>(?:extern|{SHARED_MARKER})\b[^;{{}}]*?)\b(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;")
+_EXTERN_OR_SHARED = re.compile(rf"\b(?:extern|{SHARED_MARKER})\b")
+
+
+def _is_extern_shared(declaration):
+    return re.search(r"\bextern\b", declaration) is not None and SHARED_MARKER in declaration
 _GLOBAL_FUNCTION = re.compile(
     rf"{GLOBAL_MARKER}\b(?P<head>(?:[^;{{}}()]|\((?:[^()]|\([^()]*\))*\))*?)\b(?!(?:{BOUNDS_MARKER}|__attribute__|__declspec|alignas)\b)(?P<name>[A-Za-z_]\w*)\s*\(")
 # A __launch_bounds__ call after _numbered_launch_bounds: its arguments, which may nest parentheses deeper than
@@ -256,8 +263,12 @@ def prepare(code, options):
         # thread of the block gets there first and read by the others: to the race check, a write and
         # reads of one variable with no barrier between them.
         # ([[maybe_unused]]: NVCC says nothing of an extern __shared__ array a kernel does not use.)
+        declaration = match.group("declaration")
+        if not _is_extern_shared(declaration):
+            return match.group()
+        element_type = " ".join(_EXTERN_OR_SHARED.sub(" ", declaration).split())
         storage = "[[maybe_unused]] " + ("" if in_function(match.start()) else "static thread_local ")
-        return (f"{storage}{match.group('declaration').strip()}* const {match.group('name')} = "
+        return (f"{storage}{element_type}* const {match.group('name')} = "
                 "gpt2cupy::DynamicShared{gpt2cupy_dynamic_shared_memory()};")
 
     body = _EXTERN_SHARED.sub(pointer_to_dynamic_shared, user)
@@ -383,6 +394,9 @@ def describe_compile_failure(log, code, what):
     wrong_lines = sorted({int(n) for n in re.findall(rf"{re.escape(SOURCE_NAME)}:(\d+):", message)})
     numbered = code.splitlines()
     excerpt = "\n".join(f"{n:4d} | {numbered[n - 1]}" for n in wrong_lines if 0 < n <= len(numbered))
+    if re.search(r"\bwarpSize\b", excerpt) and re.search(r"constant|variable length|variably modified", message):
+        message += ("\n(warpSize is a variable in CUDA, not a compile-time constant: nvcc refuses it as an array "
+                    "size or template argument too. Use 32, or a constant of your own such as WARP_SIZE)")
     if ENTRIES_NAME in message and not wrong_lines:
         message += ("\n(the kernel could not be called as written: is it a __global__ function returning void, "
                     "and, for a template, a name expression with all template arguments?)")

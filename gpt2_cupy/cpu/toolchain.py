@@ -24,7 +24,8 @@ HEADERS = ("executor_abi.h", "cuda_builtins.h")
 RUNTIME_SOURCE = "runtime.cpp"
 
 # -O2 for speed; no -ffast-math, so results stay IEEE; no -march=native, so they match from machine to machine.
-COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fno-math-errno", "-Wno-unknown-pragmas")
+# -Werror=vla: an array sized by a variable (warpSize, a parameter) is refused, as nvcc refuses it.
+COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fno-math-errno", "-Wno-unknown-pragmas", "-Werror=vla")
 
 
 def cache_directory():

@@ -37,6 +37,14 @@ public:
     static unsigned long long size() { return num_threads(); }
     static dim3 block_index() { return dim3(blockIdx.x, blockIdx.y, blockIdx.z); }
     static dim3 dim_blocks() { return dim3(gridDim.x, gridDim.y, gridDim.z); }
+    // Every block of the grid waits here for all the others: on a GPU only in a cooperative launch (CuPy's
+    // RawKernel(..., enable_cooperative_groups=True)), whose blocks all run at once. The executor runs a few
+    // blocks at a time, so it cannot.
+    static void sync() {
+        gpt2cupy_unsupported("grid_group::sync() (this_grid().sync()) needs every block of the grid running at "
+                             "once, which the CPU executor does not do; split the kernel in two launches at the "
+                             "grid-wide barrier");
+    }
 };
 __forceinline__ grid_group this_grid() { return grid_group(); }
 
