@@ -14,7 +14,7 @@ import math
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy import functional as F
+from gpt2_cupy.nn import functional as F
 from gpt2_cupy.autograd import Tensor, init_generator
 
 
