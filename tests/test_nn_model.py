@@ -403,3 +403,17 @@ def _torch_gpt2(torch, p, idx, targets, config):
     x = functional.layer_norm(x, (C,), p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])
     logits = functional.linear(x, p["transformer.wte.weight"])
     return functional.cross_entropy(logits.view(B * T, -1), targets.view(-1), ignore_index=-1)
+
+
+def test_named_modules_has_no_trailing_dots_and_lists_a_shared_module_once():
+    model = GPT(GPTConfig(**TINY))
+    names = [name for name, _ in model.named_modules()]
+    assert names[:4] == ["", "transformer", "transformer.wte", "transformer.wpe"]
+    assert "transformer.h.1.mlp.c_proj" in names and not any(name.endswith(".") for name in names)
+    shared = nn.Linear(3, 3)
+    outer = nn.ModuleDict(dict(first=shared, second=shared, inner=nn.ModuleDict(dict(again=shared))))
+    assert [name for name, _ in outer.named_modules()] == ["", "first", "inner"]
+    assert len(list(outer.modules())) == 3
+    assert [name for name, _ in outer.named_modules(remove_duplicate=False)] == ["", "first", "second", "inner",
+                                                                                "inner.again"]
+    assert [name for name, _ in outer.named_parameters()] == ["first.weight", "first.bias"]

@@ -34,20 +34,38 @@ class Module:
     def __call__(self, *arguments, **options):
         return self.forward(*arguments, **options)
 
-    def named_modules(self, prefix=""):
-        yield prefix, self
+    def named_children(self):
+        """(name, module) of the modules set directly on this one, in the order they were set."""
         for name, value in vars(self).items():
             if isinstance(value, Module):
-                yield from value.named_modules(f"{prefix}{name}.")
+                yield name, value
+
+    def children(self):
+        return (module for _, module in self.named_children())
+
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        """(name, module) of this module and every one below it, depth first: "", "transformer",
+        "transformer.h.0", ...; a module reachable twice (shared) is listed once, under its first name."""
+        memo = set() if memo is None else memo
+        if remove_duplicate:
+            if id(self) in memo:
+                return
+            memo.add(id(self))
+        yield prefix, self
+        for name, child in self.named_children():
+            yield from child.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
+
+    def modules(self):
+        return (module for _, module in self.named_modules())
 
     def named_parameters(self, prefix="", remove_duplicate=True):
         """(name, Parameter) pairs; a parameter shared by two modules (tied weights) is listed once."""
         seen = set()
-        for module_prefix, module in self.named_modules(prefix):
+        for module_prefix, module in self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate):
             for name, value in vars(module).items():
                 if isinstance(value, Parameter) and not (remove_duplicate and id(value) in seen):
                     seen.add(id(value))
-                    yield module_prefix + name, value
+                    yield f"{module_prefix}.{name}" if module_prefix else name, value
 
     def parameters(self):
         return [parameter for _, parameter in self.named_parameters()]
