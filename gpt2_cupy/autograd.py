@@ -283,7 +283,8 @@ class Context:
         self._leaves = [t if t is not None and t.is_leaf else None for t in inputs]
         self._input_shapes = [t.shape if t is not None else None for t in inputs]
         self._saved = ()
-        self._freed = False
+        self._freed = False             # saved arrays were freed: reading them raises
+        self.freed = False              # a backward without retain_graph has run through this call
         self.intermediate_buffers = {}  # grad_buffer()s of non-leaf arguments, added by the Node afterwards
 
     def save_for_backward(self, *arrays):
@@ -297,8 +298,7 @@ class Context:
 
     def free_saved(self):
         """Drop the saved arrays after the backward has used them (a second backward then raises)."""
-        if self._saved:
-            self._saved, self._freed = (), True
+        self._saved, self._freed, self.freed = (), bool(self._saved), True
 
     def grad_buffer(self, index):
         """The buffer an op adds argument `index`'s gradient into: a leaf's own .grad (zeroed when new).

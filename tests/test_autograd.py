@@ -90,7 +90,9 @@ def test_saved_arrays_are_freed_by_backward_and_intermediate_gradients_never_kep
                                                "LinearBackward"]
     assert [len(node.ctx.saved_tensors) for node in nodes] == [0, 2, 0, 2]
     loss.backward()
-    assert all(node.ctx._saved == () for node in nodes)     # the activations are gone
+    assert all(node.ctx.freed for node in nodes)            # the activations are gone
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        nodes[1].ctx.saved_tensors
     assert hidden.grad is None and loss.grad is None        # intermediate: used, never kept
     assert x.grad is not None                                # a leaf keeps its gradient
 
