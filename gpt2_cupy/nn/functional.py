@@ -1,6 +1,6 @@
 """PyTorch's torch.nn.functional names, each a small Function around one op pair of gpt2_cupy.ops.
 
-    F.linear(x, weight, bias=None)                     F.gelu(x, approximate="none")
+    F.linear(x, weight, bias=None)                     F.gelu(x, approximate="none")     F.relu(x)   F.silu(x)
     F.layer_norm(x, (C,), weight, bias, eps=1e-5)      F.dyt(x, alpha, weight, bias)
     F.embedding(idx, weight)                           F.dropout(x, p=0.5, training=True)
     F.softmax(x, dim=-1)                               F.cross_entropy(logits, targets, ignore_index=-100,
@@ -76,6 +76,44 @@ def gelu(x, approximate="none"):
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate={approximate!r}; it must be 'none' or 'tanh'")
     return GELU.apply(x, approximate)
+
+
+class ReLU(Function):
+    # Written with the array module's operations until the generated elementwise kernels replace them.
+    @staticmethod
+    def forward(ctx, x):
+        y = backend.xp.maximum(x, 0).astype(x.dtype, copy=False)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        (y,) = ctx.saved_tensors
+        return dout * (y > 0)
+
+
+def relu(x):
+    """max(x, 0) elementwise."""
+    return ReLU.apply(x)
+
+
+class SiLU(Function):
+    # Written with the array module's operations until the generated elementwise kernels replace them.
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return (x / (1 + backend.xp.exp(-x))).astype(x.dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (x,) = ctx.saved_tensors
+        sigmoid = 1 / (1 + backend.xp.exp(-x))
+        return (dout * sigmoid * (1 + x * (1 - sigmoid))).astype(x.dtype, copy=False)  # d(x·σ(x))/dx
+
+
+def silu(x):
+    """x · sigmoid(x) elementwise (Llama's MLP gate)."""
+    return SiLU.apply(x)
 
 
 class Add(Function):
