@@ -17,7 +17,6 @@ import pytest
 import gpt2_cupy as torch
 import gpt2_cupy.nn as nn
 from gpt2_cupy import backend
-from gpt2_cupy.nn import functional as F
 from gpt2_cupy.testing import finite_difference_gradient, relative_error
 
 TOLERANCE = 1e-5

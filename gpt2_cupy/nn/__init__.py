@@ -23,7 +23,7 @@ import numpy
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import Tensor, init_generator
 from gpt2_cupy.nn import functional as F
-from gpt2_cupy.nn import init, utils  # noqa: F401  (nn.init, nn.utils as in torch)
+from gpt2_cupy.nn import init, utils
 
 
 class Parameter(Tensor):
@@ -387,3 +387,7 @@ class Identity(Module):
 
     def forward(self, x):
         return x
+
+
+__all__ = ["Module", "Parameter", "Linear", "LayerNorm", "DyT", "Embedding", "Dropout", "GELU", "ReLU", "SiLU",
+           "Identity", "Sequential", "ModuleList", "ModuleDict", "functional", "init", "utils"]
