@@ -1,26 +1,131 @@
 """gpt2_cupy: GPT-2 trained with CUDA C kernels, run by CuPy on a GPU or by the CPU executor.
 
-With PyTorch's names:
+With PyTorch's names, so that PyTorch code runs with its imports changed:
 
-    import gpt2_cupy
-    from gpt2_cupy import Tensor, functional as F, nn, optim
-    from gpt2_cupy.model import GPT, GPTConfig
-    gpt2_cupy.manual_seed(1337)              # dropout's masks and the initial weights
-    with gpt2_cupy.no_grad(): ...            # nothing recorded on the tape
+    import gpt2_cupy as torch
+    import gpt2_cupy.nn as nn
+    from gpt2_cupy.nn import functional as F
+    torch.manual_seed(1337)                  # dropout's masks and the initial weights
+    with torch.no_grad(): ...                # nothing recorded
+    torch.save(model.state_dict(), path); model.load_state_dict(torch.load(path, map_location="cpu"))
+    torch.optim.AdamW, torch.nn.utils.clip_grad_norm_, torch.from_numpy, torch.float32, torch.long, ...
+    torch.cuda.is_available(), torch.backends.cuda.matmul.allow_tf32, torch.amp.autocast, torch.cuda.amp.GradScaler
 
 Importing the package is cheap: the submodules load, and kernels compile, when first used.
 """
 
+import contextlib
+import types
+
+import numpy
+
 __version__ = "0.1.0"
 
-_FROM_AUTOGRAD = ("Tensor", "Function", "no_grad", "manual_seed", "is_grad_enabled")
+_FROM_AUTOGRAD = ("Tensor", "Function", "no_grad", "manual_seed", "is_grad_enabled", "initial_seed")
+_FROM_SERIALIZATION = ("save", "load")
+_SUBMODULES = ("nn", "optim", "functional", "autograd", "backend", "model")
+
+# dtype names, as torch's: numpy dtypes here. numpy has no bfloat16; the name stands for the type the bf16
+# kernels will use, and only float32 tensors exist until then.
+float32 = float = numpy.dtype(numpy.float32)
+float16 = half = numpy.dtype(numpy.float16)
+bfloat16 = "bfloat16"
+float64 = double = numpy.dtype(numpy.float64)
+int64 = long = numpy.dtype(numpy.int64)
+int32 = int = numpy.dtype(numpy.int32)
+uint8 = numpy.dtype(numpy.uint8)
+bool = numpy.dtype(numpy.bool_)  # noqa: A001  (torch.bool)
+
+
+def dtype_of(value):
+    """A numpy dtype from a dtype name of this module, a numpy dtype, or a string ("float32")."""
+    if value == bfloat16:
+        return bfloat16
+    return numpy.dtype(value)
+
+
+def from_numpy(array):
+    """A Tensor holding a numpy array's values on the active backend (on a GPU a copy; torch's shares memory)."""
+    from gpt2_cupy import backend
+    from gpt2_cupy.autograd import Tensor
+    if not isinstance(array, numpy.ndarray):
+        raise TypeError(f"from_numpy: expected np.ndarray (got {type(array).__name__})")
+    return Tensor(backend.xp.asarray(array))
+
+
+def tensor(data, dtype=None, device=None, requires_grad=False):
+    """A new Tensor from a list, a number or an array; float32 for floats, int64 for integers (as torch)."""
+    from gpt2_cupy import backend
+    from gpt2_cupy.autograd import Tensor
+    array = numpy.array(backend.asnumpy(data) if isinstance(data, backend.xp.ndarray) else data)
+    if dtype is None and array.dtype.kind == "f":
+        dtype = float32
+    return Tensor(backend.xp.asarray(array if dtype is None else array.astype(dtype_of(dtype))),
+                  requires_grad=requires_grad)
+
+
+def _cuda_is_available():
+    from gpt2_cupy import backend
+    return backend.name == "cuda"
+
+
+class _GradScaler:
+    """torch.cuda.amp.GradScaler as a no-op: float32 training needs no loss scaling (bf16 will not either)."""
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 enabled=True, device="cuda"):
+        self.enabled = enabled
+
+    def scale(self, loss):
+        return loss
+
+    def unscale_(self, optimizer):
+        pass
+
+    def step(self, optimizer):
+        optimizer.step()
+
+    def update(self, new_scale=None):
+        pass
+
+    def get_scale(self):
+        return 1.0
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+@contextlib.contextmanager
+def _autocast(device_type="cuda", dtype=None, enabled=True, cache_enabled=None):
+    """torch.autocast as a no-op: every op runs in float32 (on the CPU, or with float32, PyTorch's is one too)."""
+    yield
+
+
+cuda = types.SimpleNamespace(
+    is_available=_cuda_is_available,
+    is_bf16_supported=lambda: False,        # no bf16 kernels yet
+    amp=types.SimpleNamespace(GradScaler=_GradScaler, autocast=_autocast),
+    synchronize=lambda device=None: __import__("gpt2_cupy.backend").backend.synchronize(),
+)
+amp = types.SimpleNamespace(autocast=_autocast, GradScaler=_GradScaler)
+autocast = _autocast
+# Read by the matmul kernels once tensor-core (TF32) kernels exist; float32 FMA until then.
+backends = types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=types.SimpleNamespace(allow_tf32=False)),
+                                 cudnn=types.SimpleNamespace(allow_tf32=False))
 
 
 def __getattr__(name):
     # Tensor, no_grad, ... are looked up here on first use (PEP 562), so `import gpt2_cupy` does not pick a
     # backend; `from gpt2_cupy import nn, optim, functional` imports those submodules the usual way.
-    if name in _FROM_AUTOGRAD:
-        from gpt2_cupy import autograd
+    import importlib
 
-        return getattr(autograd, name)
+    if name in _FROM_AUTOGRAD:
+        return getattr(importlib.import_module("gpt2_cupy.autograd"), name)
+    if name in _FROM_SERIALIZATION:
+        return getattr(importlib.import_module("gpt2_cupy.serialization"), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"gpt2_cupy.{name}")
     raise AttributeError(f"module 'gpt2_cupy' has no attribute {name!r}")

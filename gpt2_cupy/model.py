@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import numpy
 
 from gpt2_cupy import backend, nn
-from gpt2_cupy import functional as F
+from gpt2_cupy.nn import functional as F
 from gpt2_cupy.autograd import Tensor, is_grad_enabled, init_generator
 
 

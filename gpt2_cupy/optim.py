@@ -3,23 +3,32 @@
     optimizer = optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
     optimizer = optim.AdamW([{"params": matrices, "weight_decay": 0.1},
                              {"params": biases_and_norms, "weight_decay": 0.0}], lr=6e-4)
-    optimizer.zero_grad()                     # one memset over all gradients
+    optimizer.zero_grad()                     # one memset over all gradients; every .grad is None again
     loss.backward()
-    norm = optimizer.clip_grad_norm_(1.0)     # the norm before clipping: a device array of shape ()
+    norm = optimizer.clip_grad_norm_(1.0)     # the norm before clipping: a new device array of shape ()
     for group in optimizer.param_groups:
         group["lr"] = learning_rate           # takes effect at the next step
     optimizer.step()                          # one launch for every parameter (after a one-thread launch
                                               # that advances the step count)
     checkpoint = optimizer.state_dict()       # numpy arrays; load_state_dict(checkpoint) resumes bit for bit
 
-A parameter is any object with `.data` (a float32 array of the backend) and `.grad` (an array or None).
-At construction the optimizer copies every parameter into ONE flat buffer, `optimizer.flat_params`, and
-makes `p.data` a view into it; likewise every `p.grad` becomes a view into ONE zeroed buffer,
-`optimizer.flat_grads` (a gradient already there is copied in). Code that computes gradients must
-therefore add into `p.grad` in place and never assign a new array to it. Groups are consecutive stretches
-of the buffers, each parameter starting at a multiple of 16 elements (64 bytes), so one kernel launch
-updates every group, each with its own hyperparameters. A parameter listed twice (tied weights) is
-packed once, in the first group that lists it.
+A parameter is any object with `.data` (a float32 array of the backend), `.grad` (an array or None) and,
+optionally, `.requires_grad`. At construction the optimizer copies every parameter into ONE flat buffer,
+`optimizer.flat_params`, and makes `p.data` a view into it; it also reserves for each parameter a view
+into ONE gradient buffer, `optimizer.flat_grads` (p._grad_slot), which the autograd makes the parameter's
+.grad when it first adds a gradient, so that the backward's kernels add straight into the flat buffer.
+That is a speed-up, not a rule code has to follow: before each step (and clip_grad_norm_) the optimizer
+checks every parameter and copies into its buffers a .data or a .grad that was replaced by another array
+(`p.data = ...`, `p.grad = ...`, a second optimizer over the same parameters). Groups are consecutive
+stretches of the buffers, each parameter starting at a multiple of 16 elements (64 bytes), so one kernel
+launch updates every group, each with its own hyperparameters. A parameter listed twice (tied weights)
+is packed once, in the first group that lists it.
+
+As PyTorch's optimizers do, a step leaves untouched every parameter whose .grad is None (unused by the
+forward, or zeroed with set_to_none) or that does not require grad (frozen): the launch updates the whole
+buffer, and those parameters and their state are put back afterwards. One difference remains: AdamW's
+step count is one for all parameters, where PyTorch counts each parameter's own steps, so a parameter
+skipped at some steps gets the bias correction of the optimizer's step count.
 
 The hyperparameters of every group live in a small float64 device array, copied from `param_groups`
 at a step where one of them changed; the step count and the bias corrections are computed on the device.
@@ -28,6 +37,7 @@ at a step where one of them changed; the step count and the bias corrections are
 import numpy as np
 
 from gpt2_cupy import backend
+from gpt2_cupy.autograd import GradientSlot
 from gpt2_cupy.ops import adamw as kernels_of
 from gpt2_cupy.ops.arrays import LARGEST_INT, ceil_div
 
@@ -81,15 +91,56 @@ class Optimizer:
             raise ValueError(f"{self.name}: {end} parameters; the kernels index with int, at most {LARGEST_INT}")
         self.flat_params = xp.zeros(end, dtype=np.float32)
         self.flat_grads = xp.zeros(end, dtype=np.float32)
+        self._packed = []  # (parameter, its stretch of the buffers, its view of flat_params, its GradientSlot)
         for p, offset in offsets:
             shape, size = p.data.shape, p.data.size
             self.flat_params[offset:offset + size] = p.data.reshape(-1)
-            gradient = self.flat_grads[offset:offset + size].reshape(shape)
-            if p.grad is not None:
-                gradient[...] = p.grad
             p.data = self.flat_params[offset:offset + size].reshape(shape)
-            p.grad = gradient
+            slot = GradientSlot(self.flat_grads[offset:offset + size].reshape(shape), owner=self)
+            slot.zeroed = p.grad is None
+            if p.grad is not None:
+                slot.array[...] = p.grad
+                p.grad = slot.array
+            p._grad_slot = slot
+            self._packed.append((p, slice(offset, offset + size), p.data, slot))
         self._group_ends = xp.asarray(np.array([group.pop("_end") for group in self.param_groups], dtype=np.int32))
+
+    def _gather(self):
+        """Bring every parameter's .data and .grad into the flat buffers; return the packed entries to skip.
+
+        Usually nothing moves: .data is the optimizer's view and .grad its slot (or None). A parameter whose
+        .data or .grad was replaced by another array is copied in, and its .data and .grad become the
+        views again. Skipped: parameters with no gradient or that do not require grad; their slots hold
+        zeros, so that the gradient norm does not count them.
+        """
+        skipped = []
+        for entry in self._packed:
+            p, _, data_view, slot = entry
+            if p.data is not data_view:
+                _check_replacement(self.name, "data", p.data, data_view)
+                data_view[...] = p.data
+                p.data = data_view
+            if p.grad is None or not getattr(p, "requires_grad", True):
+                skipped.append(entry)
+                if p.grad is None and not slot.zeroed:
+                    slot.array.fill(0)
+                    slot.zeroed = True
+            elif p.grad is not slot.array:
+                _check_replacement(self.name, "grad", p.grad, slot.array)
+                slot.array[...] = p.grad
+                p.grad, slot.zeroed = slot.array, False
+        return skipped
+
+    def _update_all_but(self, skipped, update):
+        """Run update() (one launch over the whole buffer), then put the skipped parameters and their state back."""
+        kept = [(p_slice, [self.flat_params[p_slice].copy()] + [self.state[name][p_slice].copy()
+                                                                for name in self.state_names])
+                for _, p_slice, _, _ in skipped]
+        update()
+        for p_slice, (params, *states) in kept:
+            self.flat_params[p_slice] = params
+            for name, values in zip(self.state_names, states):
+                self.state[name][p_slice] = values
 
     def _upload_hyperparameters(self):
         """Copy the groups' hyperparameters to the device when one changed since the last step."""
@@ -104,22 +155,25 @@ class Optimizer:
 
     # ---- what every step needs ---------------------------------------------------------------------------
 
-    def zero_grad(self, set_to_none=False):
-        """Zero every gradient: one memset over the flat buffer (the views stay; set_to_none is refused)."""
-        if set_to_none:
-            raise ValueError(f"{self.name}: gradients are views into one flat buffer and cannot be set to None")
+    def zero_grad(self, set_to_none=True):
+        """Zero every gradient: one memset over the flat buffer; with set_to_none (PyTorch's default) every
+        .grad becomes None as well, so that a parameter the next forward does not use is skipped."""
         self.flat_grads.fill(0)
+        for p, _, _, slot in self._packed:
+            if set_to_none or p.grad is None:
+                p.grad, slot.zeroed = None, True
 
     def clip_grad_norm_(self, max_norm):
         """Scale all gradients by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does.
 
-        Returns the global norm before clipping as a float32 device array of shape () (no host sync).
+        Returns the global norm before clipping as a new float32 device array of shape () (no host sync).
         """
         if not max_norm > 0:
             raise ValueError(f"{self.name}.clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+        self._gather()
         kernels_of.gradient_norm(self.flat_grads, self._partial_sums, self._norm)
         kernels_of.clip_gradients(self.flat_grads, self._norm, max_norm)
-        return self._norm
+        return self._norm.copy()  # the caller's own: the next call overwrites self._norm
 
     # ---- checkpoints -------------------------------------------------------------------------------------
 
@@ -196,10 +250,12 @@ class AdamW(Optimizer):
 
     def step(self):
         """One AdamW update of every parameter from its gradient (a one-thread launch, then one launch)."""
+        skipped = self._gather()
         self._upload_hyperparameters()
         kernels_of.adamw_prepare_step(self._step_scalars, self.state["step"], self._hyperparameters)
-        kernels_of.adamw_update(self.flat_params, self.state["exp_avg"], self.state["exp_avg_sq"], self.flat_grads,
-                                self._hyperparameters, self._step_scalars, self._group_ends)
+        self._update_all_but(skipped, lambda: kernels_of.adamw_update(
+            self.flat_params, self.state["exp_avg"], self.state["exp_avg_sq"], self.flat_grads,
+            self._hyperparameters, self._step_scalars, self._group_ends))
 
 
 class SGD(Optimizer):
@@ -221,9 +277,10 @@ class SGD(Optimizer):
 
     def step(self):
         """One SGD update of every parameter (one launch)."""
+        skipped = self._gather()
         self._upload_hyperparameters()
-        kernels_of.sgd_update(self.flat_params, self.state["momentum_buffer"], self.flat_grads,
-                              self._hyperparameters, self._group_ends)
+        self._update_all_but(skipped, lambda: kernels_of.sgd_update(
+            self.flat_params, self.state["momentum_buffer"], self.flat_grads, self._hyperparameters, self._group_ends))
 
 
 def _as_groups(name, params_or_groups):
@@ -252,3 +309,12 @@ def _check_parameter(name, group_number, index, p):
     grad = getattr(p, "grad", None)
     if grad is not None and (not isinstance(grad, backend.xp.ndarray) or grad.shape != data.shape):
         raise ValueError(f"{where}.grad must be None or an array of .data's shape {data.shape}")
+
+
+def _check_replacement(name, attribute, array, packed):
+    """A .data or .grad set to a new array must still fit the parameter's place in the flat buffers."""
+    if not isinstance(array, backend.xp.ndarray) or tuple(array.shape) != tuple(packed.shape):
+        shape = getattr(array, "shape", None)
+        raise ValueError(f"{name}.step: a parameter's .{attribute} was replaced by {type(array).__name__} of shape "
+                         f"{shape}; the optimizer packed it with shape {tuple(packed.shape)} (build a new "
+                         "optimizer after changing a parameter's shape)")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy
 
-from gpt2_cupy import autograd, backend, checkpoint, data
+from gpt2_cupy import backend, checkpoint, data
 from gpt2_cupy.autograd import dropout_rng_state, manual_seed, no_grad
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.ops.arrays import ceil_div
@@ -252,12 +252,11 @@ class Trainer:
         return self.train_batches.random_generator.bit_generator.state, dropout_rng_state().copy()
 
     def undo_step(self, random_state):
-        """Forget an interrupted step: its gradients, its tape, and the random numbers it drew."""
+        """Forget an interrupted step: its gradients and the random numbers it drew (its graph goes with its loss)."""
         batches_state, dropout_state = random_state
         self.train_batches.random_generator.bit_generator.state = batches_state
         dropout_rng_state()[...] = dropout_state
         self.optimizer.zero_grad()
-        autograd.clear_tape()  # a forward cut short leaves entries that no backward will consume
 
     def evaluate(self):
         """The mean loss over the first eval_batches validation batches (the same ones every time)."""

@@ -18,11 +18,12 @@ TOLERANCE = 1e-5
 
 
 class Parameter:
-    """What the optimizer needs of a parameter: .data and .grad."""
+    """What the optimizer needs of a parameter: .data, .grad and (optionally) .requires_grad."""
 
-    def __init__(self, data):
+    def __init__(self, data, requires_grad=True):
         self.data = data
         self.grad = None
+        self.requires_grad = requires_grad
 
 
 def make_parameters(rng, to_device, shapes=SHAPES):
@@ -59,7 +60,7 @@ def sgd_reference(theta, gradients, lr, momentum, weight_decay):
 
 def set_gradients(parameters, gradients, to_device):
     for p, g in zip(parameters, gradients):
-        p.grad[...] += to_device(g)  # in place: p.grad is a view into the flat buffer
+        p.grad = to_device(g)  # a new array, as PyTorch code may set it: the step copies it into its buffer
 
 
 def random_gradients(rng, steps, shapes=SHAPES):
@@ -105,14 +106,18 @@ def test_parameters_and_gradients_are_views_into_one_buffer(rng, to_device, to_h
     optimizer = optim.AdamW(two_groups(parameters) + [{"params": [tied]}])  # a parameter listed twice
     xp = backend.xp
     for value, p in zip(values, parameters):
-        assert xp.shares_memory(p.data, optimizer.flat_params) and xp.shares_memory(p.grad, optimizer.flat_grads)
+        assert xp.shares_memory(p.data, optimizer.flat_params)
         assert np.array_equal(to_host(p.data), value) and p.data.shape == value.shape
         offset = (backend.address(p.data) - backend.address(optimizer.flat_params)) // 4
         assert offset % optim.ALIGNMENT == 0
+    assert xp.shares_memory(parameters[0].grad, optimizer.flat_grads)
     assert np.array_equal(to_host(parameters[0].grad), existing)  # a gradient already there is kept
+    assert all(p.grad is None for p in parameters[1:])             # the others get theirs from the backward
     assert sum(len(group["params"]) for group in optimizer.param_groups) == len(parameters)  # tied: packed once
-    optimizer.zero_grad()
+    optimizer.zero_grad(set_to_none=False)
     assert not to_host(optimizer.flat_grads).any() and xp.shares_memory(parameters[0].grad, optimizer.flat_grads)
+    optimizer.zero_grad()                                          # PyTorch's default: set_to_none=True
+    assert all(p.grad is None for p in parameters)
 
 
 def test_gradient_norm_and_clipping(rng, to_device, to_host):
@@ -208,3 +213,89 @@ def test_flat_buffer_kernels_refuse_lengths_not_multiple_of_4(to_device):
     with pytest.raises(ValueError, match="sgd_update: grads"):
         sgd_update(to_device(np.zeros(8, np.float32)), to_device(np.zeros(8, np.float32)), buffer,
                    hyperparameters, to_device(np.array([8], np.int32)))
+
+
+# ---- PyTorch's rules for which parameters a step touches -----------------------------------------------
+
+def linear_loss(layer, x, u):
+    """Σ u · layer(x) through the autograd: d loss / d weight = uᵀ x, d loss / d bias = Σ u."""
+    from gpt2_cupy.nn import functional as F
+    from gpt2_cupy.autograd import Tensor
+    y = layer(Tensor(x))
+    n = y.numel()
+    return F.linear(y.reshape(1, n), Tensor(u.reshape(1, n))).reshape(())
+
+
+def test_a_frozen_parameter_is_untouched_even_with_weight_decay(rng, to_device, to_host):
+    from gpt2_cupy import nn
+    layer = nn.Linear(5, 4)
+    layer.weight.requires_grad = False
+    frozen, bias = to_host(layer.weight.data).copy(), to_host(layer.bias.data).copy()
+    optimizer = optim.AdamW(layer.parameters(), lr=0.1, weight_decay=0.5)
+    x64, u64 = rng.normal(size=(3, 5)), rng.normal(size=(3, 4))
+    for _ in range(2):
+        optimizer.zero_grad()
+        linear_loss(layer, to_device(x64.astype(np.float32)), to_device(u64.astype(np.float32))).backward()
+        optimizer.step()
+    assert layer.weight.grad is None and np.array_equal(to_host(layer.weight.data), frozen)
+    reference = adamw_reference(bias, [u64.sum(axis=0)] * 2, [0.1, 0.1], 0.5)
+    assert relative_error(to_host(layer.bias.data), reference) < TOLERANCE
+
+
+def test_a_parameter_the_forward_does_not_use_is_skipped(rng, to_device, to_host):
+    from gpt2_cupy import nn
+    used, unused = nn.Linear(5, 4), nn.Linear(5, 4)
+    before = [to_host(p.data).copy() for p in unused.parameters()]
+    used_before = to_host(used.weight.data).copy()
+    optimizer = optim.AdamW(used.parameters() + unused.parameters(), lr=0.1, weight_decay=0.1)
+    x, u = to_device(rng.normal(size=(3, 5)).astype(np.float32)), to_device(rng.normal(size=(3, 4)).astype(np.float32))
+    optimizer.zero_grad()
+    linear_loss(used, x, u).backward()
+    optimizer.step()
+    assert all(p.grad is None for p in unused.parameters())
+    assert all(np.array_equal(to_host(p.data), b) for p, b in zip(unused.parameters(), before))
+    assert not to_host(optimizer.state["exp_avg"][optimizer._packed[2][1]]).any()  # nor its moments
+    assert np.abs(to_host(used.weight.data) - used_before).min() > 0.09  # AdamW's first step moves each by ~lr
+    # Used at the next step, it moves.
+    optimizer.zero_grad()
+    linear_loss(unused, x, u).backward()
+    optimizer.step()
+    assert not np.array_equal(to_host(unused.weight.data), before[0])
+
+
+def test_training_continues_after_a_second_optimizer_or_a_new_data_array(rng, to_device, to_host):
+    from gpt2_cupy import nn
+    layer = nn.Linear(5, 4)
+    first = optim.SGD(layer.parameters(), lr=0.1)
+    second = optim.SGD(layer.parameters(), lr=0.1)   # packs the parameters again, into its own buffer
+    x64, u64 = rng.normal(size=(3, 5)), rng.normal(size=(3, 4))
+    x, u = to_device(x64.astype(np.float32)), to_device(u64.astype(np.float32))
+    weight = to_host(layer.weight.data).astype(np.float64)
+    for optimizer in (first, second, first):
+        optimizer.zero_grad()
+        linear_loss(layer, x, u).backward()
+        optimizer.step()
+        weight = weight - 0.1 * u64.T @ x64
+        assert relative_error(to_host(layer.weight.data), weight) < TOLERANCE
+    new_weight = rng.normal(size=(4, 5)).astype(np.float32)
+    layer.weight.data = to_device(new_weight)        # replaced, not written into
+    first.zero_grad()
+    linear_loss(layer, x, u).backward()
+    first.step()
+    assert relative_error(to_host(layer.weight.data), new_weight - 0.1 * u64.T @ x64) < TOLERANCE
+    layer.weight.data = to_device(np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError, match=r"SGD.step: a parameter's .data was replaced by .* shape \(2, 2\)"):
+        first.step()
+
+
+def test_clip_grad_norm_returns_a_new_array_each_call(rng, to_device, to_host):
+    _, parameters = make_parameters(rng, to_device)
+    optimizer = optim.AdamW(parameters)
+    gradients = [rng.normal(size=shape).astype(np.float32) for shape in SHAPES]
+    set_gradients(parameters, gradients, to_device)
+    first = optimizer.clip_grad_norm_(1e9)
+    set_gradients(parameters, [2 * g for g in gradients], to_device)
+    second = optimizer.clip_grad_norm_(1e9)
+    expected = np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in gradients))
+    assert relative_error(to_host(first), expected) < TOLERANCE          # kept, not overwritten
+    assert relative_error(to_host(second), 2 * expected) < TOLERANCE

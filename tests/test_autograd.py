@@ -1,10 +1,14 @@
-"""The autograd tape (chapter 11): gpt2_cupy.autograd.
+"""Autograd, one graph per result (chapter 11): gpt2_cupy.autograd.
 
-The tape's rules, each measured: gradients of a tensor used twice are summed; a leaf's .grad buffer is
-added into in place (the optimizer's views into its flat buffer stay valid); nothing is recorded under
-no_grad; after backward the tape, the saved activations and the intermediate gradients are gone.
-The references are float64 numpy products of the same numbers.
+The rules, each measured: gradients of a tensor used twice are summed; a leaf's .grad buffer is added into
+in place (the optimizer's views into its flat buffer stay valid); nothing is recorded under no_grad; a
+backward walks only its own graph, frees what it saved, and raises PyTorch's errors where PyTorch does; a
+graph nobody differentiates is freed with its result. The references are float64 numpy products of the
+same numbers.
 """
+
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -77,16 +81,19 @@ def test_only_tensors_that_require_grad_get_one(rng, to_device):
     assert x.grad is None and weight.grad is not None
 
 
-def test_the_tape_saved_arrays_and_intermediate_gradients_are_freed(rng, to_device):
+def test_saved_arrays_are_freed_by_backward_and_intermediate_gradients_never_kept(rng, to_device):
     x = Tensor(to_device(rng.normal(size=(2, 3)).astype(np.float32)), requires_grad=True)
     hidden = F.linear(x, Tensor(to_device(rng.normal(size=(3, 3)).astype(np.float32))))
     loss = weighted_sum(hidden, to_device(np.ones(6, np.float32)))
-    entries = list(autograd._tape)
-    assert len(entries) == 4  # linear, reshape, linear, reshape
+    nodes = autograd.topological_order(loss.grad_fn)
+    assert [node.name() for node in nodes] == ["ReshapeBackward", "LinearBackward", "ReshapeBackward",
+                                               "LinearBackward"]
+    assert [len(node.ctx.saved_tensors) for node in nodes] == [0, 2, 0, 2]
     loss.backward()
-    assert autograd._tape == []
-    assert hidden.grad is None and loss.grad is None        # intermediate: used, then dropped
-    assert all(ctx.saved_tensors == () for _, ctx, _, _ in entries)
+    assert all(node.ctx.freed for node in nodes)            # the activations are gone
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        nodes[1].ctx.saved_tensors
+    assert hidden.grad is None and loss.grad is None        # intermediate: used, never kept
     assert x.grad is not None                                # a leaf keeps its gradient
 
 
@@ -95,8 +102,100 @@ def test_no_grad_records_nothing(rng, to_device):
     weight = Tensor(to_device(rng.normal(size=(3, 3)).astype(np.float32)), requires_grad=True)
     with no_grad():
         y = F.linear(x, weight) + x
-    assert autograd._tape == [] and not y.requires_grad
+    assert y.grad_fn is None and not y.requires_grad and y.is_leaf
     assert autograd.is_grad_enabled()
+
+
+def test_two_losses_each_add_their_gradient(rng, to_device, to_host):
+    # Row 1 of the issue's table: l1.backward(); l2.backward() must both add into .grad.
+    x64, w64, u1, u2 = rng.normal(size=(3, 5)), rng.normal(size=(4, 5)), rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
+    x = Tensor(to_device(x64.astype(np.float32)))
+    weight = Tensor(to_device(w64.astype(np.float32)), requires_grad=True)
+    l1 = weighted_sum(F.linear(x, weight), to_device(u1.astype(np.float32)))
+    l2 = weighted_sum(F.linear(x, weight), to_device(u2.astype(np.float32)))
+    l1.backward()
+    l2.backward()
+    assert relative_error(to_host(weight.grad), (u1 + u2).T @ x64) < TOLERANCE
+    # Two losses over one shared call: the first backward frees what that call saved, as PyTorch's does.
+    y = F.linear(x, weight)
+    l1, l2 = (weighted_sum(y, to_device(u.astype(np.float32))) for u in (u1, u2))
+    l1.backward()
+    with pytest.raises(RuntimeError, match="retain_graph=True"):
+        l2.backward()
+
+
+def test_a_second_backward_raises_unless_the_graph_is_retained(rng, to_device, to_host):
+    x64, w64, u64 = rng.normal(size=(3, 5)), rng.normal(size=(4, 5)), rng.normal(size=(3, 4))
+    weight = Tensor(to_device(w64.astype(np.float32)), requires_grad=True)
+    x = Tensor(to_device(x64.astype(np.float32)))
+    loss = weighted_sum(F.linear(x, weight), to_device(u64.astype(np.float32)))
+    loss.backward(retain_graph=True)
+    loss.backward()                                          # retained: a second pass adds again
+    assert relative_error(to_host(weight.grad), 2 * u64.T @ x64) < TOLERANCE
+    with pytest.raises(RuntimeError, match=r"Trying to backward through the graph a second time"):
+        loss.backward()
+    assert relative_error(to_host(weight.grad), 2 * u64.T @ x64) < TOLERANCE  # nothing added by the failed one
+
+
+def test_backward_of_a_result_made_under_no_grad_raises(rng, to_device):
+    weight = Tensor(to_device(rng.normal(size=(4, 5)).astype(np.float32)), requires_grad=True)
+    with no_grad():
+        y = F.linear(Tensor(to_device(np.ones((3, 5), np.float32))), weight)
+    with pytest.raises(RuntimeError, match="element 0 of tensors does not require grad and does not have a grad_fn"):
+        weighted_sum(y, to_device(np.ones(12, np.float32))).backward()
+    assert weight.grad is None
+
+
+def test_a_graph_nobody_differentiates_is_freed_with_its_result(rng, to_device):
+    # Row 4 of the table: three forwards and no backward keep nothing. Only references count here: the
+    # graph has no cycles, so it goes when its result goes, without the garbage collector.
+    weight = Tensor(to_device(rng.normal(size=(64, 64)).astype(np.float32)), requires_grad=True)
+    x = Tensor(to_device(rng.normal(size=(8, 64)).astype(np.float32)))
+    gc.disable()
+    try:
+        graphs = []
+        for _ in range(3):
+            hidden = F.gelu(F.linear(x, weight))
+            loss = weighted_sum(hidden, to_device(np.ones(8 * 64, np.float32)))
+            graphs.append([weakref.ref(node.ctx) for node in autograd.topological_order(loss.grad_fn)])
+            saved = weakref.ref(hidden)
+            del hidden, loss
+        assert saved() is None
+        assert all(ctx() is None for contexts in graphs for ctx in contexts)
+    finally:
+        gc.enable()
+
+
+def test_a_backward_leaves_other_graphs_intact(rng, to_device, to_host):
+    x64, w64, u64 = rng.normal(size=(3, 5)), rng.normal(size=(4, 5)), rng.normal(size=(3, 4))
+    weight = Tensor(to_device(w64.astype(np.float32)), requires_grad=True)
+    x = Tensor(to_device(x64.astype(np.float32)))
+    u = to_device(u64.astype(np.float32))
+    first, second = (weighted_sum(F.gelu(F.linear(x, weight), approximate="tanh"), u) for _ in range(2))
+    saved_counts = [len(node.ctx.saved_tensors) for node in autograd.topological_order(second.grad_fn)]
+    first.backward()
+    assert [len(node.ctx.saved_tensors) for node in autograd.topological_order(second.grad_fn)] == saved_counts
+    assert sum(saved_counts) == 5   # linear 2, gelu 1, the weighted sum's linear 2
+    once = to_host(weight.grad).copy()
+    second.backward()
+    assert relative_error(to_host(weight.grad), 2 * once) < TOLERANCE
+
+
+def test_each_node_runs_after_every_consumer_of_its_output(rng, to_device, to_host):
+    # A diamond: h feeds two branches that meet again, so h's Node must wait for both of them.
+    x64, w64, u64 = rng.normal(size=(2, 6)), rng.normal(size=(6, 6)), rng.normal(size=(2, 6))
+    x = Tensor(to_device(x64.astype(np.float32)), requires_grad=True)
+    weight = Tensor(to_device(w64.astype(np.float32)))
+    h = F.linear(x, weight)
+    y = F.linear(h, weight) + h
+    order = autograd.topological_order(y.grad_fn)
+    position = {node: i for i, node in enumerate(order)}
+    for node in order:
+        for edge in node.next_edges:
+            if edge is not None and isinstance(edge[0], autograd.Node):
+                assert position[edge[0]] > position[node]
+    weighted_sum(y, to_device(u64.astype(np.float32))).backward()
+    assert relative_error(to_host(x.grad), (u64 @ w64 + u64) @ w64) < TOLERANCE
 
 
 def test_calls_that_do_not_reach_the_loss_are_skipped(rng, to_device, to_host):
@@ -128,9 +227,8 @@ def test_a_custom_function_follows_the_torch_pattern(rng, to_device, to_host):
 def test_backward_needs_a_scalar_or_a_gradient(rng, to_device):
     x = Tensor(to_device(rng.normal(size=(2, 3)).astype(np.float32)), requires_grad=True)
     y = x + x
-    with pytest.raises(RuntimeError, match="scalar"):
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
         y.backward()
-    autograd._tape.clear()
 
 
 def test_tensor_basics(to_device):

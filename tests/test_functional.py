@@ -60,10 +60,11 @@ def layer_norm_reference(x, weight, bias, eps=1e-5):
     return (x - mean) / np.sqrt(variance + eps) * weight + bias
 
 
-def attention_reference(q, k, v):
+def attention_reference(q, k, v, causal=True):
     T, d = q.shape[-2:]
     scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(d)
-    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    if causal:
+        scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
     return softmax_reference(scores) @ v
 
 
@@ -150,6 +151,61 @@ def test_cross_entropy(rng, to_device, to_host):
     check_op(lambda logits: F.cross_entropy(logits, to_device(targets), ignore_index=-1),
              lambda logits: cross_entropy_reference(logits, targets, -1), [rng.normal(size=(6, 11))],
              to_device, to_host)
+
+
+def row_cross_entropy_reference(logits, targets, ignore_index):
+    """Each row's loss, 0 where the target is ignored: PyTorch's reduction="none"."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_probabilities = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    kept = targets != ignore_index
+    return np.where(kept, -log_probabilities[np.arange(len(targets)), np.where(kept, targets, 0)], 0.0)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_cross_entropy_reductions(reduction, rng, to_device, to_host):
+    targets = rng.integers(0, 11, size=7)
+    targets[3] = -100
+    reduce = np.sum if reduction == "sum" else (lambda rows: rows)
+    check_op(lambda logits: F.cross_entropy(logits, to_device(targets), reduction=reduction),
+             lambda logits: reduce(row_cross_entropy_reference(logits, targets, -100)), [rng.normal(size=(7, 11))],
+             to_device, to_host)
+
+
+def test_cross_entropy_refuses_a_target_out_of_range(rng, to_device):
+    logits = Tensor(to_device(rng.normal(size=(4, 11)).astype(np.float32)), requires_grad=True)
+    for bad in (11, -2):
+        targets = np.array([1, bad, 3, -1])
+        with pytest.raises(IndexError, match=rf"cross_entropy: Target {bad} is out of bounds: target\[1\]"):
+            F.cross_entropy(logits, to_device(targets), ignore_index=-1)
+    with pytest.raises(ValueError, match="cross_entropy: reduction='average' is not a valid value"):
+        F.cross_entropy(logits, to_device(np.zeros(4, np.int64)), reduction="average")
+    with pytest.raises(ValueError, match=r"cross_entropy: input must be \(N, C\).*got input \(4, 11\) and target \(3,\)"):
+        F.cross_entropy(logits, to_device(np.zeros(3, np.int64)))
+
+
+def test_gelu_is_exact_by_default_as_in_pytorch(rng, to_device, to_host):
+    x64 = rng.normal(size=(3, 37)) * 3
+    x = Tensor(to_device(x64.astype(np.float32)))
+    assert relative_error(to_host(F.gelu(x).data), gelu_reference(x64, "none")) < FORWARD_TOLERANCE
+    # The tanh form differs from the exact one by up to ~5e-4 on this range: a check that could tell them apart.
+    assert np.abs(gelu_reference(x64, "tanh") - gelu_reference(x64, "none")).max() > 1e-4
+    with pytest.raises(ValueError, match="gelu: approximate='erf'"):
+        F.gelu(x, approximate="erf")
+
+
+def test_scaled_dot_product_attention_is_not_causal_by_default(rng, to_device, to_host):
+    q, k, v = (rng.normal(size=(1, 2, 5, 32)) for _ in range(3))
+    check_op(F.scaled_dot_product_attention, lambda q, k, v: attention_reference(q, k, v, causal=False),
+             [q, k, v], to_device, to_host)
+    tensors = [Tensor(to_device(a.astype(np.float32))) for a in (q, k, v)]
+    same_scale = F.scaled_dot_product_attention(*tensors, is_causal=True, scale=1 / math.sqrt(32))
+    assert relative_error(to_host(same_scale.data), attention_reference(q, k, v)) < FORWARD_TOLERANCE
+    with pytest.raises(NotImplementedError, match="scaled_dot_product_attention: attn_mask is not supported yet"):
+        F.scaled_dot_product_attention(*tensors, attn_mask=tensors[0])
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1 is not supported yet"):
+        F.scaled_dot_product_attention(*tensors, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="scale=0.5 is not supported yet"):
+        F.scaled_dot_product_attention(*tensors, scale=0.5)
 
 
 def test_dropout_scales_kept_elements_and_the_backward_uses_the_same_mask(rng, to_device, to_host):

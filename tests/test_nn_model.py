@@ -309,15 +309,18 @@ def test_module_api(rng, to_device, to_host):
     for parameter, buffer in zip(layer.parameters(), buffers):
         parameter.grad = to_device(buffer)
     grads = [p.grad for p in layer.parameters()]
-    layer.zero_grad()
+    layer.zero_grad(set_to_none=False)
     assert all(p.grad is g and not to_host(g).any() for p, g in zip(layer.parameters(), grads))
+    layer.zero_grad()                                   # PyTorch's default: set_to_none=True
+    assert all(p.grad is None for p in layer.parameters())
     state = {"weight": np.zeros((3, 5), np.float32), "bias": np.arange(3, dtype=np.float32)}
     data = layer.weight.data
     layer.load_state_dict(state)
     assert layer.weight.data is data and np.array_equal(to_host(layer.bias.data), state["bias"])
-    with pytest.raises(KeyError, match="missing"):
+    with pytest.raises(RuntimeError, match="Error\\(s\\) in loading state_dict for Linear:\n\tMissing key\\(s\\) in "
+                                           "state_dict: 'bias'"):
         layer.load_state_dict({"weight": state["weight"]})
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(RuntimeError, match="size mismatch for weight"):
         layer.load_state_dict({"weight": np.zeros((5, 3), np.float32), "bias": state["bias"]})
     x = Tensor(to_device(rng.normal(size=(2, 5)).astype(np.float32)))
     assert relative_error(to_host(layer(x).data), to_host(x.data) @ state["weight"].T + state["bias"]) < 1e-6
@@ -403,3 +406,17 @@ def _torch_gpt2(torch, p, idx, targets, config):
     x = functional.layer_norm(x, (C,), p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])
     logits = functional.linear(x, p["transformer.wte.weight"])
     return functional.cross_entropy(logits.view(B * T, -1), targets.view(-1), ignore_index=-1)
+
+
+def test_named_modules_has_no_trailing_dots_and_lists_a_shared_module_once():
+    model = GPT(GPTConfig(**TINY))
+    names = [name for name, _ in model.named_modules()]
+    assert names[:4] == ["", "transformer", "transformer.wte", "transformer.wpe"]
+    assert "transformer.h.1.mlp.c_proj" in names and not any(name.endswith(".") for name in names)
+    shared = nn.Linear(3, 3)
+    outer = nn.ModuleDict(dict(first=shared, second=shared, inner=nn.ModuleDict(dict(again=shared))))
+    assert [name for name, _ in outer.named_modules()] == ["", "first", "inner"]
+    assert len(list(outer.modules())) == 3
+    assert [name for name, _ in outer.named_modules(remove_duplicate=False)] == ["", "first", "second", "inner",
+                                                                                "inner.again"]
+    assert [name for name, _ in outer.named_parameters()] == ["first.weight", "first.bias"]

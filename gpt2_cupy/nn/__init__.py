@@ -1,0 +1,393 @@
+"""Layers with parameters, in PyTorch's torch.nn names.
+
+    Module        named_parameters, named_modules, children, apply, state_dict, load_state_dict, to, repr
+    Linear, LayerNorm, DyT, Embedding, Dropout          the layers GPT-2 needs, over the course's kernels
+    GELU, ReLU, SiLU, Identity, Sequential, ModuleList, ModuleDict, Parameter
+    nn.init (normal_, zeros_, ones_, uniform_, xavier_uniform_), nn.utils.clip_grad_norm_, nn.functional (F)
+
+A Module finds its parameters and sub-modules by looking at its own attributes, in the order they were
+set (as torch.nn.Module does), so `named_parameters()` gives names like "transformer.h.0.attn.c_attn.weight".
+`state_dict()` returns numpy copies (for checkpoints), where PyTorch's shares storage with the parameters;
+`load_state_dict()` copies values (arrays or Tensors) into the existing arrays, so views the optimizer made
+into its flat buffer stay valid.
+
+Initial weights are drawn with numpy from the generator gpt2_cupy.manual_seed seeds, then copied to the
+backend: the same seed gives the same model on a GPU and on the CPU.
+"""
+
+import math
+from collections import OrderedDict
+
+import numpy
+
+from gpt2_cupy import backend
+from gpt2_cupy.autograd import Tensor, init_generator
+from gpt2_cupy.nn import functional as F
+from gpt2_cupy.nn import init, utils
+
+
+class Parameter(Tensor):
+    """A Tensor a Module owns and the optimizer updates: requires_grad by default. Parameter(tensor) shares
+    the tensor's array, as PyTorch's does."""
+
+    def __init__(self, data=None, requires_grad=True):
+        if data is None:
+            data = numpy.empty(0, numpy.float32)
+        if isinstance(data, Tensor):
+            data = data.data
+        super().__init__(backend.xp.asarray(data, dtype=numpy.float32), requires_grad=requires_grad)
+
+    def __repr__(self):
+        return f"Parameter(shape={self.shape}, requires_grad={self.requires_grad})"
+
+
+class Module:
+    training = True
+
+    def __call__(self, *arguments, **options):
+        return self.forward(*arguments, **options)
+
+    def __getattr__(self, name):
+        # Only called when normal lookup fails: buffers live in self._buffers, as in torch.nn.Module.
+        buffers = self.__dict__.get("_buffers", {})
+        if name in buffers:
+            return buffers[name]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def register_buffer(self, name, tensor, persistent=True):
+        """A tensor the module keeps that is not a parameter (a mask, running statistics): in state_dict
+        unless persistent=False, never in parameters()."""
+        if "_buffers" not in self.__dict__:
+            self._buffers, self._non_persistent = {}, set()
+        if tensor is not None and not isinstance(tensor, Tensor):
+            tensor = Tensor(backend.xp.asarray(tensor))
+        self._buffers[name] = tensor
+        if not persistent:
+            self._non_persistent.add(name)
+
+    def named_buffers(self, prefix="", remove_duplicate=True):
+        for module_prefix, module in self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate):
+            for name, tensor in module.__dict__.get("_buffers", {}).items():
+                if tensor is not None:
+                    yield f"{module_prefix}.{name}" if module_prefix else name, tensor
+
+    def buffers(self):
+        return [tensor for _, tensor in self.named_buffers()]
+
+    def named_children(self):
+        """(name, module) of the modules set directly on this one, in the order they were set."""
+        for name, value in vars(self).items():
+            if isinstance(value, Module):
+                yield name, value
+
+    def children(self):
+        return (module for _, module in self.named_children())
+
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        """(name, module) of this module and every one below it, depth first: "", "transformer",
+        "transformer.h.0", ...; a module reachable twice (shared) is listed once, under its first name."""
+        memo = set() if memo is None else memo
+        if remove_duplicate:
+            if id(self) in memo:
+                return
+            memo.add(id(self))
+        yield prefix, self
+        for name, child in self.named_children():
+            yield from child.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
+
+    def modules(self):
+        return (module for _, module in self.named_modules())
+
+    def named_parameters(self, prefix="", remove_duplicate=True):
+        """(name, Parameter) pairs; a parameter shared by two modules (tied weights) is listed once."""
+        seen = set()
+        for module_prefix, module in self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate):
+            for name, value in vars(module).items():
+                if isinstance(value, Parameter) and not (remove_duplicate and id(value) in seen):
+                    seen.add(id(value))
+                    yield f"{module_prefix}.{name}" if module_prefix else name, value
+
+    def parameters(self):
+        return [parameter for _, parameter in self.named_parameters()]
+
+    def _persistent_buffers(self):
+        return {name: tensor for name, tensor in self.named_buffers(remove_duplicate=False)
+                if name.rpartition(".")[2] not in self._owner_of(name).__dict__.get("_non_persistent", ())}
+
+    def _owner_of(self, name):
+        module = self
+        for part in name.split(".")[:-1]:
+            module = getattr(module, part)
+        return module
+
+    def state_dict(self):
+        """{name: numpy copy}: parameters, tied ones under each of their names (as PyTorch's), then buffers."""
+        tensors = dict(self.named_parameters(remove_duplicate=False)) | self._persistent_buffers()
+        return {name: backend.asnumpy(tensor.data).copy() for name, tensor in tensors.items()}
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Copy values (numpy or backend arrays, or Tensors) into the parameters and buffers in place.
+
+        strict: the names must match exactly (PyTorch's RuntimeError otherwise). Returns the missing and
+        unexpected names, as PyTorch's does.
+        """
+        tensors = dict(self.named_parameters(remove_duplicate=False)) | self._persistent_buffers()
+        missing = [name for name in tensors if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in tensors]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t"
+                               f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}.\n\t"
+                               f"Unexpected key(s) in state_dict: {', '.join(map(repr, unexpected))}.")
+        for name, value in state_dict.items():
+            if name not in tensors:
+                continue
+            value = value.data if isinstance(value, Tensor) else value
+            tensor = tensors[name]
+            if tuple(value.shape) != tensor.shape:
+                raise RuntimeError(f"load_state_dict: size mismatch for {name}: copying a param with shape "
+                                   f"{tuple(value.shape)}, the shape in current model is {tensor.shape}")
+            tensor.data[...] = backend.xp.asarray(value, dtype=tensor.dtype)
+        return missing, unexpected
+
+    def apply(self, fn):
+        """fn(module) for every sub-module, then for this one (as torch's: nanoGPT initialises weights so)."""
+        for child in self.children():
+            child.apply(fn)
+        fn(self)
+        return self
+
+    def to(self, *arguments, **options):
+        """Accepted as PyTorch's: a device ("cpu", "cuda") maps to the active backend, where every array
+        already is; float32 is the only dtype of the parameters. Returns self."""
+        from gpt2_cupy import dtype_of
+        for argument in (*arguments, *options.values()):
+            if argument is None or isinstance(argument, str) or type(argument).__name__ == "device":
+                continue
+            if dtype_of(argument) != numpy.float32:
+                raise NotImplementedError(f"{type(self).__name__}.to: dtype {argument} is not supported yet; "
+                                          "parameters are float32")
+        return self
+
+    def cuda(self, device=None):
+        return self
+
+    def cpu(self):
+        return self
+
+    def extra_repr(self):
+        """The layer's own settings, inside the parentheses of its repr: Linear(in_features=..., ...)."""
+        return ""
+
+    def __repr__(self):
+        lines = [f"({name}): " + repr(child).replace("\n", "\n  ") for name, child in self.named_children()]
+        if not lines:
+            return f"{type(self).__name__}({self.extra_repr()})"
+        extra = [self.extra_repr()] if self.extra_repr() else []
+        return f"{type(self).__name__}(\n" + "".join(f"  {line}\n" for line in extra + lines) + ")"
+
+    def train(self, mode=True):
+        for _, module in self.named_modules():
+            module.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def zero_grad(self, set_to_none=True):
+        """Every parameter's .grad to None (PyTorch's default), or zeroed in place with set_to_none=False."""
+        for parameter in self.parameters():
+            if set_to_none:
+                parameter.grad = None
+            elif parameter.grad is not None:
+                parameter.grad.fill(0)  # in place: the buffer may be a view into the optimizer's flat one
+
+
+class ModuleList(Module):
+    """Modules numbered 0, 1, ...: their parameters are named "h.0.…", "h.1.…"."""
+
+    def __init__(self, modules=()):
+        self._length = 0
+        self.extend(modules)
+
+    def append(self, module):
+        setattr(self, str(self._length), module)
+        self._length += 1
+        return self
+
+    def extend(self, modules):
+        for module in modules:
+            self.append(module)
+        return self
+
+    def __len__(self):
+        return self._length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return type(self)([self[i] for i in range(self._length)[index]])
+        return getattr(self, str(range(self._length)[index]))
+
+    def __iter__(self):
+        return (self[index] for index in range(self._length))
+
+
+class ModuleDict(Module):
+    """Modules under names: transformer.wte, transformer.h, ..."""
+
+    def __init__(self, modules=None):
+        for name, module in (modules or {}).items():
+            setattr(self, name, module)
+
+    def __getitem__(self, name):
+        return getattr(self, name)
+
+    def __contains__(self, name):
+        return isinstance(self.__dict__.get(name), Module)
+
+    def keys(self):
+        return [name for name, _ in self.named_children()]
+
+    def items(self):
+        return list(self.named_children())
+
+    def values(self):
+        return list(self.children())
+
+
+class Sequential(Module):
+    """Modules applied in order: Sequential(a, b, c)(x) = c(b(a(x))); from modules or an OrderedDict of them."""
+
+    def __init__(self, *modules):
+        if len(modules) == 1 and isinstance(modules[0], OrderedDict):
+            for name, module in modules[0].items():
+                setattr(self, name, module)
+        else:
+            for index, module in enumerate(modules):
+                setattr(self, str(index), module)
+
+    def __len__(self):
+        return len(list(self.children()))
+
+    def __getitem__(self, index):
+        children = list(self.children())
+        if isinstance(index, slice):
+            return Sequential(*children[index])
+        return children[index]
+
+    def __iter__(self):
+        return self.children()
+
+    def forward(self, x):
+        for module in self.children():
+            x = module(x)
+        return x
+
+
+def _normal(shape, std):
+    return Parameter(init_generator().normal(0.0, std, shape).astype(numpy.float32))
+
+
+def _uniform(shape, bound):
+    return Parameter(init_generator().uniform(-bound, bound, shape).astype(numpy.float32))
+
+
+class Linear(Module):
+    """y = x Wᵀ + b, weight (out_features, in_features); initialised as PyTorch's, U(±1/√in_features)."""
+
+    def __init__(self, in_features, out_features, bias=True):
+        self.in_features, self.out_features = in_features, out_features
+        bound = 1 / math.sqrt(in_features)
+        self.weight = _uniform((out_features, in_features), bound)
+        self.bias = _uniform((out_features,), bound) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class LayerNorm(Module):
+    """Normalise over the last axis, then weight (ones) and bias (zeros, or none with bias=False)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, bias=True):
+        self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.eps = eps
+        self.weight = Parameter(numpy.ones(self.normalized_shape, numpy.float32))
+        self.bias = Parameter(numpy.zeros(self.normalized_shape, numpy.float32)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine=True"
+
+
+class DyT(Module):
+    """Dynamic tanh, weight * tanh(alpha x) + bias (Zhu et al. 2025): a norm layer without statistics."""
+
+    def __init__(self, num_features, alpha_init_value=0.5, bias=True):
+        self.alpha = Parameter(numpy.full((1,), alpha_init_value, numpy.float32))
+        self.weight = Parameter(numpy.ones((num_features,), numpy.float32))
+        self.bias = Parameter(numpy.zeros((num_features,), numpy.float32)) if bias else None
+
+    def forward(self, x):
+        return F.dyt(x, self.alpha, self.weight, self.bias)
+
+
+class Embedding(Module):
+    """A table of num_embeddings rows of embedding_dim; initialised N(0, 1) as PyTorch's."""
+
+    def __init__(self, num_embeddings, embedding_dim):
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = _normal((num_embeddings, embedding_dim), 1.0)
+
+    def forward(self, idx):
+        return F.embedding(idx, self.weight)
+
+    def extra_repr(self):
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class Dropout(Module):
+    def __init__(self, p=0.5):
+        self.p = p
+
+    def forward(self, x):
+        return F.dropout(x, self.p, self.training)
+
+    def extra_repr(self):
+        return f"p={self.p}, inplace=False"
+
+
+class GELU(Module):
+    def __init__(self, approximate="none"):
+        self.approximate = approximate
+
+    def forward(self, x):
+        return F.gelu(x, approximate=self.approximate)
+
+    def extra_repr(self):
+        return f"approximate={self.approximate!r}"
+
+
+class ReLU(Module):
+    def forward(self, x):
+        return F.relu(x)
+
+
+class SiLU(Module):
+    def forward(self, x):
+        return F.silu(x)
+
+
+class Identity(Module):
+    def __init__(self, *arguments, **options):
+        pass  # PyTorch's Identity accepts and ignores any arguments
+
+    def forward(self, x):
+        return x
+
+
+__all__ = ["Module", "Parameter", "Linear", "LayerNorm", "DyT", "Embedding", "Dropout", "GELU", "ReLU", "SiLU",
+           "Identity", "Sequential", "ModuleList", "ModuleDict", "functional", "init", "utils"]

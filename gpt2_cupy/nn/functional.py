@@ -1,0 +1,417 @@
+"""PyTorch's torch.nn.functional names, each a small Function around one op pair of gpt2_cupy.ops.
+
+    F.linear(x, weight, bias=None)                     F.gelu(x, approximate="none")     F.relu(x)   F.silu(x)
+    F.layer_norm(x, (C,), weight, bias, eps=1e-5)      F.dyt(x, alpha, weight, bias)
+    F.embedding(idx, weight)                           F.dropout(x, p=0.5, training=True)
+    F.softmax(x, dim=-1)                               F.cross_entropy(logits, targets, ignore_index=-100,
+                                                                       reduction="mean")
+    F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)
+    F.relu_attention(q, k, v, is_causal=True)
+    add(a, b), reshape(x, shape), transpose(x, dim0, dim1), split(x, size, dim): Tensor's +, .reshape, ...
+
+Each forward calls the op's X_forward and saves what X_backward needs; each backward calls X_backward
+with the upstream gradient and hands the op the parameters' own gradient buffers (ctx.grad_buffer),
+so that parameter gradients are added in place and only activation gradients come back to the tape.
+
+reshape, transpose and split move data and do no arithmetic: they use the array module's own
+operations (a reshape of a C-contiguous array is free; transpose and split copy into a C-contiguous
+array, because every kernel reads its arguments as one flat C-contiguous block).
+"""
+
+import math
+
+import numpy
+
+from gpt2_cupy import backend
+from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state
+from gpt2_cupy.ops.attention import attention_backward, attention_forward
+from gpt2_cupy.ops.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from gpt2_cupy.ops.dropout import advance_rng_state, dropout_backward, dropout_forward
+from gpt2_cupy.ops.dyt import dyt_backward, dyt_forward
+from gpt2_cupy.ops.embedding import embedding_backward, embedding_forward
+from gpt2_cupy.ops.gelu import gelu_backward, gelu_forward
+from gpt2_cupy.ops.layernorm import layernorm_backward, layernorm_forward
+from gpt2_cupy.ops.linear import linear_backward, linear_forward
+from gpt2_cupy.ops.residual import residual_forward
+from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
+
+
+# ---- arithmetic ------------------------------------------------------------------------------------------
+
+class Linear(Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias=None):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return linear_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight = ctx.saved_tensors
+        dbias = ctx.grad_buffer(2) if ctx.has_bias else None
+        dx = linear_backward(dout, x, weight, dweight=ctx.grad_buffer(1), dbias=dbias)
+        return dx, None, None
+
+
+def linear(x, weight, bias=None):
+    """y = x Wᵀ + b; x (..., C_in), weight (C_out, C_in), bias (C_out,) or None."""
+    return Linear.apply(x, weight, bias)
+
+
+class GELU(Function):
+    @staticmethod
+    def forward(ctx, x, approximate):
+        ctx.save_for_backward(x)
+        ctx.approximate = approximate
+        return gelu_forward(x, approximate=approximate)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (x,) = ctx.saved_tensors
+        return gelu_backward(dout, x, approximate=ctx.approximate), None
+
+
+def gelu(x, approximate="none"):
+    """GELU(x) elementwise: "none" (the exact erf form, PyTorch's default) or "tanh" (GPT-2's approximation)."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate={approximate!r}; it must be 'none' or 'tanh'")
+    return GELU.apply(x, approximate)
+
+
+class ReLU(Function):
+    # Written with the array module's operations until the generated elementwise kernels replace them.
+    @staticmethod
+    def forward(ctx, x):
+        y = backend.xp.maximum(x, 0).astype(x.dtype, copy=False)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        (y,) = ctx.saved_tensors
+        return dout * (y > 0)
+
+
+def relu(x):
+    """max(x, 0) elementwise."""
+    return ReLU.apply(x)
+
+
+class SiLU(Function):
+    # Written with the array module's operations until the generated elementwise kernels replace them.
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return (x / (1 + backend.xp.exp(-x))).astype(x.dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (x,) = ctx.saved_tensors
+        sigmoid = 1 / (1 + backend.xp.exp(-x))
+        return (dout * sigmoid * (1 + x * (1 - sigmoid))).astype(x.dtype, copy=False)  # d(x·σ(x))/dx
+
+
+def silu(x):
+    """x · sigmoid(x) elementwise (Llama's MLP gate)."""
+    return SiLU.apply(x)
+
+
+class Add(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        if a.shape != b.shape:
+            raise ValueError(f"add: shapes {a.shape} and {b.shape} differ; this + does not broadcast")
+        return residual_forward(a, b)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout, dout  # the add node hands its gradient unchanged to both inputs (chapter 03)
+
+
+def add(a, b):
+    """a + b, elementwise, for two tensors of one shape (the residual connection)."""
+    return Add.apply(a, b)
+
+
+class LayerNorm(Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = layernorm_forward(x, weight, bias, eps=eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dbias = ctx.grad_buffer(2) if ctx.has_bias else None
+        dx = layernorm_backward(dout, x, weight, mean, rstd, dweight=ctx.grad_buffer(1), dbias=dbias)
+        return dx, None, None, None
+
+
+def layer_norm(x, normalized_shape, weight, bias=None, eps=1e-5):
+    """Normalise each row of x over its last axis, then scale by weight and shift by bias."""
+    if tuple(normalized_shape) != (x.shape[-1],):
+        raise ValueError(f"layer_norm: normalized_shape {tuple(normalized_shape)} must be the last axis of "
+                         f"x, ({x.shape[-1]},): only the channels are normalised")
+    return LayerNorm.apply(x, weight, bias, eps)
+
+
+class DyT(Function):
+    @staticmethod
+    def forward(ctx, x, alpha, weight, bias):
+        ctx.save_for_backward(x, alpha, weight)
+        ctx.has_bias = bias is not None
+        return dyt_forward(x, alpha, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, alpha, weight = ctx.saved_tensors
+        dbias = ctx.grad_buffer(3) if ctx.has_bias else None
+        dx = dyt_backward(dout, x, alpha, weight, dalpha=ctx.grad_buffer(1), dweight=ctx.grad_buffer(2),
+                          dbias=dbias)
+        return dx, None, None, None
+
+
+def dyt(x, alpha, weight, bias=None):
+    """Dynamic tanh, weight * tanh(alpha x) + bias: LayerNorm's replacement without statistics."""
+    return DyT.apply(x, alpha, weight, bias)
+
+
+class Embedding(Function):
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        return embedding_forward(ids, weight)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (ids,) = ctx.saved_tensors
+        # The forward checked these ids already; checking again would cost a second wait for the GPU.
+        embedding_backward(dout, ids, dweight=ctx.grad_buffer(1), check_ids=False)
+        return None, None
+
+
+def embedding(idx, weight):
+    """The rows weight[idx]; idx an integer backend array (any shape), converted to int32 if needed."""
+    return Embedding.apply(_int32(idx, "embedding", "idx"), weight)
+
+
+class Dropout(Function):
+    @staticmethod
+    def forward(ctx, x, p):
+        rng_state = dropout_rng_state()
+        ctx.rng_state = rng_state.copy()  # the backward regenerates the forward's mask from this state
+        ctx.p = p
+        y = dropout_forward(x, p, ctx.rng_state)
+        advance_rng_state(rng_state, x.size)  # the next call draws fresh numbers
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dropout_backward(dout, ctx.p, ctx.rng_state), None
+
+
+def dropout(x, p=0.5, training=True):
+    """Zero each element with probability p and scale the rest by 1/(1-p); the identity when not training."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout: p = {p}; it must be in [0, 1)")
+    if not training or p == 0.0:
+        return x
+    return Dropout.apply(x, float(p))
+
+
+class Softmax(Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = softmax_forward(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        (y,) = ctx.saved_tensors
+        return softmax_backward(dout, y)
+
+
+def softmax(x, dim=-1):
+    """Softmax over the last axis (the only one the kernel reduces over)."""
+    if dim not in (-1, x.ndim - 1):
+        raise ValueError(f"softmax: dim={dim}; only the last axis (dim=-1) is supported")
+    return Softmax.apply(x)
+
+
+class Attention(Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, variant):
+        out, lse = attention_forward(q, k, v, causal=causal, variant=variant)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.variant = causal, variant
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=ctx.causal, variant=ctx.variant)
+        return dq, dk, dv, None, None
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    """softmax(q kᵀ · scale) v, q, k, v (B, H, T, d); is_causal: each query sees keys up to its own position.
+
+    PyTorch's signature and defaults. The fused kernels of chapter 08 compute the default scale, 1/√d, with
+    no mask other than the causal one and no dropout of the attention weights: attn_mask, dropout_p > 0 and
+    another scale raise NotImplementedError rather than compute something else.
+    """
+    _check_attention_options("scaled_dot_product_attention", q, attn_mask, dropout_p, scale)
+    return Attention.apply(q, k, v, bool(is_causal), "softmax")
+
+
+def _check_attention_options(operation, q, attn_mask, dropout_p, scale):
+    if attn_mask is not None:
+        raise NotImplementedError(f"{operation}: attn_mask is not supported yet; the fused kernels take only "
+                                  "is_causal=True or no mask")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"{operation}: dropout_p={dropout_p} is not supported yet; the fused kernels "
+                                  "have no dropout of the attention weights (apply nn.Dropout to the output)")
+    if scale is not None and not math.isclose(scale, 1 / math.sqrt(q.shape[-1]), rel_tol=1e-6):
+        raise NotImplementedError(f"{operation}: scale={scale} is not supported yet; the fused kernels use "
+                                  f"1/sqrt(d) = {1 / math.sqrt(q.shape[-1])} for d = {q.shape[-1]}")
+
+
+def relu_attention(q, k, v, is_causal=True):
+    """Attention with ReLU in place of softmax (chapter 08's variant); q, k, v (B, H, T, d)."""
+    return Attention.apply(q, k, v, is_causal, "relu")
+
+
+class CrossEntropy(Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, reduction):
+        loss, lse = cross_entropy_forward(logits, targets, ignore_index=ignore_index)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.ignore_index, ctx.reduction = ignore_index, reduction
+        if reduction == "mean":
+            return loss
+        row_losses = _row_losses(logits, targets, lse, ignore_index)
+        return row_losses if reduction == "none" else row_losses.sum()
+
+    @staticmethod
+    def backward(ctx, dout):
+        logits, targets, lse = ctx.saved_tensors
+        if ctx.reduction == "mean":
+            dlogits = cross_entropy_backward(dout, logits, targets, lse, ignore_index=ctx.ignore_index)
+            return dlogits, None, None, None
+        # The kernel's gradient is that of the mean: (softmax - onehot) · dout / count. Handing it
+        # dout = count leaves (softmax - onehot) for each counted row, which the sum's or each row's own
+        # upstream gradient then scales.
+        count = (targets != ctx.ignore_index).sum(dtype=numpy.float32)
+        row_gradients = cross_entropy_backward(backend.xp.asarray(count, dtype=numpy.float32), logits, targets,
+                                               lse, ignore_index=ctx.ignore_index)
+        scale = dout if ctx.reduction == "sum" else dout[:, None]
+        return (row_gradients * scale).astype(numpy.float32, copy=False), None, None, None
+
+
+def _row_losses(logits, targets, lse, ignore_index):
+    """Each row's lse - logits[row, target], 0 where the target is ignored: reduction="none"'s result."""
+    xp = backend.xp
+    counted = targets != ignore_index
+    picked = xp.take_along_axis(logits, xp.where(counted, targets, 0)[:, None], axis=1)[:, 0]
+    return xp.where(counted, lse - picked, 0).astype(numpy.float32)
+
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
+                  label_smoothing=0.0):
+    """-log softmax(input)[target] for each row whose target is not ignore_index: input (N, C) logits,
+    target (N,) class indices; reduced by reduction: "mean" over the counted rows, "sum", or "none" (N,).
+
+    A target outside [0, C) other than ignore_index raises an error, as PyTorch's does (here the check
+    reads the targets back from the device: one synchronisation per call, as embedding's id check).
+    weight and label_smoothing are not supported yet.
+    """
+    if weight is not None or label_smoothing != 0.0:
+        raise NotImplementedError("cross_entropy: weight and label_smoothing are not supported yet")
+    if size_average is not None or reduce is not None:
+        raise ValueError("cross_entropy: size_average and reduce are deprecated in PyTorch; use reduction")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"cross_entropy: reduction={reduction!r} is not a valid value; use one of {REDUCTIONS}")
+    if isinstance(target, Tensor):
+        target = target.data
+    target = _int32(target, "cross_entropy", "target")
+    if input.ndim != 2 or target.shape != input.shape[:1]:
+        raise ValueError(f"cross_entropy: input must be (N, C) logits and target (N,) class indices; got input "
+                         f"{input.shape} and target {tuple(target.shape)}")
+    _check_targets(target, input.shape[1], ignore_index)
+    return CrossEntropy.apply(input, target, ignore_index, reduction)
+
+
+def _check_targets(target, classes, ignore_index):
+    bad = (target != ignore_index) & ((target < 0) | (target >= classes))
+    if bool(bad.any()):
+        row = int(backend.asnumpy(bad).argmax())
+        value = int(backend.asnumpy(target[row]))
+        raise IndexError(f"cross_entropy: Target {value} is out of bounds: target[{row}] = {value}, but input has "
+                         f"{classes} classes (targets must be in [0, {classes}) or ignore_index = {ignore_index})")
+
+
+# ---- data movement ---------------------------------------------------------------------------------------
+
+class Reshape(Function):
+    @staticmethod
+    def forward(ctx, x, shape):
+        ctx.input_shape = x.shape
+        return x.reshape(shape)  # a view: x is C-contiguous
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout.reshape(ctx.input_shape), None
+
+
+def reshape(x, shape):
+    return Reshape.apply(x, tuple(shape))
+
+
+class Transpose(Function):
+    @staticmethod
+    def forward(ctx, x, dim0, dim1):
+        ctx.dims = (dim0, dim1)
+        return backend.xp.ascontiguousarray(backend.xp.swapaxes(x, dim0, dim1))  # a copy, C-contiguous
+
+    @staticmethod
+    def backward(ctx, dout):
+        return backend.xp.ascontiguousarray(backend.xp.swapaxes(dout, *ctx.dims)), None, None
+
+
+def transpose(x, dim0, dim1):
+    return Transpose.apply(x, dim0, dim1)
+
+
+class Split(Function):
+    @staticmethod
+    def forward(ctx, x, split_size, dim):
+        ctx.dim = dim
+        pieces = [backend.xp.ascontiguousarray(piece)  # copies: a slice along a later axis has gaps
+                  for piece in backend.xp.split(x, range(split_size, x.shape[dim], split_size), axis=dim)]
+        return tuple(pieces)
+
+    @staticmethod
+    def backward(ctx, *douts):
+        return backend.xp.concatenate(douts, axis=ctx.dim), None, None
+
+
+def split(x, split_size, dim=-1):
+    """Pieces of split_size along dim (the last one shorter when it does not divide), each a copy."""
+    return Split.apply(x, split_size, dim)
+
+
+def _int32(ids, operation, name):
+    """ids as a C-contiguous int32 backend array (token ids fit easily in 32 bits)."""
+    if not isinstance(ids, backend.xp.ndarray):
+        raise TypeError(f"{operation}: {name} must be a {backend.xp.__name__}.ndarray of integers, "
+                        f"got {type(ids).__name__}")
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{operation}: {name} has dtype {ids.dtype}; it must hold integers")
+    return backend.xp.ascontiguousarray(ids, dtype=numpy.int32)
+
