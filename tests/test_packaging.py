@@ -104,6 +104,8 @@ def test_a_wheel_in_a_fresh_environment_carries_its_kernels_and_finds_no_data_of
     in_repository = {str(p.relative_to(REPOSITORY / "kernels"))
                      for p in (REPOSITORY / "kernels").rglob("*") if p.suffix in (".cu", ".cuh")}
     assert installed == in_repository
+    modules = {str(p.relative_to(site_packages)) for p in (site_packages / "gpt2_cupy").rglob("*.py")}
+    assert modules == {str(p.relative_to(REPOSITORY)) for p in (REPOSITORY / "gpt2_cupy").rglob("*.py")}
 
     found = run_python(python, RUN_A_KERNEL, cwd=tmp_path)
     assert Path(found["package"]).parent == site_packages / "gpt2_cupy"
