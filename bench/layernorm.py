@@ -28,6 +28,7 @@ import re
 
 import numpy as np
 
+from bench import layernorm_variants as variants
 from gpt2_cupy import backend, benchmark, kernels
 from gpt2_cupy.ops import dyt as dyt_ops
 from gpt2_cupy.ops import layernorm as layernorm_ops
@@ -112,13 +113,13 @@ def candidates(cupy):
     rows_per_block = layernorm_ops.ROWS_PER_BLOCK
 
     def layernorm_backward_with(rows):
-        return lambda: layernorm_ops._backward(layout, dx, dweight, dbias, dout, x, weight, mean, rstd, N, C,
-                                               rows_per_block=rows)
+        return lambda: variants.layernorm_backward_shared(layout, dx, dweight, dbias, dout, x, weight, mean, rstd,
+                                                          N, C, rows)
 
     def dyt_backward_with(rows, row_slots, rows_at_once):
-        return lambda: dyt_ops._backward_columns(4, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C,
-                                                 rows_per_block=rows, row_slots=row_slots,
-                                                 rows_at_once=rows_at_once)
+        return lambda: variants.dyt_backward_columns(4, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C,
+                                                     rows_per_block=rows, row_slots=row_slots,
+                                                     rows_at_once=rows_at_once)
 
     # The LayerNorm backward's two launches, each alone: the row kernel writing its blocks' partial sums,
     # and column_sums_accumulate adding them into dweight and dbias.
@@ -154,7 +155,7 @@ def candidates(cupy):
         "LayerNorm forward": ops["LayerNorm forward"],
         "LayerNorm backward": ops["LayerNorm backward"],
         "LayerNorm backward, column sums in registers (first kernel)": (BACKWARD_BYTES, lambda: (
-            layernorm_ops._backward_registers(layout, dx, dweight, dbias, dout, x, weight, mean, rstd, N, C))),
+            variants.layernorm_backward_registers(layout, dx, dweight, dbias, dout, x, weight, mean, rstd, N, C))),
         **{f"LayerNorm backward, {rows} rows per block": (BACKWARD_BYTES, layernorm_backward_with(rows))
            for rows in (32, 48, 96, 128) if rows != rows_per_block},
         "LayerNorm backward, the row kernel alone": (BACKWARD_BYTES, layernorm_rows_alone),
@@ -162,19 +163,19 @@ def candidates(cupy):
             partials.nbytes + 4 * FLOAT * C, lambda: layernorm_ops.add_column_sums((dweight, dbias), partials)),
         **{f"LayerNorm backward, column_sums_accumulate alone, {stripes} rows of threads": (
             partials.nbytes + 4 * FLOAT * C,
-            lambda stripes=stripes: layernorm_ops.add_column_sums((dweight, dbias), partials, stripes))
+            lambda stripes=stripes: variants.add_column_sums((dweight, dbias), partials, stripes))
            for stripes in (16, 32)},
         "DyT forward": ops["DyT forward"],
         "DyT backward": ops["DyT backward"],
-        "DyT backward, a warp per row (first kernel)": (ELEMENTWISE_BACKWARD_BYTES, lambda: dyt_ops._backward_rows(
+        "DyT backward, a warp per row (first kernel)": (ELEMENTWISE_BACKWARD_BYTES, lambda: variants.dyt_backward_rows(
             layout, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C)),
         "DyT backward, one row at a time (previous)": (ELEMENTWISE_BACKWARD_BYTES, dyt_backward_with(128, 8, 1)),
         **{f"DyT backward, stopped before {part}": (ELEMENTWISE_BACKWARD_BYTES, lambda kernel=kernel: (
-            dyt_ops._backward_columns(4, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C, kernel=kernel)))
+            variants.dyt_backward_columns(4, dx, dalpha, dweight, dbias, dout, x, alpha, weight, N, C, kernel=kernel)))
            for part, kernel in dyt_stopped.items()},
         **{f"DyT backward, {rows} rows per block, {slots} row slots, {at_once} at once": (
             ELEMENTWISE_BACKWARD_BYTES, dyt_backward_with(rows, slots, at_once))
-           for rows in (64, 128, 256) for slots, at_once in dyt_ops.CANDIDATES if slots * at_once <= rows},
+           for rows in (64, 128, 256) for slots, at_once in variants.DYT_CANDIDATES if slots * at_once <= rows},
     }
     torch = torch_or_none()
     if torch is None:

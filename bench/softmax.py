@@ -21,8 +21,10 @@ multiprocessor.
 
 import numpy as np
 
+from bench import softmax_variants
 from gpt2_cupy import backend, benchmark, kernels
 from gpt2_cupy.ops import softmax as softmax_ops
+from gpt2_cupy.ops.arrays import WARP_SIZE, ceil_div
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 from gpt2_cupy.testing import torch_or_none
 
@@ -39,7 +41,7 @@ def other_loads_in_flight(direction):
     """softmax_{direction}_shared compiled with OTHER_LOADS_IN_FLIGHT[direction]'s option."""
     option, _ = OTHER_LOADS_IN_FLIGHT[direction]
     kernel = kernels.function("softmax", f"softmax_{direction}_shared", options=(option,),
-                              name_expressions=softmax_ops._NAMES)
+                              name_expressions=softmax_ops.NAMES)
     kernel.max_dynamic_shared_size_bytes = (backend.shared_memory_per_block()
                                             - softmax_ops.REDUCTION_SHARED_BYTES)
     return kernel
@@ -52,10 +54,10 @@ OTHER_FORWARD_BLOCKS = (3, 6)
 def warp_rows(direction, columns, width, warps_per_block, options=()):
     """launch(rows, *arguments): softmax_{direction}_warp<width, K> over `rows` rows, a warp each, in blocks
     of warps_per_block warps; arguments are the kernel's own, outputs first."""
-    kernel = softmax_ops._warp_kernel(direction, columns, width, options)
+    kernel = softmax_variants.warp_kernel(direction, columns, width, options)
 
     def launch(rows, *arguments):
-        kernel((softmax_ops.ceil_div(rows, warps_per_block),), (warps_per_block * softmax_ops.WARP_SIZE,), arguments)
+        kernel((ceil_div(rows, warps_per_block),), (warps_per_block * WARP_SIZE,), arguments)
 
     return launch
 
@@ -104,12 +106,12 @@ def candidates(rows, columns, cupy):
             shared = kernel == "shared memory"
             for per_multiprocessor, label in kernel_grids:
                 runs[f"forward, {kernel}, {label}"] = (forward_bytes, lambda p=per_multiprocessor, s=shared:
-                    softmax_ops._forward(y, x, rows, columns, one, no_causal, blocks_per_multiprocessor=p,
-                                         shared_memory=s))
+                    softmax_variants.forward(y, x, rows, columns, one, no_causal, blocks_per_multiprocessor=p,
+                                             shared_memory=s))
                 runs[f"backward, {kernel}, {label}"] = (backward_bytes, lambda p=per_multiprocessor, s=shared:
-                    softmax_ops._backward(dx, dout, y, rows, columns, one, blocks_per_multiprocessor=p,
-                                          shared_memory=s))
-        shared_bytes = softmax_ops._cached_row_bytes(columns)
+                    softmax_variants.backward(dx, dout, y, rows, columns, one, blocks_per_multiprocessor=p,
+                                              shared_memory=s))
+        shared_bytes = softmax_ops.cached_row_bytes(columns)
         other = {direction: other_loads_in_flight(direction) for direction in ("forward", "backward")}
         loads = {direction: count for direction, (_, count) in OTHER_LOADS_IN_FLIGHT.items()}
         runs[f"forward, shared memory, {loads['forward']} float4 loads in flight"] = (forward_bytes, lambda: other["forward"](
@@ -126,7 +128,7 @@ def candidates(rows, columns, cupy):
         runs["forward, causal"] = (read + elements * FLOAT,
                                    lambda: softmax_forward(x_square, causal=True, out=y_square))
         if columns <= softmax_ops.LONGEST_WARP_ROW:
-            runs["forward, causal, one float per load"] = (read + elements * FLOAT, lambda: softmax_ops._forward(
+            runs["forward, causal, one float per load"] = (read + elements * FLOAT, lambda: softmax_variants.forward(
                 y, x, rows, columns, np.float32(1.0), np.int32(1), width=1))
 
     def cupy_softmax():

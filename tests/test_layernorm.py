@@ -7,6 +7,9 @@ many rows, are checked against the float32 rounding bound of a sum (testing.asse
 and must come out bit for bit the same on a second run (deterministic), and added into their buffers.
 """
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -17,6 +20,9 @@ from gpt2_cupy.ops.dyt import dyt_backward, dyt_forward
 from gpt2_cupy.ops.layernorm import layernorm_backward, layernorm_forward
 from gpt2_cupy.testing import (assert_within_summation_bound, finite_difference_gradient, relative_error,
                                summation_bound)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root, where bench/ is
+from bench import layernorm_variants  # noqa: E402  (the backward kernels with other launch sizes, the first ones)
 
 TOLERANCE = 1e-5
 EPS = 1e-5  # GPT-2's
@@ -171,8 +177,8 @@ def test_layernorm_backward_kernels_agree_for_any_rows_per_block(rows_per_block,
     y, mean, rstd = layernorm_forward(to_device(x), to_device(weight), to_device(bias))
     layout = layernorm_ops.row_layout("test", columns, (to_device(x),))
     dx_reference, dweight_terms = layernorm_backward_terms(dout, x, weight)
-    for run in (lambda *arrays: layernorm_ops._backward(*arrays, rows_per_block=rows_per_block),
-                layernorm_ops._backward_registers):
+    for run in (lambda *arrays: layernorm_variants.layernorm_backward_shared(*arrays, rows_per_block),
+                layernorm_variants.layernorm_backward_registers):
         dx = to_device(np.empty_like(x))
         dweight, dbias = to_device(np.zeros(columns, np.float32)), to_device(np.zeros(columns, np.float32))
         run(layout, dx, dweight, dbias, to_device(dout), to_device(x), to_device(weight), mean, rstd, rows, columns)
@@ -190,11 +196,11 @@ def test_column_sums_add_every_part_into_the_sums(stripes, parts, columns, rng, 
     partials = rng.normal(size=(2, parts, columns)).astype(np.float32)
     start = rng.normal(size=(2, columns)).astype(np.float32)
     sums = (to_device(start[0]), to_device(start[1]))
-    layernorm_ops.add_column_sums(sums, to_device(partials), stripes)
+    layernorm_variants.add_column_sums(sums, to_device(partials), stripes)
     for got, first, terms in zip(sums, start, partials):
         assert_within_summation_bound(to_host(got), terms, first)
     alone = to_device(start[0])
-    layernorm_ops.add_column_sums((alone,), to_device(partials[:1]), stripes)
+    layernorm_variants.add_column_sums((alone,), to_device(partials[:1]), stripes)
     np.testing.assert_array_equal(to_host(alone), to_host(sums[0]))
 
 
@@ -351,9 +357,9 @@ def test_dyt_backward_kernels_agree_and_counters_return_to_zero(shape, rng, to_d
     dx_reference, dalpha_terms, dweight_terms = dyt_backward_terms(dout, x, 0.6, weight)
     layout = layernorm_ops.row_layout("test", columns, (to_device(x),))
     results = []
-    for run in (lambda *arrays: dyt_ops._backward_columns(layout[0], *arrays),
-                lambda *arrays: dyt_ops._backward_columns(layout[0], *arrays),
-                lambda *arrays: dyt_ops._backward_rows(layout, *arrays)):
+    for run in (lambda *arrays: layernorm_variants.dyt_backward_columns(layout[0], *arrays),
+                lambda *arrays: layernorm_variants.dyt_backward_columns(layout[0], *arrays),
+                lambda *arrays: layernorm_variants.dyt_backward_rows(layout, *arrays)):
         dx = to_device(np.empty_like(x))
         gradients = [to_device(np.zeros(n, np.float32)) for n in (1, columns, columns)]
         run(dx, *gradients, to_device(dout), to_device(x), alpha, to_device(weight), rows, columns)
@@ -399,8 +405,9 @@ def test_dyt_backward_rows_at_once_change_no_bit(rows, columns, rng, to_device, 
                 continue
             dx = to_device(np.empty_like(x))
             gradients = [to_device(s) for s in starts]
-            dyt_ops._backward_columns(width, dx, *gradients, *arrays, alpha, to_device(weight), rows, columns,
-                                      rows_per_block=64, row_slots=row_slots, rows_at_once=rows_at_once)
+            layernorm_variants.dyt_backward_columns(width, dx, *gradients, *arrays, alpha, to_device(weight), rows,
+                                                    columns, rows_per_block=64, row_slots=row_slots,
+                                                    rows_at_once=rows_at_once)
             results.append([to_host(a) for a in (dx, *gradients)])
             assert not to_host(dyt_ops.counters(1)).any()
         assert relative_error(results[0][0], dx_reference) < TOLERANCE
@@ -424,5 +431,5 @@ def test_the_dyt_backward_passes_the_race_and_bounds_checks(rows, rng, to_device
     gradients = [to_device(np.zeros(n, np.float32)) for n in (1, 100, 100)]
     alpha = to_device(np.array([0.6], np.float32))
     with launch_checks(bounds=True, races=True):
-        dyt_ops._backward_columns(4, to_device(np.empty_like(x)), *gradients, dout, x, alpha, weight, rows, 100,
-                                  rows_per_block=16, row_slots=4, rows_at_once=2)
+        layernorm_variants.dyt_backward_columns(4, to_device(np.empty_like(x)), *gradients, dout, x, alpha, weight,
+                                                rows, 100, rows_per_block=16, row_slots=4, rows_at_once=2)

@@ -7,6 +7,9 @@ the row in shared memory, or the two-pass block kernels it falls back to) and le
 where exp overflows unless the maximum is subtracted) and -inf entries (masked positions).
 """
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,6 +17,9 @@ from gpt2_cupy import backend
 from gpt2_cupy.ops import softmax as softmax_ops
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 from gpt2_cupy.testing import finite_difference_gradient, relative_error
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root, where bench/ is
+from bench import softmax_variants  # noqa: E402  (the kernels launched with the op's choices asked for)
 
 TOLERANCE = 1e-5
 COLUMNS = [1, 2, 31, 32, 33, 1000, 1024, 1025, 50257]
@@ -159,8 +165,10 @@ def test_long_rows_give_the_same_bits_whatever_the_grid(shared_memory, rng, to_d
     results = []
     for per_multiprocessor in (0, 1, 2):
         y, dx = backend.xp.empty_like(x), backend.xp.empty_like(x)
-        softmax_ops._forward(y, x, rows, columns, np.float32(0.5), np.int32(0), per_multiprocessor, shared_memory)
-        softmax_ops._backward(dx, dout, y, rows, columns, np.float32(0.5), per_multiprocessor, shared_memory)
+        softmax_variants.forward(y, x, rows, columns, np.float32(0.5), np.int32(0),
+                                 blocks_per_multiprocessor=per_multiprocessor, shared_memory=shared_memory)
+        softmax_variants.backward(dx, dout, y, rows, columns, np.float32(0.5),
+                                  blocks_per_multiprocessor=per_multiprocessor, shared_memory=shared_memory)
         results.append((to_host(y), to_host(dx)))
     for y, dx in results[1:]:
         np.testing.assert_array_equal(y, results[0][0])
@@ -181,8 +189,9 @@ def test_shared_memory_and_two_pass_kernels_match_float64(columns, rng, to_devic
     x_device, dout_device = to_device(x), to_device(dout)
     for shared_memory in (True, False):  # the shared-memory kernels, and the two-pass ones they fall back to
         y, dx = backend.xp.empty_like(x_device), backend.xp.empty_like(x_device)
-        softmax_ops._forward(y, x_device, rows, columns, np.float32(0.25), np.int32(0), shared_memory=shared_memory)
-        softmax_ops._backward(dx, dout_device, y, rows, columns, np.float32(0.25), shared_memory=shared_memory)
+        softmax_variants.forward(y, x_device, rows, columns, np.float32(0.25), np.int32(0),
+                                 shared_memory=shared_memory)
+        softmax_variants.backward(dx, dout_device, y, rows, columns, np.float32(0.25), shared_memory=shared_memory)
         assert relative_error(to_host(y), softmax_reference(x, 0.25)) < TOLERANCE, shared_memory
         assert np.all(to_host(y)[1, :7] == 0)
         expected = softmax_backward_reference(dout, to_host(y), 0.25)
@@ -194,7 +203,7 @@ def test_long_causal_rows_in_shared_memory(T, rng, to_device, to_host):
     """Causal rows longer than 1024: row t loads only its t + 1 first columns into shared memory."""
     x = rng.normal(size=(1, T, T)).astype(np.float32)
     y = backend.xp.empty_like(to_device(x))
-    softmax_ops._forward(y, to_device(x), T, T, np.float32(0.3), np.int32(1), shared_memory=True)
+    softmax_variants.forward(y, to_device(x), T, T, np.float32(0.3), np.int32(1), shared_memory=True)
     y = to_host(y)
     assert np.all(np.triu(y, 1) == 0)
     assert relative_error(y, softmax_reference(x, 0.3, causal=True)) < TOLERANCE
@@ -214,7 +223,7 @@ def test_arrays_off_16_bytes_take_the_two_pass_kernels(rng, to_device, to_host):
     dx = softmax_backward(to_device(dout), y, out=shifted)
     assert relative_error(to_host(dx), softmax_backward_reference(dout, to_host(y))) < TOLERANCE
     with pytest.raises(ValueError, match="start on 16 bytes"):
-        softmax_ops._forward(y, shifted, rows, columns, np.float32(1), np.int32(0), shared_memory=True)
+        softmax_variants.forward(y, shifted, rows, columns, np.float32(1), np.int32(0), shared_memory=True)
 
 
 def test_rows_longer_than_shared_memory_take_the_two_pass_kernels(rng, to_device, to_host):
@@ -237,11 +246,11 @@ def test_shared_memory_kernels_reuse_their_cache_without_races(rng, to_device, t
     x_device, dout_device = to_device(x), to_device(dout)
     y, dx = backend.xp.empty_like(x_device), backend.xp.empty_like(x_device)
     arguments = (np.int32(rows), np.int32(columns), np.float32(0.5))
-    shared_mem = softmax_ops._cached_row_bytes(columns)
+    shared_mem = softmax_ops.cached_row_bytes(columns)
     with backend.checks(bounds=True, races=True):
-        softmax_ops._shared_kernel("forward")((2,), (1024,), (y, x_device, *arguments, np.int32(0)),
-                                              shared_mem=shared_mem)
-        softmax_ops._shared_kernel("backward")((2,), (1024,), (dx, dout_device, y, *arguments), shared_mem=shared_mem)
+        softmax_ops.shared_kernel("forward")((2,), (1024,), (y, x_device, *arguments, np.int32(0)),
+                                             shared_mem=shared_mem)
+        softmax_ops.shared_kernel("backward")((2,), (1024,), (dx, dout_device, y, *arguments), shared_mem=shared_mem)
     assert relative_error(to_host(y), softmax_reference(x, 0.5)) < TOLERANCE
     assert relative_error(to_host(dx), softmax_backward_reference(dout, to_host(y), 0.5)) < TOLERANCE
 
@@ -250,13 +259,13 @@ def test_shared_memory_kernels_reuse_their_cache_without_races(rng, to_device, t
 def warp_widths(monkeypatch):
     """The floats per load of every warp kernel the op launches, recorded in order."""
     widths = []
-    original = softmax_ops._warp_kernel
+    original = softmax_ops.warp_kernel
 
-    def recording(direction, columns, width, options=()):
+    def recording(direction, columns, width):
         widths.append(width)
-        return original(direction, columns, width, options)
+        return original(direction, columns, width)
 
-    monkeypatch.setattr(softmax_ops, "_warp_kernel", recording)
+    monkeypatch.setattr(softmax_ops, "warp_kernel", recording)
     return widths
 
 
@@ -283,14 +292,15 @@ def test_float4_warp_kernels_match_float64(columns, causal, warp_widths, rng, to
 
 @pytest.mark.parametrize("width", [1, 4])
 def test_both_widths_agree_with_float64_on_the_same_rows(width, rng, to_device, to_host):
-    """The one-float kernels stay available (the benchmark compares them): asked for, both give the softmax."""
+    """The one-float kernels, which the op takes for rows off 16 bytes, and the float4 ones give the softmax
+    on the same rows."""
     rows, columns = 19, 1024
     x = rng.normal(0.0, 3.0, (rows, columns)).astype(np.float32)
     dout = rng.normal(size=(rows, columns)).astype(np.float32)
     x_device = to_device(x)
     y, dx = backend.xp.empty_like(x_device), backend.xp.empty_like(x_device)
-    softmax_ops._forward(y, x_device, rows, columns, np.float32(0.5), np.int32(0), width=width)
-    softmax_ops._backward(dx, to_device(dout), y, rows, columns, np.float32(0.5), width=width)
+    softmax_variants.forward(y, x_device, rows, columns, np.float32(0.5), np.int32(0), width=width)
+    softmax_variants.backward(dx, to_device(dout), y, rows, columns, np.float32(0.5), width=width)
     assert relative_error(to_host(y), softmax_reference(x, 0.5)) < TOLERANCE
     assert relative_error(to_host(dx), softmax_backward_reference(dout, to_host(y), 0.5)) < TOLERANCE
 

@@ -9,11 +9,9 @@ bias (C,), bias may be None; alpha, the learnable scale of the input, a float32 
 lives). The backward returns dx and ADDS into dalpha (shape (1,)), dweight and dbias (may be None),
 deterministically: per-block partial sums, then a fixed-order sum (kernels/dyt.cu).
 
-Backward kernels: dyt_backward_columns<WIDTH, ROW_SLOTS, ROWS_AT_ONCE> (the op's), one launch: each thread owns
-a group of WIDTH columns over many rows, loading ROWS_AT_ONCE rows before computing them, and the last block to
-finish a stripe of columns adds the partial sums (a counter per stripe, kept here per device).
-dyt_backward<WIDTH, K>, LayerNorm's warp-per-row layout followed by two column_sums_accumulate launches, stays
-for the benchmark (_backward_rows).
+The backward is one launch of dyt_backward_columns<WIDTH, ROW_SLOTS, ROWS_AT_ONCE>: each thread owns a group of
+WIDTH columns over many rows, loading ROWS_AT_ONCE rows before computing them, and the last block to finish a
+stripe of columns adds the partial sums (a counter per stripe, kept here per device).
 """
 
 import math
@@ -22,24 +20,18 @@ import numpy as np
 
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check, output, row_width
-from gpt2_cupy.ops.layernorm import (BACKWARD_WARPS_PER_BLOCK, GROUPS_PER_LANE, add_column_sums,
-                                     backward_blocks, require_gradient_buffers, row_layout)
+from gpt2_cupy.ops.layernorm import require_gradient_buffers, row_layout
 
 ROW_SLOTS = 8            # blocks of (32, 8) threads: a warp per row slot
 ROWS_PER_BLOCK = 128     # 16 rows per thread (bench/layernorm.py times 64 to 256); a fixed number, so the order
                          # of the sums is the same on every GPU
 ROWS_AT_ONCE = 4         # rows a thread loads before computing them: 8 float4 loads in flight per thread
-NAMES = (tuple(f"dyt_backward<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
-         + tuple(f"dyt_backward_columns<{width}, {ROW_SLOTS}, {ROWS_AT_ONCE}>" for width in (4, 1)))
-# The float4 variants bench/layernorm.py times, (ROW_SLOTS, ROWS_AT_ONCE), compiled in a module of their own
-# when first asked for, so that the op's first call compiles only its own kernels.
-CANDIDATES = tuple((slots, rows) for slots in (4, 8, 16) for rows in (1, 2, 4, 8))
-CANDIDATE_NAMES = tuple(f"dyt_backward_columns<4, {slots}, {rows}>" for slots, rows in CANDIDATES)
+NAMES = tuple(f"dyt_backward_columns<{width}, {ROW_SLOTS}, {ROWS_AT_ONCE}>" for width in (4, 1))
 _counters = {}           # per device: the zeroed counters of the last-block pattern, reset by the kernel
 
 
 def _kernel(name):
-    return kernels.function("dyt", name, name_expressions=NAMES if name in NAMES else CANDIDATE_NAMES)
+    return kernels.function("dyt", name, name_expressions=NAMES)
 
 
 def dyt_forward(x, alpha, weight, bias, *, out=None):
@@ -65,11 +57,12 @@ def dyt_backward(dout, x, alpha, weight, *, dalpha, dweight, dbias=None, out=Non
                   weight=(weight, ("C",)), dalpha=(dalpha, (1,)), dweight=(dweight, ("C",)), dbias=(dbias, ("C",)))
     out = output("dyt_backward", out, x.shape)
     rows, columns = math.prod(sizes["..."]), sizes["C"]
-    row_layout("dyt_backward", columns, (dout, x, out, weight))  # the same limit on C for both kernels
+    row_layout("dyt_backward", columns, (dout, x, out, weight))  # refuses C past LayerNorm's limit
     if rows == 0 or columns == 0:
         return out
-    _backward_columns(row_width(columns, dout, x, out, weight), out, dalpha, dweight, dbias, dout, x, alpha, weight,
-                      rows, columns)
+    width = row_width(columns, dout, x, out, weight)
+    launch_backward_columns(_kernel(f"dyt_backward_columns<{width}, {ROW_SLOTS}, {ROWS_AT_ONCE}>"), width, ROW_SLOTS,
+                            ROWS_PER_BLOCK, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns)
     return out
 
 
@@ -84,10 +77,11 @@ def counters(count):
     return current
 
 
-def _backward_columns(width, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns, *,
-                      rows_per_block=ROWS_PER_BLOCK, row_slots=ROW_SLOTS, rows_at_once=ROWS_AT_ONCE, kernel=None):
-    """Launches dyt_backward_columns<width, row_slots, rows_at_once>, or `kernel`, a compiled kernel with its
-    parameters (bench/layernorm.py times cut-down copies of it)."""
+def launch_backward_columns(kernel, width, row_slots, rows_per_block, out, dalpha, dweight, dbias, dout, x, alpha,
+                            weight, rows, columns):
+    """Launches `kernel`, a dyt_backward_columns<width, row_slots, ...> of kernels/dyt.cu, over blocks of
+    (32, row_slots) threads that each take rows_per_block rows of a stripe of 32 * width columns (more past
+    LARGEST_GRID_Y blocks of rows), with the partial sums and counters it finishes with."""
     stripes = ceil_div(columns, WARP_SIZE * width)
     rows_per_block = max(rows_per_block, ceil_div(rows, LARGEST_GRID_Y))  # beyond 4 million rows, longer blocks
     row_blocks = ceil_div(rows, rows_per_block)
@@ -95,24 +89,8 @@ def _backward_columns(width, out, dalpha, dweight, dbias, dout, x, alpha, weight
     weight_partials = partials[:row_blocks * columns]
     bias_partials = partials[row_blocks * columns:2 * row_blocks * columns]
     alpha_partials = partials[2 * row_blocks * columns:]
-    kernel = kernel or _kernel(f"dyt_backward_columns<{width}, {row_slots}, {rows_at_once}>")
     kernel(
         (stripes, row_blocks), (WARP_SIZE, row_slots),
         (out, dalpha, dweight, weight if dbias is None else dbias, weight_partials, bias_partials, alpha_partials,
          counters(stripes + 1), dout, x, alpha, weight, np.int32(rows), np.int32(columns),
          np.int32(rows_per_block), np.int32(dbias is not None)))
-
-
-def _backward_rows(layout, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns):
-    width, k = layout
-    blocks, rows_per_block = backward_blocks(rows)
-    partials = backend.xp.empty((2 * blocks * columns + blocks,), dtype=np.float32)
-    weight_and_bias_partials = partials[:2 * blocks * columns].reshape(2, blocks, columns)
-    weight_partials, bias_partials = weight_and_bias_partials
-    alpha_partials = partials[2 * blocks * columns:].reshape(1, blocks, 1)
-    _kernel(f"dyt_backward<{width}, {k}>")(
-        (blocks,), (BACKWARD_WARPS_PER_BLOCK * WARP_SIZE,),
-        (out, weight_partials, bias_partials, alpha_partials, dout, x, alpha, weight, np.int32(rows),
-         np.int32(columns), np.int32(rows_per_block)), shared_mem=2 * columns * 4)
-    add_column_sums((dweight,) if dbias is None else (dweight, dbias), weight_and_bias_partials)
-    add_column_sums((dalpha,), alpha_partials)

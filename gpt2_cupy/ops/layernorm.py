@@ -13,8 +13,7 @@ Kernels (kernels/layernorm.cu): a warp per row, the row in registers. When C is 
 otherwise one (layernorm_forward<1, K>, C at most 1024). The backward (layernorm_backward_shared) keeps its
 running column sums in shared memory, a slice per warp, and its blocks write one row of partial sums each
 for a fixed number of rows; column_sums_accumulate adds them into dweight and dbias in one launch, in a
-fixed order. The first backward, layernorm_backward (column sums in registers, one launch per parameter
-to finish), stays for the benchmark (_backward_registers).
+fixed order.
 """
 
 import math
@@ -26,12 +25,6 @@ from gpt2_cupy.ops.arrays import WARP_SIZE, ceil_div, check, output, row_width
 
 WARPS_PER_BLOCK = 8            # forward: 256 threads, eight rows at a time per block
 GROUPS_PER_LANE = {4: (1, 2, 3, 4, 6, 8, 12, 16), 1: (1, 2, 4, 8, 16, 32)}   # K, by WIDTH
-# The first backward, layernorm_backward (and dyt_backward), holds five arrays of 4K floats per lane in
-# registers (about 170 registers per thread at C = 768): blocks of 4 warps, 3 of them resident per
-# multiprocessor, one wave of blocks that each write a row of partial sums (more blocks would mean more
-# partial sums to add up).
-BACKWARD_WARPS_PER_BLOCK = 4
-BLOCKS_PER_MULTIPROCESSOR = 3
 # layernorm_backward_shared: up to 8 warps per block, each with a slice of 2 C floats of shared memory, as many
 # as fit in the 48 KB a block gets without asking; a fixed 64 rows per block (not sized by the GPU, so the
 # sums are added in the same order everywhere): 128 blocks of 8 warps at 8192 rows, one per multiprocessor on an
@@ -44,11 +37,12 @@ ROWS_PER_BLOCK = 64
 COLUMN_SUM_STRIPES = 8
 
 
-def _names(kernel):
+def names(kernel):
+    """`kernel`<WIDTH, K> for every layout row_layout may pick."""
     return tuple(f"{kernel}<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
 
 
-NAMES = _names("layernorm_forward") + _names("layernorm_backward") + _names("layernorm_backward_shared")
+NAMES = names("layernorm_forward") + names("layernorm_backward_shared")
 
 
 def row_layout(operation, columns, arrays):
@@ -108,21 +102,13 @@ def _forward(layout, out, mean, rstd, x, weight, bias, rows, columns, eps):
             np.float32(eps), np.int32(bias is not None)))
 
 
-def backward_blocks(rows):
-    """(blocks, rows per block) of the backward: enough blocks to fill the GPU, each a row of partial sums."""
-    blocks = min(ceil_div(rows, BACKWARD_WARPS_PER_BLOCK), BLOCKS_PER_MULTIPROCESSOR * backend.multiprocessor_count())
-    rows_per_block = ceil_div(rows, blocks)
-    return ceil_div(rows, rows_per_block), rows_per_block
-
-
-def add_column_sums(sums, partials, stripes=COLUMN_SUM_STRIPES):
+def add_column_sums(sums, partials):
     """sums[i] += partials[i] summed over its first axis, in a fixed order, in one launch (kernels/layernorm.cu).
 
     sums: a tuple of one or two (columns,) arrays; partials: (len(sums), parts, columns), contiguous.
-    stripes: rows of threads per block, each adding every stripes-th part (at most 32).
     """
     _, parts, columns = partials.shape
-    _kernel("column_sums_accumulate")((ceil_div(columns, WARP_SIZE), len(sums)), (WARP_SIZE, stripes),
+    _kernel("column_sums_accumulate")((ceil_div(columns, WARP_SIZE), len(sums)), (WARP_SIZE, COLUMN_SUM_STRIPES),
                                       (sums[0], sums[-1], partials, np.int32(parts), np.int32(columns)))
 
 
@@ -131,25 +117,21 @@ def shared_warps(columns):
     return max(1, min(SHARED_WARPS_PER_BLOCK, SHARED_BYTES_PER_BLOCK // (2 * 4 * columns)))
 
 
-def _backward(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns,
-              rows_per_block=ROWS_PER_BLOCK):
+def _backward(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns):
     width, k = layout
     warps = shared_warps(columns)
+    launch_backward(_kernel(f"layernorm_backward_shared<{width}, {k}>"), warps * WARP_SIZE, 2 * warps * columns * 4,
+                    ROWS_PER_BLOCK, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns)
+
+
+def launch_backward(kernel, threads, shared_mem, rows_per_block, out, dweight, dbias, dout, x, weight, mean, rstd,
+                    rows, columns):
+    """Launches `kernel`, a LayerNorm backward row kernel of kernels/layernorm.cu (dx, and a row of partial
+    sums of dweight and dbias per block of rows_per_block rows), in blocks of `threads` threads with
+    `shared_mem` bytes of dynamic shared memory, then adds the partial sums into dweight and dbias."""
     blocks = ceil_div(rows, rows_per_block)
     partials = backend.xp.empty((2, blocks, columns), dtype=np.float32)  # dweight's, then dbias's
-    _kernel(f"layernorm_backward_shared<{width}, {k}>")(
-        (blocks,), (warps * WARP_SIZE,),
-        (out, partials[0], partials[1], dout, x, weight, mean, rstd, np.int32(rows), np.int32(columns),
-         np.int32(rows_per_block)), shared_mem=2 * warps * columns * 4)
-    add_column_sums((dweight,) if dbias is None else (dweight, dbias), partials)
-
-
-def _backward_registers(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns):
-    width, k = layout
-    blocks, rows_per_block = backward_blocks(rows)
-    partials = backend.xp.empty((2, blocks, columns), dtype=np.float32)  # dweight's, then dbias's
-    kernel = _kernel(f"layernorm_backward<{width}, {k}>")
-    kernel((blocks,), (BACKWARD_WARPS_PER_BLOCK * WARP_SIZE,),
+    kernel((blocks,), (threads,),
            (out, partials[0], partials[1], dout, x, weight, mean, rstd, np.int32(rows), np.int32(columns),
-            np.int32(rows_per_block)), shared_mem=2 * columns * 4)
+            np.int32(rows_per_block)), shared_mem=shared_mem)
     add_column_sums((dweight,) if dbias is None else (dweight, dbias), partials)

@@ -35,28 +35,16 @@ THREADS_PER_LONG_ROW = 1024   # LONG_ROW_THREADS in kernels/softmax.cu: the shar
 # The two-pass kernels for long rows: a grid of this many blocks per multiprocessor, each looping over rows,
 # rather than one block per row. Fewer rows in flight (132 rows of 50257 floats are 27 MB) let the output
 # pass find its row still in the L2 cache (50 MB on an H100); bench/softmax.py measures 1, 2 and one block
-# per row.
+# per row. The shared-memory kernels get one block per row: only one such block fits on a multiprocessor
+# anyway, and the GPU hands the next row to whichever multiprocessor finishes first (bench/softmax.py also
+# measures one block per multiprocessor looping over rows).
 LONG_ROW_BLOCKS_PER_MULTIPROCESSOR = 1
-# The shared-memory kernels: one block per row (0). Only one such block fits on a multiprocessor anyway;
-# the GPU hands the next row to whichever multiprocessor finishes first. bench/softmax.py also measures
-# one block per multiprocessor looping over rows.
-SHARED_MEMORY_BLOCKS_PER_MULTIPROCESSOR = 0
 # Room for the shared-memory kernels' own __shared__ arrays besides the row: the block reduction's 32 maxima,
 # 32 sums and its result, 272 bytes once the compiler has aligned them (the backward's block_sum needs less).
 REDUCTION_SHARED_BYTES = 512
 
-
-def _names(direction):
-    return tuple(f"softmax_{direction}_warp<{width}, {k}>" for width, ks in GROUPS_PER_LANE.items() for k in ks)
-
-
-_NAMES = _names("forward") + _names("backward")
-
-
-def _warp_kernel(direction, columns, width, options=()):
-    k = next(k for k in GROUPS_PER_LANE[width] if WARP_SIZE * k * width >= columns)
-    return kernels.function("softmax", f"softmax_{direction}_warp<{width}, {k}>", options=tuple(options),
-                            name_expressions=_NAMES)
+NAMES = tuple(f"softmax_{direction}_warp<{width}, {k}>" for direction in ("forward", "backward")
+              for width, ks in GROUPS_PER_LANE.items() for k in ks)
 
 
 def softmax_forward(x, *, scale=1.0, causal=False, out=None):
@@ -79,83 +67,70 @@ def softmax_backward(dout, y, *, scale=1.0, out=None):
     return out
 
 
-def long_row_blocks(rows, blocks_per_multiprocessor=None):
-    """How many blocks the long-row kernels launch; blocks_per_multiprocessor=0 means one block per row."""
-    per_multiprocessor = (LONG_ROW_BLOCKS_PER_MULTIPROCESSOR if blocks_per_multiprocessor is None
-                          else blocks_per_multiprocessor)
-    if per_multiprocessor == 0:
-        return rows
-    return min(rows, per_multiprocessor * backend.multiprocessor_count())
+def warp_kernel_name(direction, columns, width):
+    """softmax_{direction}_warp<width, K>, K the fewest groups per lane that cover a row of `columns`."""
+    k = next(k for k in GROUPS_PER_LANE[width] if WARP_SIZE * k * width >= columns)
+    return f"softmax_{direction}_warp<{width}, {k}>"
 
 
-def _cached_row_bytes(columns):
+def warp_kernel(direction, columns, width):
+    """The warp-per-row kernel for rows of `columns` floats (at most LONGEST_WARP_ROW), `width` per load."""
+    return kernels.function("softmax", warp_kernel_name(direction, columns, width), name_expressions=NAMES)
+
+
+def cached_row_bytes(columns):
+    """The shared-memory kernels' dynamic shared memory for a row of `columns` floats."""
     return 4 * (columns + 3)  # the kernels shift the row by up to 3 floats to put its float4s on 16 bytes
 
 
 def row_fits_in_shared_memory(columns):
     """Whether a row of `columns` floats fits in one block's shared memory, next to the reduction's arrays."""
-    return _cached_row_bytes(columns) + REDUCTION_SHARED_BYTES <= backend.shared_memory_per_block()
+    return cached_row_bytes(columns) + REDUCTION_SHARED_BYTES <= backend.shared_memory_per_block()
 
 
-def _use_shared_memory(asked, columns, *arrays):
-    """Whether long rows go to the shared-memory kernels: asked None means whenever they can run."""
-    possible = (row_fits_in_shared_memory(columns)
-                and float4_aligned(*arrays))
-    if asked and not possible:
-        raise ValueError(f"softmax: the shared-memory kernels need rows of at most "
-                         f"{(backend.shared_memory_per_block() - REDUCTION_SHARED_BYTES) // 4 - 3} floats and arrays "
-                         "that start on 16 bytes")
-    return possible if asked is None else asked
+def shared_memory_kernels_run(columns, *arrays):
+    """Whether the shared-memory kernels can take rows of `columns` floats in these arrays: the row fits, and
+    every array starts on 16 bytes (the kernels move float4s)."""
+    return row_fits_in_shared_memory(columns) and float4_aligned(*arrays)
 
 
 @lru_cache(maxsize=None)
-def _shared_kernel(direction):
-    kernel = kernels.function("softmax", f"softmax_{direction}_shared", name_expressions=_NAMES)
+def shared_kernel(direction):
+    """softmax_{direction}_shared, allowed all the dynamic shared memory a block may have."""
+    kernel = kernels.function("softmax", f"softmax_{direction}_shared", name_expressions=NAMES)
     # Past 48 KB of dynamic shared memory a kernel must opt in before its first launch.
     kernel.max_dynamic_shared_size_bytes = backend.shared_memory_per_block() - REDUCTION_SHARED_BYTES
     return kernel
 
 
-def _forward(out, x, rows, columns, scale, causal, blocks_per_multiprocessor=None, shared_memory=None,
-             width=None):
-    """shared_memory: None picks the kernel for long rows (the shared-memory one when it can run), True or
-    False asks for one (the benchmark and the tests compare them); blocks_per_multiprocessor as in
-    long_row_blocks (None: the kernel's default grid); width: the warp kernels' floats per load (None:
-    arrays.row_width's choice; 1 may always be asked for, 4 only where row_width allows it)."""
+def two_pass_kernel(direction):
+    """softmax_{direction}_block, which reads the row twice: any row length, any alignment."""
+    return kernels.function("softmax", f"softmax_{direction}_block", name_expressions=NAMES)
+
+
+def two_pass_blocks(rows):
+    """The two-pass kernels' grid: LONG_ROW_BLOCKS_PER_MULTIPROCESSOR blocks per multiprocessor, at most one
+    per row."""
+    return min(rows, LONG_ROW_BLOCKS_PER_MULTIPROCESSOR * backend.multiprocessor_count())
+
+
+def _forward(out, x, rows, columns, scale, causal):
+    _launch("forward", rows, columns, (out, x, np.int32(rows), np.int32(columns), scale, causal), (out, x))
+
+
+def _backward(out, dout, y, rows, columns, scale):
+    _launch("backward", rows, columns, (out, dout, y, np.int32(rows), np.int32(columns), scale), (out, dout, y))
+
+
+def _launch(direction, rows, columns, arguments, arrays):
+    """Launches the kernel that rows of `columns` floats in `arrays` take (see the module's docstring) with
+    `arguments`, the kernel's own, outputs first."""
     if rows == 0 or columns == 0:
         return
     if columns <= LONGEST_WARP_ROW:
-        kernel = _warp_kernel("forward", columns, width or row_width(columns, out, x))
-        kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
-               (out, x, np.int32(rows), np.int32(columns), scale, causal))
-    elif _use_shared_memory(shared_memory, columns, out, x):
-        blocks = long_row_blocks(rows, SHARED_MEMORY_BLOCKS_PER_MULTIPROCESSOR if blocks_per_multiprocessor is None
-                                 else blocks_per_multiprocessor)
-        _shared_kernel("forward")((blocks,), (THREADS_PER_LONG_ROW,),
-                                  (out, x, np.int32(rows), np.int32(columns), scale, causal),
-                                  shared_mem=_cached_row_bytes(columns))
+        warp_kernel(direction, columns, row_width(columns, *arrays))(
+            (ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,), arguments)
+    elif shared_memory_kernels_run(columns, *arrays):
+        shared_kernel(direction)((rows,), (THREADS_PER_LONG_ROW,), arguments, shared_mem=cached_row_bytes(columns))
     else:
-        kernel = kernels.function("softmax", "softmax_forward_block", name_expressions=_NAMES)
-        kernel((long_row_blocks(rows, blocks_per_multiprocessor),), (THREADS_PER_LONG_ROW,),
-               (out, x, np.int32(rows), np.int32(columns), scale, causal))
-
-
-def _backward(out, dout, y, rows, columns, scale, blocks_per_multiprocessor=None, shared_memory=None,
-              width=None):
-    """The arguments as in _forward."""
-    if rows == 0 or columns == 0:
-        return
-    if columns <= LONGEST_WARP_ROW:
-        kernel = _warp_kernel("backward", columns, width or row_width(columns, out, dout, y))
-        kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
-               (out, dout, y, np.int32(rows), np.int32(columns), scale))
-    elif _use_shared_memory(shared_memory, columns, out, dout, y):
-        blocks = long_row_blocks(rows, SHARED_MEMORY_BLOCKS_PER_MULTIPROCESSOR if blocks_per_multiprocessor is None
-                                 else blocks_per_multiprocessor)
-        _shared_kernel("backward")((blocks,), (THREADS_PER_LONG_ROW,),
-                                   (out, dout, y, np.int32(rows), np.int32(columns), scale),
-                                   shared_mem=_cached_row_bytes(columns))
-    else:
-        kernel = kernels.function("softmax", "softmax_backward_block", name_expressions=_NAMES)
-        kernel((long_row_blocks(rows, blocks_per_multiprocessor),), (THREADS_PER_LONG_ROW,),
-               (out, dout, y, np.int32(rows), np.int32(columns), scale))
+        two_pass_kernel(direction)((two_pass_blocks(rows),), (THREADS_PER_LONG_ROW,), arguments)
