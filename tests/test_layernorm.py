@@ -7,8 +7,6 @@ many rows, are checked against the float32 rounding bound of a sum (testing.asse
 and must come out bit for bit the same on a second run (deterministic), and added into their buffers.
 """
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,8 +19,7 @@ from gpt2_cupy.ops.layernorm import layernorm_backward, layernorm_forward
 from gpt2_cupy.testing import (assert_within_summation_bound, finite_difference_gradient, relative_error,
                                summation_bound)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root, where bench/ is
-from bench import layernorm_variants  # noqa: E402  (the backward kernels with other launch sizes, the first ones)
+from bench import layernorm_variants  # (the backward kernels with other launch sizes, the first ones)
 
 TOLERANCE = 1e-5
 EPS = 1e-5  # GPT-2's

@@ -7,8 +7,6 @@ the row in shared memory, or the two-pass block kernels it falls back to) and le
 where exp overflows unless the maximum is subtracted) and -inf entries (masked positions).
 """
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +16,7 @@ from gpt2_cupy.ops import softmax as softmax_ops
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 from gpt2_cupy.testing import finite_difference_gradient, relative_error
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's root, where bench/ is
-from bench import softmax_variants  # noqa: E402  (the kernels launched with the op's choices asked for)
+from bench import softmax_variants  # the kernels launched with the op's choices asked for
 
 TOLERANCE = 1e-5
 COLUMNS = [1, 2, 31, 32, 33, 1000, 1024, 1025, 50257]
