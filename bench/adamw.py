@@ -40,17 +40,19 @@ def measure():
     count = sum(int(np.prod(shape)) for shape, _ in shapes)
     random = cupy.random.default_rng(0)
     parameters = [Parameter(random.standard_normal(shape, dtype=cupy.float32) * 0.02) for shape, _ in shapes]
+    for p in parameters:  # every parameter has a gradient, so that a step updates them all
+        p.grad = random.standard_normal(p.data.shape, dtype=cupy.float32) * 1e-3
     groups = [{"params": [p for p, (_, decay) in zip(parameters, shapes) if decay], "weight_decay": 0.1},
               {"params": [p for p, (_, decay) in zip(parameters, shapes) if not decay], "weight_decay": 0.0}]
     adamw = optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95))
-    adamw.flat_grads[...] = random.standard_normal(adamw.flat_grads.size, dtype=cupy.float32) * 1e-3
     sgd_parameters = [Parameter(p.data.copy()) for p in parameters]
+    for sgd_p, p in zip(sgd_parameters, parameters):
+        sgd_p.grad = p.grad.copy()
     sgd = optim.SGD(sgd_parameters, lr=1e-3, momentum=0.9)
-    sgd.flat_grads[...] = adamw.flat_grads
     runs = {
         "AdamW step (ours: prepare + one update launch)": (28 * count, adamw.step),
         "SGD momentum step (ours)": (20 * count, sgd.step),
-        "zero_grad (one memset)": (4 * count, sgd.zero_grad),
+        "zero_grad (one memset)": (4 * count, lambda: sgd.zero_grad(set_to_none=False)),
         "gradient norm, no clipping needed": (4 * count, lambda: adamw.clip_grad_norm_(1e9)),
     }
     torch = testing.torch_or_none()
