@@ -35,6 +35,9 @@
 // Registers: __launch_bounds__(threads, blocks) holds the compiler to the registers that `blocks` blocks
 // per multiprocessor can have (65536 / (blocks * threads)), the number of blocks their shared memory allows
 // (228 KB per multiprocessor on an H100).
+#include "warp.cuh"
+#include "special_values.cuh"
+
 #define COLUMNS 64                 // columns (keys, or queries) per tile
 #define ROWS_PER_THREAD 4
 #define COLUMN_GROUPS 8
@@ -42,9 +45,7 @@
 #define THREADS_FOR(ROWS) ((ROWS) / ROWS_PER_THREAD * COLUMN_GROUPS)
 #define PAD 4
 #define WEIGHTS_STRIDE (COLUMNS + 8)  // P and dS tiles: rows of 64 + 8 floats, see store_micro_tile
-#define FULL_MASK 0xffffffffu
 #define LOG2E 1.4426950408889634f
-#define NEGATIVE_INFINITY __uint_as_float(0xff800000u)  // NVRTC has no math.h, so no INFINITY
 
 // The quadrant of a diagonal tile whose products a tile product skips (a template parameter, QUADRANT).
 // Where the rows are queries and the columns keys (forward, dq), the masked quadrant is the upper right:

@@ -6,13 +6,12 @@
 // row's loss and gradient NaN: the error shows in the loss without a check that would stop the GPU.
 
 #include "float_groups.cuh"
+#include "special_values.cuh"
 
 #ifndef ROW_THREADS  // the op builds a copy with fewer threads for a small vocabulary (-DROW_THREADS=256)
 #define ROW_THREADS 1024
 #endif
 #define WARPS_PER_ROW (ROW_THREADS / 32)
-#define NEGATIVE_INFINITY __int_as_float(0xff800000)  // NVRTC has no math.h, so no INFINITY
-#define NOT_A_NUMBER __int_as_float(0x7fc00000)
 #ifndef LOADS_IN_FLIGHT  // the row read twice, float by float: loads a thread issues before it uses the first
 #define LOADS_IN_FLIGHT 8
 #endif
@@ -201,7 +200,7 @@ cross_entropy_forward_rows(float* lse, float* row_losses, const float* logits, c
         if (target == ignore_index) {
             row_losses[i] = 0.0f;
         } else {
-            row_losses[i] = target_in_range(target, V) ? log_sum_exp - row[target] : NOT_A_NUMBER;
+            row_losses[i] = target_in_range(target, V) ? log_sum_exp - row[target] : QUIET_NAN;
         }
     }
 }
@@ -252,7 +251,7 @@ cross_entropy_mean(float* loss, const float* row_losses, const int* count, int N
         for (int w = 0; w < WARPS_PER_ROW; ++w) {
             sum += warp_total[w];
         }
-        loss[0] = count[0] > 0 ? sum / (float)count[0] : NOT_A_NUMBER;
+        loss[0] = count[0] > 0 ? sum / (float)count[0] : QUIET_NAN;
     }
 }
 
@@ -312,7 +311,7 @@ cross_entropy_backward_rows(float* dlogits, const float* logits, const int* targ
         write_zero_row(dlogits_row, V);
         return;
     }
-    float scale = target_in_range(target, V) ? dout[0] / (float)count[0] : NOT_A_NUMBER;
+    float scale = target_in_range(target, V) ? dout[0] / (float)count[0] : QUIET_NAN;
     write_row_gradient(dlogits_row, logits + (long long)i * V, V, lse[i], target, scale);
 }
 
@@ -348,10 +347,10 @@ cross_entropy_fused_rows(float* dlogits, float* row_losses, const float* logits,
     bool valid = target_in_range(target, V);
     if (threadIdx.x == 0) {
         float target_logit = valid ? (CACHE_ROW ? cached_row[target + layout.shift] : row[target]) : 0.0f;
-        row_losses[i] = valid ? log_sum_exp - target_logit : NOT_A_NUMBER;
+        row_losses[i] = valid ? log_sum_exp - target_logit : QUIET_NAN;
     }
     __syncthreads();  // thread 0 has read row[target] before any thread overwrites it (in place)
-    float scale = valid ? 1.0f / (float)count[0] : NOT_A_NUMBER;
+    float scale = valid ? 1.0f / (float)count[0] : QUIET_NAN;
     if (CACHE_ROW) {
         write_cached_row_gradient(dlogits_row, cached_row, V, layout, log_sum_exp, target, scale);
     } else {

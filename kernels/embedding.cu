@@ -2,7 +2,8 @@
 // Ids are int32. An id outside [0, V) never makes a kernel read or write outside its table: the forward
 // writes a row of NaN for it, the backward skips it (the op refuses such ids before launching anyway).
 
-#define QUIET_NAN __int_as_float(0x7fc00000)  // the bits of a float NaN
+#include "special_values.cuh"
+#include "warp.cuh"
 
 // ---- Forward: a lookup, one thread per output element. ----
 
@@ -184,7 +185,6 @@ extern "C" __global__ void embedding_order_groups(int* grouped, const int* unord
 #define ROWS_IN_FLIGHT 4
 #define COLUMNS_PER_LANE 4
 #define COLUMNS_PER_WARP (32 * COLUMNS_PER_LANE)
-#define FULL_WARP 0xffffffffu
 
 extern "C" __global__ void embedding_backward_chunks(float* dweight, float* partials, const float* __restrict__ dout,
                                                      const int* grouped, const int* starts, const int* ids,
@@ -206,7 +206,7 @@ extern "C" __global__ void embedding_backward_chunks(float* dweight, float* part
         float rows[ROWS_IN_FLIGHT][COLUMNS_PER_LANE];
 #pragma unroll
         for (int i = 0; i < ROWS_IN_FLIGHT; ++i) {
-            long long position = __shfl_sync(FULL_WARP, lane_position, (batch + i) % 32);
+            long long position = __shfl_sync(FULL_MASK, lane_position, (batch + i) % 32);
 #pragma unroll
             for (int u = 0; u < COLUMNS_PER_LANE; ++u) {
                 int c = first_column + 32 * u;
@@ -219,8 +219,8 @@ extern "C" __global__ void embedding_backward_chunks(float* dweight, float* part
             if (r >= count) {
                 break;  // the same r for every lane: the warp leaves the loop together
             }
-            int id = __shfl_sync(FULL_WARP, lane_id, r % 32);
-            int next_id = __shfl_sync(FULL_WARP, lane_id, (r + 1) % 32);
+            int id = __shfl_sync(FULL_MASK, lane_id, r % 32);
+            int next_id = __shfl_sync(FULL_MASK, lane_id, (r + 1) % 32);
 #pragma unroll
             for (int u = 0; u < COLUMNS_PER_LANE; ++u) {
                 sum[u] += rows[i][u];

@@ -9,12 +9,7 @@
 
 #include "warp.cuh"
 #include "float_groups.cuh"
-
-// -inf as a bit pattern: NVRTC compiles without <math.h>, so there is no INFINITY macro.
-__device__ __forceinline__ float negative_infinity()
-{
-    return __uint_as_float(0xff800000u);
-}
+#include "special_values.cuh"
 
 // How many columns of a row take part: all of them, or 0..t for row t of a causal (T, T) matrix.
 __device__ __forceinline__ int valid_columns(int row, int columns, int causal)
@@ -64,7 +59,7 @@ softmax_forward_warp(float* y, const float* x, int rows, int columns, float scal
     int valid = valid_columns(row, columns, causal);
 
     float z[K * WIDTH];
-    float maximum = negative_infinity();
+    float maximum = NEGATIVE_INFINITY;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         int column = (lane + k * WARP_SIZE) * WIDTH;
@@ -72,7 +67,7 @@ softmax_forward_warp(float* y, const float* x, int rows, int columns, float scal
 #pragma unroll
         for (int w = 0; w < WIDTH; ++w) {
             int i = k * WIDTH + w;
-            z[i] = column + w < valid ? scale * z[i] : negative_infinity();  // a choice: a NaN there is dropped
+            z[i] = column + w < valid ? scale * z[i] : NEGATIVE_INFINITY;  // a choice: a NaN there is dropped
             maximum = fmaxf(maximum, z[i]);
         }
     }
@@ -148,7 +143,7 @@ __device__ __forceinline__ MaxSum online_add(MaxSum state, float z)
     if (z > state.maximum) {
         state.sum = state.sum * expf(state.maximum - z) + 1.0f;  // exp(-inf) = 0 for the first value
         state.maximum = z;
-    } else if (z > negative_infinity()) {
+    } else if (z > NEGATIVE_INFINITY) {
         state.sum += expf(z - state.maximum);
     }  // z = -inf adds exp(-inf) = 0 (computing it would give exp(-inf - (-inf)) = NaN)
     return state;
@@ -157,7 +152,7 @@ __device__ __forceinline__ MaxSum online_add(MaxSum state, float z)
 __device__ __forceinline__ MaxSum online_combine(MaxSum a, MaxSum b)
 {
     float maximum = fmaxf(a.maximum, b.maximum);
-    if (maximum == negative_infinity()) {
+    if (maximum == NEGATIVE_INFINITY) {
         return a;  // both empty so far
     }
     MaxSum combined = {maximum, a.sum * expf(a.maximum - maximum) + b.sum * expf(b.maximum - maximum)};
@@ -188,7 +183,7 @@ __device__ MaxSum block_online_combine(MaxSum state)
     }
     __syncthreads();
     if (warp == 0) {
-        MaxSum partial = {negative_infinity(), 0.0f};
+        MaxSum partial = {NEGATIVE_INFINITY, 0.0f};
         if (lane < warps) {
             partial.maximum = maxima[lane];
             partial.sum = sums[lane];
@@ -218,18 +213,18 @@ extern "C" __global__ void softmax_forward_block(float* y, const float* x, int r
         float* y_row = y + (long long)row * columns;
         int valid = valid_columns(row, columns, causal);
 
-        MaxSum state = {negative_infinity(), 0.0f};
+        MaxSum state = {NEGATIVE_INFINITY, 0.0f};
         int column = threadIdx.x;
         for (; column + (UNROLL - 1) * stride < valid; column += UNROLL * stride) {
             float z[UNROLL];
-            float chunk_maximum = negative_infinity();
+            float chunk_maximum = NEGATIVE_INFINITY;
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 z[u] = scale * x_row[column + u * stride];
                 chunk_maximum = fmaxf(chunk_maximum, z[u]);
             }
             MaxSum chunk = {chunk_maximum, 0.0f};
-            if (chunk_maximum > negative_infinity()) {  // all eight -inf: the chunk adds nothing
+            if (chunk_maximum > NEGATIVE_INFINITY) {  // all eight -inf: the chunk adds nothing
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
                     chunk.sum += expf(z[u] - chunk_maximum);
@@ -335,11 +330,11 @@ extern "C" __global__ void softmax_backward_block(float* dx, const float* dout, 
 // The online state of a few values at once: their maximum first, then one sum relative to it.
 __device__ __forceinline__ MaxSum max_sum_of(const float* z, int n)
 {
-    MaxSum state = {negative_infinity(), 0.0f};
+    MaxSum state = {NEGATIVE_INFINITY, 0.0f};
     for (int i = 0; i < n; ++i) {
         state.maximum = fmaxf(state.maximum, z[i]);
     }
-    if (state.maximum > negative_infinity()) {  // all -inf: nothing to add
+    if (state.maximum > NEGATIVE_INFINITY) {  // all -inf: nothing to add
         for (int i = 0; i < n; ++i) {
             state.sum += expf(z[i] - state.maximum);
         }
@@ -378,7 +373,7 @@ softmax_forward_shared(float* y, const float* x, int rows, int columns, float sc
         float4* cache_vectors = reinterpret_cast<float4*>(cache + head + shift);
 
         // Pass 1: x from global memory into shared memory, once, with the online maximum and sum.
-        MaxSum state = {negative_infinity(), 0.0f};
+        MaxSum state = {NEGATIVE_INFINITY, 0.0f};
         int v = threadIdx.x;
         for (; v + (VECTORS_PER_STEP - 1) * threads < vectors; v += VECTORS_PER_STEP * threads) {
             float4 loaded[VECTORS_PER_STEP];

@@ -59,6 +59,25 @@ def test_no_device_helper_is_written_twice():
     assert twice == {}
 
 
+# A #define; one right after `#ifndef NAME` is a knob's default, which a file may take from -DNAME=...
+DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", re.M)
+KNOB_DEFAULT = re.compile(r"^[ \t]*#[ \t]*ifndef[ \t]+(\w+)[^\n]*\n(?:[ \t]*//[^\n]*\n)*[ \t]*#[ \t]*define[ \t]+\1\b", re.M)
+
+
+def test_no_constant_is_defined_twice():
+    """A macro two kernel files need lives once, in kernels/include/ (include guards and -D knobs aside)."""
+    defined_in = defaultdict(set)
+    for path in KERNEL_FILES:
+        text = path.read_text()
+        knobs = set(KNOB_DEFAULT.findall(text))
+        for name in DEFINE.findall(text):
+            if name not in knobs:
+                defined_in[name].add(str(path.relative_to(KERNELS)))
+    assert {"WARP_SIZE", "FULL_MASK", "NEGATIVE_INFINITY"} <= set(defined_in)  # the pattern finds them at all
+    twice = {name: sorted(files) for name, files in defined_in.items() if len(files) > 1}
+    assert twice == {}
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("target", sorted(t for t in EXPORTS if t.endswith(".cu")))
 def test_kernel_compiles_with_nvcc_without_warnings(target, tmp_path):

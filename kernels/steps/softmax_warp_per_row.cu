@@ -1,9 +1,9 @@
 // Softmax, second version: a warp per row. The 32 lanes read neighbouring elements (one 128-byte line per
-// load of the warp), each keeps a partial maximum and a partial sum, and five __shfl_xor_sync steps
-// combine the 32 partials so that every lane holds the row's result. The row is still read three times:
-// the second and third passes find it in the L1 or L2 cache only if it is short and recent enough.
-#define WARP_SIZE 32
-#define FULL_MASK 0xffffffffu
+// load of the warp), each keeps a partial maximum and a partial sum, and warp_max and warp_sum (five
+// __shfl_xor_sync steps each) combine the 32 partials so that every lane holds the row's result. The row is
+// still read three times: the second and third passes find it in the L1 or L2 cache only if it is short and
+// recent enough.
+#include "warp.cuh"
 
 extern "C" __global__ void softmax_forward_warp_per_row(float* y, const float* x, int rows, int columns)
 {
@@ -19,16 +19,12 @@ extern "C" __global__ void softmax_forward_warp_per_row(float* y, const float* x
     for (int column = lane; column < columns; column += WARP_SIZE) {
         maximum = fmaxf(maximum, x_row[column]);
     }
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
-        maximum = fmaxf(maximum, __shfl_xor_sync(FULL_MASK, maximum, offset));
-    }
+    maximum = warp_max(maximum);
     float sum = 0.0f;
     for (int column = lane; column < columns; column += WARP_SIZE) {
         sum += expf(x_row[column] - maximum);
     }
-    for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
-        sum += __shfl_xor_sync(FULL_MASK, sum, offset);
-    }
+    sum = warp_sum(sum);
     for (int column = lane; column < columns; column += WARP_SIZE) {
         y_row[column] = expf(x_row[column] - maximum) / sum;
     }
