@@ -4,6 +4,7 @@ A GPU reports many of these mistakes late, vaguely, or not at all; the CPU execu
 kernel, the parameter, the source line, or the block and thread that went wrong.
 """
 
+import os
 import re
 import time
 import uuid
@@ -489,3 +490,27 @@ def test_a_grid_wide_sync_is_refused_with_what_to_do(cooperative):
     kernel = RawKernel(GRID_SYNC, "two_phases", enable_cooperative_groups=cooperative)
     with pytest.raises(KernelError, match=r"grid_group::sync\(\).*split the kernel in two launches"):
         kernel((4,), (32,), (np.zeros(4, dtype=np.float32),))
+
+
+def test_a_second_copy_of_the_package_does_not_reuse_the_firsts_preprocessed_kernels(tmp_path):
+    """The preprocessor's output names the executor's headers by path; a copy of the package elsewhere (a
+    second clone sharing the kernel cache) must preprocess again, or its own headers look like the kernel's."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import gpt2_cupy
+
+    copy = tmp_path / "copy"
+    shutil.copytree(Path(gpt2_cupy.__file__).parent, copy / "gpt2_cupy", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ('extern "C" __global__ void stamp(long long* out) { out[threadIdx.x] = clock64() > 0 ? 7 : 0; }')
+    script = (f"import numpy as np\nfrom gpt2_cupy.cpu import RawKernel\nout = np.zeros(4, dtype=np.int64)\n"
+              f"RawKernel({code!r}, 'stamp')((1,), (4,), (out,))\nprint(out.tolist())")
+    outputs = []
+    for package_parent in (Path(gpt2_cupy.__file__).parent.parent, copy):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                env={**os.environ, "PYTHONPATH": str(package_parent)}, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        outputs.append(result.stdout.strip())
+    assert outputs == ["[7, 7, 7, 7]"] * 2

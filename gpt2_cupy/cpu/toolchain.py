@@ -140,7 +140,10 @@ def preprocess(text, flags, describe):
     cached like a library; `describe` turns the compiler's log into a message."""
     # -nostdinc: no system header either; #include <cstdint> fails here as it does under NVRTC.
     options = ("-E", "-nostdinc", "-nostdinc++")
-    output = cache_directory() / f"preprocessed-{_fingerprint(text, *options, *flags, *_included_headers(flags))}.ii"
+    # The output names each header by its path (line markers, which the executor reads to tell its own
+    # headers from the kernel's): the same text preprocessed from another copy of the package differs.
+    key = _fingerprint(text, *options, *flags, *_included_headers(flags), str(HERE))
+    output = cache_directory() / f"preprocessed-{key}.ii"
     if output.exists():
         return output.read_text()
     with tempfile.TemporaryDirectory(dir=output.parent) as work:
