@@ -268,10 +268,9 @@ __device__ void mirror(const cg::thread_block& block, int* shared, int value, in
     tile.sync();  // every thread of the tile has read `shared` before the next size writes it
 }
 
-extern "C" __global__ void large_tiles(int* out, const int* values)
+__device__ void every_size(const cg::thread_block& block, int* out, const int* values)
 {
     __shared__ int shared[512];
-    cg::thread_block block = cg::this_thread_block();
     int t = block.thread_rank();
     int value = values[blockIdx.x * block.size() + t];
     int* mine = out + 3 * 6 * (blockIdx.x * block.size() + t);
@@ -280,18 +279,16 @@ extern "C" __global__ void large_tiles(int* out, const int* values)
     mirror<256>(block, shared, value, mine + 12);
 }
 
+extern "C" __global__ void large_tiles(int* out, const int* values)
+{
+    every_size(cg::this_thread_block(), out, values);
+}
+
 // The same with the scratch memory older GPUs need: on compute capability 8.0 and later it goes unused.
 extern "C" __global__ void large_tiles_with_tile_memory(int* out, const int* values)
 {
     __shared__ cg::block_tile_memory<512> tile_memory;
-    __shared__ int shared[512];
-    cg::thread_block block = cg::this_thread_block(tile_memory);
-    int t = block.thread_rank();
-    int value = values[blockIdx.x * block.size() + t];
-    int* mine = out + 3 * 6 * (blockIdx.x * block.size() + t);
-    mirror<64>(block, shared, value, mine);
-    mirror<128>(block, shared, value, mine + 6);
-    mirror<256>(block, shared, value, mine + 12);
+    every_size(cg::this_thread_block(tile_memory), out, values);
 }
 """
 
