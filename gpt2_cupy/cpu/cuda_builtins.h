@@ -635,14 +635,10 @@ __forceinline__ int __syncthreads_count(int predicate) { return gpt2cupy_block_c
 __forceinline__ int __syncthreads_and(int predicate) { return gpt2cupy_block_count(predicate == 0) == 0; }
 __forceinline__ int __syncthreads_or(int predicate) { return gpt2cupy_block_count(predicate) != 0; }
 
-// The lanes of the calling thread's warp that exist (a block of 48 threads has a warp of 16 in the end).
-// A GPU gives only the lanes that run this instruction together; inside divergent code that can be fewer.
-__forceinline__ unsigned int __activemask() {
-    unsigned int threads = blockDim.x * blockDim.y * blockDim.z;
-    unsigned int thread = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
-    unsigned int lanes = threads - (thread & ~31u);
-    return lanes >= 32 ? 0xffffffffu : (1u << lanes) - 1u;
-}
+// The lanes of the calling thread's warp that run this instruction together with it: inside an `if`, those
+// that took the branch; lanes that have returned, or that do not exist (a block of 48 threads has a last
+// warp of 16), are not there. Not a barrier: it orders no memory between them.
+__forceinline__ unsigned int __activemask() { return gpt2cupy_converged_lanes(); }
 
 // Warp reductions over the lanes in mask: every lane gets the result.
 #define GPT2CUPY_WARP_REDUCE(name, T, START, COMBINE)                                                     \

@@ -63,6 +63,10 @@ extern __thread gpt2cupy::ThreadCoordinates* gpt2cupy_current_thread;
 void gpt2cupy_syncthreads(void);
 // Put this lane's value on the warp's table, wait for the lanes in mask, and return the table.
 const gpt2cupy::WarpExchange* gpt2cupy_warp_exchange(unsigned int mask, unsigned long long value);
+// The lanes of the running thread's warp that reach this call together with it (its __activemask()).
+unsigned int gpt2cupy_converged_lanes(void);
+// The sync() of a tile larger than a warp: wait for the block's threads first_thread .. + thread_count - 1.
+void gpt2cupy_tile_sync(unsigned int first_thread, unsigned int thread_count);
 // A shuffle of the running thread read lane `source`, which did not take part: under the race check the
 // launch fails with where it happened; otherwise it returns and the shuffle goes on.
 void gpt2cupy_shuffle_from_absent_lane(unsigned int mask, unsigned int source);

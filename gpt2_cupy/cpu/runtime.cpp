@@ -182,7 +182,7 @@ namespace {
 void race_block_started(unsigned long long block_linear);
 void race_barrier_opened();
 
-enum class FiberState { not_started, ready, at_block_barrier, at_warp_barrier, done };
+enum class FiberState { not_started, ready, at_block_barrier, at_warp_barrier, at_tile_barrier, done };
 
 struct Stack {
     void* mapping = nullptr;  // guard page, then the stack
@@ -204,6 +204,11 @@ struct Fiber {
     unsigned warp_wait_mask = 0;                // the mask of the warp operation it waits in
     unsigned long long exchange_value = 0;      // what it puts on the table there
     const WarpExchange* exchange = nullptr;     // the table of the lanes it was released with
+    // Asking which lanes of its warp run this code with it (__activemask, coalesced_threads()): where in
+    // the kernel's code it asks. Lanes asking at the same place are released together.
+    bool finding_converged_lanes = false;
+    const void* converge_site = nullptr;
+    unsigned tile_first = 0, tile_count = 0;    // the threads of the tile whose sync() it waits in
 };
 
 class Launch;
@@ -223,6 +228,8 @@ public:
 
     void syncthreads();
     const WarpExchange* warp_exchange(unsigned mask, unsigned long long value);
+    unsigned converged_lanes(const void* site);
+    void tile_sync(unsigned first, unsigned count);
     void fiber_main(Fiber* fiber);
     void fail_current(int failure, const std::string& message);
     bool address_in_stack_guard(const void* address) const {
@@ -258,7 +265,9 @@ private:
     void yield_to_scheduler();
     void run_ready_threads(bool reverse_order);
     bool release_warps();
-    void release_group(unsigned warp, unsigned leader, unsigned group);
+    void release_group(unsigned warp, unsigned leader, unsigned group, bool orders_memory = true);
+    bool release_converged_lanes(unsigned warp, unsigned asking);
+    bool release_tiles();
     void open_block_barrier();
     bool any_lane(const unsigned (&lanes)[warps_per_block]) const {
         unsigned any = 0;
@@ -283,6 +292,7 @@ private:
     unsigned ready_[warps_per_block];     // to run in the next round (not started, released or preempted)
     unsigned at_block_[warps_per_block];  // waiting at __syncthreads()
     unsigned waiting_[warps_per_block];   // waiting in a warp operation
+    unsigned at_tile_[warps_per_block];   // waiting in the sync() of a tile larger than a warp
     unsigned finished_[warps_per_block];  // returned from the kernel
     std::vector<Stack*> free_stacks_;
     std::vector<Stack*> all_stacks_;
@@ -542,21 +552,48 @@ const WarpExchange* BlockRunner::warp_exchange(unsigned mask, unsigned long long
     return fiber->exchange;
 }
 
+// The lanes of the caller's warp that run this code together with it, as a GPU's __activemask() gives
+// them: the caller waits until every other lane of its warp has stopped somewhere (at a barrier, in a
+// warp operation, at its end); those stopped at this same place in the code are the converged ones.
+unsigned BlockRunner::converged_lanes(const void* site) {
+    Fiber* fiber = current_;
+    fiber->finding_converged_lanes = true;
+    fiber->converge_site = site;
+    fiber->warp_wait_mask = 1u << fiber->coordinates.lane;
+    fiber->state = FiberState::at_warp_barrier;
+    yield_to_scheduler();
+    fiber->finding_converged_lanes = false;
+    if (block_failed_) throw 0;
+    return fiber->exchange->arrived;
+}
+
+// The sync() of a tile of more than 32 threads: the threads first .. first + count - 1 of the block wait
+// for each other (those that have returned count as arrived, as at __syncthreads()).
+void BlockRunner::tile_sync(unsigned first, unsigned count) {
+    Fiber* fiber = current_;
+    fiber->tile_first = first;
+    fiber->tile_count = count;
+    fiber->state = FiberState::at_tile_barrier;
+    yield_to_scheduler();
+    if (block_failed_) throw 0;
+}
+
 // A warp's waiting lanes go on as a GPU's shfl.sync/vote.sync/bar.warp.sync let them: a group of lanes
 // that wait with the same mask goes on when every lane named in that mask waits with that mask too (or
 // has finished). Lanes that wait with other masks wait on: after divergent code, lanes at different
 // warp operations are never paired up.
-void BlockRunner::release_group(unsigned warp, unsigned leader, unsigned group) {
+// orders_memory: false for __activemask(), which tells which lanes run together but is no barrier.
+void BlockRunner::release_group(unsigned warp, unsigned leader, unsigned group, bool orders_memory) {
     WarpExchange& table = exchanges_[warp][leader];
     table.arrived = group;
     for (unsigned lanes = group; lanes != 0; lanes &= lanes - 1) {
         Fiber& fiber = fibers_[warp * 32 + __builtin_ctz(lanes)];
         table.value[__builtin_ctz(lanes)] = fiber.exchange_value;
         fiber.exchange = &table;
-        fiber.warp_syncs += 1;
+        if (orders_memory) fiber.warp_syncs += 1;
         fiber.state = FiberState::ready;
     }
-    if (tracking_races_)
+    if (tracking_races_ && orders_memory)
         for (unsigned lanes = group; lanes != 0; lanes &= lanes - 1)
             for (unsigned others = group; others != 0; others &= others - 1)
                 synced_with_[warp * 32 + __builtin_ctz(lanes)][__builtin_ctz(others)] =
@@ -565,12 +602,32 @@ void BlockRunner::release_group(unsigned warp, unsigned leader, unsigned group) 
     ready_[warp] |= group;
 }
 
+// Lanes asking for their converged lanes go on only when no other group of their warp can: lanes that
+// will reach the same place once released (after a shuffle in an `if`) are then there too.
+bool BlockRunner::release_converged_lanes(unsigned warp, unsigned asking) {
+    for (unsigned rest = asking; rest != 0;) {
+        const void* site = fibers_[warp * 32 + __builtin_ctz(rest)].converge_site;
+        unsigned together = 0;
+        for (unsigned lanes = rest; lanes != 0; lanes &= lanes - 1)
+            if (fibers_[warp * 32 + __builtin_ctz(lanes)].converge_site == site) together |= 1u << __builtin_ctz(lanes);
+        release_group(warp, __builtin_ctz(together), together, false);
+        rest &= ~together;
+    }
+    return asking != 0;
+}
+
 bool BlockRunner::release_warps() {
     bool released = false;
     for (unsigned warp = 0; warp < warp_count_; ++warp) {
-        const unsigned waiting = waiting_[warp];
-        if (waiting == 0) continue;
         const unsigned first = warp * 32;
+        unsigned asking = 0;
+        for (unsigned lanes = waiting_[warp]; lanes != 0; lanes &= lanes - 1)
+            if (fibers_[first + __builtin_ctz(lanes)].finding_converged_lanes) asking |= 1u << __builtin_ctz(lanes);
+        const unsigned waiting = waiting_[warp] & ~asking;
+        if (waiting == 0) {
+            released = release_converged_lanes(warp, asking) || released;
+            continue;
+        }
         unsigned wanted = 0;
         for (unsigned lanes = waiting; lanes != 0; lanes &= lanes - 1)
             wanted |= fibers_[first + __builtin_ctz(lanes)].warp_wait_mask;
@@ -595,12 +652,41 @@ bool BlockRunner::release_warps() {
         }
         // Masks that do not agree (lane 0 names lanes 0-1, lane 1 names lanes 0-2): undefined on a GPU.
         // Rather than hang, the lanes go on together, as long as none waits for a lane at __syncthreads().
-        if (!released_in_warp && (wanted & alive & ~waiting) == 0) {
+        if (!released_in_warp && (wanted & alive & ~waiting & ~asking) == 0) {
             release_group(warp, __builtin_ctz(waiting), waiting);
             released_in_warp = true;
         }
+        if (!released_in_warp) released_in_warp = release_converged_lanes(warp, asking);
         released = released || released_in_warp;
     }
+    return released;
+}
+
+// Threads waiting in the sync() of a tile go on when every thread of their tile that has not returned
+// waits there too. The race check then counts it as a barrier of the whole block: it reports no false race
+// between the tile's threads, though it may miss one between threads of different tiles.
+bool BlockRunner::release_tiles() {
+    bool released = false;
+    for (unsigned warp = 0; warp < warp_count_; ++warp) {
+        for (unsigned lanes = at_tile_[warp]; lanes != 0; lanes &= lanes - 1) {
+            const Fiber& asker = fibers_[warp * 32 + __builtin_ctz(lanes)];
+            const unsigned first = asker.tile_first, end = std::min(first + asker.tile_count, launch_->thread_count());
+            bool all_there = true;
+            for (unsigned t = first; all_there && t < end; ++t)
+                all_there = fibers_[t].state == FiberState::done ||
+                            (fibers_[t].state == FiberState::at_tile_barrier && fibers_[t].tile_first == first &&
+                             fibers_[t].tile_count == asker.tile_count);
+            if (!all_there) continue;
+            for (unsigned t = first; t < end; ++t) {
+                if (fibers_[t].state != FiberState::at_tile_barrier) continue;
+                fibers_[t].state = FiberState::ready;
+                at_tile_[t / 32] &= ~(1u << (t % 32));
+                ready_[t / 32] |= 1u << (t % 32);
+            }
+            released = true;
+        }
+    }
+    if (released) epoch_ += 1;
     return released;
 }
 
@@ -638,6 +724,7 @@ void BlockRunner::run_ready_threads(bool reverse_order) {
                 case FiberState::done: finished_[warp] |= bit; ++finished_count_; break;
                 case FiberState::at_block_barrier: at_block_[warp] |= bit; break;
                 case FiberState::at_warp_barrier: waiting_[warp] |= bit; break;
+                case FiberState::at_tile_barrier: at_tile_[warp] |= bit; break;
                 default: ready_[warp] |= bit; break;  // preempted, or it yielded: it goes on next round
             }
         }
@@ -674,7 +761,7 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
     for (unsigned warp = 0; warp < warps_per_block; ++warp) {
         unsigned lanes = warp < warp_count_ ? std::min(32u, thread_count - warp * 32) : 0;
         ready_[warp] = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
-        at_block_[warp] = waiting_[warp] = finished_[warp] = 0;
+        at_block_[warp] = waiting_[warp] = at_tile_[warp] = finished_[warp] = 0;
     }
     block_linear_ = block_linear;
     epoch_ += 1;
@@ -685,20 +772,23 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
         if (block_failed_ || launch.failed()) break;
         if (finished_count_ == thread_count) break;
         if (any_lane(ready_)) continue;  // no barrier opens while a thread is still on its way to it
-        const bool in_warp_operations = any_lane(waiting_);
+        const bool in_warp_operations = any_lane(waiting_), in_tiles = any_lane(at_tile_);
         if (in_warp_operations && release_warps()) continue;
-        if (!in_warp_operations) {
+        if (in_tiles && release_tiles()) continue;
+        if (!in_warp_operations && !in_tiles) {
             open_block_barrier();
             continue;
         }
-        // Some threads wait in a warp operation for lanes that wait at __syncthreads(): on a GPU this hangs.
-        unsigned warp_waiter = highest_thread(waiting_), block_waiter = highest_thread(at_block_);
-        char message[256];
+        // Some threads wait in a warp operation or a tile's sync() for threads that wait elsewhere (at
+        // __syncthreads(), or in another tile's sync()): on a GPU this hangs.
+        unsigned warp_waiter = in_warp_operations ? highest_thread(waiting_) : highest_thread(at_tile_);
+        unsigned block_waiter = any_lane(at_block_) ? highest_thread(at_block_) : highest_thread(at_tile_);
+        char message[320];
         const uint3 w = fibers_[warp_waiter].coordinates.thread_idx, b = fibers_[block_waiter].coordinates.thread_idx;
-        std::snprintf(message, sizeof(message),
-                      "deadlock: thread (%u, %u, %u) waits in a warp operation (shuffle, vote or __syncwarp) for "
-                      "thread (%u, %u, %u), which waits at __syncthreads()",
-                      w.x, w.y, w.z, b.x, b.y, b.z);
+        std::snprintf(message, sizeof(message), "deadlock: thread (%u, %u, %u) waits in %s for thread (%u, %u, %u), which waits %s",
+                      w.x, w.y, w.z,
+                      in_warp_operations ? "a warp operation (shuffle, vote or __syncwarp)" : "a tile's sync()",
+                      b.x, b.y, b.z, any_lane(at_block_) ? "at __syncthreads()" : "in another tile's sync()");
         launch.fail(deadlock, &fibers_[warp_waiter].coordinates, message);
         block_failed_ = true;
         break;
@@ -1393,6 +1483,23 @@ const gpt2cupy::WarpExchange* gpt2cupy_warp_exchange(unsigned int mask, unsigned
     const gpt2cupy::WarpExchange* table = runner->warp_exchange(mask, value);
     runner->in_kernel_code = 1;
     return table;
+}
+
+// Not inlined into the kernel: its return address is the place in the kernel's code that asks.
+unsigned int gpt2cupy_converged_lanes(void) {
+    BlockRunner* runner = this_thread_runner;
+    const void* site = __builtin_return_address(0);
+    runner->in_kernel_code = 0;
+    unsigned lanes = runner->converged_lanes(site);
+    runner->in_kernel_code = 1;
+    return lanes;
+}
+
+void gpt2cupy_tile_sync(unsigned int first_thread, unsigned int thread_count) {
+    BlockRunner* runner = this_thread_runner;
+    runner->in_kernel_code = 0;
+    runner->tile_sync(first_thread, thread_count);
+    runner->in_kernel_code = 1;
 }
 
 void gpt2cupy_shuffle_from_absent_lane(unsigned int mask, unsigned int source) {
