@@ -64,7 +64,9 @@ public:
             default: return tile_size_;
         }
     }
-    unsigned long long num_threads() const { return size(); }
+    // CUDA 13's header declares num_threads() on the base class without defining it, so NVRTC refuses a call
+    // through a thread_group ("referenced but not defined"); size() is the one to call there.
+    unsigned long long num_threads() const = delete;
     unsigned long long thread_rank() const {
         switch (kind_) {
             case kind::block: return details::block_thread_rank();
