@@ -36,6 +36,7 @@ int64 = long = numpy.dtype(numpy.int64)
 int32 = int = numpy.dtype(numpy.int32)
 uint8 = numpy.dtype(numpy.uint8)
 bool = numpy.dtype(numpy.bool_)  # noqa: A001  (torch.bool)
+pi, e, inf, nan = numpy.pi, numpy.e, numpy.inf, numpy.nan
 
 
 def dtype_of(value):
@@ -213,8 +214,8 @@ _FROM_TENSOR_OPS = {
     "sum": "sum", "mean": "mean", "var": "var", "std": "std", "reshape": "reshape", "permute": "permute",
     "transpose": "transpose", "unsqueeze": "unsqueeze", "squeeze": "squeeze", "flatten": "flatten",
 }
-_TENSOR_METHODS = ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "tril", "triu", "max", "min",
-                   "argmax", "argmin", "softmax", "log_softmax")
+_TENSOR_METHODS = ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "pow", "tril", "triu", "max",
+                   "min", "argmax", "argmin", "softmax", "log_softmax", "clone")
 
 
 def __getattr__(name):

@@ -353,6 +353,9 @@ class Tensor:
     def contiguous(self):
         return _ops().contiguous(self)
 
+    def clone(self):
+        return _ops().clone(self)
+
     def is_contiguous(self):
         return bool(self.data.flags.c_contiguous)
 

@@ -675,6 +675,10 @@ def expand(x, sizes):
     return _view(x, lambda a: backend.xp.broadcast_to(a, shape), lambda d: sum_to(d, old))
 
 
+def clone(x):
+    return _view(x, lambda a: copy("clone", a), lambda d: d)
+
+
 def contiguous(x):
     if x.data.flags.c_contiguous:
         return x

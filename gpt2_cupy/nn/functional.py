@@ -349,6 +349,8 @@ def split(x, split_size, dim=-1):
 
 def _int32(ids, operation, name):
     """ids as a C-contiguous int32 backend array (token ids fit easily in 32 bits)."""
+    if isinstance(ids, Tensor):
+        ids = ids.data
     if not isinstance(ids, backend.xp.ndarray):
         raise TypeError(f"{operation}: {name} must be a {backend.xp.__name__}.ndarray of integers, "
                         f"got {type(ids).__name__}")
