@@ -578,17 +578,17 @@ class View(Function):
     accepts_strided = True
 
     @staticmethod
-    def forward(ctx, x, make, undo):
-        ctx.undo = undo
+    def forward(ctx, x, name, make, undo):
+        ctx.name, ctx.undo = name, undo
         return make(x)
 
     @staticmethod
     def backward(ctx, dout):
-        return ctx.undo(dout), None, None
+        return ctx.undo(dout), None, None, None
 
 
-def _view(x, make, undo):
-    return View.apply(x, make, undo)
+def _view(name, x, make, undo):
+    return View.apply(x, name, make, undo)
 
 
 def view(x, shape):
@@ -596,7 +596,7 @@ def view(x, shape):
     if view_strides(x.shape, [s // x.data.itemsize for s in x.data.strides], shape) is None:
         raise RuntimeError(VIEW_ERROR)
     old = x.shape
-    return _view(x, lambda a: a.reshape(shape), lambda d: _reshape_array(d, old))
+    return _view("view", x, lambda a: a.reshape(shape), lambda d: _reshape_array(d, old))
 
 
 def _reshape_array(array, shape):
@@ -609,13 +609,13 @@ def _reshape_array(array, shape):
 def reshape(x, shape):
     shape = infer_shape(shape, x.numel())
     old = x.shape
-    return _view(x, lambda a: _reshape_array(a, shape), lambda d: _reshape_array(d, old))
+    return _view("reshape", x, lambda a: _reshape_array(a, shape), lambda d: _reshape_array(d, old))
 
 
 def permute(x, dims):
     dims = normalize_permutation(dims, x.ndim)
     inverse = tuple(numpy.argsort(dims))
-    return _view(x, lambda a: a.transpose(dims), lambda d: d.transpose(inverse))
+    return _view("permute", x, lambda a: a.transpose(dims), lambda d: d.transpose(inverse))
 
 
 def normalize_permutation(dims, ndim):
@@ -672,17 +672,17 @@ def expand(x, sizes):
                                f"size ({size}) at non-singleton dimension {leading + axis}.  Target sizes: "
                                f"{list(sizes)}.  Tensor sizes: {list(x.shape)}")
     old = x.shape
-    return _view(x, lambda a: backend.xp.broadcast_to(a, shape), lambda d: sum_to(d, old))
+    return _view("expand", x, lambda a: backend.xp.broadcast_to(a, shape), lambda d: sum_to(d, old))
 
 
 def clone(x):
-    return _view(x, lambda a: copy("clone", a), lambda d: d)
+    return _view("clone", x, lambda a: copy("clone", a), lambda d: d)
 
 
 def contiguous(x):
     if x.data.flags.c_contiguous:
         return x
-    return _view(x, lambda a: copy("contiguous", a), lambda d: d)
+    return _view("contiguous", x, lambda a: copy("contiguous", a), lambda d: d)
 
 
 # ---- indexing ------------------------------------------------------------------------------------------------
