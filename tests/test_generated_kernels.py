@@ -113,3 +113,8 @@ def test_reduction_errors():
         reduction.reduce("sum", "sum", x, (2,))
     with pytest.raises(IndexError, match="Expected reduction dim 1 to have non-zero size"):
         reduction.reduce("max", "max", np.zeros((2, 0), np.float32), (1,))
+
+
+def test_the_benchmark_cases_run_and_match_numpy():
+    from bench import generated_kernels
+    generated_kernels.check()  # each case once at a tiny size, asserting its relative error
