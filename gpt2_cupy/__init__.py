@@ -14,6 +14,7 @@ With PyTorch's names, so that PyTorch code runs with its imports changed:
 Importing the package is cheap: the submodules load, and kernels compile, when first used.
 """
 
+import builtins as _builtins
 import contextlib
 import types
 
@@ -35,6 +36,7 @@ int64 = long = numpy.dtype(numpy.int64)
 int32 = int = numpy.dtype(numpy.int32)
 uint8 = numpy.dtype(numpy.uint8)
 bool = numpy.dtype(numpy.bool_)  # noqa: A001  (torch.bool)
+pi, e, inf, nan = numpy.pi, numpy.e, numpy.inf, numpy.nan
 
 
 def dtype_of(value):
@@ -57,11 +59,99 @@ def tensor(data, dtype=None, device=None, requires_grad=False):
     """A new Tensor from a list, a number or an array; float32 for floats, int64 for integers (as torch)."""
     from gpt2_cupy import backend
     from gpt2_cupy.autograd import Tensor
+    if isinstance(data, Tensor):
+        data = data.data
+    if isinstance(data, (list, tuple)):  # lists of one-element tensors, as torch.tensor([t1, t2]) takes
+        data = [item.item() if isinstance(item, Tensor) else item for item in data]
     array = numpy.array(backend.asnumpy(data) if isinstance(data, backend.xp.ndarray) else data)
     if dtype is None and array.dtype.kind == "f":
         dtype = float32
     return Tensor(backend.xp.asarray(array if dtype is None else array.astype(dtype_of(dtype))),
                   requires_grad=requires_grad)
+
+
+# ---- factories: new tensors on the active backend; random ones from manual_seed's generator --------------
+
+def _shape(size):
+    return tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else tuple(size)
+
+
+def _made(array, dtype, requires_grad):
+    from gpt2_cupy import backend
+    from gpt2_cupy.autograd import Tensor
+    return Tensor(backend.xp.asarray(array, dtype=dtype_of(float32 if dtype is None else dtype)),
+                  requires_grad=requires_grad)
+
+
+def zeros(*size, dtype=None, device=None, requires_grad=False):
+    return _made(numpy.zeros(_shape(size)), dtype, requires_grad)
+
+
+def ones(*size, dtype=None, device=None, requires_grad=False):
+    return _made(numpy.ones(_shape(size)), dtype, requires_grad)
+
+
+def empty(*size, dtype=None, device=None, requires_grad=False):
+    return _made(numpy.empty(_shape(size)), dtype, requires_grad)
+
+
+def full(size, fill_value, dtype=None, device=None, requires_grad=False):
+    """size filled with fill_value; the dtype follows the value (float32, int64 or bool), as torch.full's."""
+    if dtype is None:
+        dtype = bool if isinstance(fill_value, _builtins.bool) else int64 if isinstance(fill_value, _builtins.int) \
+            else float32
+    return _made(numpy.full(_shape((size,)), fill_value), dtype, requires_grad)
+
+
+def arange(start, end=None, step=1, dtype=None, device=None, requires_grad=False):
+    """start, start + step, ... below end; int64 when every argument is an int, else float32 (as torch)."""
+    if end is None:
+        start, end = 0, start
+    if dtype is None:
+        integers = all(isinstance(v, _builtins.int) for v in (start, end, step))
+        dtype = int64 if integers else float32
+    return _made(numpy.arange(start, end, step), dtype, requires_grad)
+
+
+def rand(*size, dtype=None, device=None, requires_grad=False, generator=None):
+    """Uniform in [0, 1), from the generator manual_seed seeds."""
+    from gpt2_cupy.autograd import init_generator
+    return _made(init_generator().random(_shape(size)), dtype, requires_grad)
+
+
+def randn(*size, dtype=None, device=None, requires_grad=False, generator=None):
+    """Standard normal, from the generator manual_seed seeds."""
+    from gpt2_cupy.autograd import init_generator
+    return _made(init_generator().standard_normal(_shape(size)), dtype, requires_grad)
+
+
+def randint(low, high=None, size=None, dtype=None, device=None, requires_grad=False, generator=None):
+    """Integers in [low, high) (int64), randint(high, size) or randint(low, high, size) as torch's."""
+    from gpt2_cupy.autograd import init_generator
+    if size is None:
+        low, high, size = 0, low, high
+    return _made(init_generator().integers(low, high, size=tuple(size)), int64 if dtype is None else dtype,
+                 requires_grad)
+
+
+def _like(factory):
+    def like(input, dtype=None, device=None, requires_grad=False):
+        return factory(input.shape, dtype=input.dtype if dtype is None else dtype, requires_grad=requires_grad)
+    like.__name__ = factory.__name__ + "_like"
+    like.__doc__ = f"{factory.__name__} of input's shape and dtype."
+    return like
+
+
+zeros_like, ones_like, empty_like, rand_like, randn_like = (_like(f) for f in (zeros, ones, empty, rand, randn))
+
+
+def full_like(input, fill_value, dtype=None, device=None, requires_grad=False):
+    return full(input.shape, fill_value, dtype=input.dtype if dtype is None else dtype, requires_grad=requires_grad)
+
+
+def is_tensor(value):
+    from gpt2_cupy.autograd import Tensor
+    return isinstance(value, Tensor)
 
 
 def _cuda_is_available():
@@ -117,6 +207,17 @@ backends = types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=types.SimpleN
                                  cudnn=types.SimpleNamespace(allow_tf32=False))
 
 
+# torch.exp(x), torch.cat([...]), torch.where(...): the functions of Tensor's methods, from tensor_ops
+_FROM_TENSOR_OPS = {
+    "cat": "cat", "concat": "cat", "stack": "stack", "where": "where", "matmul": "matmul", "clamp": "clamp",
+    "topk": "topk", "multinomial": "multinomial", "masked_fill": "masked_fill", "gather": "gather",
+    "sum": "sum", "mean": "mean", "var": "var", "std": "std", "reshape": "reshape", "permute": "permute",
+    "transpose": "transpose", "unsqueeze": "unsqueeze", "squeeze": "squeeze", "flatten": "flatten",
+}
+_TENSOR_METHODS = ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "pow", "tril", "triu", "max",
+                   "min", "argmax", "argmin", "softmax", "log_softmax", "clone")
+
+
 def __getattr__(name):
     # Tensor, no_grad, ... are looked up here on first use (PEP 562), so `import gpt2_cupy` does not pick a
     # backend; `from gpt2_cupy import nn, optim, functional` imports those submodules the usual way.
@@ -126,6 +227,11 @@ def __getattr__(name):
         return getattr(importlib.import_module("gpt2_cupy.autograd"), name)
     if name in _FROM_SERIALIZATION:
         return getattr(importlib.import_module("gpt2_cupy.serialization"), name)
+    if name in _FROM_TENSOR_OPS:
+        return getattr(importlib.import_module("gpt2_cupy.tensor_ops"), _FROM_TENSOR_OPS[name])
+    if name in _TENSOR_METHODS:
+        tensor_class = importlib.import_module("gpt2_cupy.autograd").Tensor
+        return lambda input, *arguments, **options: getattr(tensor_class, name)(input, *arguments, **options)
     if name in _SUBMODULES:
         return importlib.import_module(f"gpt2_cupy.{name}")
     raise AttributeError(f"module 'gpt2_cupy' has no attribute {name!r}")

@@ -36,6 +36,9 @@ from gpt2_cupy import backend
 _grad_enabled = True    # switched off inside `with no_grad():`
 _dropout_state = {}     # "rng": dropout's (seed, offset) device array; "init": numpy's generator for weights
 
+_DTYPE_NAMES = {"float32": "torch.float32", "float64": "torch.float64", "int32": "torch.int32",
+                "int64": "torch.int64", "bool": "torch.bool", "uint8": "torch.uint8", "float16": "torch.float16"}
+
 SECOND_BACKWARD = (
     "Trying to backward through the graph a second time (or directly access saved tensors after they have "
     "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
@@ -49,6 +52,8 @@ class Tensor:
     def __init__(self, data, requires_grad=False):
         if isinstance(data, Tensor):
             data = data.data
+        if isinstance(data, numpy.generic):  # a numpy number keeps its type
+            data = backend.xp.asarray(data)
         if not isinstance(data, backend.xp.ndarray):
             data = backend.xp.asarray(data, dtype=numpy.float32)
         self.data, self.grad = data, None
@@ -82,19 +87,44 @@ class Tensor:
         return int(self.data.size)
 
     def numpy(self):
+        if self.requires_grad:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
         return backend.asnumpy(self.data)
 
     def item(self):
-        """The value of a one-element tensor as a Python float (on a GPU: waits for it, a host copy)."""
-        return float(backend.asnumpy(self.data))
+        """The value of a one-element tensor (any shape) as a Python number (on a GPU: waits for it, a host copy)."""
+        if self.data.size != 1:
+            raise RuntimeError(f"a Tensor with {self.data.size} elements cannot be converted to Scalar")
+        return backend.asnumpy(self.data).reshape(()).item()
+
+    def tolist(self):
+        return backend.asnumpy(self.data).tolist()
 
     def detach(self):
         """The same array, outside every graph."""
         return Tensor(self.data)
 
+    def dim(self):
+        return self.data.ndim
+
+    def __len__(self):
+        if self.data.ndim == 0:
+            raise TypeError("len() of a 0-d tensor")
+        return self.data.shape[0]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
     def __repr__(self):
-        grad_fn = f", grad_fn=<{self.grad_fn.name()}>" if self.grad_fn is not None else ""
-        return f"Tensor(shape={self.shape}, dtype={self.dtype}, requires_grad={self.requires_grad}{grad_fn})"
+        values = numpy.array2string(backend.asnumpy(self.data), separator=", ", prefix="tensor(", precision=4)
+        extra = ""
+        if self.dtype not in (numpy.float32, numpy.int64, numpy.bool_):
+            extra += f", dtype={_DTYPE_NAMES.get(self.dtype.name, self.dtype.name)}"
+        if self.grad_fn is not None:
+            extra += f", grad_fn=<{self.grad_fn.name()}>"
+        elif self.requires_grad:
+            extra += ", requires_grad=True"
+        return f"tensor({values}{extra})"
 
     def backward(self, gradient=None, retain_graph=None):
         """d self / d every leaf of self's graph that requires grad, summed into its .grad.
@@ -118,27 +148,266 @@ class Tensor:
         else:
             run_backward(self.grad_fn, self.output_nr, gradient, retain_graph=bool(retain_graph))
 
-    # The movements the model needs; their Functions live in gpt2_cupy.nn.functional.
+    # ---- operators and methods: the Functions live in gpt2_cupy.tensor_ops -------------------------------
+    __hash__ = object.__hash__  # == is elementwise (a bool tensor), so a tensor hashes by identity
+
     def __add__(self, other):
+        return _ops().binary("add", self, other)
+
+    def __radd__(self, other):
+        return _ops().binary("add", other, self)
+
+    def __sub__(self, other):
+        return _ops().binary("sub", self, other)
+
+    def __rsub__(self, other):
+        return _ops().binary("sub", other, self)
+
+    def __mul__(self, other):
+        return _ops().binary("mul", self, other)
+
+    def __rmul__(self, other):
+        return _ops().binary("mul", other, self)
+
+    def __truediv__(self, other):
+        return _ops().binary("div", self, other)
+
+    def __rtruediv__(self, other):
+        return _ops().binary("div", other, self)
+
+    def __pow__(self, other):
+        return _ops().binary("pow", self, other)
+
+    def __rpow__(self, other):
+        return _ops().binary("pow", other, self)
+
+    def __matmul__(self, other):
+        return _ops().matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return _ops().matmul(other, self)
+
+    def __neg__(self):
+        return _ops().unary("neg", self)
+
+    def __eq__(self, other):
+        return _ops().compare("eq", self, other)
+
+    def __ne__(self, other):
+        return _ops().compare("ne", self, other)
+
+    def __lt__(self, other):
+        return _ops().compare("lt", self, other)
+
+    def __le__(self, other):
+        return _ops().compare("le", self, other)
+
+    def __gt__(self, other):
+        return _ops().compare("gt", self, other)
+
+    def __ge__(self, other):
+        return _ops().compare("ge", self, other)
+
+    def __invert__(self):
+        if self.dtype != numpy.bool_:
+            raise TypeError("~ (bitwise not) is only supported here for bool tensors")
+        return self == False  # noqa: E712  (elementwise: a bool tensor)
+
+    def __and__(self, other):
+        return _ops().logical("and", self, other)
+
+    def __or__(self, other):
+        return _ops().logical("or", self, other)
+
+    def __bool__(self):
+        if self.data.size != 1:
+            raise RuntimeError(f"Boolean value of Tensor with more than one value is ambiguous")
+        return bool(self.item())
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __index__(self):
+        if self.dtype.kind not in "iu" or self.data.size != 1:
+            raise TypeError("only integer tensors of a single element can be converted to an index")
+        return int(self.item())
+
+    def __getitem__(self, key):
+        return _ops().index(self, key)
+
+    def __setitem__(self, key, value):
+        _ops().index_put(self, key, value)
+
+    def exp(self):
+        return _ops().unary("exp", self)
+
+    def log(self):
+        return _ops().unary("log", self)
+
+    def sqrt(self):
+        return _ops().unary("sqrt", self)
+
+    def rsqrt(self):
+        return _ops().unary("rsqrt", self)
+
+    def tanh(self):
+        return _ops().unary("tanh", self)
+
+    def sigmoid(self):
+        return _ops().unary("sigmoid", self)
+
+    def relu(self):
+        return _ops().unary("relu", self)
+
+    def abs(self):
+        return _ops().unary("abs", self)
+
+    def pow(self, exponent):
+        return _ops().binary("pow", self, exponent)
+
+    def clamp(self, min=None, max=None):
+        return _ops().clamp(self, min, max)
+
+    clip = clamp
+
+    def masked_fill(self, mask, value):
+        return _ops().masked_fill(self, mask, value)
+
+    def tril(self, diagonal=0):
+        return _ops().Triangle.apply(self, diagonal, False)
+
+    def triu(self, diagonal=0):
+        return _ops().Triangle.apply(self, diagonal, True)
+
+    def sum(self, dim=None, keepdim=False, dtype=None):
+        return _ops().sum(self, dim, keepdim, dtype)
+
+    def mean(self, dim=None, keepdim=False, dtype=None):
+        return _ops().mean(self, dim, keepdim, dtype)
+
+    def var(self, dim=None, unbiased=True, keepdim=False, *, correction=None):
+        return _ops().var(self, dim, unbiased, keepdim, correction)
+
+    def std(self, dim=None, unbiased=True, keepdim=False, *, correction=None):
+        return _ops().std(self, dim, unbiased, keepdim, correction)
+
+    def max(self, dim=None, keepdim=False):
+        return _ops().extreme("max", self, dim, keepdim)
+
+    def min(self, dim=None, keepdim=False):
+        return _ops().extreme("min", self, dim, keepdim)
+
+    def argmax(self, dim=None, keepdim=False):
+        return _ops().argextreme("max", self, dim, keepdim)
+
+    def argmin(self, dim=None, keepdim=False):
+        return _ops().argextreme("min", self, dim, keepdim)
+
+    def softmax(self, dim):
         from gpt2_cupy.nn import functional
-        return functional.add(self, other)
+        return functional.softmax(self, dim)
+
+    def log_softmax(self, dim):
+        return _ops().log_softmax(self, dim)
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        return _ops().topk(self, k, dim, largest, sorted)
+
+    def view(self, *shape):
+        return _ops().view(self, _sizes(shape))
 
     def reshape(self, *shape):
-        from gpt2_cupy.nn import functional
-        return functional.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
+        return _ops().reshape(self, _sizes(shape))
 
-    view = reshape
+    def permute(self, *dims):
+        return _ops().permute(self, _sizes(dims))
 
     def transpose(self, dim0, dim1):
-        from gpt2_cupy.nn import functional
-        return functional.transpose(self, dim0, dim1)
+        return _ops().transpose(self, dim0, dim1)
+
+    @property
+    def T(self):
+        return _ops().permute(self, tuple(reversed(range(self.ndim))))
+
+    def unsqueeze(self, dim):
+        return _ops().unsqueeze(self, dim)
+
+    def squeeze(self, dim=None):
+        return _ops().squeeze(self, dim)
+
+    def flatten(self, start_dim=0, end_dim=-1):
+        return _ops().flatten(self, start_dim, end_dim)
+
+    def expand(self, *sizes):
+        return _ops().expand(self, _sizes(sizes))
+
+    def expand_as(self, other):
+        return _ops().expand(self, other.shape)
+
+    def view_as(self, other):
+        return _ops().view(self, other.shape)
+
+    def contiguous(self):
+        return _ops().contiguous(self)
+
+    def clone(self):
+        return _ops().clone(self)
+
+    def is_contiguous(self):
+        return bool(self.data.flags.c_contiguous)
 
     def split(self, split_size, dim=-1):
         from gpt2_cupy.nn import functional
         return functional.split(self, split_size, dim)
 
-    def contiguous(self):
-        return self  # every Tensor here is C-contiguous already: the kernels need it
+    def to(self, *arguments, dtype=None, device=None, **options):
+        """.to(dtype), .to(device) or both; one backend runs everything, so a device changes nothing."""
+        for argument in arguments:
+            if isinstance(argument, Tensor):
+                dtype = argument.dtype
+            elif argument in ("bfloat16", "float16") or isinstance(argument, (numpy.dtype, type)):
+                dtype = argument
+        if dtype in ("bfloat16", "float16", numpy.float16):
+            raise NotImplementedError(f"to: dtype {dtype} is not supported yet; tensors are float32, int32/int64 "
+                                      "or bool")
+        return self if dtype is None else _ops().to_dtype(self, dtype)
+
+    def float(self):
+        return self.to(numpy.float32)
+
+    def long(self):
+        return self.to(numpy.int64)
+
+    def int(self):
+        return self.to(numpy.int32)
+
+    def bool(self):
+        return self.to(numpy.bool_)
+
+    def type_as(self, other):
+        return self.to(other.dtype)
+
+    def cuda(self, device=None):
+        return self
+
+    def cpu(self):
+        return self
+
+    device = property(lambda self: backend.name)
+    is_cuda = property(lambda self: backend.name == "cuda")
+
+
+def _ops():
+    from gpt2_cupy import tensor_ops  # imported on first use: it imports this module
+    return tensor_ops
+
+
+def _sizes(sizes):
+    """view(2, 3) and view((2, 3)) alike: the sizes as one tuple."""
+    return tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else tuple(sizes)
 
 
 # ---- the graph ---------------------------------------------------------------------------------------------
@@ -157,7 +426,9 @@ class Node:
         self.output_shapes = [(array.shape, array.dtype) for array in outputs]
 
     def name(self):
-        return self.function.__name__ + "Backward"
+        # a Function that serves several operations (Binary: add, mul, ...) names the one it ran in ctx.name
+        operation = getattr(self.ctx, "name", None)
+        return (operation.capitalize() if operation else self.function.__name__) + "Backward"
 
     @property
     def next_functions(self):
@@ -170,6 +441,8 @@ class Node:
         """The gradients of the inputs, from the gradients of the outputs (None where none arrived)."""
         douts = [backend.xp.zeros(shape, dtype) if dout is None else dout
                  for dout, (shape, dtype) in zip(douts, self.output_shapes)]
+        if not self.function.accepts_strided:
+            douts = [_contiguous(dout) for dout in douts]
         self.ctx.intermediate_buffers = {}
         gradients = self.function.backward(self.ctx, *douts)
         gradients = list(gradients) if isinstance(gradients, tuple) else [gradients]
@@ -231,16 +504,25 @@ def run_backward(root, output_nr, gradient, retain_graph=False):
             node.ctx.free_saved()
 
 
+def _contiguous(array):
+    """array itself if C-contiguous, else a C-contiguous copy (of a transpose, a slice, a broadcast)."""
+    if not isinstance(array, backend.xp.ndarray) or array.flags.c_contiguous:
+        return array
+    from gpt2_cupy.elementwise import copy
+    return copy("contiguous", array)
+
+
 def _add(a, b):
     """a + b into a new array (intermediate gradients are shared, never written into in place)."""
     from gpt2_cupy.ops.residual import residual_forward
-    return residual_forward(a, b)
+    return residual_forward(_contiguous(a), _contiguous(b))
 
 
 def _accumulate(tensor, gradient):
     """tensor.grad += gradient, for a leaf: in place into its buffer (which the optimizer may own)."""
     from gpt2_cupy.ops.residual import residual_forward
 
+    gradient = _contiguous(gradient)
     if tensor.grad is None:
         tensor.grad = _new_leaf_gradient(tensor, gradient)
     else:
@@ -327,13 +609,21 @@ def _edge(tensor):
 
 
 class Function:
-    """One differentiable operation: subclasses define static forward(ctx, ...) and backward(ctx, *douts)."""
+    """One differentiable operation: subclasses define static forward(ctx, ...) and backward(ctx, *douts).
+
+    accepts_strided: forward and backward take arrays of any strides (views). False, the default, hands
+    them C-contiguous arrays (copying views first): what a kernel that indexes flat memory needs.
+    """
+
+    accepts_strided = False
 
     @classmethod
     def apply(cls, *arguments, **options):
         inputs = [a if isinstance(a, Tensor) else None for a in arguments]
         ctx = Context(inputs)
         arrays = [a.data if isinstance(a, Tensor) else a for a in arguments]
+        if not cls.accepts_strided:
+            arrays = [_contiguous(a) for a in arrays]
         results = cls.forward(ctx, *arrays, **options)
         single = not isinstance(results, tuple)
         results = (results,) if single else results

@@ -72,7 +72,7 @@ class CausalSelfAttention(nn.Module):
                 layer_cache.store(k, v)
             attend = F.scaled_dot_product_attention if self.attention == "softmax" else F.relu_attention
             y = attend(q, k, v, is_causal=True)                               # (B, H, T, hs)
-        y = y.transpose(1, 2).view(B, T, C)                                   # heads side by side again
+        y = y.transpose(1, 2).contiguous().view(B, T, C)                      # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
 

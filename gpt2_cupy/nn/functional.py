@@ -1,29 +1,31 @@
 """PyTorch's torch.nn.functional names, each a small Function around one op pair of gpt2_cupy.ops.
 
     F.linear(x, weight, bias=None)                     F.gelu(x, approximate="none")     F.relu(x)   F.silu(x)
+    F.sigmoid(x)   F.tanh(x)
     F.layer_norm(x, (C,), weight, bias, eps=1e-5)      F.dyt(x, alpha, weight, bias)
     F.embedding(idx, weight)                           F.dropout(x, p=0.5, training=True)
-    F.softmax(x, dim=-1)                               F.cross_entropy(logits, targets, ignore_index=-100,
+    F.softmax(x, dim=-1)   F.log_softmax(x, dim=-1)    F.cross_entropy(logits, targets, ignore_index=-100,
                                                                        reduction="mean")
     F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)
     F.relu_attention(q, k, v, is_causal=True)
-    add(a, b), reshape(x, shape), transpose(x, dim0, dim1), split(x, size, dim): Tensor's +, .reshape, ...
+    split(x, size, dim): Tensor's .split
 
 Each forward calls the op's X_forward and saves what X_backward needs; each backward calls X_backward
 with the upstream gradient and hands the op the parameters' own gradient buffers (ctx.grad_buffer),
 so that parameter gradients are added in place and only activation gradients come back to the tape.
 
-reshape, transpose and split move data and do no arithmetic: they use the array module's own
-operations (a reshape of a C-contiguous array is free; transpose and split copy into a C-contiguous
-array, because every kernel reads its arguments as one flat C-contiguous block).
+relu, silu, sigmoid, tanh and log_softmax are generated kernels (gpt2_cupy.tensor_ops), as are Tensor's
+operators; the others are the course's own fused kernels, which read their arguments as flat C-contiguous
+blocks (autograd.Function hands them contiguous copies of views). split copies its pieces.
 """
 
 import math
 
 import numpy
 
-from gpt2_cupy import backend
+from gpt2_cupy import backend, tensor_ops
 from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state
+from gpt2_cupy.reduction import normalize_dims
 from gpt2_cupy.ops.attention import attention_backward, attention_forward
 from gpt2_cupy.ops.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gpt2_cupy.ops.dropout import advance_rng_state, dropout_backward, dropout_forward
@@ -32,7 +34,6 @@ from gpt2_cupy.ops.embedding import embedding_backward, embedding_forward
 from gpt2_cupy.ops.gelu import gelu_backward, gelu_forward
 from gpt2_cupy.ops.layernorm import layernorm_backward, layernorm_forward
 from gpt2_cupy.ops.linear import linear_backward, linear_forward
-from gpt2_cupy.ops.residual import residual_forward
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 
 
@@ -78,59 +79,22 @@ def gelu(x, approximate="none"):
     return GELU.apply(x, approximate)
 
 
-class ReLU(Function):
-    # Written with the array module's operations until the generated elementwise kernels replace them.
-    @staticmethod
-    def forward(ctx, x):
-        y = backend.xp.maximum(x, 0).astype(x.dtype, copy=False)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dout):
-        (y,) = ctx.saved_tensors
-        return dout * (y > 0)
-
-
 def relu(x):
-    """max(x, 0) elementwise."""
-    return ReLU.apply(x)
-
-
-class SiLU(Function):
-    # Written with the array module's operations until the generated elementwise kernels replace them.
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return (x / (1 + backend.xp.exp(-x))).astype(x.dtype, copy=False)
-
-    @staticmethod
-    def backward(ctx, dout):
-        (x,) = ctx.saved_tensors
-        sigmoid = 1 / (1 + backend.xp.exp(-x))
-        return (dout * sigmoid * (1 + x * (1 - sigmoid))).astype(x.dtype, copy=False)  # d(x·σ(x))/dx
+    """max(x, 0) elementwise (a generated kernel, as every elementwise function of gpt2_cupy.tensor_ops)."""
+    return tensor_ops.unary("relu", x)
 
 
 def silu(x):
     """x · sigmoid(x) elementwise (Llama's MLP gate)."""
-    return SiLU.apply(x)
+    return tensor_ops.unary("silu", x)
 
 
-class Add(Function):
-    @staticmethod
-    def forward(ctx, a, b):
-        if a.shape != b.shape:
-            raise ValueError(f"add: shapes {a.shape} and {b.shape} differ; this + does not broadcast")
-        return residual_forward(a, b)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return dout, dout  # the add node hands its gradient unchanged to both inputs (chapter 03)
+def sigmoid(x):
+    return tensor_ops.unary("sigmoid", x)
 
 
-def add(a, b):
-    """a + b, elementwise, for two tensors of one shape (the residual connection)."""
-    return Add.apply(a, b)
+def tanh(x):
+    return tensor_ops.unary("tanh", x)
 
 
 class LayerNorm(Function):
@@ -235,10 +199,17 @@ class Softmax(Function):
 
 
 def softmax(x, dim=-1):
-    """Softmax over the last axis (the only one the kernel reduces over)."""
-    if dim not in (-1, x.ndim - 1):
-        raise ValueError(f"softmax: dim={dim}; only the last axis (dim=-1) is supported")
-    return Softmax.apply(x)
+    """Softmax over dim: chapter 04's kernel, which reduces over the last axis; any other axis is moved
+    there first (a transposed view, copied to contiguous rows as the kernel reads them) and back after."""
+    (dim,) = normalize_dims("softmax", (dim,), x.ndim) if x.ndim else (0,)
+    if x.ndim == 0 or dim == x.ndim - 1:
+        return Softmax.apply(x)
+    return Softmax.apply(x.transpose(dim, -1)).transpose(dim, -1)
+
+
+def log_softmax(x, dim=-1):
+    """log(softmax(x)) over dim, as x - max - log Σ exp(x - max): generated kernels, stable for large x."""
+    return tensor_ops.log_softmax(x, dim)
 
 
 class Attention(Function):
@@ -358,36 +329,6 @@ def _check_targets(target, classes, ignore_index):
 
 # ---- data movement ---------------------------------------------------------------------------------------
 
-class Reshape(Function):
-    @staticmethod
-    def forward(ctx, x, shape):
-        ctx.input_shape = x.shape
-        return x.reshape(shape)  # a view: x is C-contiguous
-
-    @staticmethod
-    def backward(ctx, dout):
-        return dout.reshape(ctx.input_shape), None
-
-
-def reshape(x, shape):
-    return Reshape.apply(x, tuple(shape))
-
-
-class Transpose(Function):
-    @staticmethod
-    def forward(ctx, x, dim0, dim1):
-        ctx.dims = (dim0, dim1)
-        return backend.xp.ascontiguousarray(backend.xp.swapaxes(x, dim0, dim1))  # a copy, C-contiguous
-
-    @staticmethod
-    def backward(ctx, dout):
-        return backend.xp.ascontiguousarray(backend.xp.swapaxes(dout, *ctx.dims)), None, None
-
-
-def transpose(x, dim0, dim1):
-    return Transpose.apply(x, dim0, dim1)
-
-
 class Split(Function):
     @staticmethod
     def forward(ctx, x, split_size, dim):
@@ -408,6 +349,8 @@ def split(x, split_size, dim=-1):
 
 def _int32(ids, operation, name):
     """ids as a C-contiguous int32 backend array (token ids fit easily in 32 bits)."""
+    if isinstance(ids, Tensor):
+        ids = ids.data
     if not isinstance(ids, backend.xp.ndarray):
         raise TypeError(f"{operation}: {name} must be a {backend.xp.__name__}.ndarray of integers, "
                         f"got {type(ids).__name__}")

@@ -1,0 +1,234 @@
+"""One generated CUDA kernel per elementwise expression: the way PyTorch's TensorIterator and CuPy's
+ElementwiseKernel work.
+
+    out = elementwise("mul", "a * b", [x, y])                 x (4, 1, 3), y (5, 1): out (4, 5, 3)
+    out = elementwise("gt", "a > b", [x, 0.5], out_dtype=numpy.bool_)
+
+The expression is C code over the operands a, b, c, ... (each already converted to the compute type);
+a Python number among the operands becomes a kernel argument, so "a * b" with b = 2.0 and b = 3.0 is one
+kernel. The operands' shapes broadcast as numpy's and PyTorch's do: each axis of the output takes its
+size from the operands whose size there is not 1.
+
+Broadcasting by strides. An operand of shape (5, 1) read as (4, 5, 3) is never copied: its stride on the
+axes it is broadcast along is 0, so every step along them reads the same element. Each thread computes
+one output element, splits its flat index into coordinates (last axis fastest), and adds coordinate x
+stride of each operand to find that operand's element. Transposed and sliced views are read the same
+way, through their own strides.
+
+Few kernels. Shapes and strides are kernel arguments, not part of the source, so one compiled kernel
+serves every shape of the same rank. Before launching, axes that every operand walks through as one run
+of memory are merged ("coalesced", TensorIterator's word): a contiguous (8, 1024, 768) tensor plus a
+(768,) bias is a 2-axis problem, (8·1024, 768), and a same-shape contiguous one is 1 axis. When every
+operand is contiguous and of the output's shape, the fast path uses the flat index itself, with no
+coordinate arithmetic at all.
+
+Indices are int (32 bits): an operand whose memory spans 2³¹ elements or more is refused.
+"""
+
+import math
+
+import numpy
+
+from gpt2_cupy import backend
+from gpt2_cupy.ops.arrays import LARGEST_INT, THREADS_PER_BLOCK, ceil_div
+
+OPERAND_NAMES = "abcdefgh"
+
+# numpy dtype -> the C type a kernel reads it as
+C_TYPES = {numpy.dtype(numpy.float32): "float", numpy.dtype(numpy.float64): "double",
+           numpy.dtype(numpy.int32): "int", numpy.dtype(numpy.int64): "long long",
+           numpy.dtype(numpy.bool_): "bool", numpy.dtype(numpy.uint8): "unsigned char"}
+
+
+def c_type(dtype):
+    dtype = numpy.dtype(dtype)
+    if dtype not in C_TYPES:
+        raise TypeError(f"dtype {dtype} is not supported by the generated kernels; use float32, int32, int64 or bool")
+    return C_TYPES[dtype]
+
+
+def broadcast_shapes(operation, shapes, names=None):
+    """The shape that `shapes` broadcast to, or a ValueError naming the operation, the arguments and shapes."""
+    names = names or [f"argument {i}" for i in range(len(shapes))]
+    ndim = max((len(shape) for shape in shapes), default=0)
+    result = []
+    for axis in range(-ndim, 0):
+        sizes = {shape[axis] for shape in shapes if len(shape) >= -axis} - {1}
+        if len(sizes) > 1:
+            described = ", ".join(f"{name} {tuple(shape)}" for name, shape in zip(names, shapes))
+            raise ValueError(f"{operation}: the shapes do not broadcast: {described} differ at dimension "
+                             f"{ndim + axis} (sizes {sorted(sizes)}); sizes must be equal or 1")
+        result.append(sizes.pop() if sizes else 1)
+    return tuple(result)
+
+
+def element_strides(array):
+    return tuple(stride // array.itemsize for stride in array.strides)
+
+
+def broadcast_strides(array, shape):
+    """array's strides in elements when read as `shape`: 0 on every axis it is broadcast along."""
+    strides = element_strides(array)
+    missing = len(shape) - array.ndim
+    return (0,) * missing + tuple(0 if size == 1 and out_size != 1 else stride
+                                  for size, stride, out_size in zip(array.shape, strides, shape[missing:]))
+
+
+def coalesce(shape, operand_strides):
+    """Merge neighbouring axes that every operand walks as one run of memory; drop axes of size 1.
+
+    Returns (shape, strides per operand), at least one axis. Axes i and i+1 merge when, for every
+    operand, a step along i is as long as a whole run along i+1: stride[i] == stride[i+1] * shape[i+1].
+    """
+    merged_shape, merged_strides = [], [[] for _ in operand_strides]
+    for axis, size in enumerate(shape):
+        if size == 1:
+            continue
+        strides = [s[axis] for s in operand_strides]
+        if merged_shape and all(m[-1] == stride * size for m, stride in zip(merged_strides, strides)):
+            merged_shape[-1] *= size
+            for m, stride in zip(merged_strides, strides):
+                m[-1] = stride
+            continue
+        merged_shape.append(size)
+        for m, stride in zip(merged_strides, strides):
+            m.append(stride)
+    if not merged_shape:
+        return (1,), [(0,) for _ in operand_strides]
+    return tuple(merged_shape), [tuple(m) for m in merged_strides]
+
+
+def storage_and_offset(operation, name, array):
+    """(a C-contiguous array that holds array's memory, where array's first element is in it).
+
+    A kernel receives a pointer; a view (a transpose, a slice) is passed as the array it views into plus
+    an offset, and read through its strides. The memory the view reaches must fit int indexing.
+    """
+    root = array
+    while isinstance(root.base, backend.xp.ndarray):
+        root = root.base
+    if not root.flags.c_contiguous or root.dtype != array.dtype:
+        root = array = backend.xp.ascontiguousarray(array)
+    if root.size > LARGEST_INT:
+        raise ValueError(f"{operation}: {name} spans {root.size} elements of memory; the generated kernels "
+                         f"index with int, at most {LARGEST_INT}")
+    offset = (backend.address(array) - backend.address(root)) // array.itemsize if array.size else 0
+    return root.reshape(-1), offset
+
+
+# ---- the source ------------------------------------------------------------------------------------------
+
+def kernel_source(name, expression, operand_types, compute_type, out_type, ndim):
+    """CUDA C for out[i] = expression over operands read at their broadcast strides.
+
+    operand_types: per operand its C type, or ("scalar", C type) for a number passed by value.
+    ndim: the number of (coalesced) axes; 0 means the contiguous fast path (every operand indexed by i).
+    """
+    parameters, loads = [f"{out_type}* out"], []
+    for index, kind in enumerate(operand_types):
+        letter = OPERAND_NAMES[index]
+        if isinstance(kind, tuple):
+            parameters.append(f"{compute_type} {letter}")
+            continue
+        if ndim == 0:
+            parameters.append(f"const {kind}* {letter}_data")
+            loads.append(f"        {compute_type} {letter} = ({compute_type}){letter}_data[i];")
+        else:
+            parameters.append(f"const {kind}* {letter}_data, int {letter}_offset")
+            loads.append(f"        {compute_type} {letter} = ({compute_type}){letter}_data[{letter}_index];")
+    parameters.append("int n")
+    lines = [f'extern "C" __global__ void {name}({", ".join(parameters)})', "{",
+             "    int i = blockIdx.x * blockDim.x + threadIdx.x;", "    if (i < n) {"]
+    arrays = [OPERAND_NAMES[index] for index, kind in enumerate(operand_types) if not isinstance(kind, tuple)]
+    if ndim > 0:
+        # Shapes and strides follow n: size0..size{ndim-1}, then per array operand its strides.
+        parameters.extend(f"int size{axis}" for axis in range(ndim))
+        for letter in arrays:
+            parameters.extend(f"int {letter}_stride{axis}" for axis in range(ndim))
+        lines[0] = f'extern "C" __global__ void {name}({", ".join(parameters)})'
+        lines.append("        // the output index i as coordinates, last axis fastest; each operand's element")
+        lines.append("        // is its offset plus coordinate x stride on every axis (stride 0: broadcast)")
+        lines.append("        int rest = i;")
+        for letter in arrays:
+            lines.append(f"        int {letter}_index = {letter}_offset;")
+        for axis in reversed(range(ndim)):
+            lines.append(f"        int coordinate{axis} = rest % size{axis};" if axis else
+                         f"        int coordinate{axis} = rest;")
+            if axis:
+                lines.append(f"        rest /= size{axis};")
+            for letter in arrays:
+                lines.append(f"        {letter}_index += coordinate{axis} * {letter}_stride{axis};")
+    lines.extend(loads)
+    lines.append(f"        out[i] = ({out_type})({expression});")
+    lines.extend(["    }", "}"])
+    return "\n".join(lines) + "\n"
+
+
+_kernels = {}  # (expression, operand types, compute type, out type, ndim) -> compiled kernel
+
+
+def _kernel(name, expression, operand_types, compute_type, out_type, ndim):
+    key = (expression, tuple(operand_types), compute_type, out_type, ndim)
+    if key not in _kernels:
+        kernel_name = f"{name}_{'contiguous' if ndim == 0 else f'{ndim}d'}"
+        source = kernel_source(kernel_name, expression, operand_types, compute_type, out_type, ndim)
+        _kernels[key] = backend.RawKernel(source, kernel_name)
+    return _kernels[key]
+
+
+def _scalar(value, dtype):
+    return numpy.dtype(dtype).type(value)
+
+
+def elementwise(operation, expression, operands, compute_dtype=numpy.float32, out_dtype=None, out=None,
+                names=None):
+    """out = expression(operands...) elementwise, with broadcasting; out a new C-contiguous array unless given.
+
+    operands: backend arrays of any strides, or Python numbers (passed to the kernel as compute_dtype).
+    compute_dtype: the type every operand is converted to before the expression; out_dtype: the result's
+    (compute_dtype unless given). names: the operands' names for error messages.
+    """
+    out_dtype = numpy.dtype(compute_dtype if out_dtype is None else out_dtype)
+    compute = c_type(compute_dtype)
+    names = names or [f"argument {OPERAND_NAMES[i]}" for i in range(len(operands))]
+    arrays = [(index, operand) for index, operand in enumerate(operands) if isinstance(operand, backend.xp.ndarray)]
+    shape = broadcast_shapes(operation, [a.shape for _, a in arrays], [names[i] for i, _ in arrays])
+    if out is None:
+        out = backend.xp.empty(shape, dtype=out_dtype)
+    elif tuple(out.shape) != shape or not out.flags.c_contiguous or out.dtype != out_dtype:
+        raise ValueError(f"{operation}: out has shape {tuple(out.shape)} and dtype {out.dtype}; the result needs a "
+                         f"C-contiguous {shape} array of {out_dtype}")
+    n = math.prod(shape)
+    if n > LARGEST_INT:
+        raise ValueError(f"{operation}: the result has {n} elements; the generated kernels index with int, "
+                         f"at most {LARGEST_INT}")
+    if n == 0:
+        return out
+    operand_types = [c_type(operand.dtype) if isinstance(operand, backend.xp.ndarray) else ("scalar", compute)
+                     for operand in operands]
+    contiguous = all(a.flags.c_contiguous and a.shape == shape for _, a in arrays)
+    if contiguous:
+        ndim, arguments, shape_arguments = 0, [], []
+        for operand in operands:
+            arguments.append(operand if isinstance(operand, backend.xp.ndarray) else _scalar(operand, compute_dtype))
+    else:
+        strides = [broadcast_strides(a, shape) for _, a in arrays]
+        merged_shape, merged_strides = coalesce(shape, strides)
+        ndim, arguments = len(merged_shape), []
+        for name, operand in zip(names, operands):
+            if isinstance(operand, backend.xp.ndarray):
+                storage, offset = storage_and_offset(operation, name, operand)
+                arguments.extend([storage, numpy.int32(offset)])
+            else:
+                arguments.append(_scalar(operand, compute_dtype))
+        shape_arguments = [numpy.int32(size) for size in merged_shape]
+        shape_arguments += [numpy.int32(stride) for s in merged_strides for stride in s]
+    kernel = _kernel(operation, expression, operand_types, compute, c_type(out_dtype), ndim)
+    kernel((ceil_div(n, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+           (out, *arguments, numpy.int32(n), *shape_arguments))
+    return out
+
+
+def copy(operation, array, out=None):
+    """A C-contiguous copy of any view (a transpose, a slice, a broadcast): the expression "a"."""
+    return elementwise(operation, "a", [array], compute_dtype=array.dtype, out=out)

@@ -1,0 +1,879 @@
+"""Tensor's operators and functions, each an autograd Function on the generated kernels.
+
+    arithmetic    a + b, a - b, a * b, a / b, a ** b, -a, a @ b   (broadcasting; Python numbers either side)
+    comparisons   a == b, a != b, a < b, a <= b, a > b, a >= b    (bool tensors, no gradient)
+    functions     exp log sqrt rsqrt tanh sigmoid relu silu abs clamp, where, masked_fill, tril, triu
+    reductions    sum mean var std max min argmax argmin          (over dim, with keepdim)
+    movement      view reshape permute transpose unsqueeze squeeze flatten expand contiguous, indexing,
+                  cat stack
+    sampling      topk multinomial
+
+Elementwise operations are one line each: an expression for the generated kernel (gpt2_cupy.elementwise)
+and one for each input's gradient. An input that was broadcast receives the sum of its gradient over the
+axes it was broadcast along (sum_to, a generated reduction), as the chain rule says: each of its elements
+was used once per position it was copied to.
+
+Movements return views, as PyTorch's do: a transpose or a slice shares the tensor's memory and only
+changes the strides the generated kernels read it through; contiguous() copies into row-major order.
+
+Types follow PyTorch's promotion: bool < integers < floats; a Python number only lifts the category (an
+int tensor times 2.5 is float32, a float32 tensor plus 1 stays float32); / is always true division.
+"""
+
+import builtins
+import collections
+import math
+
+import numpy
+
+from gpt2_cupy import backend
+from gpt2_cupy.autograd import Function, Tensor, init_generator
+from gpt2_cupy.elementwise import broadcast_shapes, copy, elementwise
+from gpt2_cupy.reduction import normalize_dims, reduce
+
+FLOAT32 = numpy.dtype(numpy.float32)
+INT64 = numpy.dtype(numpy.int64)
+BOOL = numpy.dtype(numpy.bool_)
+
+
+# ---- types ---------------------------------------------------------------------------------------------
+
+def _category(dtype):
+    return {"b": 0, "i": 1, "u": 1, "f": 2}[numpy.dtype(dtype).kind]
+
+
+def _widest(dtypes):
+    top = max(_category(d) for d in dtypes)
+    return max((numpy.dtype(d) for d in dtypes if _category(d) == top), key=lambda d: d.itemsize)
+
+
+def _python_number_dtype(value):
+    return BOOL if isinstance(value, bool) else INT64 if isinstance(value, int) else FLOAT32
+
+
+def result_type(*operands):
+    """PyTorch's type promotion: tensors with dimensions decide, then 0-d tensors, then Python numbers, each
+    only when it is of a higher category (bool, integer, float) than what came before."""
+    groups = ([o.dtype for o in operands if isinstance(o, backend.xp.ndarray) and o.ndim > 0],
+              [o.dtype for o in operands if isinstance(o, backend.xp.ndarray) and o.ndim == 0],
+              [_python_number_dtype(o) for o in operands if not isinstance(o, backend.xp.ndarray)])
+    result = None
+    for group in groups:
+        if group:
+            candidate = _widest(group)
+            if result is None or _category(candidate) > _category(result):
+                result = candidate
+    return result
+
+
+def floating(dtype):
+    """The type a float function of dtype returns: float32 for integers and bools, as PyTorch's exp(int)."""
+    return numpy.dtype(dtype) if numpy.dtype(dtype).kind == "f" else FLOAT32
+
+
+def as_operand(value):
+    """A Tensor's array, a Python number as it is; anything else is refused with its type."""
+    if isinstance(value, Tensor):
+        return value.data
+    if isinstance(value, (bool, int, float)) or isinstance(value, backend.xp.ndarray):
+        return value
+    if isinstance(value, numpy.generic):
+        return value.item()
+    raise TypeError(f"unsupported operand type: {type(value).__name__} (expected a Tensor or a number)")
+
+
+# ---- gradients of broadcast inputs ------------------------------------------------------------------------
+
+def sum_to(gradient, shape):
+    """gradient summed over the axes that broadcasting added or stretched, to give `shape`."""
+    shape = tuple(shape)
+    if tuple(gradient.shape) == shape:
+        return gradient
+    leading = gradient.ndim - len(shape)
+    dims = tuple(range(leading)) + tuple(leading + axis for axis, size in enumerate(shape)
+                                         if size == 1 and gradient.shape[leading + axis] != 1)
+    return reduce("sum_to", "sum", gradient, dims, keepdim=True).reshape(shape)
+
+
+# ---- elementwise -----------------------------------------------------------------------------------------
+
+# name: (expression of a and b, d/da of the loss, d/db of the loss), the gradients over a, b, the output
+# `out` and the upstream gradient `dout`, as operands (a, b, out, dout) of a generated kernel.
+BINARY = {
+    "add": ("a + b", "d", "d"),
+    "sub": ("a - b", "d", "-d"),
+    "mul": ("a * b", "d * b", "d * a"),
+    "div": ("a / b", "d / b", "-d * a / (b * b)"),
+    "pow": ("powf(a, b)", "d * b * powf(a, b - 1.0f)", "d * c * logf(a)"),
+}
+# The kernels' operand letters for the gradients: a, b are the inputs, c the output, d the upstream gradient.
+COMPARISONS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+
+
+class Binary(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, a, b, name):
+        dtype = result_type(a, b)
+        if name == "div" or (name == "pow" and _category(dtype) == 2):
+            dtype = floating(dtype)
+        expression = BINARY[name][0]
+        if name == "pow" and dtype.kind != "f":  # integer powers, exactly, through double
+            expression = "(long long)rint(pow((double)a, (double)b))"
+        out = elementwise(name, expression, [a, b], compute_dtype=dtype, names=["self", "other"])
+        ctx.save_for_backward(a, b, out if name == "pow" else None)
+        ctx.name = name
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        a, b, out = ctx.saved_tensors
+        _, rule_a, rule_b = BINARY[ctx.name]
+        operands = [a, b, out if out is not None else 0.0, dout]
+        gradients = []
+        for index, (needed, rule, operand) in enumerate(zip(ctx.needs_input_grad, (rule_a, rule_b), (a, b))):
+            if not needed:
+                gradients.append(None)
+                continue
+            gradient = elementwise(f"{ctx.name}_backward", rule, operands, compute_dtype=dout.dtype)
+            gradients.append(sum_to(gradient, operand.shape))
+        return gradients[0], gradients[1], None
+
+
+def binary(name, a, b):
+    """a op b for Tensors or numbers (at least one a Tensor)."""
+    return Binary.apply(_lift(a), _lift(b), name)
+
+
+def _lift(value):
+    return value if isinstance(value, Tensor) else as_operand(value)
+
+
+def compare(name, a, b):
+    a, b = as_operand(a), as_operand(b)
+    dtype = result_type(a, b)
+    return Tensor(elementwise(name, f"a {COMPARISONS[name]} b", [a, b], compute_dtype=dtype, out_dtype=BOOL,
+                              names=["self", "other"]))
+
+
+def logical(name, a, b):
+    """a & b, a | b for bool tensors (and bools)."""
+    a, b = as_operand(a), as_operand(b)
+    for operand in (a, b):
+        if getattr(operand, "dtype", BOOL) != BOOL and not isinstance(operand, bool):
+            raise TypeError(f"{name}: only bool tensors are supported here (got {operand.dtype})")
+    expression = "a && b" if name == "and" else "a || b"
+    return Tensor(elementwise(f"logical_{name}", expression, [a, b], compute_dtype=BOOL, names=["self", "other"]))
+
+
+# name: (expression of a, what backward reads as `a`: the input x or the output y, the gradient from a and
+# the upstream gradient b). Float functions of integer tensors give float32, as PyTorch's do.
+UNARY = {
+    "neg": ("-a", "x", "-b"),
+    "exp": ("expf(a)", "y", "b * a"),
+    "log": ("logf(a)", "x", "b / a"),
+    "sqrt": ("sqrtf(a)", "y", "b * 0.5f / a"),
+    "rsqrt": ("rsqrtf(a)", "y", "b * -0.5f * a * a * a"),
+    "tanh": ("tanhf(a)", "y", "b * (1.0f - a * a)"),
+    "sigmoid": ("1.0f / (1.0f + expf(-a))", "y", "b * a * (1.0f - a)"),
+    "relu": ("a > 0 ? a : 0", "y", "a > 0 ? b : 0.0f"),
+    "silu": ("a / (1.0f + expf(-a))", "x", "b * (1.0f + a * (1.0f - 1.0f / (1.0f + expf(-a)))) / (1.0f + expf(-a))"),
+    "abs": ("a < 0 ? -a : a", "x", "a > 0 ? b : (a < 0 ? -b : 0.0f)"),
+}
+KEEPS_TYPE = ("neg", "relu", "abs")  # the rest are float functions
+
+
+class Unary(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, name):
+        expression, reads, _ = UNARY[name]
+        dtype = x.dtype if name in KEEPS_TYPE else floating(x.dtype)
+        if name == "neg" and dtype == BOOL:
+            raise TypeError("Negation, the `-` operator, on a bool tensor is not supported. If you are trying to "
+                            "invert a mask, use the `~` or `logical_not()` operator instead.")
+        y = elementwise(name, expression, [x], compute_dtype=dtype)
+        ctx.save_for_backward(x if reads == "x" else y)
+        ctx.name = name
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        (saved,) = ctx.saved_tensors
+        return elementwise(f"{ctx.name}_backward", UNARY[ctx.name][2], [saved, dout], compute_dtype=dout.dtype), None
+
+
+def unary(name, x):
+    return Unary.apply(x, name)
+
+
+class Clamp(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, low, high):
+        ctx.save_for_backward(x)
+        ctx.low, ctx.high = low, high
+        dtype = result_type(x, *[v for v in (low, high) if v is not None])
+        low = -math.inf if low is None else low
+        high = math.inf if high is None else high
+        if dtype.kind != "f":  # integer bounds: the widest a long long holds
+            low, high = max(low, -2**63), min(high, 2**63 - 1)
+        return elementwise("clamp", "a < b ? b : (a > c ? c : a)", [x, low, high], compute_dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (x,) = ctx.saved_tensors
+        low = -math.inf if ctx.low is None else ctx.low
+        high = math.inf if ctx.high is None else ctx.high
+        # the gradient passes where low <= x <= high (both ends included, as PyTorch's)
+        return elementwise("clamp_backward", "(a >= b && a <= c) ? d : 0.0f", [x, low, high, dout]), None, None
+
+
+def clamp(x, min=None, max=None):
+    if min is None and max is None:
+        raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+    return Clamp.apply(x, min, max)
+
+
+class Where(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, condition, a, b):
+        _check_bool("where", "condition", condition)
+        ctx.save_for_backward(condition)
+        ctx.shapes = [getattr(v, "shape", ()) for v in (a, b)]
+        return elementwise("where", "a ? b : c", [condition, a, b], compute_dtype=result_type(a, b),
+                           names=["condition", "input", "other"])
+
+    @staticmethod
+    def backward(ctx, dout):
+        (condition,) = ctx.saved_tensors
+        gradients = [None, None]
+        for index, expression in enumerate(("a ? b : 0.0f", "a ? 0.0f : b")):
+            if ctx.needs_input_grad[index + 1]:
+                gradient = elementwise("where_backward", expression, [condition, dout], compute_dtype=dout.dtype)
+                gradients[index] = sum_to(gradient, ctx.shapes[index])
+        return None, *gradients
+
+
+def where(condition, input, other):
+    return Where.apply(condition, _lift(input), _lift(other))
+
+
+def masked_fill(x, mask, value):
+    """x with `value` where mask (bool, broadcast to x's shape) is True: where(mask, value, x)."""
+    if isinstance(value, Tensor):
+        value = value.item()
+    mask_array = mask.data if isinstance(mask, Tensor) else mask
+    _check_bool("masked_fill", "mask", mask_array)
+    if broadcast_shapes("masked_fill", [mask_array.shape, x.shape], ["mask", "self"]) != x.shape:
+        raise RuntimeError(f"masked_fill: the mask {tuple(mask_array.shape)} must broadcast to self {x.shape}")
+    return Where.apply(mask, value, x)
+
+
+def _check_bool(operation, name, array):
+    if not isinstance(array, backend.xp.ndarray) or array.dtype != BOOL:
+        got = array.dtype if isinstance(array, backend.xp.ndarray) else type(array).__name__
+        raise RuntimeError(f"{operation}: expected {name} to be a bool tensor, but got {got}")
+
+
+class Triangle(Function):
+    """tril and triu: elements above (tril) or below (triu) the diagonal set to 0, on the last two axes."""
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, diagonal, upper):
+        ctx.diagonal, ctx.upper = diagonal, upper
+        return _triangle(x, diagonal, upper)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return _triangle(dout, ctx.diagonal, ctx.upper), None, None
+
+
+def _triangle(x, diagonal, upper):
+    if x.ndim < 2:
+        raise RuntimeError(f"{'triu' if upper else 'tril'}: input tensor must have at least 2 dimensions, "
+                           f"got shape {tuple(x.shape)}")
+    rows = backend.xp.arange(x.shape[-2], dtype=numpy.int32).reshape(-1, 1)
+    columns = backend.xp.arange(x.shape[-1], dtype=numpy.int32)
+    keep = "c - b >= d" if upper else "c - b <= d"  # column - row against the diagonal's offset
+    return elementwise("triu" if upper else "tril", f"({keep}) ? a : 0", [x, rows, columns, int(diagonal)],
+                       compute_dtype=x.dtype)
+
+
+# ---- matrix products -------------------------------------------------------------------------------------
+
+def _batched_product(operation, a, b, transpose_a=False, transpose_b=False):
+    """op(a) @ op(b) over broadcast batch axes: a (..., M, K), b (..., K, N) -> (..., M, N), float32."""
+    from gpt2_cupy.ops.matmul import batched_matmul, matmul
+    a_rows = a.shape[-1] if transpose_a else a.shape[-2]
+    b_columns = b.shape[-2] if transpose_b else b.shape[-1]
+    batch = broadcast_shapes(operation, [a.shape[:-2], b.shape[:-2]], ["input", "other"])
+    if b.ndim == 2 and not transpose_a:  # (..., M, K) @ (K, N): one matrix product over all rows
+        rows = _contiguous(a).reshape(-1, a.shape[-1])
+        return matmul(rows, _contiguous(b), transpose_b=transpose_b).reshape(batch + (a_rows, b_columns))
+    count = math.prod(batch)
+    a = _contiguous(backend.xp.broadcast_to(a, batch + a.shape[-2:])).reshape((count,) + a.shape[-2:])
+    b = _contiguous(backend.xp.broadcast_to(b, batch + b.shape[-2:])).reshape((count,) + b.shape[-2:])
+    out = batched_matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    return out.reshape(batch + (a_rows, b_columns))
+
+
+def _contiguous(array):
+    return array if array.flags.c_contiguous else copy("contiguous", array)
+
+
+class MatMul(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, a, b):
+        for name, array in (("input", a), ("other", b)):
+            if array.dtype != FLOAT32:
+                raise TypeError(f"matmul: {name} has dtype {array.dtype}; the matmul kernels take float32")
+            if array.ndim == 0:
+                raise RuntimeError(f"matmul: both arguments to matmul need to be at least 1D, but they are "
+                                   f"{a.ndim}D and {b.ndim}D")
+        ctx.shapes = (a.shape, b.shape)
+        a2 = a.reshape(1, -1) if a.ndim == 1 else a  # a vector is a one-row (or one-column) matrix
+        b2 = b.reshape(-1, 1) if b.ndim == 1 else b
+        if a2.shape[-1] != b2.shape[-2]:
+            raise RuntimeError(f"matmul: mat1 and mat2 shapes cannot be multiplied (input {tuple(a.shape)}, "
+                               f"other {tuple(b.shape)}: {a2.shape[-1]} != {b2.shape[-2]})")
+        ctx.save_for_backward(a2, b2)
+        out = _batched_product("matmul", a2, b2)
+        ctx.full_shape = out.shape
+        if a.ndim == 1:
+            out = out.reshape(out.shape[:-2] + out.shape[-1:])
+        if b.ndim == 1:
+            out = out.reshape(out.shape[:-1])
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        a2, b2 = ctx.saved_tensors
+        dout = dout.reshape(ctx.full_shape)
+        da = db = None
+        if ctx.needs_input_grad[0]:  # dA = dout Bᵀ
+            da = sum_to(_batched_product("matmul_backward", dout, b2, transpose_b=True), a2.shape)
+            da = da.reshape(ctx.shapes[0])
+        if ctx.needs_input_grad[1]:  # dB = Aᵀ dout
+            db = sum_to(_batched_product("matmul_backward", a2, dout, transpose_a=True), b2.shape)
+            db = db.reshape(ctx.shapes[1])
+        return da, db
+
+
+def matmul(a, b):
+    return MatMul.apply(a, b)
+
+
+# ---- reductions ------------------------------------------------------------------------------------------
+
+def _expand_back(dout, shape, dims, keepdim):
+    """A reduction's upstream gradient (its kept shape) laid out again over the input's shape (a copy)."""
+    if not keepdim:
+        for dim in dims:
+            dout = backend.xp.expand_dims(dout, dim)
+    return copy("expand", backend.xp.broadcast_to(dout, shape))
+
+
+class Sum(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, dims, keepdim, mean):
+        dims = normalize_dims("mean" if mean else "sum", dims, x.ndim)
+        ctx.shape, ctx.dims, ctx.keepdim = x.shape, dims, keepdim
+        count = math.prod(x.shape[d] for d in dims)
+        if mean and x.dtype.kind != "f":
+            raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be either a floating point "
+                               f"or complex dtype. Got: {x.dtype}")
+        ctx.scale = 1.0 / count if mean and count else (math.nan if mean else 1.0)
+        return reduce("mean" if mean else "sum", "sum", x, dims, keepdim, scale=ctx.scale)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gradient = _expand_back(dout, ctx.shape, ctx.dims, ctx.keepdim)
+        if ctx.scale != 1.0:
+            gradient = elementwise("mean_backward", "a * b", [gradient, ctx.scale])
+        return gradient, None, None, None
+
+
+def sum(x, dim=None, keepdim=False, dtype=None):
+    out = Sum.apply(x, dim, keepdim, False)
+    return out if dtype is None else out.to(dtype)
+
+
+def mean(x, dim=None, keepdim=False, dtype=None):
+    return Sum.apply(x if dtype is None else x.to(dtype), dim, keepdim, True)
+
+
+def var(x, dim=None, unbiased=True, keepdim=False, correction=None):
+    """Σ (x - mean)² / (count - correction); correction 1 (unbiased, the default) or 0, as PyTorch's."""
+    if correction is None:
+        correction = 1 if unbiased else 0
+    dims = normalize_dims("var", dim, x.ndim)
+    count = math.prod(x.shape[d] for d in dims)
+    centered = x - mean(x, dims, keepdim=True)
+    return sum(centered * centered, dims, keepdim=keepdim) / max(0, count - correction)
+
+
+def std(x, dim=None, unbiased=True, keepdim=False, correction=None):
+    return var(x, dim, unbiased, keepdim, correction).sqrt()
+
+
+class Extreme(Function):
+    """max or min over one dim: (values, indices); the gradient goes to the index that was picked."""
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, dim, keepdim, kind):
+        (dim,) = normalize_dims(kind, dim, x.ndim) or (0,)
+        values, indices = reduce(kind, kind, x, (dim,) if x.ndim else (), keepdim)
+        ctx.save_for_backward(indices)
+        ctx.shape, ctx.dim, ctx.keepdim = x.shape, dim, keepdim
+        return values, indices
+
+    @staticmethod
+    def backward(ctx, dvalues, dindices):
+        (indices,) = ctx.saved_tensors
+        if not ctx.shape:
+            return dvalues.copy(), None, None, None
+        if not ctx.keepdim:
+            indices, dvalues = (backend.xp.expand_dims(a, ctx.dim) for a in (indices, dvalues))
+        positions = backend.xp.arange(ctx.shape[ctx.dim], dtype=numpy.int64)
+        positions = positions.reshape((-1,) + (1,) * (len(ctx.shape) - 1 - ctx.dim))
+        return elementwise("extreme_backward", "(a == b) ? c : 0", [indices, positions, dvalues],
+                           compute_dtype=dvalues.dtype), None, None, None
+
+
+class ExtremeOfAll(Function):
+    """max() or min() of every element: the gradient is shared evenly among the elements equal to it."""
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, kind):
+        if x.size == 0:
+            raise RuntimeError(f"{kind}(): Expected reduction dim to be specified for input.numel() == 0. "
+                               "Specify the reduction dim with the 'dim' argument.")
+        value, _ = reduce(kind, kind, x, None, False)
+        ctx.save_for_backward(x, value)
+        return value
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, value = ctx.saved_tensors
+        hits = elementwise("extreme_hits", "a == b", [x, value], compute_dtype=x.dtype, out_dtype=BOOL)
+        count = reduce("extreme_count", "sum", hits, None)
+        return elementwise("extreme_backward", "a ? b / (float)c : 0.0f", [hits, dout, count],
+                           compute_dtype=dout.dtype), None
+
+
+MaxMin = collections.namedtuple("MaxMin", ["values", "indices"])
+
+
+def extreme(kind, x, dim=None, keepdim=False):
+    """max/min: of all elements (a Tensor), over dim ((values, indices)), or against another tensor."""
+    if isinstance(dim, Tensor):  # torch.max(a, b): the elementwise maximum
+        return where(compare("gt" if kind == "max" else "lt", x, dim), x, dim)
+    if dim is None:
+        return ExtremeOfAll.apply(x, kind)
+    values, indices = Extreme.apply(x, dim, keepdim, kind)
+    return MaxMin(values, indices.detach())
+
+
+def argextreme(kind, x, dim=None, keepdim=False):
+    """argmax/argmin: int64 indices; without dim, into the flattened tensor."""
+    data = x.data
+    if dim is None:
+        data, dim = _contiguous(data).reshape(-1), 0
+        keepdim = False if not keepdim else keepdim
+    _, indices = reduce(f"arg{kind}", kind, data, (dim,) if data.ndim else (), keepdim)
+    if keepdim and x.data.ndim != data.ndim:
+        indices = indices.reshape((1,) * x.ndim)
+    return Tensor(indices)
+
+
+# ---- softmax over any axis ----------------------------------------------------------------------------------
+
+class LogSoftmax(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, dim):
+        (dim,) = normalize_dims("log_softmax", dim, x.ndim)
+        largest, _ = reduce("log_softmax", "max", x, (dim,), keepdim=True)
+        shifted_exp = elementwise("log_softmax", "expf(a - b)", [x, largest])
+        total = reduce("log_softmax", "sum", shifted_exp, (dim,), keepdim=True)
+        out = elementwise("log_softmax", "a - b - logf(c)", [x, largest, total])
+        ctx.save_for_backward(out)
+        ctx.dim = dim
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        (out,) = ctx.saved_tensors  # d/dx = dout - softmax · Σ dout over the axis
+        total = reduce("log_softmax_backward", "sum", dout, (ctx.dim,), keepdim=True)
+        return elementwise("log_softmax_backward", "a - expf(b) * c", [dout, out, total]), None
+
+
+def log_softmax(x, dim):
+    return LogSoftmax.apply(x, dim)
+
+
+# ---- movement: views ------------------------------------------------------------------------------------------
+
+VIEW_ERROR = ("view size is not compatible with input tensor's size and stride (at least one dimension spans across "
+              "two contiguous subspaces). Use .reshape(...) instead.")
+
+
+def infer_shape(shape, numel):
+    """shape with its one -1 filled in; PyTorch's error when the sizes do not give numel elements."""
+    shape = tuple(int(s) for s in shape)
+    if shape.count(-1) > 1:
+        raise RuntimeError("only one dimension can be inferred")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape and known and numel % known == 0:
+        shape = tuple(numel // known if s == -1 else s for s in shape)
+    if math.prod(shape) != numel or any(s < 0 for s in shape):
+        raise RuntimeError(f"shape '{list(shape)}' is invalid for input of size {numel}")
+    return shape
+
+
+def view_strides(shape, strides, new_shape):
+    """The strides of `new_shape` over the same memory, or None if it needs a copy (PyTorch's computeStride).
+
+    Axes can be merged or split only within a run of axes that is contiguous in memory (each stride the
+    next stride times the next size); a new axis must not straddle two such runs.
+    """
+    if math.prod(shape) == 0 or not shape:
+        return True
+    new_strides = [0] * len(new_shape)
+    view_axis = len(new_shape) - 1
+    chunk_base_stride = strides[-1] if strides else 1
+    tensor_elements, view_elements = 1, 1
+    for axis in range(len(shape) - 1, -1, -1):
+        tensor_elements *= shape[axis]
+        if axis == 0 or (shape[axis - 1] != 1 and strides[axis - 1] != tensor_elements * chunk_base_stride):
+            while view_axis >= 0 and (view_elements < tensor_elements or new_shape[view_axis] == 1):
+                new_strides[view_axis] = view_elements * chunk_base_stride
+                view_elements *= new_shape[view_axis]
+                view_axis -= 1
+            if view_elements != tensor_elements:
+                return None
+            if axis > 0:
+                chunk_base_stride = strides[axis - 1]
+                tensor_elements, view_elements = 1, 1
+    return view_axis == -1 and new_strides
+
+
+class View(Function):
+    """A view of new shape, strides or both: forward gives an array over the same memory; backward moves the
+    upstream gradient back with `undo`."""
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, name, make, undo):
+        ctx.name, ctx.undo = name, undo
+        return make(x)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return ctx.undo(dout), None, None, None
+
+
+def _view(name, x, make, undo):
+    return View.apply(x, name, make, undo)
+
+
+def view(x, shape):
+    shape = infer_shape(shape, x.numel())
+    if view_strides(x.shape, [s // x.data.itemsize for s in x.data.strides], shape) is None:
+        raise RuntimeError(VIEW_ERROR)
+    old = x.shape
+    return _view("view", x, lambda a: a.reshape(shape), lambda d: _reshape_array(d, old))
+
+
+def _reshape_array(array, shape):
+    """A reshaped array: a view when the strides allow it, else a contiguous copy first."""
+    if view_strides(array.shape, [s // array.itemsize for s in array.strides], tuple(shape)) is None:
+        array = copy("reshape", array)
+    return array.reshape(shape)
+
+
+def reshape(x, shape):
+    shape = infer_shape(shape, x.numel())
+    old = x.shape
+    return _view("reshape", x, lambda a: _reshape_array(a, shape), lambda d: _reshape_array(d, old))
+
+
+def permute(x, dims):
+    dims = normalize_permutation(dims, x.ndim)
+    inverse = tuple(numpy.argsort(dims))
+    return _view("permute", x, lambda a: a.transpose(dims), lambda d: d.transpose(inverse))
+
+
+def normalize_permutation(dims, ndim):
+    dims = tuple(normalize_dims("permute", (d,), ndim)[0] for d in dims) if ndim else tuple(dims)
+    if sorted(dims) != list(range(ndim)):
+        raise RuntimeError(f"permute(sparse_coo): number of dimensions in the tensor input does not match the length "
+                           f"of the desired ordering of dimensions i.e. input.dim() = {ndim} is not equal to "
+                           f"len(dims) = {len(dims)}" if len(dims) != ndim else
+                           f"permute(): duplicate dims are not allowed in {dims}")
+    return dims
+
+
+def transpose(x, dim0, dim1):
+    if x.ndim == 0:
+        return x
+    order = list(range(x.ndim))
+    a, b = (normalize_dims("transpose", (d,), x.ndim)[0] for d in (dim0, dim1))
+    order[a], order[b] = order[b], order[a]
+    return permute(x, order)
+
+
+def unsqueeze(x, dim):
+    (dim,) = normalize_dims("unsqueeze", (dim,), x.ndim + 1)
+    return reshape(x, x.shape[:dim] + (1,) + x.shape[dim:])
+
+
+def squeeze(x, dim=None):
+    if dim is None:
+        dims = [d for d, size in enumerate(x.shape) if size == 1]
+    else:
+        dims = [d for d in normalize_dims("squeeze", dim, x.ndim) if x.shape[d] == 1] if x.ndim else []
+    return reshape(x, tuple(size for d, size in enumerate(x.shape) if d not in dims))
+
+
+def flatten(x, start_dim=0, end_dim=-1):
+    if x.ndim == 0:
+        return reshape(x, (1,))
+    start, end = (normalize_dims("flatten", (d,), x.ndim)[0] for d in (start_dim, end_dim))
+    if start > end:
+        raise RuntimeError("flatten() has invalid args: start_dim cannot come after end_dim")
+    return reshape(x, x.shape[:start] + (math.prod(x.shape[start:end + 1]),) + x.shape[end + 1:])
+
+
+def expand(x, sizes):
+    sizes = tuple(sizes)
+    if len(sizes) < x.ndim:
+        raise RuntimeError(f"expand: the number of sizes provided ({len(sizes)}) must be greater or equal to the "
+                           f"number of dimensions in the tensor ({x.ndim})")
+    leading = len(sizes) - x.ndim
+    shape = tuple(x.shape[axis - leading] if size == -1 else size for axis, size in enumerate(sizes))
+    for axis, size in enumerate(x.shape):
+        if size != 1 and size != shape[leading + axis]:
+            raise RuntimeError(f"The expanded size of the tensor ({shape[leading + axis]}) must match the existing "
+                               f"size ({size}) at non-singleton dimension {leading + axis}.  Target sizes: "
+                               f"{list(sizes)}.  Tensor sizes: {list(x.shape)}")
+    old = x.shape
+    return _view("expand", x, lambda a: backend.xp.broadcast_to(a, shape), lambda d: sum_to(d, old))
+
+
+def clone(x):
+    return _view("clone", x, lambda a: copy("clone", a), lambda d: d)
+
+
+def contiguous(x):
+    if x.data.flags.c_contiguous:
+        return x
+    return _view("contiguous", x, lambda a: copy("contiguous", a), lambda d: d)
+
+
+# ---- indexing ------------------------------------------------------------------------------------------------
+
+def _index_key(x, key):
+    """key with Tensors as arrays and lists as int64 arrays; whether it is advanced (copies) or basic (a view)."""
+    parts = key if isinstance(key, tuple) else (key,)
+    converted, advanced = [], False
+    for part in parts:
+        if isinstance(part, Tensor):
+            part = part.data
+        if isinstance(part, list):
+            part = backend.xp.asarray(numpy.array(part))
+        if isinstance(part, slice) and part.step is not None and part.step <= 0:
+            raise ValueError("step must be greater than zero")
+        if isinstance(part, backend.xp.ndarray):
+            advanced = True
+            if part.dtype.kind not in "biu":
+                raise IndexError(f"tensors used as indices must be long, int, byte or bool tensors, not {part.dtype}")
+        converted.append(part)
+    converted = _expand_ellipsis(converted, x.ndim)
+    _check_index_bounds(x.shape, converted)
+    return tuple(converted), advanced
+
+
+def _expand_ellipsis(parts, ndim):
+    """parts with `...` (or nothing, at the end) replaced by full slices of the axes no other part consumes."""
+    consumed = builtins.sum(part.ndim if isinstance(part, backend.xp.ndarray) and part.dtype == BOOL else 1
+                                   for part in parts if part is not None and part is not Ellipsis)
+    if consumed > ndim:
+        raise IndexError(f"too many indices for tensor of dimension {ndim}")
+    at = next((i for i, part in enumerate(parts) if part is Ellipsis), None)
+    if at is None:
+        return parts
+    return parts[:at] + [slice(None)] * (ndim - consumed) + parts[at + 1:]
+
+
+def _check_index_bounds(shape, parts):
+    """PyTorch's IndexError for an integer index outside its axis (numpy and CuPy would wrap or clip some)."""
+    axis = 0
+    for part in parts:
+        if part is None:
+            continue
+        if isinstance(part, backend.xp.ndarray) and part.dtype == BOOL:
+            if tuple(part.shape) != tuple(shape[axis:axis + part.ndim]):
+                raise IndexError(f"The shape of the mask {tuple(part.shape)} at index {axis} does not match the "
+                                 f"shape of the indexed tensor {tuple(shape)}")
+            axis += part.ndim
+            continue
+        size = shape[axis]
+        if isinstance(part, int) and not -size <= part < size:
+            raise IndexError(f"index {part} is out of bounds for dimension {axis} with size {size}")
+        if isinstance(part, backend.xp.ndarray) and part.size:
+            low, high = int(part.min()), int(part.max())  # a host read, as PyTorch's own bounds check on the GPU
+            if low < -size or high >= size:
+                bad = high if high >= size else low
+                raise IndexError(f"index {bad} is out of bounds for dimension {axis} with size {size}")
+        axis += 1
+
+
+class Index(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, key, advanced):
+        ctx.shape, ctx.key, ctx.advanced, ctx.dtype = x.shape, key, advanced, x.dtype
+        return x[key]
+
+    @staticmethod
+    def backward(ctx, dout):
+        gradient = backend.xp.zeros(ctx.shape, dtype=dout.dtype)
+        if ctx.advanced:  # an index may repeat: each of its uses adds its gradient
+            backend.xp.add.at(gradient, ctx.key, dout)
+        else:
+            gradient[ctx.key] = dout
+        return gradient, None, None
+
+
+def index(x, key):
+    key, advanced = _index_key(x, key)
+    return Index.apply(x, key, advanced)
+
+
+def index_put(x, key, value):
+    """x[key] = value in place: for tensors outside any graph (a mask of logits to -inf when sampling)."""
+    from gpt2_cupy.autograd import is_grad_enabled
+    if x.requires_grad and is_grad_enabled():
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    key, _ = _index_key(x, key)
+    x.data[key] = value.data if isinstance(value, Tensor) else value
+
+
+# ---- joining ---------------------------------------------------------------------------------------------------
+
+class Cat(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, dim, *arrays):
+        ctx.dim, ctx.sizes = dim, [a.shape[dim] for a in arrays]
+        return backend.xp.concatenate(arrays, axis=dim)
+
+    @staticmethod
+    def backward(ctx, dout):
+        ends = numpy.cumsum(ctx.sizes)[:-1].tolist()
+        return (None, *backend.xp.split(dout, ends, axis=ctx.dim))
+
+
+def cat(tensors, dim=0):
+    tensors = list(tensors)
+    if not tensors:
+        raise RuntimeError("torch.cat(): expected a non-empty list of Tensors")
+    (dim,) = normalize_dims("cat", (dim,), tensors[0].ndim)
+    first = tensors[0].shape
+    for index, t in enumerate(tensors):
+        if t.ndim != len(first) or t.shape[:dim] + t.shape[dim + 1:] != first[:dim] + first[dim + 1:]:
+            raise RuntimeError(f"torch.cat(): Sizes of tensors must match except in dimension {dim}. Expected "
+                               f"{list(first)} but got {list(t.shape)} for tensor number {index} in the list")
+    dtype = result_type(*[t.data for t in tensors])
+    return Cat.apply(dim, *[t if t.dtype == dtype else t.to(dtype) for t in tensors])
+
+
+def stack(tensors, dim=0):
+    tensors = list(tensors)
+    if not tensors:
+        raise RuntimeError("stack expects a non-empty TensorList")
+    for index, t in enumerate(tensors):
+        if t.shape != tensors[0].shape:
+            raise RuntimeError(f"stack expects each tensor to be equal size, but got {list(tensors[0].shape)} at "
+                               f"entry 0 and {list(t.shape)} at entry {index}")
+    return cat([unsqueeze(t, dim) for t in tensors], dim)
+
+
+# ---- types -------------------------------------------------------------------------------------------------------
+
+class Cast(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = x.dtype
+        return elementwise("to", "a", [x], compute_dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return elementwise("to", "a", [dout], compute_dtype=ctx.dtype) if ctx.dtype.kind == "f" else None, None
+
+
+def to_dtype(x, dtype):
+    dtype = numpy.dtype(dtype)
+    if dtype == x.dtype:
+        return x
+    return Cast.apply(x, dtype)
+
+
+# ---- sampling ----------------------------------------------------------------------------------------------------
+
+TopK = collections.namedtuple("TopK", ["values", "indices"])
+
+
+def topk(x, k, dim=-1, largest=True, sorted=True):
+    """The k largest (or smallest) elements along dim, largest first, and their int64 indices."""
+    (dim,) = normalize_dims("topk", (dim,), x.ndim)
+    if not 0 <= k <= x.shape[dim]:
+        raise RuntimeError(f"selected index k out of range: k = {k}, dimension {dim} has size {x.shape[dim]}")
+    keys = -x.data if largest else x.data
+    order = backend.xp.argsort(keys, axis=dim, kind="stable")
+    indices = backend.xp.take(order, backend.xp.arange(k), axis=dim).astype(numpy.int64)
+    return TopK(gather(x, dim, Tensor(indices)), Tensor(indices))
+
+
+def gather(x, dim, index):
+    """out[i][j] = x[i][index[i][j]] along dim (index the same rank as x)."""
+    index = index.data if isinstance(index, Tensor) else index
+    grids = list(backend.xp.indices(index.shape, sparse=True))
+    grids[dim] = index
+    return Index.apply(x, tuple(grids), True)
+
+
+def multinomial(probabilities, num_samples, replacement=False, generator=None):
+    """num_samples indices per row, drawn with the given (unnormalised) weights; from manual_seed's generator."""
+    weights = backend.asnumpy(probabilities.data).astype(numpy.float64)
+    rows = weights.reshape(-1, weights.shape[-1])
+    if (rows < 0).any() or not numpy.isfinite(rows).all():
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    if (rows.sum(axis=1) <= 0).any():
+        raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+    if not replacement and num_samples > rows.shape[1]:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+    random = init_generator()
+    drawn = numpy.stack([random.choice(rows.shape[1], size=num_samples, replace=replacement, p=row / row.sum())
+                         for row in rows])
+    shape = weights.shape[:-1] + (num_samples,)
+    return Tensor(backend.xp.asarray(drawn.reshape(shape).astype(numpy.int64)))
