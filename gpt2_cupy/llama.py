@@ -27,6 +27,7 @@ import numpy
 
 from gpt2_cupy import backend, nn, safetensors_files
 from gpt2_cupy.autograd import Tensor, init_generator, is_grad_enabled
+from gpt2_cupy.model import KVCache, _LayerCache
 from gpt2_cupy.nn import functional as F
 
 
@@ -249,9 +250,10 @@ class Llama(nn.Module):
             json.dump(self.config.to_hf(torch_dtype=dtype), file, indent=2)
 
 
-class LlamaKVCache:
+class LlamaKVCache(KVCache):
     """The keys (after RoPE) and values of every position seen so far, per layer: (B, Hkv, max_length, hd) each,
-    one copy per key-value head, not per query head."""
+    one copy per key-value head, not per query head. Storing is GPT-2's cache's (gpt2_cupy.model); attending
+    differs, by the groups of query heads."""
 
     def __init__(self, config, batch_size, max_length):
         if max_length > config.max_position_embeddings:
@@ -267,20 +269,7 @@ class LlamaKVCache:
         return _LlamaLayerCache(self, index)
 
 
-class _LlamaLayerCache:
-    def __init__(self, cache, index):
-        self.cache, self.index, self.start = cache, index, cache.length
-
-    def store(self, k, v):
-        """Copy the new positions' keys and values (B, Hkv, n, hd) in; return all keys and values so far."""
-        end = self.start + k.shape[2]
-        if end > self.cache.max_length:
-            raise ValueError(f"Llama: the kv_cache holds {self.cache.max_length} positions, {end} asked")
-        keys, values = self.cache.keys[self.index], self.cache.values[self.index]
-        keys[:, :, self.start:end] = k.data
-        values[:, :, self.start:end] = v.data
-        return keys[:, :, :end], values[:, :, :end]
-
+class _LlamaLayerCache(_LayerCache):
     def attend(self, q, k, v):
         """New queries (B, H, n, hd) at positions start.. over every cached key, with no copy per query head:
         the group of query heads that shares key head j is laid out as rows of one (group·n, hd) matrix,
