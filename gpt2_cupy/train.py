@@ -32,6 +32,7 @@ import numpy
 
 from gpt2_cupy import backend, checkpoint, data
 from gpt2_cupy.autograd import dropout_rng_state, manual_seed, no_grad
+from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.ops.arrays import ceil_div
 
@@ -57,6 +58,7 @@ class TrainConfig:
     corpus: str = "tinyshakespeare"  # "tinyshakespeare", "aozora", or a directory with train.bin and val.bin
     data_dir: str = None            # where the named corpora are; None: $GPT2_CUPY_DATA, then the checkout's data/
     preset: str = "tiny"
+    model: str = "gpt2"             # "gpt2" or "llama" (RMSNorm, RoPE, SwiGLU, no biases, no dropout) of the preset's size
     # None: the preset's value
     n_layer: int = None
     n_head: int = None
@@ -85,6 +87,14 @@ class TrainConfig:
     progress: bool = True           # the tqdm progress bar
 
 
+def llama_config(config, vocab_size):
+    """A Llama of the preset's size: its width, layers and heads; the MLP's width 8/3 of the model's rounded up to
+    a multiple of 64 (three matrices as many parameters as GPT-2's two of 4 C), as Meta sized Llama's."""
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=config.n_embd,
+                       intermediate_size=ceil_div(8 * config.n_embd // 3, 64) * 64, num_hidden_layers=config.n_layer,
+                       num_attention_heads=config.n_head, max_position_embeddings=config.block_size)
+
+
 def make_config(**options):
     """A TrainConfig with every None filled in from the preset, refused if an option is unknown."""
     known = {field.name for field in fields(TrainConfig)}
@@ -97,8 +107,11 @@ def make_config(**options):
     for name, value in PRESETS[config.preset].items():
         if getattr(config, name) is None:
             setattr(config, name, value)
+    if config.model not in ("gpt2", "llama"):
+        raise ValueError(f"model={config.model!r}; use 'gpt2' or 'llama'")
     if config.out_dir is None:
-        config.out_dir = str(RUNS_DIR / f"{Path(config.corpus).name}-{config.preset}")
+        suffix = "-llama" if config.model == "llama" else ""
+        config.out_dir = str(RUNS_DIR / f"{Path(config.corpus).name}-{config.preset}{suffix}")
     for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "eval_batches",
                  "eval_interval", "checkpoint_interval"):
         if getattr(config, name) < 1:
@@ -192,11 +205,14 @@ class Trainer:
                 raise ValueError(f"the corpus does not match the model: {split} holds token id {largest_token(tokens)}, "
                                  f"the model's vocabulary has {vocab_size} entries (0 to {vocab_size - 1})")
 
-        self.model_config = GPTConfig(block_size=config.block_size, vocab_size=vocab_size, n_layer=config.n_layer,
-                                      n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
-                                      bias=config.bias, norm=config.norm, attention=config.attention)
+        if config.model == "llama":
+            self.model_config = llama_config(config, vocab_size)
+        else:
+            self.model_config = GPTConfig(block_size=config.block_size, vocab_size=vocab_size, n_layer=config.n_layer,
+                                          n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
+                                          bias=config.bias, norm=config.norm, attention=config.attention)
         manual_seed(config.seed)
-        self.model = GPT(self.model_config)
+        self.model = Llama(self.model_config) if config.model == "llama" else GPT(self.model_config)
         self.optimizer = self.model.configure_optimizers(config.weight_decay, config.learning_rate,
                                                          (config.beta1, config.beta2))
         B, T = config.batch_size, config.block_size
@@ -439,6 +455,7 @@ def parse_arguments(argv=None):
     parser.add_argument("--data-dir", dest="data_dir",
                         help=f"the folder of the named corpora (default: ${data.DATA_DIR_VARIABLE}, then the repository's data/)")
     parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    parser.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
     option = parser.add_argument
     option("--n-layer", type=int, dest="n_layer")
     option("--n-head", type=int, dest="n_head")

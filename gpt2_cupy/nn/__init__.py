@@ -391,3 +391,18 @@ class Identity(Module):
 
 __all__ = ["Module", "Parameter", "Linear", "LayerNorm", "DyT", "Embedding", "Dropout", "GELU", "ReLU", "SiLU",
            "Identity", "Sequential", "ModuleList", "ModuleDict", "functional", "init", "utils"]
+
+
+class RMSNorm(Module):
+    """x / sqrt(mean(x²) + eps) over the last axis, times weight (ones): Llama's norm, PyTorch's nn.RMSNorm."""
+
+    def __init__(self, normalized_shape, eps=None):
+        self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.eps = eps
+        self.weight = Parameter(numpy.ones(self.normalized_shape, numpy.float32))
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine=True"

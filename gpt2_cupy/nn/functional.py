@@ -358,3 +358,125 @@ def _int32(ids, operation, name):
         raise TypeError(f"{operation}: {name} has dtype {ids.dtype}; it must hold integers")
     return backend.xp.ascontiguousarray(ids, dtype=numpy.int32)
 
+
+
+# ==== Llama (chapter 17): RMSNorm, RoPE, SwiGLU, grouped-query attention ===================================
+# This last section holds the Functions that gpt2_cupy.llama needs and GPT-2 does not.
+
+from gpt2_cupy.ops.attention import HEAD_SIZES as FUSED_ATTENTION_HEAD_SIZES  # noqa: E402
+from gpt2_cupy.ops.matmul import batched_matmul  # noqa: E402
+from gpt2_cupy.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward  # noqa: E402
+from gpt2_cupy.ops.rope import rope_backward, rope_forward  # noqa: E402
+from gpt2_cupy.ops.swiglu import swiglu_backward, swiglu_forward  # noqa: E402
+
+
+class RMSNorm(Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = rmsnorm_forward(x, weight, eps=eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, rstd = ctx.saved_tensors
+        return rmsnorm_backward(dout, x, weight, rstd, dweight=ctx.grad_buffer(1)), None, None
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    """x / sqrt(mean(x²) + eps) over the last axis, times weight: PyTorch's F.rms_norm. eps=None is float32's
+    machine epsilon, as PyTorch's default; Llama passes its config's rms_norm_eps."""
+    if tuple(normalized_shape) != (input.shape[-1],):
+        raise ValueError(f"rms_norm: normalized_shape {tuple(normalized_shape)} must be the last axis of the input, "
+                         f"({input.shape[-1]},): only the channels are normalised")
+    if weight is None:
+        weight = backend.xp.ones(input.shape[-1], dtype=numpy.float32)
+    eps = float(numpy.finfo(numpy.float32).eps) if eps is None else float(eps)
+    return RMSNorm.apply(input, weight, eps)
+
+
+class Rope(Function):
+    @staticmethod
+    def forward(ctx, x, theta, start, interleaved):
+        ctx.options = dict(theta=theta, start=start, interleaved=interleaved)
+        return rope_forward(x, **ctx.options)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return rope_backward(dout, **ctx.options), None, None, None  # the rotation back: nothing saved
+
+
+def rope(x, theta=10000.0, start=0, interleaved=False):
+    """Rotary position embedding of q or k heads x (B, T, H, D): the token at index t sits at position start + t.
+    interleaved=False pairs channel i with i + D/2 (Hugging Face's rotate_half), True pairs 2i with 2i + 1
+    (llama2.c). Not a PyTorch function: transformers writes it as apply_rotary_pos_emb with cos and sin tables."""
+    return Rope.apply(x, float(theta), int(start), bool(interleaved))
+
+
+class SwiGLU(Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return swiglu_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        return swiglu_backward(dout, gate, up)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, fused: Llama's MLP activation (PyTorch writes F.silu(gate) * up)."""
+    return SwiGLU.apply(gate, up)
+
+
+class RepeatKV(Function):
+    @staticmethod
+    def forward(ctx, x, n_rep):
+        ctx.n_rep = n_rep
+        return backend.xp.repeat(x, n_rep, axis=1)       # (B, Hkv, T, D) -> (B, Hkv·n_rep, T, D), head h from h // n_rep
+
+    @staticmethod
+    def backward(ctx, dout):
+        B, H, T, D = dout.shape
+        return dout.reshape(B, H // ctx.n_rep, ctx.n_rep, T, D).sum(axis=2, dtype=numpy.float32), None  # a fork
+
+
+def repeat_kv(x, n_rep):
+    """Grouped-query attention's keys or values (B, n_kv_heads, T, D), each head repeated n_rep times in place, so
+    that query head h meets key head h // n_rep (transformers' repeat_kv). A copy: the fused attention kernels
+    take one key head per query head."""
+    return x if n_rep == 1 else RepeatKV.apply(x, int(n_rep))
+
+
+class MatmulAttention(Function):
+    """Causal softmax attention of any head size from chapter 01's batched matmul and chapter 04's softmax: the
+    (B, H, T, T) probabilities are written to memory. The path for head sizes the fused kernels do not take."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        B, H, T, D = q.shape
+        scale = 1.0 / math.sqrt(D)
+        scores = batched_matmul(q.reshape(B * H, T, D), k.reshape(B * H, T, D), transpose_b=True)  # (B·H, T, T)
+        p = softmax_forward(scores, scale=scale, causal=True, out=scores)
+        ctx.save_for_backward(q, k, v, p)
+        return batched_matmul(p, v.reshape(B * H, T, D)).reshape(B, H, T, D)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, p = ctx.saved_tensors
+        B, H, T, D = q.shape
+        dout3, q3, k3, v3 = (a.reshape(B * H, T, D) for a in (dout, q, k, v))
+        dv = batched_matmul(p, dout3, transpose_a=True)                     # dV = Pᵀ dO
+        dp = batched_matmul(dout3, v3, transpose_b=True)                    # dP = dO Vᵀ
+        ds = softmax_backward(dp, p, scale=1.0 / math.sqrt(D), out=dp)      # dS, the scale included
+        dq, dk = batched_matmul(ds, k3), batched_matmul(ds, q3, transpose_a=True)
+        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+def causal_attention(q, k, v):
+    """softmax(q kᵀ / √D) v with the causal mask, q, k, v (B, H, T, D): chapter 08's fused kernels for the head
+    sizes they take (FUSED_ATTENTION_HEAD_SIZES), the batched-matmul path otherwise (Llama's D = 128)."""
+    if q.shape[-1] in FUSED_ATTENTION_HEAD_SIZES:
+        return scaled_dot_product_attention(q, k, v, is_causal=True)
+    return MatmulAttention.apply(q, k, v)

@@ -1,0 +1,295 @@
+"""Llama, assembled from the course's kernels; the structure and the parameter names are Hugging Face's.
+
+    idx (B, T) ─embed_tokens─ [LlamaDecoderLayer] × num_hidden_layers ─ norm ─ lm_head ─ logits (B, T, V)
+    LlamaDecoderLayer:  x = x + self_attn(input_layernorm(x));  x = x + mlp(post_attention_layernorm(x))
+    self_attn: q, k, v projections; RoPE on q and k (no position table); causal attention; o_proj
+    mlp:       down_proj(silu(gate_proj(x)) * up_proj(x))   (Meta's w2(silu(w1 x) * w3 x))
+
+    model = Llama(LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2))
+    logits, loss = model(idx, targets)          # targets of -100 (Hugging Face) or -1 (our GPT) are ignored
+    Llama.from_pretrained(directory), model.save_pretrained(directory, dtype="bfloat16")
+    cache = model.new_kv_cache(batch_size, max_length); logits, _ = model(idx_new, kv_cache=cache)
+
+Grouped-query attention: num_key_value_heads key and value heads, each shared by num_attention_heads //
+num_key_value_heads query heads. Training and a prompt's first pass repeat each key and value head for its group
+(F.repeat_kv, a copy) because chapter 08's fused kernels take one key head per query head; generation with a
+KV cache stores the key and value heads once and lets each group of queries read them without a copy. Head
+sizes the fused kernels do not take (Llama's 128) go through the batched-matmul attention (F.causal_attention).
+"""
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+import numpy
+
+from gpt2_cupy import backend, nn, safetensors_files
+from gpt2_cupy.autograd import Tensor, init_generator, is_grad_enabled
+from gpt2_cupy.model import KVCache, _LayerCache
+from gpt2_cupy.nn import functional as F
+
+
+@dataclass
+class LlamaConfig:
+    """Hugging Face's LlamaConfig field names and defaults (Llama 2 7B's sizes)."""
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008         # the MLP's width: about 8/3 hidden_size, so that 3 matrices cost 2 of GPT-2's
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = None        # None: as many as query heads (no grouping); Llama 3 8B has 8 for 32
+    head_dim: int = None                   # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048    # the longest context the cache may hold; RoPE has no table to size
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0            # 10000 in Llama 2, 500000 in Llama 3
+    rope_interleaved: bool = False         # not Hugging Face's: True pairs channels 2i, 2i+1 as llama2.c does
+    tie_word_embeddings: bool = False      # Llama's output head is its own matrix, not the embedding's transpose
+    initializer_range: float = 0.02
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"LlamaConfig: num_key_value_heads = {self.num_key_value_heads} must divide "
+                             f"num_attention_heads = {self.num_attention_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim = {self.head_dim} must be even: RoPE turns channels in pairs")
+
+    @classmethod
+    def from_hf(cls, hf):
+        """A config from the dict of a Hugging Face config.json: transformers 4 (a top-level rope_theta) or
+        transformers 5 (rope_parameters = {"rope_type": "default", "rope_theta": ...})."""
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise NotImplementedError(f"LlamaConfig: rope_type {rope_type!r} (scaled RoPE) is not supported yet; "
+                                      "only the default frequencies")
+        if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise NotImplementedError("LlamaConfig: only hidden_act='silu' without attention or MLP biases is "
+                                      "supported, as in Meta's Llama")
+        known = {f.name for f in fields(cls)}
+        values = {name: value for name, value in hf.items() if name in known}
+        if "rope_theta" in rope:
+            values["rope_theta"] = rope["rope_theta"]
+        for name in ("bos_token_id", "eos_token_id"):   # Llama 3 lists several end tokens: keep the first
+            if isinstance(values.get(name), list):
+                values[name] = values[name][0]
+        return cls(**values)
+
+    def to_hf(self, torch_dtype="float32"):
+        """The config.json dict that transformers 4 and 5 read (both rope_theta and rope_parameters)."""
+        if self.rope_interleaved:
+            raise ValueError("save_pretrained: rope_interleaved=True is llama2.c's pairing, which Hugging Face's "
+                             "Llama does not have; permute q_proj and k_proj back (gpt2_cupy.ops.rope) first")
+        hf = {name: value for name, value in asdict(self).items() if name != "rope_interleaved"}
+        return dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,
+                    mlp_bias=False, attention_dropout=0.0, rope_scaling=None, use_cache=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                    torch_dtype=torch_dtype, **hf)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config):
+        self.n_heads, self.n_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                                       config.head_dim)
+        self.rope_theta, self.rope_interleaved = config.rope_theta, config.rope_interleaved
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x, layer_cache=None):
+        B, T, _ = x.shape
+        start = 0 if layer_cache is None else layer_cache.start
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)          # (B, T, H, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)       # (B, T, Hkv, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)       # (B, T, Hkv, hd)
+        q = F.rope(q, self.rope_theta, start, self.rope_interleaved)        # positions start..start+T-1
+        k = F.rope(k, self.rope_theta, start, self.rope_interleaved)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, T, hd)
+        if layer_cache is not None and start > 0:
+            y = layer_cache.attend(q, k, v)                                 # new queries, all keys so far
+        else:
+            if layer_cache is not None:
+                layer_cache.store(k, v)
+            group = self.n_heads // self.n_kv_heads
+            y = F.causal_attention(q, F.repeat_kv(k, group), F.repeat_kv(v, group))   # (B, H, T, hd)
+        y = y.transpose(1, 2).view(B, T, self.n_heads * self.head_dim)      # heads side by side again
+        return self.o_proj(y)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)   # Meta's w1
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)     # Meta's w3
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)   # Meta's w2
+
+    def forward(self, x):
+        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config):
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, layer_cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), layer_cache)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config):
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    def __init__(self, config):
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.model.embed_tokens.weight = self.lm_head.weight   # one (V, C) matrix, two uses
+        self._init_weights()
+
+    def _init_weights(self):
+        """Hugging Face's initialisation: N(0, initializer_range) for every matrix, ones for the norms."""
+        generator = init_generator()
+        for name, parameter in self.named_parameters():
+            if parameter.ndim == 2:
+                values = generator.normal(0.0, self.config.initializer_range, parameter.shape)
+                parameter.data[...] = backend.xp.asarray(values, dtype=numpy.float32)
+
+    def get_num_params(self, non_embedding=True):
+        """Parameters counted once (a tied matrix once); without the input embedding by default."""
+        count = sum(p.numel() for p in self.parameters())
+        untied_embedding = not self.config.tie_word_embeddings
+        return count - self.model.embed_tokens.weight.numel() if non_embedding and untied_embedding else count
+
+    def forward(self, idx, targets=None, kv_cache=None):
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        B, T = idx.shape
+        if kv_cache is not None and is_grad_enabled():
+            raise RuntimeError("Llama: a kv_cache is for generation; run the model under gpt2_cupy.no_grad()")
+        x = self.model.embed_tokens(idx)                                       # (B, T, C)
+        for number, layer in enumerate(self.model.layers):
+            x = layer(x, None if kv_cache is None else kv_cache.layer(number))
+        logits = self.lm_head(self.model.norm(x))                              # (B, T, V)
+        if kv_cache is not None:
+            kv_cache.length += T
+        loss = None
+        if targets is not None:
+            targets = targets.data if isinstance(targets, Tensor) else targets
+            targets = backend.xp.where(targets == -1, -100, targets).reshape(B * T)  # -1 (our GPT's) as -100
+            loss = F.cross_entropy(logits.view(B * T, self.config.vocab_size), targets, ignore_index=-100)
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type=None):
+        """AdamW with two groups: matrices decay, norm weights do not."""
+        from gpt2_cupy import optim
+
+        parameters = self.parameters()
+        groups = [{"params": [p for p in parameters if p.ndim >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0}]
+        return optim.AdamW(groups, lr=learning_rate, betas=betas)
+
+    def new_kv_cache(self, batch_size, max_length):
+        """Room for the keys and values of max_length positions in every layer, for generation."""
+        return LlamaKVCache(self.config, batch_size, max_length)
+
+    # ---- Hugging Face checkpoints ---------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, directory):
+        """A model from a local Hugging Face Llama directory: config.json and model.safetensors, or shards with
+        model.safetensors.index.json; weights in float32, float16 or bfloat16, read one tensor at a time."""
+        with open(os.path.join(directory, "config.json")) as file:
+            config = LlamaConfig.from_hf(json.load(file))
+        model = cls(config)
+        parameters = dict(model.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, array in safetensors_files.read_tensors(directory):
+            if name.endswith("rotary_emb.inv_freq"):
+                continue                     # older checkpoints store RoPE's frequencies; they are recomputed
+            if name not in parameters:
+                raise ValueError(f"{name}: the checkpoint has this tensor, which a Llama of this config does not")
+            if array.shape != parameters[name].shape:
+                raise ValueError(f"{name}: shape {array.shape} in the checkpoint, {parameters[name].shape} in the "
+                                 "model its config.json describes")
+            parameters[name].data[...] = backend.xp.asarray(array)
+            loaded.add(name)
+        tied = {"lm_head.weight", "model.embed_tokens.weight"}
+        if config.tie_word_embeddings and loaded & tied:
+            loaded |= tied                   # one matrix under two names, stored under either
+        missing = [name for name in parameters if name not in loaded]
+        if missing:
+            raise ValueError(f"{missing[0]}: missing from the checkpoint in {directory}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        return model
+
+    def save_pretrained(self, directory, dtype="float32", max_shard_size=None):
+        """Write config.json and model.safetensors (or shards of at most max_shard_size bytes with their index)
+        that transformers.LlamaForCausalLM.from_pretrained reads; dtype "float32", "float16" or "bfloat16"."""
+        os.makedirs(directory, exist_ok=True)
+        tensors = {name: parameter.data for name, parameter in self.named_parameters(remove_duplicate=False)}
+        if self.config.tie_word_embeddings:
+            del tensors["lm_head.weight"]    # stored once, as Hugging Face does
+        safetensors_files.write_tensors(directory, tensors, dtype=dtype, max_shard_bytes=max_shard_size)
+        with open(os.path.join(directory, "config.json"), "w") as file:
+            json.dump(self.config.to_hf(torch_dtype=dtype), file, indent=2)
+
+
+class LlamaKVCache(KVCache):
+    """The keys (after RoPE) and values of every position seen so far, per layer: (B, Hkv, max_length, hd) each,
+    one copy per key-value head, not per query head. Storing is GPT-2's cache's (gpt2_cupy.model); attending
+    differs, by the groups of query heads."""
+
+    def __init__(self, config, batch_size, max_length):
+        if max_length > config.max_position_embeddings:
+            raise ValueError(f"new_kv_cache: max_length {max_length} > max_position_embeddings "
+                             f"{config.max_position_embeddings}")
+        shape = (batch_size, config.num_key_value_heads, max_length, config.head_dim)
+        self.keys = [backend.xp.zeros(shape, numpy.float32) for _ in range(config.num_hidden_layers)]
+        self.values = [backend.xp.zeros(shape, numpy.float32) for _ in range(config.num_hidden_layers)]
+        self.length = 0          # positions stored; the model advances it after each forward
+        self.max_length = max_length
+
+    def layer(self, index):
+        return _LlamaLayerCache(self, index)
+
+
+class _LlamaLayerCache(_LayerCache):
+    def attend(self, q, k, v):
+        """New queries (B, H, n, hd) at positions start.. over every cached key, with no copy per query head:
+        the group of query heads that shares key head j is laid out as rows of one (group·n, hd) matrix,
+        multiplied by that head's keys. Scores, the queries' future masked, softmax, @ values."""
+        from gpt2_cupy.ops.matmul import batched_matmul
+        from gpt2_cupy.ops.softmax import softmax_forward
+
+        xp = backend.xp
+        B, H, n, hd = q.shape
+        Hkv = k.shape[1]
+        group = H // Hkv
+        keys, values = self.store(k, v)
+        length = keys.shape[2]
+        keys = xp.ascontiguousarray(keys).reshape(B * Hkv, length, hd)
+        values = xp.ascontiguousarray(values).reshape(B * Hkv, length, hd)
+        queries = q.data.reshape(B * Hkv, group * n, hd)          # query head h = j·group + g: rows of head j
+        scores = batched_matmul(queries, keys, transpose_b=True)  # (B·Hkv, group·n, length)
+        future = xp.arange(length)[None, :] > (self.start + xp.arange(n))[:, None]     # (n, length)
+        future = xp.tile(future, (group, 1))                                            # (group·n, length)
+        scores = xp.where(future, numpy.float32(-numpy.inf), scores)
+        weights = softmax_forward(xp.ascontiguousarray(scores, dtype=numpy.float32), scale=1.0 / math.sqrt(hd))
+        y = batched_matmul(weights, values)                       # (B·Hkv, group·n, hd)
+        return Tensor(y.reshape(B, H, n, hd))

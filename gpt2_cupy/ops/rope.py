@@ -1,0 +1,75 @@
+"""Rotary position embedding (RoPE) of queries and keys, forward and backward, on float32 arrays (chapter 17).
+
+    y = rope_forward(x, theta=10000.0, start=0, interleaved=False)
+    dx = rope_backward(dout, theta=10000.0, start=0, interleaved=False)
+
+x, y, dout, dx: (B, T, H, D), the heads of q or k before they are transposed to (B, H, T, D); D even. The
+token at sequence index t sits at position start + t (start > 0 for new tokens after a KV cache's). Each
+pair of channels that shares frequency i is turned by the angle position * theta^(-2i/D):
+    interleaved=False  pairs channel i with i + D/2: Hugging Face's rotate_half, the layout of Meta's
+                       released checkpoints and of every transformers Llama;
+    interleaved=True   pairs channel 2i with 2i + 1: llama2.c and the RoFormer paper.
+The same weights give different models under the two pairings; permute_for_interleaved converts q_proj
+and k_proj weights from one layout to the other.
+
+The backward is the rotation by minus the angle (a rotation's inverse is its transpose), so it needs no
+saved tensor. `out=x` rotates in place. The inverse frequencies are computed once per (D, theta) in float32,
+as transformers computes them; the angle is their float32 product with the position, in the kernel.
+"""
+
+from functools import lru_cache
+
+import numpy as np
+
+from gpt2_cupy import backend, kernels
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output
+
+
+def inverse_frequencies_host(head_dim, theta):
+    """theta^(-2i/D) for i < D/2 as numpy float32: transformers' 1 / theta ** (arange(0, D, 2) / D) in float32."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    return (np.float32(1.0) / np.power(np.float32(theta), exponents)).astype(np.float32)
+
+
+@lru_cache(maxsize=None)
+def _inverse_frequencies(head_dim, theta):
+    return backend.xp.asarray(inverse_frequencies_host(head_dim, theta))
+
+
+def rope_forward(x, *, theta=10000.0, start=0, interleaved=False, out=None):
+    """x (B, T, H, D) with each pair of channels rotated by its position's angle; returns y (or out)."""
+    return _rotate("rope_forward", x, theta, start, interleaved, out)
+
+
+def rope_backward(dout, *, theta=10000.0, start=0, interleaved=False, out=None):
+    """dx of rope_forward with the same options: dout rotated back by minus each angle."""
+    return _rotate("rope_backward", dout, theta, start, interleaved, out)
+
+
+def _rotate(operation, x, theta, start, interleaved, out):
+    sizes = check(operation, x=(x, ("B", "T", "H", "D")))
+    B, T, H, D = (sizes[name] for name in "BTHD")
+    if D % 2:
+        raise ValueError(f"{operation}: the head size D = {D} must be even: channels are rotated in pairs")
+    if start < 0:
+        raise ValueError(f"{operation}: start = {start}; positions start at 0 or later")
+    if theta <= 0:
+        raise ValueError(f"{operation}: theta = {theta}; the base of the frequencies must be positive")
+    out = output(operation, out, x.shape)
+    pairs = B * T * H * D // 2
+    if pairs:
+        kernels.function("rope", operation)(
+            (ceil_div(pairs, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+            (out, x, _inverse_frequencies(D, float(theta)), np.int32(pairs), np.int32(T), np.int32(H),
+             np.int32(D), np.int32(start), np.int32(bool(interleaved))))
+    return out
+
+
+def permute_for_interleaved(weight, n_heads):
+    """A q_proj or k_proj weight (n_heads * D, C) of the rotate_half layout, its output rows reordered so that
+    the interleaved pairing gives the same model: row i of each head goes to 2i, row i + D/2 to 2i + 1.
+    (Hugging Face's convert_llama_weights_to_hf.py does the inverse to Meta's weights.) Any array module."""
+    rows, columns = weight.shape
+    head_dim = rows // n_heads
+    by_half = weight.reshape(n_heads, 2, head_dim // 2, columns)        # (heads, which half, i, C)
+    return by_half.transpose(0, 2, 1, 3).reshape(rows, columns)         # (heads, i, which half, C)
