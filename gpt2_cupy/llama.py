@@ -120,7 +120,7 @@ class LlamaAttention(nn.Module):
                 layer_cache.store(k, v)
             group = self.n_heads // self.n_kv_heads
             y = F.causal_attention(q, F.repeat_kv(k, group), F.repeat_kv(v, group))   # (B, H, T, hd)
-        y = y.transpose(1, 2).view(B, T, self.n_heads * self.head_dim)      # heads side by side again
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * self.head_dim)  # heads side by side again
         return self.o_proj(y)
 
 
