@@ -31,10 +31,10 @@ SHAPES = [(67, 45, 33), (68, 44, 36), (130, 20, 70)]
 def operands(rng, M, N, K, transpose_a=False, transpose_b=False, batch=None):
     """float32 a and b stored as the op takes them, and op(a), op(b) as float64."""
     lead = () if batch is None else (batch,)
-    a = rng.standard_normal(lead + ((K, M) if transpose_a else (M, K)), dtype=np.float32)
-    b = rng.standard_normal(lead + ((N, K) if transpose_b else (K, N)), dtype=np.float32)
-    op_a = np.swapaxes(a, -1, -2) if transpose_a else a
-    op_b = np.swapaxes(b, -1, -2) if transpose_b else b
+    op_a = rng.standard_normal(lead + (M, K), dtype=np.float32)
+    op_b = rng.standard_normal(lead + (K, N), dtype=np.float32)
+    a = np.ascontiguousarray(np.swapaxes(op_a, -1, -2)) if transpose_a else op_a
+    b = np.ascontiguousarray(np.swapaxes(op_b, -1, -2)) if transpose_b else op_b
     return a, b, op_a.astype(np.float64), op_b.astype(np.float64)
 
 

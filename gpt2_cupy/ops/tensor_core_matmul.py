@@ -26,7 +26,7 @@ import numpy
 
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, float4_aligned
-from gpt2_cupy.ops.matmul import _checked
+from gpt2_cupy.ops.matmul import _checked, launch_matmul
 from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision
 
 TILE = 128       # rows and columns of C per block (kernels/tensor_core_matmul.cu: TILE)
@@ -103,12 +103,8 @@ def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, a
     """out = op(a) @ op(b), or out += ..., 2-D or batched 3-D. Unchecked: for callers that have checked their
     arguments (a, b, out C-contiguous float32 of matching shapes, out apart from both, a known precision)."""
     K = a.shape[-2] if transpose_a else a.shape[-1]
-    if out.size == 0:
-        return out
-    if K == 0:  # an empty sum
-        if not accumulate:
-            out.fill(0)
-        return out
+    if out.size == 0 or K == 0:  # nothing to multiply: the float32 op fills or keeps out as it should
+        return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)
     if precision == "medium":
         return launch_bf16_matmul(to_bf16(a)[0], to_bf16(b)[0], out, K, transpose_a, transpose_b, accumulate)
     lda, ldb = a.shape[-1], b.shape[-1]
