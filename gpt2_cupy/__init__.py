@@ -20,6 +20,8 @@ import types
 
 import numpy
 
+from gpt2_cupy.precision import get_float32_matmul_precision, set_float32_matmul_precision  # as torch's
+
 __version__ = "0.1.0"
 
 _FROM_AUTOGRAD = ("Tensor", "Function", "no_grad", "manual_seed", "is_grad_enabled", "initial_seed")

@@ -1,0 +1,139 @@
+"""Matrix products of float32 arrays on tensor cores: C = op(A) @ op(B), op(X) being X or its transpose.
+
+    tensor_core_matmul(a, b, transpose_a=False, transpose_b=False, out=None, accumulate=False, precision=None)
+    batched_tensor_core_matmul(a, b, ...)     the same over a leading batch dimension, in one launch
+
+The interface is gpt2_cupy.ops.matmul's (same shapes, transposes, accumulate=True for out += ..., the same
+checks and errors), with one more argument: how the tensor cores see the float32 inputs.
+
+    precision="highest"  3xTF32: each input split into two TF32 parts, three products; float32 accuracy
+    precision="high"     TF32: inputs rounded to 10 mantissa bits (relative error about 1e-3)
+    precision="medium"   bf16: inputs rounded to 8 mantissa bits (about 1e-2), converted into a bf16 copy first
+    precision=None       gpt2_cupy.get_float32_matmul_precision() (set_float32_matmul_precision chooses it)
+
+Sums are float32 in every case. The Linear layer's three products, x: (N, C_in), W: (C_out, C_in):
+
+    y  = tensor_core_matmul(x, W, transpose_b=True)                          # x Wᵀ
+    dx = tensor_core_matmul(dout, W)                                         # dout W
+    tensor_core_matmul(dout, x, transpose_a=True, out=dW, accumulate=True)   # dW += doutᵀ x
+
+The kernels are kernels/tensor_core_matmul.cu, from chapters/15_tensor_cores.ipynb: 128 x 128 tiles of C
+per block of 256 threads, K in slices of 32 through a 3-stage cp.async pipeline. This op does not split K
+(gpt2_cupy.ops.matmul does, for products with few output tiles).
+"""
+
+import numpy
+
+from gpt2_cupy import backend, kernels
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, float4_aligned
+from gpt2_cupy.ops.matmul import _checked, launch_matmul
+from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision
+
+TILE = 128       # rows and columns of C per block (kernels/tensor_core_matmul.cu: TILE)
+DEPTH = 32       # elements of K per slice (DEPTH)
+STAGES = 3       # slices in flight (STAGES)
+THREADS = 256
+TF32_PRODUCTS = {"highest": 3, "high": 1}   # mma products per tile: 3xTF32 or TF32
+BF16_ROW_MULTIPLE = 8                       # bf16 copies' rows are padded to 16 bytes, for 16-byte copies
+
+
+def _flag(value):
+    return "true" if value else "false"
+
+
+def shared_bytes(element_bytes, transpose_a, transpose_b):
+    """Dynamic shared memory of one block: STAGES slices of A and of B, each padded as the kernel's Slice."""
+    def slice_bytes(k_contiguous):
+        if k_contiguous:   # TILE rows of DEPTH elements, 16 bytes of padding
+            return TILE * (DEPTH * element_bytes + 16)
+        padding = 32 if element_bytes == 4 else 16   # DEPTH rows of TILE elements
+        return DEPTH * (TILE * element_bytes + padding)
+    return STAGES * (slice_bytes(not transpose_a) + slice_bytes(transpose_b))
+
+
+def _kernel(name, element_bytes, transpose_a, transpose_b):
+    """(kernel, shared bytes): one module per instantiation, so a run compiles only the versions it uses."""
+    kernel = kernels.function("tensor_core_matmul", name, name_expressions=(name,))
+    shared = shared_bytes(element_bytes, transpose_a, transpose_b)
+    if kernel.max_dynamic_shared_size_bytes < shared:
+        # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
+        kernel.max_dynamic_shared_size_bytes = shared
+    return kernel, shared
+
+
+def to_bf16(x):
+    """(bf16 bits as uint16 (rows, ld), ld): a float32 (..., columns) array rounded to bf16, its rows padded
+    with zeros to ld, a multiple of BF16_ROW_MULTIPLE elements."""
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    columns = x.shape[-1]
+    ld = ceil_div(columns, BF16_ROW_MULTIPLE) * BF16_ROW_MULTIPLE
+    out = backend.xp.empty((rows, ld), dtype=numpy.uint16)
+    if out.size:
+        kernel = kernels.function("tensor_core_matmul", "float_to_bf16")
+        kernel((ceil_div(out.size, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+               (out, x, numpy.int32(rows), numpy.int32(columns), numpy.int32(ld)))
+    return out, ld
+
+
+def _launch(kernel, shared, out, a, b, K, lda, ldb, a_rows, b_rows, accumulate):
+    """One launch over out's tiles (and its batch): a_rows, b_rows are one stored matrix's rows."""
+    M, N = out.shape[-2:]
+    batch = out.shape[0] if out.ndim == 3 else 1
+    strides = (a_rows * lda, b_rows * ldb, M * N) if batch > 1 else (0, 0, 0)
+    grid = (ceil_div(N, TILE), ceil_div(M, TILE), batch)
+    kernel(grid, (THREADS,), (out, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K), numpy.int32(lda),
+                              numpy.int32(ldb), *(numpy.int64(s) for s in strides), numpy.int32(bool(accumulate))),
+           shared_mem=shared)
+    return out
+
+
+def launch_bf16_matmul(a_bits, b_bits, out, K, transpose_a=False, transpose_b=False, accumulate=False):
+    """out = op(A) @ op(B) (or out += ...) from bf16 copies as to_bf16 makes them: a_bits (rows, lda) holds A's
+    stored rows (all batches' rows one after the other), b_bits likewise; K is op(A)'s number of columns."""
+    M, N = out.shape[-2:]
+    batch = out.shape[0] if out.ndim == 3 else 1
+    name = f"bf16_matmul<{_flag(transpose_a)}, {_flag(transpose_b)}>"
+    kernel, shared = _kernel(name, 2, transpose_a, transpose_b)
+    return _launch(kernel, shared, out, a_bits, b_bits, K, a_bits.shape[-1], b_bits.shape[-1],
+                   a_bits.shape[0] // batch, b_bits.shape[0] // batch, accumulate)
+
+
+def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False,
+                              precision="highest"):
+    """out = op(a) @ op(b), or out += ..., 2-D or batched 3-D. Unchecked: for callers that have checked their
+    arguments (a, b, out C-contiguous float32 of matching shapes, out apart from both, a known precision)."""
+    K = a.shape[-2] if transpose_a else a.shape[-1]
+    if out.size == 0 or K == 0:  # nothing to multiply: the float32 op fills or keeps out as it should
+        return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)
+    if precision == "medium":
+        return launch_bf16_matmul(to_bf16(a)[0], to_bf16(b)[0], out, K, transpose_a, transpose_b, accumulate)
+    lda, ldb = a.shape[-1], b.shape[-1]
+    # 16-byte copies need every stored row to start on 16 bytes: rows of a multiple of 4 floats, aligned arrays
+    wide = lda % 4 == 0 and ldb % 4 == 0 and float4_aligned(a, b)
+    name = f"tf32_matmul<{TF32_PRODUCTS[precision]}, {_flag(transpose_a)}, {_flag(transpose_b)}, {_flag(wide)}>"
+    kernel, shared = _kernel(name, 4, transpose_a, transpose_b)
+    return _launch(kernel, shared, out, a, b, K, lda, ldb, a.shape[-2], b.shape[-2], accumulate)
+
+
+def _checked_and_launched(operation, batched, a, b, transpose_a, transpose_b, out, accumulate, precision):
+    precision = get_float32_matmul_precision() if precision is None else precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"{operation}: precision must be one of {PRECISIONS} or None, got {precision!r}")
+    a, b, transpose_a, transpose_b, out = _checked(operation, a, b, transpose_a, transpose_b, out, accumulate, batched)
+    return launch_tensor_core_matmul(a, b, out, transpose_a, transpose_b, accumulate, precision)
+
+
+def tensor_core_matmul(a, b, transpose_a=False, transpose_b=False, out=None, accumulate=False, precision=None):
+    """op(a) @ op(b) for 2-D float32 arrays on tensor cores, into `out` (a new array if None), or added to it
+    if accumulate. a: (M, K), or (K, M) if transpose_a. b: (K, N), or (N, K) if transpose_b. Returns (M, N).
+    precision: "highest", "high", "medium", or None for gpt2_cupy.get_float32_matmul_precision()."""
+    return _checked_and_launched("tensor_core_matmul", False, a, b, transpose_a, transpose_b, out, accumulate,
+                                 precision)
+
+
+def batched_tensor_core_matmul(a, b, transpose_a=False, transpose_b=False, out=None, accumulate=False,
+                               precision=None):
+    """tensor_core_matmul over a leading batch dimension, in one launch: out[i] = op(a[i]) @ op(b[i]).
+    a: (batch, M, K) or (batch, K, M); b: (batch, K, N) or (batch, N, K). Returns (batch, M, N)."""
+    return _checked_and_launched("batched_tensor_core_matmul", True, a, b, transpose_a, transpose_b, out,
+                                 accumulate, precision)

@@ -1,0 +1,66 @@
+"""How float32 matrix products may use tensor cores, chosen as in PyTorch:
+
+    gpt2_cupy.set_float32_matmul_precision("high")
+    gpt2_cupy.get_float32_matmul_precision()          # "high"
+
+    "highest"  float32 accuracy: 3xTF32 on tensor cores (each input split into two TF32 parts)  (the default)
+    "high"     TF32: inputs rounded to 10 mantissa bits, float32 sums
+    "medium"   bf16: inputs rounded to 8 mantissa bits, float32 sums
+
+The setting is read by gpt2_cupy.ops.tensor_core_matmul when it is not given a precision; chapter 15
+explains each one and measures its error against float64. An unknown name is a ValueError.
+Below, the three formats emulated in numpy (as float64 values), for references and error studies.
+"""
+
+import numpy
+
+PRECISIONS = ("highest", "high", "medium")
+
+_precision = "highest"
+
+
+def set_float32_matmul_precision(precision):
+    """Choose how float32 matrix products may use tensor cores: "highest", "high" or "medium"."""
+    global _precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"set_float32_matmul_precision: {precision!r} is not one of "
+                         f"{', '.join(repr(p) for p in PRECISIONS)}")
+    _precision = precision
+
+
+def get_float32_matmul_precision():
+    """The precision set_float32_matmul_precision chose last: "highest" until then."""
+    return _precision
+
+
+# ---- the formats in numpy: what a tensor core reads, as float64 values, for references and error studies ----
+
+def tf32_values(x):
+    """float32 x rounded to TF32 as cvt.rna.tf32.f32 does (10 mantissa bits, to nearest, ties away from
+    zero), as float64. Overflow past TF32's largest value gives infinity, as on the GPU."""
+    x = numpy.asarray(x, dtype=numpy.float32).astype(numpy.float64)
+    _, exponent = numpy.frexp(x)
+    unit = numpy.ldexp(1.0, numpy.maximum(exponent - 1, -126) - 10)   # TF32's last place at x
+    with numpy.errstate(invalid="ignore", over="ignore"):
+        magnitude = numpy.floor(numpy.abs(x) / unit + 0.5) * unit
+        magnitude = numpy.where(magnitude > (2.0 - 2.0 ** -10) * 2.0 ** 127, numpy.inf, magnitude)
+    return numpy.where(numpy.isfinite(x), numpy.copysign(magnitude, x), x)
+
+
+def tf32_split(x):
+    """(big, small) of 3xTF32 as float64: big = x in TF32, small = (x - big) in TF32 (x - big is exact in float32)."""
+    big = tf32_values(x)
+    return big, tf32_values(numpy.asarray(x, dtype=numpy.float32).astype(numpy.float64) - big)
+
+
+def bf16_bits(x):
+    """The bf16 nearest each float32 of x (ties to even), as uint16 bits; NaN stays NaN."""
+    bits = numpy.asarray(x, dtype=numpy.float32).view(numpy.uint32).astype(numpy.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return numpy.where(nan, (bits | 0x400000) >> 16, rounded).astype(numpy.uint16)
+
+
+def bf16_values(bits):
+    """float64 values of bf16 bits."""
+    return (numpy.asarray(bits, dtype=numpy.uint16).astype(numpy.uint32) << 16).view(numpy.float32).astype(numpy.float64)
