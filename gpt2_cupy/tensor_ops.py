@@ -23,6 +23,7 @@ int tensor times 2.5 is float32, a float32 tensor plus 1 stays float32); / is al
 import builtins
 import collections
 import math
+import re
 
 import numpy
 
@@ -122,22 +123,23 @@ class Binary(Function):
         if name == "pow" and dtype.kind != "f":  # integer powers, exactly, through double
             expression = "(long long)rint(pow((double)a, (double)b))"
         out = elementwise(name, expression, [a, b], compute_dtype=dtype, names=["self", "other"])
-        ctx.save_for_backward(a, b, out if name == "pow" else None)
-        ctx.name = name
+        # Only what the gradient rules read is kept: a sum keeps nothing of its operands, a product both.
+        used = set(re.findall(r"\b[abc]\b", BINARY[name][1] + " " + BINARY[name][2]))
+        ctx.save_for_backward(*(array if letter in used else None for letter, array in zip("abc", (a, b, out))))
+        ctx.name, ctx.shapes = name, (numpy.shape(a), numpy.shape(b))
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        a, b, out = ctx.saved_tensors
         _, rule_a, rule_b = BINARY[ctx.name]
-        operands = [a, b, out if out is not None else 0.0, dout]
+        operands = [0.0 if array is None else array for array in ctx.saved_tensors] + [dout]
         gradients = []
-        for index, (needed, rule, operand) in enumerate(zip(ctx.needs_input_grad, (rule_a, rule_b), (a, b))):
+        for needed, rule, shape in zip(ctx.needs_input_grad, (rule_a, rule_b), ctx.shapes):
             if not needed:
                 gradients.append(None)
                 continue
             gradient = elementwise(f"{ctx.name}_backward", rule, operands, compute_dtype=dout.dtype)
-            gradients.append(sum_to(gradient, operand.shape))
+            gradients.append(sum_to(gradient, shape))
         return gradients[0], gradients[1], None
 
 

@@ -306,3 +306,11 @@ def test_topk_and_multinomial(to_device, to_host):
     assert samples.shape == (2, 1) and samples[0, 0].item() == 1 and samples[1, 0].item() in (0, 2)
     counts = np.bincount(torch.multinomial(torch.tensor([0.2, 0.8]), 2000, replacement=True).numpy(), minlength=2)
     assert abs(counts[1] / 2000 - 0.8) < 0.05
+
+
+def test_a_sum_keeps_none_of_its_operands_for_the_backward_and_a_product_keeps_both(rng, to_device):
+    """Activations live as long as the graph: x + y needs none of them to differentiate, x * y both."""
+    x = torch.tensor(rng.standard_normal((4, 5)).astype(np.float32), requires_grad=True)
+    y = torch.tensor(rng.standard_normal((4, 5)).astype(np.float32), requires_grad=True)
+    assert [a is None for a in (x + y).grad_fn.ctx.saved_tensors] == [True, True, True]
+    assert [a is None for a in (x * y).grad_fn.ctx.saved_tensors] == [False, False, True]
