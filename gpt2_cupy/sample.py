@@ -92,13 +92,20 @@ def continues_utf8(pending, token_bytes):
     """Whether the bytes of a token can follow pending (the start of a character, or b"") in valid UTF-8.
 
     Python's UTF-8 decoder is the judge: decoding pending + token_bytes strictly, but not as the end of the
-    text, raises exactly when the bytes can never be valid, whatever comes after. A token with no bytes (a
-    special token) may come between characters, not inside one.
+    text, raises when the bytes can never be valid. It does not yet check the second byte of a character it
+    holds back, whose range depends on the first (after 0xE0 only 0xA0 to 0xBF, after 0xED only 0x80 to
+    0x9F: those would be surrogates, ...); a held-back start of two bytes or more is therefore completed with
+    0x80s, which every later position accepts, and decoded once more. A token with no bytes (a special token)
+    may come between characters, not inside one.
     """
     if pending and not token_bytes:
         return False
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
     try:
-        codecs.getincrementaldecoder("utf-8")(errors="strict").decode(pending + token_bytes, final=False)
+        decoder.decode(pending + token_bytes, final=False)
+        held_back = decoder.getstate()[0]
+        if len(held_back) > 1:
+            (held_back + b"\x80" * (utf8_length(held_back[0]) - len(held_back))).decode("utf-8")
     except UnicodeDecodeError:
         return False
     return True
