@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import gpt2_cupy
-from gpt2_cupy import backend, data, safetensors_files
+from gpt2_cupy import data, safetensors_files
 from gpt2_cupy import sample as sampling
 from gpt2_cupy.checkpoint_tokenizer import load_tokenizer
 from gpt2_cupy.llama import Llama, LlamaConfig
