@@ -170,7 +170,13 @@ class Tokenizer:
         self.model_file = Path(model_file)
         self.processor = sentencepiece.SentencePieceProcessor(model_file=str(self.model_file))
         self.vocab_size = self.processor.vocab_size()
-        self.end_of_text = self.processor.piece_to_id(END_OF_TEXT)
+        # The course's tokenizers declare <|endoftext|> their end-of-sentence token; Llama 2's has </s> for it,
+        # and <s>, which starts every prompt (the course's have none: begin_of_text None).
+        eos, bos = self.processor.eos_id(), self.processor.bos_id()
+        self.end_of_text = eos if eos >= 0 else self.processor.piece_to_id(END_OF_TEXT)
+        self.begin_of_text = bos if bos >= 0 else None
+        # Llama 2's model adds a "dummy prefix": "Hello" is encoded as "▁Hello", a space that was never there.
+        self.adds_dummy_prefix = self.processor.encode("a", out_type=str)[0].startswith(WHITESPACE_MARK)
         # What each token stands for, as bytes: decoding is joining these and reading them as UTF-8.
         self.token_bytes = [bytes_of_token(self.processor, token) for token in range(self.vocab_size)]
         # Characters that sentencepiece would not give back, and that encode() therefore spells as byte tokens:
@@ -196,7 +202,15 @@ class Tokenizer:
 
     def decode(self, ids):
         """The text of token ids. Bytes that do not form valid UTF-8 become "�" (U+FFFD)."""
-        return b"".join(self.token_bytes[token] for token in self.check_ids(ids)).decode("utf-8", errors="replace")
+        text = b"".join(self.token_bytes[token] for token in self.check_ids(ids)).decode("utf-8", errors="replace")
+        # The dummy prefix's space goes, as sentencepiece's own decode drops it.
+        return text[1:] if self.adds_dummy_prefix and text.startswith(" ") else text
+
+    def prompt_ids(self, text):
+        """The ids generation starts from: <s> where the model has one, then the text's; for an empty prompt
+        without <s>, the end-of-text token alone."""
+        ids = ([self.begin_of_text] if self.begin_of_text is not None else []) + self.encode(text)
+        return ids or [self.end_of_text]
 
     def decoder(self):
         """A fresh IncrementalDecoder, for text that arrives one token at a time (a sampler's output)."""
@@ -205,6 +219,10 @@ class Tokenizer:
     def pieces(self, ids):
         """The vocabulary entry of each id, as sentencepiece writes it ("▁" for a space, "<0xE3>" for a byte)."""
         return [self.processor.id_to_piece(token) for token in self.check_ids(ids)]
+
+    def byte_of(self, token):
+        """The byte a byte-fallback token stands for (0 to 255), None for any other token."""
+        return self.token_bytes[token][0] if self.processor.is_byte(check_id(token, self.vocab_size)) else None
 
     def byte_token(self, byte):
         """The id of the byte-fallback token for one byte value, 0 to 255."""
@@ -228,8 +246,13 @@ def bytes_of_token(processor, token):
     """The bytes a token stands for: one raw byte for a byte-fallback token, else its text in UTF-8."""
     if processor.is_byte(token):  # the piece is written "<0xE3>"
         return bytes([int(processor.id_to_piece(token)[3:5], 16)])
-    # sentencepiece's own reading of the piece: "▁" becomes a space, the end-of-text token becomes "".
-    return processor.decode([token]).encode("utf-8")
+    if processor.is_control(token):  # <s>, </s>, the end-of-text token: no text
+        return b""
+    if processor.is_unknown(token):
+        return processor.decode([token]).encode("utf-8")  # sentencepiece writes <unk> as " ⁇ "
+    # The piece itself with each "▁" a space. (processor.decode([token]) would drop the leading space of a
+    # piece when the model adds a dummy prefix, as Llama 2's does: "▁the" alone decodes as "the".)
+    return processor.id_to_piece(token).replace(WHITESPACE_MARK, " ").encode("utf-8")
 
 
 class IncrementalDecoder:

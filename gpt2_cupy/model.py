@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy
 
-from gpt2_cupy import backend, nn
+from gpt2_cupy import backend, nn, safetensors_files
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.autograd import Tensor, is_grad_enabled, init_generator
 
@@ -180,43 +180,49 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory, dropout=0.0):
-        """A model from a local Hugging Face GPT-2 directory: config.json and model.safetensors."""
-        from safetensors.numpy import load_file
-
+        """A model from a local Hugging Face GPT-2 directory: config.json and model.safetensors, or shards with
+        model.safetensors.index.json; weights in float32, float16 or bfloat16, read one tensor at a time
+        (gpt2_cupy.safetensors_files, as Llama.from_pretrained reads them)."""
         with open(os.path.join(directory, "config.json")) as file:
             hf = json.load(file)
         config = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
                            n_head=hf["n_head"], n_embd=hf["n_embd"], dropout=dropout, bias=True)
         model = cls(config)
-        tensors = load_file(os.path.join(directory, "model.safetensors"))
-        state = {}
-        for name, value in tensors.items():
+        loaded = set()
+        for name, array in safetensors_files.read_tensors(directory):
             name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
             if name.endswith((".attn.bias", ".attn.masked_bias")):
                 continue                           # the causal mask, stored as a buffer by older versions
-            state[name] = value.T if name.endswith(cls.CONV1D) else value
-        state.setdefault("lm_head.weight", state["transformer.wte.weight"])  # tied: stored once
-        model.load_state_dict(state)
+            # One tensor at a time into its parameter, so the host never holds a second copy of the model.
+            _, unexpected = model.load_state_dict({name: array.T if name.endswith(cls.CONV1D) else array},
+                                                  strict=False)
+            if unexpected:
+                raise ValueError(f"{name}: the checkpoint has this tensor, which a GPT-2 of this config does not")
+            loaded.add(name)
+        loaded.add("lm_head.weight")               # tied to transformer.wte.weight: stored once
+        missing = [name for name, _ in model.named_parameters(remove_duplicate=False) if name not in loaded]
+        if missing:
+            raise ValueError(f"{missing[0]}: missing from the checkpoint in {directory}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         return model
 
-    def save_pretrained(self, directory):
-        """Write config.json and model.safetensors that transformers.GPT2LMHeadModel.from_pretrained reads."""
-        from safetensors.numpy import save_file
-
+    def save_pretrained(self, directory, dtype="float32", max_shard_size=None):
+        """Write config.json and model.safetensors (or shards of at most max_shard_size bytes with their index)
+        that transformers.GPT2LMHeadModel.from_pretrained reads; dtype "float32", "float16" or "bfloat16"."""
         config = self.config
         if not config.bias or config.norm != "layernorm" or config.attention != "softmax":
             raise ValueError("save_pretrained: Hugging Face's GPT-2 has biases, LayerNorm and softmax attention; "
                              f"this model has bias={config.bias}, norm={config.norm!r}, attention={config.attention!r}")
         os.makedirs(directory, exist_ok=True)
-        tensors = {name: numpy.ascontiguousarray(value.T if name.endswith(self.CONV1D) else value)
-                   for name, value in self.state_dict().items() if name != "lm_head.weight"}  # tied to wte
-        save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        tensors = {name: parameter.data.T if name.endswith(self.CONV1D) else parameter.data
+                   for name, parameter in self.named_parameters()}  # lm_head.weight is wte's: stored once
+        safetensors_files.write_tensors(directory, tensors, dtype=dtype, max_shard_bytes=max_shard_size)
         hf = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=config.vocab_size,
                   n_positions=config.block_size, n_ctx=config.block_size, n_embd=config.n_embd,
                   n_layer=config.n_layer, n_head=config.n_head, n_inner=None, activation_function="gelu_new",
                   resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
                   layer_norm_epsilon=1e-5, initializer_range=0.02, tie_word_embeddings=True,
-                  bos_token_id=50256, eos_token_id=50256, gpt2_cupy_config=asdict(config))
+                  bos_token_id=50256, eos_token_id=50256, torch_dtype=dtype, gpt2_cupy_config=asdict(config))
         with open(os.path.join(directory, "config.json"), "w") as file:
             json.dump(hf, file, indent=2)
 
