@@ -859,7 +859,10 @@ def topk(x, k, dim=-1, largest=True, sorted=True):
 def gather(x, dim, index):
     """out[i][j] = x[i][index[i][j]] along dim (index the same rank as x)."""
     index = index.data if isinstance(index, Tensor) else index
-    grids = list(backend.xp.indices(index.shape, sparse=True))
+    # An open grid of positions along every axis (numpy's indices(..., sparse=True), which CuPy lacks).
+    rank = len(index.shape)
+    grids = [backend.xp.arange(size).reshape([size if axis == a else 1 for axis in range(rank)])
+             for a, size in enumerate(index.shape)]
     grids[dim] = index
     return Index.apply(x, tuple(grids), True)
 

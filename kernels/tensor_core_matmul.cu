@@ -234,8 +234,24 @@ __device__ __forceinline__ void block_product(float* C, const Element* A, const 
         if (s + STAGES - 1 < slices) start_slice(s + STAGES - 1);
         cp_async_commit();
         const int stage = s % STAGES;
-        multiply_slice<PRODUCTS, A_K_CONTIGUOUS, B_K_CONTIGUOUS>(
-            acc, a_slices + stage * ASlice::ELEMENTS, b_slices + stage * BSlice::ELEMENTS, warp_row, warp_column);
+        if (PRODUCTS == 3) {
+            // A tensor core adds into its accumulator with the addends aligned to the largest and the bits
+            // below cut off, so small corrections added into a large running sum are lost. 3xTF32 sums
+            // each slice from zero, where the corrections keep their bits, and adds the slice to the
+            // running sum on the CUDA cores, rounded to nearest.
+            float slice_sum[M_TILES][N_TILES][4] = {};
+            multiply_slice<PRODUCTS, A_K_CONTIGUOUS, B_K_CONTIGUOUS>(
+                slice_sum, a_slices + stage * ASlice::ELEMENTS, b_slices + stage * BSlice::ELEMENTS, warp_row, warp_column);
+#pragma unroll
+            for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][j][e] += slice_sum[i][j][e];
+        } else {
+            multiply_slice<PRODUCTS, A_K_CONTIGUOUS, B_K_CONTIGUOUS>(
+                acc, a_slices + stage * ASlice::ELEMENTS, b_slices + stage * BSlice::ELEMENTS, warp_row, warp_column);
+        }
     }
 
     // d[0], d[1] of tile (i, j) are row g, columns 2t and 2t + 1; d[2], d[3] the same 8 rows further down.
