@@ -26,11 +26,15 @@ import math
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.elementwise import c_type, copy
+from gpt2_cupy.elementwise import VECTOR_TYPE, c_type, copy, is_aligned, resident_blocks, vector_width
 from gpt2_cupy.ops.arrays import LARGEST_INT, WARP_SIZE, ceil_div
 
-COLUMNS_PER_BLOCK = 32   # the strided kernel: one warp's width of columns...
+COLUMNS_PER_BLOCK = 32   # the strided kernel: one warp's width of columns (vectors of them)...
 ROWS_PER_BLOCK = 8       # ...and 8 rows of threads splitting the reduced axis
+FEWEST_ROWS_PER_SPLIT = 64   # a split of the reduced axis: at least 8 rows for each row of threads
+WARPS_PER_BLOCK = 8      # the warp-per-row kernel: 8 rows per block of 256 threads
+LONGEST_WARP_ROW = 8192  # longer rows take a whole block each
+UNROLL = 4               # vector loads each thread issues before it combines any of them
 
 # How a partial result takes in another (value, index): sum ignores the index; max and min keep the better
 # value, the earlier index on a tie, and NaN over any number (x != x only for NaN). index < 0: no value yet.
@@ -60,24 +64,78 @@ __device__ __forceinline__ void store(OUT* out, long long* indices, int at, ACC 
         indices[at] = index;
     }
 }
-"""
 
-_ROWS = """
-// One block per row of `columns` neighbouring elements.
-extern "C" __global__ void NAME(OUT* out, long long* indices, const IN* x, int columns, ACC scale)
+// Combine the 32 lanes' partials: a butterfly of shuffles; afterwards every lane holds the warp's result.
+__device__ __forceinline__ void warp_combine(ACC& value, int& index)
 {
-    const IN* row = x + blockIdx.x * columns;
-    ACC value = 0;
-    int index = -1;
-    for (int column = threadIdx.x; column < columns; column += blockDim.x) {
-        combine(value, index, (ACC)row[column], column);
-    }
-    // the block's partials: first within each warp (a butterfly of shuffles), then across warps
     for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
         ACC other = __shfl_xor_sync(FULL_MASK, value, offset);
         int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
         combine(value, index, other, other_index);
     }
+}
+"""
+
+_ROW_PARTIAL = """
+// One thread's partial over a row of `groups` vectors of W elements: vectors first, first + step, ...
+// UNROLL of them are loaded before any is combined, so that each thread has UNROLL 16-byte loads in
+// flight; a thread meets its elements in increasing order, so the earliest index wins a tie.
+__device__ __forceinline__ void row_partial(const IN* row, int groups, int first, int step, ACC& value, int& index)
+{
+    const Vector<IN, W>* vectors = reinterpret_cast<const Vector<IN, W>*>(row);
+    int group = first;
+    for (; group < groups - (UNROLL - 1) * step; group += UNROLL * step) {
+        Vector<IN, W> loaded[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            loaded[u] = vectors[group + u * step];
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+#pragma unroll
+            for (int k = 0; k < W; k++) {
+                combine(value, index, (ACC)loaded[u].item[k], (group + u * step) * W + k);
+            }
+        }
+    }
+    for (; group < groups; group += step) {  // the last vectors, fewer than UNROLL * step
+        Vector<IN, W> loaded = vectors[group];
+#pragma unroll
+        for (int k = 0; k < W; k++) {
+            combine(value, index, (ACC)loaded.item[k], group * W + k);
+        }
+    }
+}
+"""
+
+_ROWS_WARP = """
+// A warp per row (rows of up to a few thousand elements): block (32, WARPS) holds WARPS rows. No shared
+// memory and no barrier: the lanes' partials meet in five shuffles.
+extern "C" __global__ void NAME(OUT* out, long long* indices, const IN* x, int rows, int columns, ACC scale)
+{
+    int row = blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) {
+        return;  // the whole warp: the shuffles below still see all 32 lanes
+    }
+    ACC value = 0;
+    int index = -1;
+    row_partial(x + row * columns, columns / W, threadIdx.x, WARP_SIZE, value, index);
+    warp_combine(value, index);
+    if (threadIdx.x == 0) {
+        store(out, indices, row, value, index, scale);
+    }
+}
+"""
+
+_ROWS_BLOCK = """
+// A block per row (long rows): its threads step through the row together, then the partials are
+// combined within each warp by shuffles and across the warps through shared memory.
+extern "C" __global__ void NAME(OUT* out, long long* indices, const IN* x, int rows, int columns, ACC scale)
+{
+    ACC value = 0;
+    int index = -1;
+    row_partial(x + blockIdx.x * columns, columns / W, threadIdx.x, blockDim.x, value, index);
+    warp_combine(value, index);
     __shared__ ACC warp_values[WARP_SIZE];
     __shared__ int warp_indices[WARP_SIZE];
     int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE;
@@ -89,11 +147,7 @@ extern "C" __global__ void NAME(OUT* out, long long* indices, const IN* x, int c
     if (warp == 0) {
         value = lane < warps ? warp_values[lane] : (ACC)0;
         index = lane < warps ? warp_indices[lane] : -1;
-        for (int offset = WARP_SIZE / 2; offset > 0; offset /= 2) {
-            ACC other = __shfl_xor_sync(FULL_MASK, value, offset);
-            int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
-            combine(value, index, other, other_index);
-        }
+        warp_combine(value, index);
         if (lane == 0) {
             store(out, indices, blockIdx.x, value, index, scale);
         }
@@ -102,35 +156,81 @@ extern "C" __global__ void NAME(OUT* out, long long* indices, const IN* x, int c
 """
 
 _STRIDED = """
-// x seen as (outer, reduced, inner): a block of (32, 8) threads reduces 32 neighbouring columns of one
-// outer slice, each of its 8 rows of threads every 8th element of the reduced axis.
-extern "C" __global__ void NAME(OUT* out, long long* indices, const IN* x, int reduced, int inner,
-                                int column_blocks, ACC scale)
+// x seen as (outer, reduced, inner), each output a column of `reduced` elements `inner` apart. A block of
+// (32, ROWS) threads takes 32 x W neighbouring columns of one outer slice: each thread W neighbouring
+// columns (one vector; a warp reads 32 x W neighbours of one row: coalesced), its row of threads every
+// ROWS-th row of the reduced rows [first_row, end_row) of this block's split (blockIdx.y). With one
+// split, the block writes the results; with several, each split writes its partials to its own slice
+// of `out` (split_stride apart) and a second launch combines them in a fixed order (x_indices: the
+// partials' indices for max and min; 0 on a first pass, where the index is the row).
+extern "C" __global__ void NAME(OUT* out, long long* indices, const IN* x, const long long* x_indices,
+                                int reduced, int inner, int column_blocks, int rows_per_split, int split_stride,
+                                ACC scale)
 {
     int outer_index = blockIdx.x / column_blocks;
-    int column = (blockIdx.x % column_blocks) * blockDim.x + threadIdx.x;
-    ACC value = 0;
-    int index = -1;
+    int column = ((blockIdx.x % column_blocks) * blockDim.x + threadIdx.x) * W;
+    int first_row = blockIdx.y * rows_per_split;
+    int end_row = min(first_row + rows_per_split, reduced);
+    ACC value[W];
+    int index[W];
+#pragma unroll
+    for (int k = 0; k < W; k++) {
+        value[k] = 0;
+        index[k] = -1;
+    }
     if (column < inner) {
-        const IN* slice = x + outer_index * reduced * inner + column;
-        for (int r = threadIdx.y; r < reduced; r += blockDim.y) {
-            combine(value, index, (ACC)slice[r * inner], r);
+        int slice = outer_index * reduced * inner + column;
+        int r = first_row + threadIdx.y;
+        // UNROLL rows loaded before any is combined: UNROLL loads in flight per thread
+        for (; r < end_row - (UNROLL - 1) * ROWS; r += UNROLL * ROWS) {
+            Vector<IN, W> loaded[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; u++) {
+                loaded[u] = *reinterpret_cast<const Vector<IN, W>*>(x + slice + (r + u * ROWS) * inner);
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; u++) {
+#pragma unroll
+                for (int k = 0; k < W; k++) {
+                    int at = slice + (r + u * ROWS) * inner + k;
+                    combine(value[k], index[k], (ACC)loaded[u].item[k], x_indices ? (int)x_indices[at] : r + u * ROWS);
+                }
+            }
+        }
+        for (; r < end_row; r += ROWS) {  // the last rows, fewer than UNROLL * ROWS
+            Vector<IN, W> loaded = *reinterpret_cast<const Vector<IN, W>*>(x + slice + r * inner);
+#pragma unroll
+            for (int k = 0; k < W; k++) {
+                int at = slice + r * inner + k;
+                combine(value[k], index[k], (ACC)loaded.item[k], x_indices ? (int)x_indices[at] : r);
+            }
         }
     }
-    __shared__ ACC partial_values[ROWS][COLUMNS];
-    __shared__ int partial_indices[ROWS][COLUMNS];
-    partial_values[threadIdx.y][threadIdx.x] = value;
-    partial_indices[threadIdx.y][threadIdx.x] = index;
+    // the ROWS partials of each column meet in shared memory, combined in row order by threadIdx.y == 0
+    __shared__ ACC partial_values[ROWS][COLUMNS * W];
+    __shared__ int partial_indices[ROWS][COLUMNS * W];
+#pragma unroll
+    for (int k = 0; k < W; k++) {
+        partial_values[threadIdx.y][threadIdx.x * W + k] = value[k];
+        partial_indices[threadIdx.y][threadIdx.x * W + k] = index[k];
+    }
     __syncthreads();
     if (threadIdx.y == 0 && column < inner) {
         for (int row = 1; row < blockDim.y; row++) {
-            combine(value, index, partial_values[row][threadIdx.x], partial_indices[row][threadIdx.x]);
+#pragma unroll
+            for (int k = 0; k < W; k++) {
+                combine(value[k], index[k], partial_values[row][threadIdx.x * W + k],
+                        partial_indices[row][threadIdx.x * W + k]);
+            }
         }
-        store(out, indices, outer_index * inner + column, value, index, scale);
+#pragma unroll
+        for (int k = 0; k < W; k++) {
+            store(out + blockIdx.y * split_stride, indices == 0 ? 0 : indices + blockIdx.y * split_stride,
+                  outer_index * inner + column + k, value[k], index[k], scale);
+        }
     }
 }
 """
-
 
 def accumulator_dtype(kind, dtype):
     """What a partial result is kept in: sums of integers and bools in int64 (PyTorch's sum type), floats
@@ -147,17 +247,22 @@ def result_dtype(kind, dtype):
 
 
 _kernels = {}
+_LAYOUTS = {"rows_warp": _ROW_PARTIAL + _ROWS_WARP, "rows_block": _ROW_PARTIAL + _ROWS_BLOCK, "strided": _STRIDED}
 
 
-def _kernel(kind, layout, in_dtype, out_dtype):
-    key = (kind, layout, numpy.dtype(in_dtype), numpy.dtype(out_dtype))
+def _kernel(kind, layout, in_dtype, out_dtype, width):
+    """The kernel for kind and layout, compiled once per (input, output) dtype and vector width."""
+    key = (kind, layout, numpy.dtype(in_dtype), numpy.dtype(out_dtype), width)
     if key not in _kernels:
-        name = f"{kind}_{layout}"
-        source = (_HEADER + (_ROWS if layout == "rows" else _STRIDED)).replace("COMBINE", COMBINE[kind])
-        source = (source.replace("NAME", name).replace("ROWS]", f"{ROWS_PER_BLOCK}]")
-                  .replace("COLUMNS]", f"{COLUMNS_PER_BLOCK}]"))
+        name = f"{kind}_{layout}{width}"
+        source = (_HEADER + _LAYOUTS[layout]).replace("COMBINE", COMBINE[kind]).replace("NAME", name)
         types = {"ACC": c_type(accumulator_dtype(kind, in_dtype)), "OUT": c_type(out_dtype), "IN": c_type(in_dtype)}
-        source = "\n".join(f"typedef {ctype} {alias};" for alias, ctype in types.items()) + "\n" + source
+        source = ("\n".join(f"typedef {ctype} {alias};" for alias, ctype in types.items()) + "\n" +
+                  f"#define W {width}          // elements per vector load (16 bytes for 4 floats)\n"
+                  f"#define UNROLL {UNROLL}     // vector loads in flight per thread\n"
+                  f"#define ROWS {ROWS_PER_BLOCK}       // strided: rows of threads splitting the reduced axis\n"
+                  f"#define COLUMNS {COLUMNS_PER_BLOCK}   // strided: threads along the columns\n" +
+                  VECTOR_TYPE + source)
         _kernels[key] = backend.RawKernel(source, name)
     return _kernels[key]
 
@@ -203,6 +308,13 @@ def reduce(operation, kind, x, dims=None, keepdim=False, scale=1.0):
     return (out, indices) if with_index else out
 
 
+def _width(x, columns):
+    """16-byte vectors when x starts at a multiple of the vector's size and every row (of `columns`
+    elements) does too; else one element per load."""
+    width = vector_width([x])
+    return width if columns % width == 0 and is_aligned(x, width) else 1
+
+
 def _launch(kind, x, dims, kept, reduced, out, indices, scale):
     consecutive = dims == tuple(range(dims[0], dims[0] + len(dims))) if dims else True
     if x.flags.c_contiguous and consecutive and dims:
@@ -214,11 +326,45 @@ def _launch(kind, x, dims, kept, reduced, out, indices, scale):
     accumulate = accumulator_dtype(kind, x.dtype).type(scale)
     no_indices = indices if indices is not None else 0
     if inner == 1:
-        threads = min(256, max(WARP_SIZE, ceil_div(reduced, WARP_SIZE) * WARP_SIZE))
-        kernel = _kernel(kind, "rows", x.dtype, out.dtype)
-        kernel((outer,), (threads,), (out, no_indices, x, numpy.int32(reduced), accumulate))
-    else:
-        column_blocks = ceil_div(inner, COLUMNS_PER_BLOCK)
-        kernel = _kernel(kind, "strided", x.dtype, out.dtype)
-        kernel((outer * column_blocks,), (COLUMNS_PER_BLOCK, ROWS_PER_BLOCK),
-               (out, no_indices, x, numpy.int32(reduced), numpy.int32(inner), numpy.int32(column_blocks), accumulate))
+        width = _width(x, reduced)
+        arguments = (out, no_indices, x, numpy.int32(outer), numpy.int32(reduced), accumulate)
+        if reduced <= LONGEST_WARP_ROW and outer >= resident_blocks():
+            # a warp per row: enough rows to keep every multiprocessor busy, short enough for one warp
+            kernel = _kernel(kind, "rows_warp", x.dtype, out.dtype, width)
+            kernel((ceil_div(outer, WARPS_PER_BLOCK),), (WARP_SIZE, WARPS_PER_BLOCK), arguments)
+        else:
+            threads = min(256, max(WARP_SIZE, ceil_div(reduced // width, WARP_SIZE) * WARP_SIZE))
+            kernel = _kernel(kind, "rows_block", x.dtype, out.dtype, width)
+            kernel((outer,), (threads,), arguments)
+        return
+    width = _width(x, inner)
+    column_blocks = ceil_div(inner, COLUMNS_PER_BLOCK * width)
+    blocks = outer * column_blocks
+    splits = 1
+    one_wave = resident_blocks() // 2  # 4 blocks per multiprocessor: about 40 registers a thread allow 6
+    if blocks < one_wave and reduced >= 2 * FEWEST_ROWS_PER_SPLIT:
+        # too few columns to fill the GPU: split the reduced axis between blocks, each writing partials
+        splits = min(ceil_div(one_wave, blocks), reduced // FEWEST_ROWS_PER_SPLIT)
+    rows_per_split = ceil_div(reduced, splits)
+    splits = ceil_div(reduced, rows_per_split)
+    if splits == 1:
+        kernel = _kernel(kind, "strided", x.dtype, out.dtype, width)
+        kernel((blocks,), (COLUMNS_PER_BLOCK, ROWS_PER_BLOCK),
+               (out, no_indices, x, 0, numpy.int32(reduced), numpy.int32(inner), numpy.int32(column_blocks),
+                numpy.int32(reduced), numpy.int32(0), accumulate))
+        return
+    # first pass: (splits, outer, inner) partials in the accumulator's type, unscaled
+    accumulator = accumulator_dtype(kind, x.dtype)
+    partials = backend.xp.empty((splits, outer * inner), dtype=accumulator)
+    partial_indices = backend.xp.empty((splits, outer * inner), dtype=numpy.int64) if indices is not None else 0
+    kernel = _kernel(kind, "strided", x.dtype, accumulator, width)
+    kernel((blocks, splits), (COLUMNS_PER_BLOCK, ROWS_PER_BLOCK),
+           (partials, partial_indices, x, 0, numpy.int32(reduced), numpy.int32(inner), numpy.int32(column_blocks),
+            numpy.int32(rows_per_split), numpy.int32(outer * inner), accumulator.type(1)))
+    # second pass: the partials as (1, splits, outer * inner), combined in split order: the same bits every run
+    width = _width(partials, outer * inner)
+    column_blocks = ceil_div(outer * inner, COLUMNS_PER_BLOCK * width)
+    kernel = _kernel(kind, "strided", accumulator, out.dtype, width)
+    kernel((column_blocks,), (COLUMNS_PER_BLOCK, ROWS_PER_BLOCK),
+           (out, no_indices, partials, partial_indices, numpy.int32(splits), numpy.int32(outer * inner),
+            numpy.int32(column_blocks), numpy.int32(splits), numpy.int32(0), accumulate))

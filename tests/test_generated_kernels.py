@@ -118,3 +118,70 @@ def test_reduction_errors():
 def test_the_benchmark_cases_run_and_match_numpy():
     from bench import generated_kernels
     generated_kernels.check()  # each case once at a tiny size, asserting its relative error
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 1027, 4099])
+def test_contiguous_vectors_and_their_tail(rng, to_device, to_host, n):
+    # n not a multiple of the vector width: the last n % 4 elements take the scalar tail; a view that starts
+    # one element in is not 16-byte aligned and takes the one-element-per-load kernel
+    x = rng.standard_normal(n + 1).astype(np.float32)
+    y = rng.standard_normal(n + 1).astype(np.float32)
+    aligned = elementwise.elementwise("add", "a + b", [to_device(x[:n]), to_device(y[:n])])
+    np.testing.assert_array_equal(to_host(aligned), x[:n] + y[:n])
+    shifted = elementwise.elementwise("add", "a + b", [to_device(x)[1:], to_device(y)[1:]])
+    np.testing.assert_array_equal(to_host(shifted), x[1:] + y[1:])
+    widths = {key[-1] for key in elementwise._kernels if key[0] == "a + b" and key[4] == 0}
+    assert {1, 4} <= widths
+
+
+@pytest.mark.parametrize("shape", [(3, 1030), (37, 5), (2, 3, 1025)])
+def test_broadcast_rows_cover_every_column(rng, to_device, to_host, shape):
+    # 4 columns per thread, 1024 per block: rows longer and shorter than a block, of no round size
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    b = rng.standard_normal(shape[:-1] + (1,)).astype(np.float32)
+    got = elementwise.elementwise("scale_shift", "a * b + c", [to_device(x), to_device(w), to_device(b)])
+    np.testing.assert_array_equal(to_host(got), x * w + b)
+
+
+@pytest.mark.parametrize("columns", [36, 37, 300])
+def test_a_warp_per_row(rng, to_device, to_host, columns):
+    # enough rows (1100, more than the 132 x 8 blocks that fill the GPU) for the warp-per-row kernel;
+    # 36 columns: 9 float4 vectors a row, 37: one float per load, 300: several rounds of 4 loads
+    x = rng.standard_normal((1100, columns)).astype(np.float32)
+    x[5, 7] = x[5, 30] = 100.0  # a tie: the first index wins
+    x[9, 3] = np.nan
+    total = reduction.reduce("sum", "sum", to_device(x), (1,))
+    np.testing.assert_allclose(to_host(total), x.astype(np.float64).sum(1), rtol=1e-5, atol=1e-5)
+    values, where = reduction.reduce("max", "max", to_device(x), (1,))
+    np.testing.assert_array_equal(to_host(values), x.max(1))
+    np.testing.assert_array_equal(to_host(where), x.argmax(1))
+    assert to_host(where)[5] == 7 and to_host(where)[9] == 3
+
+
+@pytest.mark.parametrize("shape, dim", [((300, 64), 0), ((300, 66), 0), ((5, 700, 12), 1), ((1, 4096, 8), 1)])
+def test_split_reductions_match_float64_and_repeat_their_bits(rng, to_device, to_host, shape, dim):
+    # few output columns: the reduced axis is split between blocks, and a second pass adds the partials
+    x = rng.standard_normal(shape).astype(np.float32)
+    x.reshape(-1)[::97] = 4.0  # ties across splits: the first index must win
+    device = to_device(x)
+    total = reduction.reduce("sum", "sum", device, (dim,))
+    np.testing.assert_allclose(to_host(total), x.astype(np.float64).sum(dim), rtol=1e-5, atol=1e-5)
+    for _ in range(3):
+        np.testing.assert_array_equal(to_host(reduction.reduce("sum", "sum", device, (dim,))), to_host(total))
+    mean = reduction.reduce("mean", "sum", device, (dim,), scale=1.0 / shape[dim])
+    np.testing.assert_allclose(to_host(mean), x.astype(np.float64).mean(dim), rtol=1e-5, atol=1e-6)
+    values, where = reduction.reduce("max", "max", device, (dim,))
+    np.testing.assert_array_equal(to_host(values), x.max(dim))
+    np.testing.assert_array_equal(to_host(where), x.argmax(dim))
+    ids = rng.integers(-9, 9, shape).astype(np.int32)
+    np.testing.assert_array_equal(to_host(reduction.reduce("sum", "sum", to_device(ids), (dim,))), ids.sum(dim))
+
+
+def test_split_max_lets_nan_win(to_device, to_host):
+    x = np.zeros((512, 8), np.float32)
+    x[400, 2] = np.nan
+    x[100, 3] = 1.0
+    values, where = reduction.reduce("max", "max", to_device(x), (0,))
+    assert np.isnan(to_host(values)[2]) and to_host(where)[2] == 400 and to_host(where)[3] == 100
+    assert to_host(where)[0] == 0  # all equal: the first index
