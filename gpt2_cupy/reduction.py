@@ -6,18 +6,23 @@
 Every reduction is one of two layouts of a C-contiguous array, seen as (outer, reduced, inner):
 
 - inner = 1, the reduced axes are the last ones: each output is a row of `reduced` neighbouring
-  elements. One block per row: its threads step through the row together (neighbouring threads read
-  neighbouring elements), each keeps a partial result, and the partials are combined by warp shuffles
-  (warp.cuh's butterfly), then across the block's warps through shared memory.
-- inner > 1, middle axes: each output is a column, its elements `inner` apart. A block takes 32
-  neighbouring columns (a warp reads 32 neighbouring elements of one row: coalesced) and its 8 rows of
-  threads split the reduced axis between them; the 8 partials of a column are combined in shared memory.
+  elements. Rows of up to 8192 elements, when there are enough of them to fill the GPU, take a warp
+  each (8 rows per block of 256 threads): its lanes read the row in 16-byte vectors (4 floats), 4 vectors
+  loaded before any is added so that they are in flight together, and combine their partials in five
+  shuffles (warp.cuh's butterfly), with no shared memory and no barrier. Longer rows take a block each:
+  the same loop over the row, then shuffles within each warp and shared memory across warps.
+- inner > 1, middle axes: each output is a column, its elements `inner` apart. A block of (32, 8) threads
+  takes 32 vectors of neighbouring columns (a warp reads 32 x 16 neighbouring bytes of one row:
+  coalesced), and its 8 rows of threads split the reduced axis between them; the 8 partials of a column
+  are combined in shared memory. When there are too few columns to fill the GPU (a sum over the first
+  axis of a matrix has one row of them), the reduced axis is also split between blocks: each writes its
+  partial results, and a second launch of the same kernel combines them, in split order.
 
 Any other case (reduced axes that are not neighbours, a transposed input) is first copied by the
 generated elementwise kernel into the order (kept axes, reduced axes), which is the first layout.
 
 The order in which partial results are combined is fixed by the code, never by timing (no atomics),
-so a reduction gives the same bits on every run. max and min keep the earliest index among equal values
+so a reduction gives the same bits on every run (the partials of a split too: no float atomics). max and min keep the earliest index among equal values
 and let NaN win, as PyTorch's do.
 """
 
@@ -250,8 +255,10 @@ _kernels = {}
 _LAYOUTS = {"rows_warp": _ROW_PARTIAL + _ROWS_WARP, "rows_block": _ROW_PARTIAL + _ROWS_BLOCK, "strided": _STRIDED}
 
 
-def _kernel(kind, layout, in_dtype, out_dtype, width):
-    """The kernel for kind and layout, compiled once per (input, output) dtype and vector width."""
+def _kernel(kind, layout, in_dtype, out_dtype, width=4):
+    """The kernel for kind and layout, compiled once per (input, output) dtype and vector width.
+    layout "rows" is the block-per-row kernel (rows_block)."""
+    layout = "rows_block" if layout == "rows" else layout
     key = (kind, layout, numpy.dtype(in_dtype), numpy.dtype(out_dtype), width)
     if key not in _kernels:
         name = f"{kind}_{layout}{width}"
