@@ -22,8 +22,8 @@ Any other case (reduced axes that are not neighbours, a transposed input) is fir
 generated elementwise kernel into the order (kept axes, reduced axes), which is the first layout.
 
 The order in which partial results are combined is fixed by the code, never by timing (no atomics),
-so a reduction gives the same bits on every run (the partials of a split too: no float atomics). max and min keep the earliest index among equal values
-and let NaN win, as PyTorch's do.
+so a reduction gives the same bits on every run, split or not. max and min keep the earliest index among
+equal values and let NaN win, as PyTorch's do.
 """
 
 import math
