@@ -204,8 +204,24 @@ cuda = types.SimpleNamespace(
 )
 amp = types.SimpleNamespace(autocast=_autocast, GradScaler=_GradScaler)
 autocast = _autocast
-# Read by the matmul kernels once tensor-core (TF32) kernels exist; float32 FMA until then.
-backends = types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=types.SimpleNamespace(allow_tf32=False)),
+
+
+class _CudaMatmul:
+    """torch.backends.cuda.matmul: allow_tf32 is PyTorch's older switch for what set_float32_matmul_precision
+    chooses, and reads and writes the same setting, as PyTorch's property does: True is "high" (TF32), False
+    is "highest"; it reads True at "high" and at "medium"."""
+
+    @property
+    def allow_tf32(self):
+        return get_float32_matmul_precision() != "highest"
+
+    @allow_tf32.setter
+    def allow_tf32(self, allowed):
+        set_float32_matmul_precision("high" if allowed else "highest")
+
+
+# cudnn.allow_tf32 switches nothing: the package makes no cuDNN calls.
+backends = types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=_CudaMatmul()),
                                  cudnn=types.SimpleNamespace(allow_tf32=False))
 
 

@@ -2,14 +2,22 @@
 
     gpt2_cupy.set_float32_matmul_precision("high")
     gpt2_cupy.get_float32_matmul_precision()          # "high"
+    gpt2_cupy.backends.cuda.matmul.allow_tf32         # True: PyTorch's older switch, another view of the same
 
-    "highest"  float32 accuracy: 3xTF32 on tensor cores (each input split into two TF32 parts)  (the default)
-    "high"     TF32: inputs rounded to 10 mantissa bits, float32 sums
-    "medium"   bf16: inputs rounded to 8 mantissa bits, float32 sums
+    "highest"  float32 accuracy (the default)
+    "high"     TF32: inputs rounded to 10 mantissa bits, float32 sums (relative error about 1e-3)
+    "medium"   bf16: inputs rounded to 8 mantissa bits, float32 sums (about 1e-2)
 
-The setting is read by gpt2_cupy.ops.tensor_core_matmul when it is not given a precision; chapter 15
-explains each one and measures its error against float64. An unknown name is a ValueError.
-Below, the three formats emulated in numpy (as float64 values), for references and error studies.
+The package's products read the setting in one place, gpt2_cupy.ops.matmul.launch_matmul: the Linear
+layer's forward, input gradient and weight gradient, and the batched products (attention's unfused path).
+At "highest" they run chapter 01's float32 kernels, not 3xTF32 on tensor cores: tensor_core_matmul's
+3xTF32 is as accurate, and faster on large squares, but measured slower on GPT-2's weight gradients
+(12 to 26 TFLOP/s on an H200, where the float32 kernel splits K and the tensor-core kernel does not yet).
+The fused attention kernels (gpt2_cupy.ops.attention's flash path) stay float32 at every setting.
+
+gpt2_cupy.ops.tensor_core_matmul reads the setting when it is not given a precision, and there "highest"
+means 3xTF32; chapter 15 explains each format and measures its error against float64. An unknown name is
+a ValueError. Below, the three formats emulated in numpy (as float64 values), for references and error studies.
 """
 
 import numpy
@@ -20,7 +28,9 @@ _precision = "highest"
 
 
 def set_float32_matmul_precision(precision):
-    """Choose how float32 matrix products may use tensor cores: "highest", "high" or "medium"."""
+    """Choose how float32 matrix products may use tensor cores: "highest", "high" or "medium" (see the
+    module's doc: at "highest" the package's products run float32 kernels, at "high" TF32, at "medium" bf16
+    inputs; sums are float32 in all three; the fused attention kernels stay float32)."""
     global _precision
     if precision not in PRECISIONS:
         raise ValueError(f"set_float32_matmul_precision: {precision!r} is not one of "

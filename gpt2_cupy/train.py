@@ -35,6 +35,7 @@ from gpt2_cupy.autograd import dropout_rng_state, manual_seed, no_grad
 from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.ops.arrays import ceil_div
+from gpt2_cupy.precision import PRECISIONS, set_float32_matmul_precision
 
 RUNS_DIR = Path("runs")
 
@@ -78,6 +79,7 @@ class TrainConfig:
     bias: bool = True
     norm: str = "layernorm"         # "layernorm" or "dyt"
     attention: str = "softmax"      # "softmax" or "relu"
+    matmul_precision: str = "highest"  # set_float32_matmul_precision's: "highest", "high" (TF32), "medium" (bf16)
     vocab_size: int = None          # None: the corpus's tokenizer's (or, without one, the largest id + 1)
     eval_interval: int = None       # steps between evaluations on the validation split
     eval_batches: int = None        # validation batches per evaluation (the same ones; at most all of them)
@@ -109,6 +111,8 @@ def make_config(**options):
             setattr(config, name, value)
     if config.model not in ("gpt2", "llama"):
         raise ValueError(f"model={config.model!r}; use 'gpt2' or 'llama'")
+    if config.matmul_precision not in PRECISIONS:
+        raise ValueError(f"matmul_precision={config.matmul_precision!r}; use one of {', '.join(PRECISIONS)}")
     if config.out_dir is None:
         suffix = "-llama" if config.model == "llama" else ""
         config.out_dir = str(RUNS_DIR / f"{Path(config.corpus).name}-{config.preset}{suffix}")
@@ -211,6 +215,7 @@ class Trainer:
             self.model_config = GPTConfig(block_size=config.block_size, vocab_size=vocab_size, n_layer=config.n_layer,
                                           n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
                                           bias=config.bias, norm=config.norm, attention=config.attention)
+        set_float32_matmul_precision(config.matmul_precision)
         manual_seed(config.seed)
         self.model = Llama(self.model_config) if config.model == "llama" else GPT(self.model_config)
         self.optimizer = self.model.configure_optimizers(config.weight_decay, config.learning_rate,
@@ -473,6 +478,8 @@ def parse_arguments(argv=None):
     option("--no-bias", action="store_false", dest="bias")
     option("--norm", choices=["layernorm", "dyt"], default="layernorm")
     option("--attention", choices=["softmax", "relu"], default="softmax")
+    option("--matmul-precision", choices=list(PRECISIONS), default="highest", dest="matmul_precision",
+           help="float32 products: highest (float32), high (TF32), medium (bf16 inputs)")
     option("--vocab-size", type=int, dest="vocab_size")
     option("--eval-interval", type=int, dest="eval_interval")
     option("--eval-batches", type=int, dest="eval_batches")

@@ -25,12 +25,18 @@ Arrays are the backend's (cupy on a GPU, numpy on the CPU), float32. Inputs shou
 input that is the transpose of a C-contiguous array (a.T of one) is used as it is stored, by flipping its
 transpose flag, and any other layout is first copied into a contiguous array. `out` must be C-contiguous
 and must not overlap a or b. The kernel is kernels/matmul.cu, from chapters/01_matmul.ipynb.
+
+Every product of the package comes through launch_matmul (the Linear layer, the batched products of
+attention's unfused path, these two ops), and that is where gpt2_cupy.set_float32_matmul_precision is
+read: at "highest" (the default) the float32 kernel above runs; at "high" and "medium" the product goes to
+gpt2_cupy.ops.tensor_core_matmul, in TF32 or with bf16 inputs, with float32 sums in both.
 """
 
 import numpy
 
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output
+from gpt2_cupy.precision import get_float32_matmul_precision
 
 TILE = 128        # a block computes a TILE x TILE tile of C (kernels/matmul.cu: TILE_M)
 TILE_K = 8        # K is read in slices of 8 (kernels/matmul.cu: TILE_K)
@@ -125,7 +131,8 @@ def _checked(operation, a, b, transpose_a, transpose_b, out, accumulate, batched
 
 def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False):
     """out = op(a) @ op(b), or out += ... with accumulate; 2-D or batched 3-D. Unchecked: for ops that have
-    checked their arguments already (a, b, out C-contiguous float32 of matching shapes, out apart from both)."""
+    checked their arguments already (a, b, out C-contiguous float32 of matching shapes, out apart from both).
+    On tensor cores when set_float32_matmul_precision has chosen "high" or "medium" (see the module's doc)."""
     M, N = out.shape[-2:]
     K = a.shape[-2] if transpose_a else a.shape[-1]
     batch = a.shape[0] if a.ndim == 3 else 1
@@ -135,6 +142,11 @@ def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=Fa
         if not accumulate:
             out.fill(0)
         return out
+    precision = get_float32_matmul_precision()
+    if precision != "highest":
+        # Imported here: tensor_core_matmul imports this module for its checks.
+        from gpt2_cupy.ops.tensor_core_matmul import launch_tensor_core_matmul
+        return launch_tensor_core_matmul(a, b, out, transpose_a, transpose_b, accumulate, precision)
     # float4 loads and stores need rows of a multiple of 4 floats and 16-byte aligned starting addresses.
     vector_loads = (a.shape[-1] % 4 == 0 and b.shape[-1] % 4 == 0 and N % 4 == 0
                     and float4_aligned(a, b, out))

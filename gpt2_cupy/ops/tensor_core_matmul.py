@@ -20,6 +20,9 @@ Sums are float32 in every case. The Linear layer's three products, x: (N, C_in),
 The kernels are kernels/tensor_core_matmul.cu, from chapters/15_tensor_cores.ipynb: 128 x 128 tiles of C
 per block of 256 threads, K in slices of 32 through a 3-stage cp.async pipeline. This op does not split K
 (gpt2_cupy.ops.matmul does, for products with few output tiles).
+
+The package's products come here through gpt2_cupy.ops.matmul.launch_matmul at the "high" and "medium"
+settings; at "highest" they stay on chapter 01's float32 kernel (gpt2_cupy.precision says why).
 """
 
 import numpy
