@@ -26,6 +26,8 @@ from gpt2_cupy.autograd import Function, manual_seed
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.train import Trainer, learning_rate, make_config
 
+from bench.train_precision import training_step
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -204,18 +206,7 @@ def ours_gpt2(B, T):
     manual_seed(0)
     model = GPT(GPT2)
     optimizer = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95))
-    ids = backend.xp.random.randint(0, 50257, size=(B, T + 1)).astype(np.int32)
-    inputs, targets = backend.xp.ascontiguousarray(ids[:, :-1]), backend.xp.ascontiguousarray(ids[:, 1:])
-
-    def step():
-        _, loss = model(inputs, targets)
-        loss.backward()
-        optimizer.clip_grad_norm_(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        return backend.asnumpy(loss.data)  # the host copy every training step makes
-
-    return model, optimizer, step
+    return model, optimizer, training_step(model, optimizer, B, T)
 
 
 def seconds_per_step(step, steps, synchronize):
