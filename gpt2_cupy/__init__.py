@@ -151,6 +151,13 @@ def full_like(input, fill_value, dtype=None, device=None, requires_grad=False):
     return full(input.shape, fill_value, dtype=input.dtype if dtype is None else dtype, requires_grad=requires_grad)
 
 
+def equal(input, other):
+    """torch.equal: True when both tensors have the same shape and the same values (a Python bool)."""
+    from gpt2_cupy import backend
+    a, b = backend.asnumpy(input.data), backend.asnumpy(other.data)
+    return a.shape == b.shape and _builtins.bool((a == b).all())
+
+
 def is_tensor(value):
     from gpt2_cupy.autograd import Tensor
     return isinstance(value, Tensor)
@@ -201,9 +208,22 @@ cuda = types.SimpleNamespace(
     is_bf16_supported=lambda: False,        # no bf16 kernels yet
     amp=types.SimpleNamespace(GradScaler=_GradScaler, autocast=_autocast),
     synchronize=lambda device=None: __import__("gpt2_cupy.backend").backend.synchronize(),
+    # one generator seeds both backends here, so torch.cuda.manual_seed(s) is torch.manual_seed(s)
+    manual_seed=lambda seed: __getattr__("manual_seed")(seed),
+    manual_seed_all=lambda seed: __getattr__("manual_seed")(seed),
 )
 amp = types.SimpleNamespace(autocast=_autocast, GradScaler=_GradScaler)
 autocast = _autocast
+
+
+def compile(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,  # noqa: A001
+            disable=False):
+    """torch.compile as the identity: the package has no graph compiler, and its ops already run as fused
+    kernels, so the model comes back unchanged (its state_dict keys carry no '_orig_mod.' prefix). Used as
+    a decorator with arguments, torch.compile(mode=...) returns the identity decorator."""
+    if model is None:
+        return lambda function: function
+    return model
 
 
 class _CudaMatmul:

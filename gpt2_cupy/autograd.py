@@ -224,6 +224,12 @@ class Tensor:
             raise RuntimeError(f"Boolean value of Tensor with more than one value is ambiguous")
         return bool(self.item())
 
+    def __format__(self, format_spec):
+        # f"{loss:.4f}" of a 0-d tensor formats its value, as PyTorch's does; other shapes format as objects
+        if self.data.ndim == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     def __float__(self):
         return float(self.item())
 
@@ -394,6 +400,11 @@ class Tensor:
         return self
 
     def cpu(self):
+        return self
+
+    def pin_memory(self):
+        """Itself: page-locked host copies are for overlapping copies to the GPU; every tensor here already
+        lives on the one backend, so there is nothing to pin (and .to(device, non_blocking=True) copies nothing)."""
         return self
 
     device = property(lambda self: backend.name)
