@@ -120,6 +120,7 @@ class NanoStyleGPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
+        # nanoGPT's module tree, which gpt2_cupy.model.GPT also has: the state_dict names must match
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
