@@ -205,7 +205,7 @@ def _autocast(device_type="cuda", dtype=None, enabled=True, cache_enabled=None):
 
 cuda = types.SimpleNamespace(
     is_available=_cuda_is_available,
-    is_bf16_supported=lambda: False,        # no bf16 kernels yet
+    is_bf16_supported=lambda: False,        # no bf16 training (autocast) yet: code that checks stays in float32
     amp=types.SimpleNamespace(GradScaler=_GradScaler, autocast=_autocast),
     synchronize=lambda device=None: __import__("gpt2_cupy.backend").backend.synchronize(),
     # one generator seeds both backends here, so torch.cuda.manual_seed(s) is torch.manual_seed(s)
