@@ -15,7 +15,6 @@ Importing the package is cheap: the submodules load, and kernels compile, when f
 """
 
 import builtins as _builtins
-import contextlib
 import types
 
 import numpy
@@ -197,10 +196,22 @@ class _GradScaler:
         pass
 
 
-@contextlib.contextmanager
-def _autocast(device_type="cuda", dtype=None, enabled=True, cache_enabled=None):
-    """torch.autocast as a no-op: every op runs in float32 (on the CPU, or with float32, PyTorch's is one too)."""
-    yield
+class _autocast:
+    """torch.autocast as a no-op: every op runs in float32 (on the CPU, or with float32, PyTorch's is one too).
+    A class, as PyTorch's is, so that one object serves many `with` blocks (nanoGPT enters `ctx` every step)
+    and decorates functions."""
+
+    def __init__(self, device_type="cuda", dtype=None, enabled=True, cache_enabled=None):
+        self.device_type, self.dtype, self.enabled = device_type, dtype, enabled
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        return False
+
+    def __call__(self, function):
+        return function
 
 
 cuda = types.SimpleNamespace(

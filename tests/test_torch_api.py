@@ -224,3 +224,15 @@ def test_load_refuses_a_file_that_would_run_code(tmp_path):
         torch.load(tmp_path / "objects.pt")
     torch.load(tmp_path / "bad.pt", weights_only=False)   # asked for explicitly: the caller trusts the file
     assert os.path.exists(made_by_the_file)
+
+
+def test_one_autocast_object_serves_many_with_blocks():
+    """nanoGPT builds `ctx = torch.amp.autocast(...)` once and enters it every step, as PyTorch allows."""
+    import gpt2_cupy as torch
+
+    ctx = torch.amp.autocast(device_type="cuda", dtype=torch.bfloat16)
+    entered = 0
+    for _ in range(3):
+        with ctx:
+            entered += 1
+    assert entered == 3
