@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from gpt2_cupy import functional as F
+from gpt2_cupy import backend, functional as F
 from gpt2_cupy.autograd import Tensor, manual_seed
 from gpt2_cupy.testing import finite_difference_gradient, relative_error
 
@@ -200,12 +200,50 @@ def test_scaled_dot_product_attention_is_not_causal_by_default(rng, to_device, t
     tensors = [Tensor(to_device(a.astype(np.float32))) for a in (q, k, v)]
     same_scale = F.scaled_dot_product_attention(*tensors, is_causal=True, scale=1 / math.sqrt(32))
     assert relative_error(to_host(same_scale.data), attention_reference(q, k, v)) < FORWARD_TOLERANCE
-    with pytest.raises(NotImplementedError, match="scaled_dot_product_attention: attn_mask is not supported yet"):
-        F.scaled_dot_product_attention(*tensors, attn_mask=tensors[0])
-    with pytest.raises(NotImplementedError, match="dropout_p=0.1 is not supported yet"):
-        F.scaled_dot_product_attention(*tensors, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="scale=0.5 is not supported yet"):
-        F.scaled_dot_product_attention(*tensors, scale=0.5)
+    with pytest.raises(RuntimeError, match="Explicit attn_mask should not be set when is_causal=True"):
+        F.scaled_dot_product_attention(*tensors, attn_mask=Tensor(to_device(np.ones((5, 5), bool))), is_causal=True)
+
+
+def masked_attention_reference(q, k, v, mask, scale):
+    """PyTorch's math path in float64: a bool mask keeps where True, a float mask is added to the scores."""
+    scores = q @ np.swapaxes(k, -1, -2) * scale
+    scores = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
+    return softmax_reference(scores) @ v
+
+
+@pytest.mark.parametrize("head_size", [16, 32])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_scaled_dot_product_attention_with_a_mask_and_a_scale(rng, to_device, to_host, head_size, mask_kind):
+    """What the fused kernels do not take runs PyTorch's math path: a mask broadcast over (B, H), another
+    scale, another head size; the gradients of q, k and v against float64 central differences."""
+    q, k, v = (rng.normal(size=(2, 2, 5, head_size)) for _ in range(3))
+    mask = rng.random((1, 1, 5, 5)) < 0.7
+    mask[..., 0] = True  # every query sees a key: no row of the softmax is empty
+    if mask_kind == "float":
+        mask = np.where(mask, rng.normal(size=mask.shape), -np.inf)
+    device_mask = Tensor(to_device(mask if mask_kind == "bool" else mask.astype(np.float32)))
+    check_op(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=device_mask, scale=0.3),
+             lambda q, k, v: masked_attention_reference(q, k, v, mask, 0.3), [q, k, v], to_device, to_host)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_scaled_dot_product_attention_of_any_head_size(rng, to_device, to_host, is_causal):
+    q, k, v = (rng.normal(size=(1, 2, 6, 24)) for _ in range(3))
+    check_op(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=is_causal),
+             lambda q, k, v: attention_reference(q, k, v, causal=is_causal), [q, k, v], to_device, to_host)
+
+
+def test_scaled_dot_product_attention_dropout_drops_weights_as_f_dropout_does(rng, to_device):
+    """dropout_p > 0 is F.dropout on the attention weights, drawn from the same generator."""
+    q, k, v = (Tensor(to_device(rng.normal(size=(1, 2, 8, 32)).astype(np.float32))) for _ in range(3))
+    manual_seed(11)
+    dropped = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    manual_seed(11)
+    weights = F.softmax((q @ k.transpose(-2, -1)) * (1 / math.sqrt(32)), dim=-1)
+    expected = F.dropout(weights, 0.5) @ v
+    assert np.array_equal(backend.asnumpy(dropped.data), backend.asnumpy(expected.data))
+    undropped = F.scaled_dot_product_attention(q, k, v)
+    assert not np.allclose(backend.asnumpy(dropped.data), backend.asnumpy(undropped.data))
 
 
 def test_dropout_scales_kept_elements_and_the_backward_uses_the_same_mask(rng, to_device, to_host):

@@ -228,26 +228,42 @@ class Attention(Function):
 
 
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-    """softmax(q kᵀ · scale) v, q, k, v (B, H, T, d); is_causal: each query sees keys up to its own position.
+    """softmax(q kᵀ · scale + mask) v, q, k, v (B, H, T, d); is_causal: each query sees keys up to its own
+    position. PyTorch's signature and defaults; dropout_p drops attention weights whenever it is above 0.
 
-    PyTorch's signature and defaults. The fused kernels of chapter 08 compute the default scale, 1/√d, with
-    no mask other than the causal one and no dropout of the attention weights: attn_mask, dropout_p > 0 and
-    another scale raise NotImplementedError rather than compute something else.
+    The fused kernels of chapter 08 run what they take: the default scale 1/√d, no mask but the causal one, no
+    dropout, head sizes FUSED_ATTENTION_HEAD_SIZES (and, causal, any head size through MatmulAttention).
+    Anything else runs PyTorch's "math" path, written with Tensor operations (chapter 11b): attn_mask a bool
+    tensor (True: take part) or a float one added to the scores, broadcast to (B, H, T, S).
     """
-    _check_attention_options("scaled_dot_product_attention", q, attn_mask, dropout_p, scale)
-    return Attention.apply(q, k, v, bool(is_causal), "softmax")
+    d = q.shape[-1]
+    default_scale = scale is None or math.isclose(scale, 1 / math.sqrt(d), rel_tol=1e-6)
+    if attn_mask is not None and is_causal:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+    if attn_mask is None and dropout_p == 0.0 and default_scale:
+        if d in FUSED_ATTENTION_HEAD_SIZES:
+            return Attention.apply(q, k, v, bool(is_causal), "softmax")
+        if is_causal:
+            return MatmulAttention.apply(q, k, v)
+    return _attention_from_operations(q, k, v, attn_mask, dropout_p, is_causal, 1 / math.sqrt(d) if scale is None else scale)
 
 
-def _check_attention_options(operation, q, attn_mask, dropout_p, scale):
+def _attention_from_operations(q, k, v, attn_mask, dropout_p, is_causal, scale):
+    """The attention of the textbooks, one Tensor operation at a time: every launch reads and writes the
+    (T, S) scores that the fused kernels keep on chip (chapter 11b counts the bytes)."""
+    T, S = q.shape[-2], k.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * scale                                     # (B, H, T, S)
+    if is_causal:
+        attn_mask = Tensor(backend.xp.tril(backend.xp.ones((T, S), dtype=numpy.bool_)))
     if attn_mask is not None:
-        raise NotImplementedError(f"{operation}: attn_mask is not supported yet; the fused kernels take only "
-                                  "is_causal=True or no mask")
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"{operation}: dropout_p={dropout_p} is not supported yet; the fused kernels "
-                                  "have no dropout of the attention weights (apply nn.Dropout to the output)")
-    if scale is not None and not math.isclose(scale, 1 / math.sqrt(q.shape[-1]), rel_tol=1e-6):
-        raise NotImplementedError(f"{operation}: scale={scale} is not supported yet; the fused kernels use "
-                                  f"1/sqrt(d) = {1 / math.sqrt(q.shape[-1])} for d = {q.shape[-1]}")
+        if attn_mask.dtype == numpy.bool_:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    weights = softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        weights = dropout(weights, dropout_p)
+    return weights @ v
 
 
 def relu_attention(q, k, v, is_causal=True):
@@ -477,6 +493,4 @@ class MatmulAttention(Function):
 def causal_attention(q, k, v):
     """softmax(q kᵀ / √D) v with the causal mask, q, k, v (B, H, T, D): chapter 08's fused kernels for the head
     sizes they take (FUSED_ATTENTION_HEAD_SIZES), the batched-matmul path otherwise (Llama's D = 128)."""
-    if q.shape[-1] in FUSED_ATTENTION_HEAD_SIZES:
-        return scaled_dot_product_attention(q, k, v, is_causal=True)
-    return MatmulAttention.apply(q, k, v)
+    return scaled_dot_product_attention(q, k, v, is_causal=True)
