@@ -1088,3 +1088,38 @@ def test_nanf_nan_and_modff():
     got = host(out)
     assert np.isnan(got[0]) and np.isnan(got[1])
     np.testing.assert_array_equal(got[2:], [-0.75, -2.0])
+
+
+BFLOAT16_ARRAYS = r"""
+#include <cuda_bf16.h>
+
+extern "C" __global__ void scale_bfloat16(__nv_bfloat16* out, const __nv_bfloat16* x, float factor, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __float2bfloat16(__bfloat162float(x[i]) * factor);
+}
+"""
+
+
+def test_bfloat16_arrays_of_ml_dtypes_pass_to_bfloat16_pointers(rng):
+    """An array of ml_dtypes' bfloat16 (the dtype JAX and CuPy use) is a __nv_bfloat16* in a kernel, on both
+    backends: each element widened, scaled in float32, rounded back; compared with ml_dtypes' own rounding of
+    the float32 product. An array of uint16 holding the bits passes too; a float16 or float32 array does not."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = np.concatenate([rng.standard_normal(1000) * 10.0 ** rng.integers(-30, 30, 1000),
+                        [np.inf, -np.inf, 0.0, -0.0, 3e38]]).astype(np.float32).astype(ml_dtypes.bfloat16)
+    n = len(x)
+    out = device(np.zeros(n, dtype=ml_dtypes.bfloat16))
+    run(BFLOAT16_ARRAYS, "scale_bfloat16", ((n + 255) // 256,), (256,), out, device(x), np.float32(1.5), np.int32(n))
+    with np.errstate(over="ignore"):
+        expected = (x.astype(np.float32) * np.float32(1.5)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(host(out).view(np.uint16), expected.view(np.uint16))
+
+    bits_out = device(np.zeros(n, dtype=np.uint16))
+    run(BFLOAT16_ARRAYS, "scale_bfloat16", ((n + 255) // 256,), (256,), bits_out, device(x.view(np.uint16)),
+        np.float32(1.5), np.int32(n))
+    np.testing.assert_array_equal(host(bits_out), expected.view(np.uint16))
+    if backend.name == "cpu":  # CuPy passes any array's pointer; the executor refuses what would read as garbage
+        with pytest.raises(TypeError, match="read as __nv_bfloat16"):
+            run(BFLOAT16_ARRAYS, "scale_bfloat16", (1,), (32,), np.zeros(4, np.float16), np.zeros(4, np.float16),
+                np.float32(1.0), np.int32(4))

@@ -34,6 +34,7 @@ _C_NAMES = {("i", 1): "signed char", ("u", 1): "unsigned char", ("i", 2): "short
 _NUMPY_TYPES = {("i", 1): numpy.int8, ("u", 1): numpy.uint8, ("i", 2): numpy.int16, ("u", 2): numpy.uint16,
                 ("i", 4): numpy.int32, ("u", 4): numpy.uint32, ("i", 8): numpy.int64, ("u", 8): numpy.uint64,
                 ("f", 2): numpy.float16, ("f", 4): numpy.float32, ("f", 8): numpy.float64, ("b", 1): numpy.bool_}
+_BF16_TYPES = ("__nv_bfloat16", "nv_bfloat16")  # <cuda_bf16.h>'s element type: two bytes, seen as unsigned
 _STRUCT_CODES = {("i", 1): "b", ("u", 1): "B", ("i", 2): "h", ("u", 2): "H", ("i", 4): "i", ("u", 4): "I",
                  ("i", 8): "q", ("u", 8): "Q", ("f", 2): "e", ("f", 4): "f", ("f", 8): "d", ("b", 1): "?"}
 
@@ -103,8 +104,17 @@ class Parameter:
         kind, size = self.element
         if kind == "v" or (kind in "iu" and size == 1):
             return True  # void* and char*: raw bytes of anything
+        if self._pointee() in _BF16_TYPES:
+            # bf16 elements: an array of bfloat16 (ml_dtypes'), or of uint16 holding the same bits
+            return dtype.itemsize == 2 and dtype.name in ("bfloat16", "uint16")
         dtype_kind = {"i": "i", "u": "i", "f": "f", "b": "b"}.get(dtype.kind)
         return dtype.itemsize == size and dtype_kind == {"i": "i", "u": "i", "f": "f", "b": "b", "s": None}.get(kind)
+
+
+    def _pointee(self):
+        """The pointed-at type's name without const or volatile: `__nv_bfloat16` for `const __nv_bfloat16*`."""
+        words = self.c_type.rstrip("* ").replace("*", " ").split()
+        return " ".join(word for word in words if word not in ("const", "volatile", "__restrict__"))
 
 
 def _argument_layout(parameters):
