@@ -45,6 +45,10 @@ ROW_DOT_WARPS = 8               # rows (a warp each) per block of the row_dot ke
 FORWARD_TILES = {32: (4, 64), 64: (4, 64), 128: (4, 64)}
 DK_DV_TILES = {32: (4, 64), 64: (4, 64), 128: (4, 32)}
 DQ_TILES = {32: (4, 64), 64: (4, 64), 128: (4, 32)}
+# The shapes bench/tensor_core_attention.py times for each kernel (and tests check), the ones above among them.
+TILE_CANDIDATES = {"forward": ((4, 64), (8, 64), (4, 128), (8, 128)),
+                   "dk_dv": ((4, 32), (4, 64), (8, 32), (8, 64)),
+                   "dq": ((4, 32), (4, 64), (8, 32), (8, 64))}
 
 
 def forward_shared_bytes(d, warps, keys):
