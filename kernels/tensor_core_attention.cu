@@ -13,6 +13,10 @@
 //    8 rows of 16 bytes at once, and rows 2D + 16 bytes apart (2D is a multiple of 128) start on 8
 //    different groups of 4 banks, so the 8 rows are read in one pass.
 //  - They arrive by cp.async, two stages: the next tile is in flight while the warps multiply this one.
+//  - A fragments come from shared memory by ldmatrix, B fragments by ldmatrix (tiles stored as B's
+//    columns, K in Q Kᵀ) or ldmatrix.trans (stored as B's rows, V in P V). The forward reads its queries'
+//    fragments once and keeps them in registers; the backward reads its A fragments again for each tile,
+//    where registers are short (the dk, dv pass holds two 16 x D sums).
 //  - The FlashAttention-2 trick: the float32 result fragments of two neighbouring 16 x 8 products (S, or
 //    P after the softmax) hold, lane for lane, exactly the elements of the A fragment of the next
 //    m16n8k16 (16 x 16). P is rounded to bf16 in registers and multiplied by V without a trip through
@@ -74,13 +78,16 @@ __device__ __forceinline__ void copy_floats_async(float* tile, const float* vect
 }
 
 // Fragments from shared tiles whose rows are D bf16 long. lane 8q + r names row r of ldmatrix's matrix q.
-// The A fragment of 16 rows (rows[0] .. rows[15]) at columns k0 .. k0 + 15: matrices q = rows 0-7 and
-// 8-15 at k0, then at k0 + 8 (mma.cuh: a[0] = (g, 2t..2t+1), a[1] = (g + 8, ..), a[2] and a[3] at k + 8).
+// The A fragments of 16 rows (rows[0] .. rows[15]) for every 16 columns k0 = 16i: matrices q = rows 0-7
+// and 8-15 at k0, then at k0 + 8 (mma.cuh: a[0] = (g, 2t..2t+1), a[1] = (g + 8, ..), a[2], a[3] at k + 8).
 template <int D>
-__device__ __forceinline__ void row_fragment(unsigned (&a)[4], const bfloat16* rows, int k0)
+__device__ __forceinline__ void row_fragments(unsigned (&a)[D / 16][4], const bfloat16* rows)
 {
     const int lane = threadIdx.x % 32;
-    ldmatrix_x4(a, shared_address(rows + (lane % 16) * (D + ROW_PADDING) + k0 + lane / 16 * 8));
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+        ldmatrix_x4(a[i], shared_address(rows + (lane % 16) * (D + ROW_PADDING) + 16 * i + lane / 16 * 8));
+    }
 }
 
 // B fragments of two neighbouring n8 tiles, b[0..1] for columns n = 0..7 and b[2..3] for n = 8..15, at
@@ -111,13 +118,13 @@ __device__ __forceinline__ void mma_two_tiles(float (&first)[4], float (&second)
     mma_m16n8k16_bf16(second, a, b_second);
 }
 
-// product (16 x COLUMNS, as COLUMNS / 8 result fragments) = a_rows (the warp's 16 rows of length D) times
-// the transpose of b_rows (COLUMNS rows of length D), for the chunks of 16 columns c in [begin, end); the
-// other chunks are left at zero. Loops run over compile-time bounds, fully unrolled, so that the
-// fragments stay in registers (an array indexed at run time goes to local memory); the chunk range is a
-// condition inside.
+// product (16 x COLUMNS, as COLUMNS / 8 result fragments) = the warp's 16 rows of length D (their A
+// fragments, a) times the transpose of b_rows (COLUMNS rows of length D), for the chunks of 16 columns c
+// in [begin, end); the other chunks are left at zero. Loops run over compile-time bounds, fully unrolled,
+// so that the fragments stay in registers (an array indexed at run time goes to local memory); the chunk
+// range is a condition inside.
 template <int D, int COLUMNS>
-__device__ __forceinline__ void multiply_by_rows(float (&product)[COLUMNS / 8][4], const bfloat16* a_rows,
+__device__ __forceinline__ void multiply_by_rows(float (&product)[COLUMNS / 8][4], const unsigned (&a)[D / 16][4],
                                                  const bfloat16* b_rows, int begin, int end)
 {
 #pragma unroll
@@ -125,17 +132,25 @@ __device__ __forceinline__ void multiply_by_rows(float (&product)[COLUMNS / 8][4
 #pragma unroll
         for (int e = 0; e < 4; ++e) product[j][e] = 0.0f;
 #pragma unroll
-    for (int k0 = 0; k0 < D; k0 += 16) {
-        unsigned a[4];
-        row_fragment<D>(a, a_rows, k0);
+    for (int i = 0; i < D / 16; ++i) {
 #pragma unroll
         for (int c = 0; c < COLUMNS / 16; ++c) {
             if (c < begin || c >= end) continue;
             unsigned b[4];
-            column_fragments<D>(b, b_rows + 16 * c * (D + ROW_PADDING), k0);
-            mma_two_tiles(product[2 * c], product[2 * c + 1], a, b);
+            column_fragments<D>(b, b_rows + 16 * c * (D + ROW_PADDING), 16 * i);
+            mma_two_tiles(product[2 * c], product[2 * c + 1], a[i], b);
         }
     }
+}
+
+// The same with the 16 rows' A fragments read from a shared tile first (a_rows: the first of them).
+template <int D, int COLUMNS>
+__device__ __forceinline__ void multiply_shared_rows(float (&product)[COLUMNS / 8][4], const bfloat16* a_rows,
+                                                     const bfloat16* b_rows, int begin, int end)
+{
+    unsigned a[D / 16][4];
+    row_fragments<D>(a, a_rows);
+    multiply_by_rows<D, COLUMNS>(product, a, b_rows, begin, end);
 }
 
 // sum (16 x D) += weights (16 x COLUMNS, the result fragments of multiply_by_rows) times value_rows
@@ -219,13 +234,13 @@ __device__ __forceinline__ void for_each_key_tile(bfloat16* k_tiles, bfloat16* v
 // are wholly hidden from all 16 rows and not multiplied.
 template <int D, int KEYS, bool MASKED>
 __device__ __forceinline__ void forward_tile(float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
-                                             const bfloat16* q_rows, const bfloat16* k_tile, const bfloat16* v_tile,
-                                             int chunks, int first_key, int first_query, int T, int causal,
-                                             float scale_log2)
+                                             const unsigned (&q_fragments)[D / 16][4], const bfloat16* k_tile,
+                                             const bfloat16* v_tile, int chunks, int first_key, int first_query, int T,
+                                             int causal, float scale_log2)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float s[KEYS / 8][4];
-    multiply_by_rows<D, KEYS>(s, q_rows, k_tile, 0, chunks);
+    multiply_by_rows<D, KEYS>(s, q_fragments, k_tile, 0, chunks);
     // Element e of fragment j: query first_query + g + 8 (e / 2), key first_key + 8j + 2t + e % 2.
 #pragma unroll
     for (int j = 0; j < KEYS / 8; ++j)
@@ -297,18 +312,19 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
 
     float o[D / 8][4] = {};
     float row_max[2] = {NEGATIVE_INFINITY, NEGATIVE_INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    unsigned q_fragments[D / 16][4];  // the warp's queries, read from shared memory once (every warp sees key 0)
     copy_rows_async<ROWS, D, THREADS>(q_tile, q, first_query, T);
     const int keys = causal ? min(first_query + ROWS, T) : T;
     for_each_key_tile<D, KEYS, THREADS>(k_tiles, v_tiles, k, v, (keys + KEYS - 1) / KEYS, T,
         [&](int first_key, const bfloat16* k_tile, const bfloat16* v_tile) {
             const int chunks = visible_key_chunks<KEYS>(first_key, warp_query, T, causal);
             if (warp_query >= T || chunks <= 0) return;
-            const bfloat16* q_rows = q_tile + 16 * warp * STRIDE;
+            if (first_key == 0) row_fragments<D>(q_fragments, q_tile + 16 * warp * STRIDE);
             if (first_key + KEYS > T || (causal && first_key + KEYS - 1 > warp_query))
-                forward_tile<D, KEYS, true>(o, row_max, row_sum, q_rows, k_tile, v_tile, chunks, first_key,
+                forward_tile<D, KEYS, true>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks, first_key,
                                             warp_query, T, causal, scale_log2);
             else
-                forward_tile<D, KEYS, false>(o, row_max, row_sum, q_rows, k_tile, v_tile, chunks, first_key,
+                forward_tile<D, KEYS, false>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks, first_key,
                                              warp_query, T, causal, scale_log2);
         });
 
@@ -363,8 +379,8 @@ __device__ __forceinline__ void dk_dv_tile(float (&dk_sum)[D / 8][4], float (&dv
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float p[QUERIES / 8][4], ds[QUERIES / 8][4];
-    multiply_by_rows<D, QUERIES>(p, k_rows, q_tile, begin, end);
-    multiply_by_rows<D, QUERIES>(ds, v_rows, dout_tile, begin, end);
+    multiply_shared_rows<D, QUERIES>(p, k_rows, q_tile, begin, end);
+    multiply_shared_rows<D, QUERIES>(ds, v_rows, dout_tile, begin, end);
     // Element e of fragment j: key first_key + g + 8 (e / 2), query first_query + 8j + 2t + e % 2.
 #pragma unroll
     for (int j = 0; j < QUERIES / 8; ++j)
@@ -462,8 +478,8 @@ __device__ __forceinline__ void dq_tile(float (&dq_sum)[D / 8][4], const bfloat1
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float p[KEYS / 8][4], ds[KEYS / 8][4];
-    multiply_by_rows<D, KEYS>(p, q_rows, k_tile, 0, chunks);
-    multiply_by_rows<D, KEYS>(ds, dout_rows, v_tile, 0, chunks);
+    multiply_shared_rows<D, KEYS>(p, q_rows, k_tile, 0, chunks);
+    multiply_shared_rows<D, KEYS>(ds, dout_rows, v_tile, 0, chunks);
 #pragma unroll
     for (int j = 0; j < KEYS / 8; ++j)
 #pragma unroll
