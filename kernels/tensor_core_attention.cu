@@ -197,14 +197,20 @@ __device__ __forceinline__ void store_rows_bf16(bfloat16* matrix, const float (&
     }
 }
 
-// The key tiles a block of queries sees, KEYS keys each, K and V in two shared stages: tile i + 1 is copied
-// while work(first_key, k_tile, v_tile) runs on tile i. Copies the caller started before (its query tiles)
-// join the first group, and have landed when work first runs.
-template <int D, int KEYS, int THREADS, typename Work>
-__device__ __forceinline__ void for_each_key_tile(bfloat16* k_tiles, bfloat16* v_tiles, const bfloat16* k,
-                                                  const bfloat16* v, int tiles, int T, Work work)
+// The key tiles that a block of ROWS queries (first_query ..) sees, KEYS keys each, K and V in two shared
+// stages: tile i + 1 is copied while the warps work on tile i. Copies the caller started before (its query
+// tiles) join the first group, and have landed when the work first runs. For each tile, each warp whose
+// 16 queries (warp_query ..) see some of its keys runs work(first_key, k_tile, v_tile, chunks, masked):
+// the chunks of 16 keys (from the first) that it sees, and whether some key is hidden from some of its
+// queries (past T, or causal past the query) so that the scores need masking.
+template <int D, int ROWS, int KEYS, typename Work>
+__device__ __forceinline__ void for_each_visible_key_tile(bfloat16* k_tiles, bfloat16* v_tiles, const bfloat16* k,
+                                                          const bfloat16* v, int first_query, int T, int causal,
+                                                          Work work)
 {
-    constexpr int TILE_ELEMENTS = KEYS * (D + ROW_PADDING);
+    constexpr int THREADS = 2 * ROWS, TILE_ELEMENTS = KEYS * (D + ROW_PADDING);
+    const int warp_query = first_query + 16 * (threadIdx.x / 32);
+    const int tiles = ((causal ? min(first_query + ROWS, T) : T) + KEYS - 1) / KEYS;
     auto start_tile = [&](int tile) {
         const int stage = tile % 2;
         copy_rows_async<KEYS, D, THREADS>(k_tiles + stage * TILE_ELEMENTS, k, tile * KEYS, T);
@@ -218,8 +224,13 @@ __device__ __forceinline__ void for_each_key_tile(bfloat16* k_tiles, bfloat16* v
         cp_async_commit();
         cp_async_wait<1>();  // this thread's copies of this tile have landed (the next may be in flight)
         __syncthreads();     // and everyone's
-        const int stage = tile % 2;
-        work(tile * KEYS, k_tiles + stage * TILE_ELEMENTS, v_tiles + stage * TILE_ELEMENTS);
+        const int first_key = tile * KEYS, stage = tile % 2;
+        const int visible = min(T, causal ? warp_query + 16 : T) - first_key;  // keys up to T and the last query
+        if (warp_query < T && visible > 0) {
+            const bool masked = first_key + KEYS > T || (causal && first_key + KEYS - 1 > warp_query);
+            work(first_key, k_tiles + stage * TILE_ELEMENTS, v_tiles + stage * TILE_ELEMENTS,
+                 min(KEYS / 16, (visible + 15) / 16), masked);
+        }
         __syncthreads();     // everyone is done with this stage before it is refilled
     }
 }
@@ -280,15 +291,6 @@ __device__ __forceinline__ void forward_tile(float (&o)[D / 8][4], float (&row_m
     accumulate_weighted_rows<D, KEYS>(o, s, v_tile, 0, chunks);
 }
 
-// Keys a warp's 16 queries (first_query ..) may see in a tile from first_key: up to T, and (causal) up to
-// its last query. As chunks of 16, at most KEYS / 16 (0 or less: the warp skips the tile).
-template <int KEYS>
-__device__ __forceinline__ int visible_key_chunks(int first_key, int first_query, int T, int causal)
-{
-    const int visible = min(T, causal ? first_query + 16 : T) - first_key;
-    return min(KEYS / 16, (visible + 15) / 16);
-}
-
 // out, lse from q, k, v. Dynamic shared memory: the query tile, then two stages of K and of V.
 template <int D, int WARPS, int KEYS>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
@@ -314,13 +316,10 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
     float row_max[2] = {NEGATIVE_INFINITY, NEGATIVE_INFINITY}, row_sum[2] = {0.0f, 0.0f};
     unsigned q_fragments[D / 16][4];  // the warp's queries, read from shared memory once (every warp sees key 0)
     copy_rows_async<ROWS, D, THREADS>(q_tile, q, first_query, T);
-    const int keys = causal ? min(first_query + ROWS, T) : T;
-    for_each_key_tile<D, KEYS, THREADS>(k_tiles, v_tiles, k, v, (keys + KEYS - 1) / KEYS, T,
-        [&](int first_key, const bfloat16* k_tile, const bfloat16* v_tile) {
-            const int chunks = visible_key_chunks<KEYS>(first_key, warp_query, T, causal);
-            if (warp_query >= T || chunks <= 0) return;
+    for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, first_query, T, causal,
+        [&](int first_key, const bfloat16* k_tile, const bfloat16* v_tile, int chunks, bool masked) {
             if (first_key == 0) row_fragments<D>(q_fragments, q_tile + 16 * warp * STRIDE);
-            if (first_key + KEYS > T || (causal && first_key + KEYS - 1 > warp_query))
+            if (masked)
                 forward_tile<D, KEYS, true>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks, first_key,
                                             warp_query, T, causal, scale_log2);
             else
@@ -524,14 +523,11 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
     float dq_sum[D / 8][4] = {};
     copy_rows_async<ROWS, D, THREADS>(q_tile, q, first_query, T);
     copy_rows_async<ROWS, D, THREADS>(dout_tile, dout, first_query, T);
-    const int keys = causal ? min(first_query + ROWS, T) : T;
-    for_each_key_tile<D, KEYS, THREADS>(k_tiles, v_tiles, k, v, (keys + KEYS - 1) / KEYS, T,
-        [&](int first_key, const bfloat16* k_tile, const bfloat16* v_tile) {
-            const int chunks = visible_key_chunks<KEYS>(first_key, warp_query, T, causal);
-            if (warp_query >= T || chunks <= 0) return;
+    for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, first_query, T, causal,
+        [&](int first_key, const bfloat16* k_tile, const bfloat16* v_tile, int chunks, bool masked) {
             const bfloat16* q_rows = q_tile + 16 * warp * STRIDE;
             const bfloat16* dout_rows = dout_tile + 16 * warp * STRIDE;
-            if (first_key + KEYS > T || (causal && first_key + KEYS - 1 > warp_query))
+            if (masked)
                 dq_tile<D, KEYS, true>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks, first_key,
                                        warp_query, T, causal, scale_log2);
             else
