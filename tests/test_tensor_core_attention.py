@@ -268,29 +268,36 @@ def test_keys_past_the_block_are_never_read(rng, to_device, to_host):
 @pytest.mark.parametrize("kernel", ["forward", "dk_dv", "dq"])
 def test_every_tile_choice(rng, to_device, to_host, kernel):
     """Each kernel launched directly with every candidate shape that bench/tensor_core_attention.py times
-    (the op uses one per d), with the op's others, on 100 positions (causal) and 2 query heads per
-    key/value head."""
+    (the op uses one per d), on 100 positions (causal) and 2 query heads per key/value head; the backward
+    passes from the op's forward."""
     B, H, H_kv, T, d = 1, 4, 2, 100, 64
     q, k, v, dout = bf16_inputs(rng, B, H, H_kv, T, d)
     xp, scale = backend.xp, np.float32(1 / math.sqrt(d))
     device_q, device_k, device_v, device_dout = (to_device(a) for a in (q, k, v, dout))
     q64, k64, v64, dout64 = wide(q, k, v, dout)
-    for shape in attention_ops.TILE_CANDIDATES[kernel]:
-        out, lse = xp.empty(q.shape, bfloat16), xp.empty((B, H, T), np.float32)
-        attention_ops._forward(out, lse, device_q, device_k, device_v, True, scale,
-                               *(shape if kernel == "forward" else attention_ops.FORWARD_TILES[d]))
-        expected_out, _, out_bound, _ = forward_bounds(q64, k64, v64, True, scale)
-        assert_within(f"out {shape}", to_host(out), expected_out, out_bound)
-        row_dot = xp.empty((B, H, T), np.float32)
-        attention_ops._row_dot(row_dot, device_dout, out)
-        dq, dk, dv = xp.empty(q.shape, bfloat16), xp.empty(k.shape, bfloat16), xp.empty(v.shape, bfloat16)
-        attention_ops._dk_dv(dk, dv, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale,
-                             *(shape if kernel == "dk_dv" else attention_ops.DK_DV_TILES[d]))
-        attention_ops._dq(dq, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale,
-                          *(shape if kernel == "dq" else attention_ops.DQ_TILES[d]))
-        expected, bounds = backward_bounds(dout64, q64, k64, v64, wide(to_host(out))[0], True, scale)
-        for name, got, reference, bound in zip(("dq", "dk", "dv"), (dq, dk, dv), expected, bounds):
-            assert_within(f"{name} {shape}", to_host(got), reference, bound)
+    out, lse = tensor_core_attention_forward(device_q, device_k, device_v)
+    row_dot = xp.empty((B, H, T), np.float32)
+    attention_ops._row_dot(row_dot, device_dout, out)
+    expected_out, expected_lse, out_bound, lse_bound = forward_bounds(q64, k64, v64, True, scale)
+    (expected_dq, expected_dk, expected_dv), (dq_bound, dk_bound, dv_bound) = backward_bounds(
+        dout64, q64, k64, v64, wide(to_host(out))[0], True, scale)
+    for warps, tile in attention_ops.TILE_CANDIDATES[kernel]:
+        shape = f"{warps} warps, tile {tile}"
+        if kernel == "forward":
+            out, lse = xp.empty(q.shape, bfloat16), xp.empty((B, H, T), np.float32)
+            attention_ops._forward(out, lse, device_q, device_k, device_v, True, scale, warps, tile)
+            assert_within(f"out, {shape}", to_host(out), expected_out, out_bound)
+            assert_within(f"lse, {shape}", to_host(lse), expected_lse, lse_bound)
+        elif kernel == "dk_dv":
+            dk, dv = xp.empty(k.shape, bfloat16), xp.empty(v.shape, bfloat16)
+            attention_ops._dk_dv(dk, dv, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale,
+                                 warps, tile)
+            assert_within(f"dk, {shape}", to_host(dk), expected_dk, dk_bound)
+            assert_within(f"dv, {shape}", to_host(dv), expected_dv, dv_bound)
+        else:
+            dq = xp.empty(q.shape, bfloat16)
+            attention_ops._dq(dq, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale, warps, tile)
+            assert_within(f"dq, {shape}", to_host(dq), expected_dq, dq_bound)
 
 
 def test_bad_arguments(to_device):
