@@ -10,8 +10,8 @@
 // A warp owns 16 rows of each product: queries in the forward and in the dq pass, keys in the dk, dv pass.
 // A block of WARPS warps owns 16 WARPS rows and walks along the other axis a tile at a time.
 //  - Tiles live in shared memory as [row][D + 8] bf16, as in global memory plus 16 bytes: ldmatrix reads
-//    8 rows of 16 bytes at once, and rows 2D + 16 bytes apart (2D is a multiple of 128) start on 8
-//    different groups of 4 banks, so the 8 rows are read in one pass.
+//    8 rows of 16 bytes at once, and rows D / 8 + 1 (an odd number of) 16-byte groups apart start on 8
+//    different groups of 4 banks (of the 8 a 128-byte line has), so the 8 rows are read in one pass.
 //  - They arrive by cp.async, two stages: the next tile is in flight while the warps multiply this one.
 //  - A fragments come from shared memory by ldmatrix, B fragments by ldmatrix (tiles stored as B's
 //    columns, K in Q Kᵀ) or ldmatrix.trans (stored as B's rows, V in P V). The forward reads its queries'
@@ -241,8 +241,9 @@ __device__ __forceinline__ void for_each_visible_key_tile(bfloat16* k_tiles, bfl
 // O += P V. Each lane holds rows g and g + 8 of every fragment: row_max and row_sum [0] and [1]. row_max
 // is in log2 units; row_sum is the lane's own part of the row's sum (its 2 columns of each fragment),
 // added across the 4 lanes of the row once at the end: rescaling multiplies every part alike.
-// MASKED: the tile reaches past T or (causal) past the warp's first query; chunks >= chunks of 16 keys
-// are wholly hidden from all 16 rows and not multiplied.
+// MASKED: the tile reaches past T or (causal) past the warp's first query, so scores are masked one by
+// one. The warp sees the first `chunks` chunks of 16 keys; the rest are hidden from all 16 rows and not
+// multiplied.
 template <int D, int KEYS, bool MASKED>
 __device__ __forceinline__ void forward_tile(float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
                                              const unsigned (&q_fragments)[D / 16][4], const bfloat16* k_tile,
