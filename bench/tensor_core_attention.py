@@ -146,59 +146,62 @@ def kernel_runs(shape):
     return runs
 
 
-def measure_shape(shape, with_kernels, tiny=False):
-    """({name: seconds, or a note}, {name: TFLOP/s}) at one shape; tiny: each run once, no timings."""
+def timed(runs, flop, tiny=False):
+    """({name: seconds, or a note}, {name: TFLOP/s}) of {name: run, or a note}; tiny: each run once, untimed.
+    flop(name): the FLOP one run does, or None."""
     seconds, tflops = {}, {}
-    runs = {**ours(shape), **chapter_08(shape), **torch_runs(shape)}
     for name, run in runs.items():
         if isinstance(run, str):
             seconds[name] = run
-            continue
-        if tiny:
+        elif tiny:
             run()
-            continue
-        seconds[name] = benchmark.seconds_per_call(run, warmup=2, repeat=10)
-        tflops[name] = benchmark.tflops(causal_flop(shape, CAUSAL_HALF_PRODUCTS[name.rsplit(", ", 1)[1]]),
-                                        seconds[name])
-    if with_kernels:
-        for name, (run, products) in kernel_runs(shape).items():
-            if tiny:
-                run()
-                continue
+        else:
             seconds[name] = benchmark.seconds_per_call(run, warmup=2, repeat=10)
-            tflops[name] = benchmark.tflops(causal_flop(shape, products), seconds[name]) if products else None
+            tflops[name] = benchmark.tflops(flop(name), seconds[name]) if flop(name) else None
     if backend.name == "cuda":
         backend.xp.get_default_memory_pool().free_all_blocks()
     return seconds, tflops
 
 
-def report(measured):
-    lines = [f"{measured['device']}, {measured['date']}: causal attention, bf16 (chapter 08: float32)"]
-    if measured.get("torch"):
-        lines[0] += f", PyTorch {measured['torch']}"
-    for shape_name, (B, H, H_kv, T, d) in SHAPES.items():
-        seconds, tflops = measured["seconds"][shape_name], measured["tflops"][shape_name]
-        lines.append(f"  {shape_name}: B={B} H={H} H_kv={H_kv} T={T} d={d}")
-        for name, s in seconds.items():
-            if isinstance(s, str):
-                lines.append(f"    {name:<62s} {s}")
-                continue
-            rate = f"{tflops[name]:7.1f} TFLOP/s" if tflops.get(name) else ""
-            lines.append(f"    {name:<62s} {s * 1e3:9.3f} ms {rate}")
-        for other in ("torch sdpa bf16", "chapter 08 fused float32"):
-            for part in (FORWARD, BOTH):
-                mine = seconds[f"tensor cores bf16, {part}"]
-                theirs = [s for name, s in seconds.items() if name.startswith(other) and name.endswith(f", {part}")]
-                if theirs and isinstance(theirs[0], float):
-                    lines.append(f"    ours vs {other}, {part}: {theirs[0] / mine:.2f}x (above 1: ours faster)")
-    return "\n".join(lines)
+def measure_shape(shape, tiny=False):
+    """Ours, chapter 08's and PyTorch's, forward and forward + backward, at one shape."""
+    runs = {**ours(shape), **chapter_08(shape), **torch_runs(shape)}
+    return timed(runs, lambda name: causal_flop(shape, CAUSAL_HALF_PRODUCTS[name.rsplit(", ", 1)[1]]), tiny)
+
+
+def measure_kernels(shape, tiny=False):
+    """Each of our kernels alone, with every candidate tile shape, at one shape."""
+    runs = kernel_runs(shape)
+    products = {name: count for name, (_, count) in runs.items()}
+    return timed({name: run for name, (run, _) in runs.items()}, lambda name: causal_flop(shape, products[name]),
+                 tiny)
+
+
+def shape_report(shape_name, seconds, tflops):
+    """Lines of the table for one shape: each run's time and TFLOP/s, then ours against the others."""
+    B, H, H_kv, T, d = SHAPES[shape_name]
+    lines = [f"  {shape_name}: B={B} H={H} H_kv={H_kv} T={T} d={d}"]
+    for name, s in seconds.items():
+        if isinstance(s, str):
+            lines.append(f"    {name:<62s} {s}")
+            continue
+        rate = f"{tflops[name]:7.1f} TFLOP/s" if tflops.get(name) else ""
+        lines.append(f"    {name:<62s} {s * 1e3:9.3f} ms {rate}")
+    for other in ("torch sdpa bf16", "chapter 08 fused float32"):
+        for part in (FORWARD, BOTH):
+            mine = seconds.get(f"tensor cores bf16, {part}")
+            theirs = [s for name, s in seconds.items() if name.startswith(other) and name.endswith(f", {part}")]
+            if mine and theirs and isinstance(theirs[0], float):
+                lines.append(f"    ours vs {other}, {part}: {theirs[0] / mine:.2f}x (above 1: ours faster)")
+    return lines
 
 
 def main():
     tiny = "--tiny" in sys.argv[1:]
     if tiny:
         for shape in TINY_SHAPES.values():
-            measure_shape(shape, with_kernels=True, tiny=True)
+            measure_shape(shape, tiny=True)
+            measure_kernels(shape, tiny=True)
         print(f"every run went through once at {TINY_SHAPES} on the {backend.name} backend")
         return 0
     benchmark.require_gpu()
@@ -207,11 +210,18 @@ def main():
                 "shapes": {name: dict(zip(("B", "H", "H_kv", "T", "d"), shape)) for name, shape in SHAPES.items()},
                 "tiles": {"forward": ops.FORWARD_TILES, "dk_dv": ops.DK_DV_TILES, "dq": ops.DQ_TILES},
                 "seconds": {}, "tflops": {}}
-    for name, shape in SHAPES.items():
-        measured["seconds"][name], measured["tflops"][name] = measure_shape(shape, name in KERNEL_SHAPES)
-    print(report(measured))
+    print(f"{measured['device']}, {measured['date']}: causal attention, bf16 (chapter 08: float32), "
+          f"PyTorch {measured['torch'] or 'not installed'}")
     path = Path(__file__).with_suffix(".json")
-    benchmark.write_results(path, measured)
+    # The comparisons at every shape first, then each kernel's candidates; the file is written after each
+    # step, so that a run cut short keeps what it measured.
+    steps = [(name, measure_shape) for name in SHAPES] + [(name, measure_kernels) for name in KERNEL_SHAPES]
+    for name, measure in steps:
+        seconds, tflops = measure(SHAPES[name])
+        measured["seconds"].setdefault(name, {}).update(seconds)
+        measured["tflops"].setdefault(name, {}).update(tflops)
+        print("\n".join(shape_report(name, seconds, tflops)), flush=True)
+        benchmark.write_results(path, measured)
     print(f"written: {path}")
     return 0
 
