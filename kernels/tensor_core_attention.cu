@@ -360,7 +360,9 @@ extern "C" __global__ void tensor_core_attention_row_dot(float* row_dot, const b
     const int lane = threadIdx.x % 32;
     float sum = 0.0f;
     if (row < rows) {
-        for (int i = lane; i < d; i += 32) sum += __bfloat162float(dout[row * d + i]) * __bfloat162float(out[row * d + i]);
+        for (int i = lane; i < d; i += 32) {
+            sum += __bfloat162float(dout[row * d + i]) * __bfloat162float(out[row * d + i]);
+        }
     }
     sum = warp_sum(sum);
     if (lane == 0 && row < rows) row_dot[row] = sum;

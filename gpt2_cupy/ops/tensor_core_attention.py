@@ -40,8 +40,9 @@ BF16, FLOAT = 2, 4              # bytes
 ROWS_PER_WARP = 16
 ROW_DOT_WARPS = 8               # rows (a warp each) per block of the row_dot kernel
 # (warps per block, keys per tile) of the forward and of the dq pass; (warps per block, queries per tile)
-# of the dk, dv pass. Its accumulators for dk and dv take 2 d / 8 registers per lane besides the tile's
-# scores, which is why d = 128 takes half the tile.
+# of the dk, dv pass. The dk, dv pass holds two 16 x d sums, d registers per lane, besides the tile's two
+# 16 x tile products (tile / 4 registers each), so d = 128 takes half the tile; so does dq, to leave room
+# for its fragments of Q and dO.
 FORWARD_TILES = {32: (4, 64), 64: (4, 64), 128: (4, 64)}
 DK_DV_TILES = {32: (4, 64), 64: (4, 64), 128: (4, 32)}
 DQ_TILES = {32: (4, 64), 64: (4, 64), 128: (4, 32)}
@@ -152,7 +153,8 @@ def _forward(out, lse, q, k, v, causal, scale, warps, keys):
 def _row_dot(row_dot, dout, out):
     rows, d = row_dot.size, dout.shape[-1]
     kernels.function("tensor_core_attention", "tensor_core_attention_row_dot")(
-        (ceil_div(rows, ROW_DOT_WARPS),), (32 * ROW_DOT_WARPS,), (row_dot, dout, out, numpy.int32(rows), numpy.int32(d)))
+        (ceil_div(rows, ROW_DOT_WARPS),), (32 * ROW_DOT_WARPS,),
+        (row_dot, dout, out, numpy.int32(rows), numpy.int32(d)))
 
 
 def _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, warps, queries):
