@@ -8,18 +8,18 @@ for the second-order terms), with u = 2⁻⁸, bf16's unit roundoff (8 significa
         result is rounded to bf16: u |out_i|.
   lse   float32 throughout: the error of the scores it is the log-sum-exp of, and FLOAT32_SLACK (1 + |lse|).
   dv    P rounded before Pᵀ dO: u Σ_i P_ij |dout_i|, and the output's rounding u |dv_j|.
-  dq    dS = P (dP - rowsum(dout ⊙ out)) is rounded to bf16 before dS K: u |dS_ij| per term; row_dot is
-        formed from the bf16 out that the forward returned: P_ij |dout_i · (out_i - O_i)| per term, exact
-  dk    O the reference's; then the output's rounding u |dq_i| (dk: u |dk_j|).
+  dq    dS = P ⊙ (dP - row_dot) is rounded to bf16 before dS K and dSᵀ Q: u |dS_ij| per term; row_dot
+  dk    comes from the bf16 out the forward returned, not the exact O: P_ij |dout_i · (out_i - O_i)| per
+        term; then the output's rounding, u |dq_i| (u |dk_j|).
 Besides, every float32 sum of bf16 products on a tensor core is within MMA_UNIT of the sum of its terms'
 magnitudes per mma.sync (as in tests/test_tensor_core_gemm.py), which moves each score by δS and each
 weight P by δS relative; the rest of the float32 work (exp2f, sums over T, the online rescaling) stays
 within FLOAT32_SLACK relative. On the CPU executor the largest error of each result is 0.25 to 0.9 of
-its bound (lse: far less, its bound allows float32 sums over T in any order); P cut toward zero instead of
-rounded to nearest, a sum not rescaled, or an output 0.4 % off fails.
+its bound (lse: far less, its bound allows float32 sums over T in any order); a kernel that cuts P toward
+zero instead of rounding it to nearest, skips a rescaling of the running sum, or is 0.4 % off fails.
 
-Sequence lengths 1, 17, 100 and 200 are not multiples of the kernels' 16-row fragments or 32- and 64-row
-tiles; 200 keys are four tiles, so the two-stage pipeline refills each stage. Grouped-query attention:
+Sequence lengths 1, 17, 33, 50, 100 and 200 are not multiples of the kernels' 16-row fragments or 32- and
+64-row tiles; 200 keys are four tiles, so the two-stage pipeline refills each stage. Grouped-query attention:
 H = 4 query heads over H_kv = 1 or 2 key/value heads.
 """
 
