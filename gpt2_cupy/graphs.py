@@ -128,7 +128,12 @@ class CUDAGraph:
 class graph:
     """torch.cuda.graph: `with graph(g, pool=None, stream=None, capture_error_mode="global"):` captures
     the block into g. Nothing in the block runs; a call that cannot be captured raises RuntimeError that
-    says what it was, and g stays empty."""
+    says what it was, and g stays empty.
+
+    pool: a graph_pool_handle() or another graph's pool(), else a new one. stream (GPU): the stream to
+    capture on, by default the pool's, which use_pool warms up on (CuPy's pool keeps freed blocks per
+    stream, so a capture on another stream finds none of them).
+    """
 
     def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
         if not isinstance(cuda_graph, CUDAGraph):
@@ -193,7 +198,11 @@ class GraphPool:
 
 def graph_pool_handle():
     """A new memory pool to share between graphs: graph(g1, pool=p) and graph(g2, pool=p) (PyTorch's name).
-    Graphs that share a pool must be replayed in the order they were captured, one after the other."""
+
+    Graphs that share a pool may use the same memory for their temporaries: replay them one after the other
+    on one stream, never at the same time. An array that one graph leaves for another (a loss, a norm) must
+    stay referenced from Python from its capture on, or its block could become another graph's temporary.
+    """
     return GraphPool()
 
 

@@ -299,12 +299,12 @@ class Trainer:
     def set_backward_seed(self):
         """d(loss)/d(loss) for each micro-batch's backward: 1/grad_accum, so that the summed gradient is that
         of the mean loss. Rewritten in place when grad_accum changes, so that a captured backward reads it."""
-        seed = numpy.full((), 1.0 / self.config.grad_accum, dtype=numpy.float32)
+        value = numpy.float32(1.0 / self.config.grad_accum)
         if self.backward_seed is None:
-            self.backward_seed = backend.xp.asarray(seed)
-        elif self.backward_seed_value != seed:
-            backend.copy_into(self.backward_seed, seed)
-        self.backward_seed_value = seed
+            self.backward_seed = backend.xp.full((), value, dtype=numpy.float32)
+        elif value != self.backward_seed_value:
+            backend.copy_into(self.backward_seed, numpy.full((), value, dtype=numpy.float32))
+        self.backward_seed_value = value
 
     def forget_gradients(self):
         """Zero what a step has accumulated so far (gradients, and the graphs' loss sum)."""
@@ -483,19 +483,23 @@ class Trainer:
 class TrainingGraphs:
     """A Trainer's step and evaluation as CUDA graphs (gpt2_cupy.graphs), sharing one memory pool:
 
-        micro_step   forward, loss and backward of the batch in the static buffers inputs and targets;
-                     the gradients add into the optimizer's flat buffer, the loss into report[0]
-        clip         the gradients' global norm into report[1], the gradients clipped (when grad_clip > 0)
-        update       one AdamW step (learning rate and step count read from device memory), then the
-                     gradients and the report zeroed for the next step
-        evaluation   forward and loss of the validation batch in val_inputs, val_targets under no_grad,
-                     the loss added into val_total
+        micro_step_graph   forward, loss and backward of the batch in the static buffers inputs and targets;
+                           the gradients add into the optimizer's flat buffer, the loss into report[0]
+        clip_graph         the gradients' global norm into report[1], the gradients clipped (when grad_clip > 0)
+        update_graph       one AdamW step (learning rate and step count read from device memory), then the
+                           gradients and the report zeroed for the next step
+        evaluation_graph   forward and loss of the validation batch in val_inputs, val_targets under no_grad,
+                           the loss added into val_total
 
-    A step: for each micro-batch, copy the batch into inputs and targets and replay micro_step; replay
-    clip; read report (loss sum and norm) with one host copy, and stop on a NaN there, before anything is
-    updated; write the learning rate into the optimizer's device array; replay update. The read costs one
-    wait for the GPU per step, between the gradients and the update: the update is then skipped on the
-    host, and a diverged step leaves the parameters and AdamW's moments as they were, as the eager step does.
+    A step: for each micro-batch, copy the batch into inputs and targets and replay micro_step_graph;
+    replay clip_graph; read report (loss sum and norm) with one host copy; stop there on a NaN loss, before
+    anything is updated; write the learning rate into the optimizer's device array; replay update_graph.
+
+    Why the step waits for the GPU once, between the gradients and the update: the host needs the loss for
+    the log anyway, and with it in hand a non-finite loss skips the update on the host, so the parameters
+    and AdamW's moments stay as they were, exactly as in the eager step. The alternative, one graph for the
+    whole step with the update skipped on the device (AdamW reading a "loss is finite" flag), would let the
+    host queue the next step before this one ends; what that wait costs has not been measured here.
 
     Everything a graph reads at a replay is in device memory, the same arrays every time: the batch, the
     learning rate (optimizer.upload_hyperparameters()), AdamW's step count, dropout's Philox (seed, offset),
@@ -509,8 +513,9 @@ class TrainingGraphs:
     def __init__(self, trainer):
         self.trainer = trainer
         self.pool = None
-        self.training = self.evaluation = None   # the signature each was captured with
-        self.report = None                       # (loss sum, gradient norm) of the current step, float32
+        self.training_signature = self.evaluation_signature = None  # what each was captured with (None: not yet)
+        self.report = None        # (loss sum, gradient norm) of the current step, float32
+        self.val_total = None     # the sum of an evaluation's losses, float32 (1,)
 
     def signature(self):
         trainer = self.trainer
@@ -521,10 +526,10 @@ class TrainingGraphs:
                 trainer.config.block_size)
 
     def training_is_current(self):
-        return self.training is not None and self.training == self.signature()
+        return self.training_signature is not None and self.training_signature == self.signature()
 
     def evaluation_is_current(self):
-        return self.evaluation is not None and self.evaluation == self.signature()
+        return self.evaluation_signature is not None and self.evaluation_signature == self.signature()
 
     def warm_up(self):
         """The block runs eagerly with the graphs' pool, so that the capture after it finds its memory there."""
@@ -541,27 +546,27 @@ class TrainingGraphs:
 
     def capture_training(self):
         trainer, model, optimizer = self.trainer, self.trainer.model, self.trainer.optimizer
-        self.training = None
+        self.training_signature = None
         if self.report is None:
             self.report = backend.xp.zeros(2, dtype=numpy.float32)
             self.inputs, self.targets = self.static_batch()
         loss_sum, norm = self.report[0:1], self.report[1:2]
-        self.micro_step, self.clip, self.update_graph = CUDAGraph(), None, CUDAGraph()
-        with graph(self.micro_step, pool=self.pool):
+        self.micro_step_graph, self.clip_graph, self.update_graph = CUDAGraph(), None, CUDAGraph()
+        with graph(self.micro_step_graph, pool=self.pool):
             _, loss = model(self.inputs, self.targets)
             loss.backward(trainer.backward_seed)
             residual_forward(loss_sum, loss.data.reshape(1), out=loss_sum)
         del loss  # the graph's activations go back to the pool
         if trainer.config.grad_clip > 0:
-            self.clip = CUDAGraph()
-            with graph(self.clip, pool=self.pool):
+            self.clip_graph = CUDAGraph()
+            with graph(self.clip_graph, pool=self.pool):
                 backend.copy_into(norm, optimizer.clip_grad_norm_(trainer.config.grad_clip).reshape(1))
         optimizer.upload_hyperparameters()  # the warm-up's values, already on the device: nothing to copy
         with graph(self.update_graph, pool=self.pool):
             optimizer.step()
             optimizer.zero_grad()
             backend.fill_zero(self.report)
-        self.training = self.signature()
+        self.training_signature = self.signature()
 
     def accumulate(self):
         """The micro-steps and the clipping, replayed; (loss sum, norm) as host floats."""
@@ -570,9 +575,9 @@ class TrainingGraphs:
             inputs, targets = trainer.train_batches.sample()
             backend.copy_into(self.inputs, inputs)
             backend.copy_into(self.targets, targets)
-            self.micro_step.replay()
-        if self.clip is not None:
-            self.clip.replay()
+            self.micro_step_graph.replay()
+        if self.clip_graph is not None:
+            self.clip_graph.replay()
         loss_sum, norm = (float(value) for value in backend.asnumpy(self.report))
         return loss_sum, norm
 
@@ -588,8 +593,8 @@ class TrainingGraphs:
     # ---- evaluation ---------------------------------------------------------------------------------------
 
     def capture_evaluation(self):
-        self.evaluation = None
-        if not hasattr(self, "val_total"):
+        self.evaluation_signature = None
+        if self.val_total is None:
             self.val_total = backend.xp.zeros(1, dtype=numpy.float32)
             self.val_inputs, self.val_targets = self.static_batch()
         self.evaluation_graph = CUDAGraph()
@@ -597,7 +602,7 @@ class TrainingGraphs:
             _, loss = self.trainer.model(self.val_inputs, self.val_targets)
             residual_forward(self.val_total, loss.data.reshape(1), out=self.val_total)
         del loss
-        self.evaluation = self.signature()
+        self.evaluation_signature = self.signature()
 
     def evaluate(self, batches):
         """The sum of the losses of batches, replayed one by one; a host float."""

@@ -117,7 +117,7 @@ def test_ctrl_c_inside_a_replayed_graph_undoes_the_step_and_the_resumed_run_is_e
 
     def interrupted_replay(graph):
         replay(graph)
-        if trainer.step == 2 and graph is trainer.graphs.micro_step:
+        if trainer.step == 2 and graph is trainer.graphs.micro_step_graph:
             raise KeyboardInterrupt("kernel interrupted")
 
     monkeypatch.setattr(graphs.CUDAGraph, "replay", interrupted_replay)
