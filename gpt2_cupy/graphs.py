@@ -337,15 +337,16 @@ class Recording:
         if result is None or "out" in kwargs:  # it wrote into one of its arguments: run it again
             self.steps.append(functools.partial(function, *args, **kwargs))
             return
-        made = _new_arrays(call)
+        made, results = _new_arrays(call), _results(result)
         for index in made:
-            self.pool.note(_results(result)[index].nbytes)
+            self.pool.note(results[index].nbytes)
         if function in (numpy.empty, numpy.empty_like) or not made:
             return  # no values to make again (nothing in them yet, or views and numbers)
 
-        def again():
-            for index, value in zip(made, (_results(function(*args, **kwargs))[i] for i in made)):
-                numpy.copyto(_results(result)[index], value)
+        def again():  # the call once more, its new results copied into the arrays the capture handed out
+            results_now = _results(function(*args, **kwargs))
+            for index in made:
+                numpy.copyto(results[index], results_now[index])
 
         self.steps.append(again)
 

@@ -61,6 +61,32 @@ def test_fill_zero_and_copy_into_are_recorded_and_run_at_each_replay(rng, to_dev
         assert np.array_equal(to_host(destination), values) and not to_host(zeroed).any()
 
 
+def test_array_functions_of_backend_xp_run_again_at_each_replay(rng, to_device, to_host):
+    # On a GPU, CuPy's functions launch kernels that the capture records; the CPU's recording runs numpy's
+    # again. New zeros each replay: a kernel that adds into them must not see the last replay's sum.
+    a, b = (to_device(np.zeros(N, np.float32)) for _ in range(2))
+
+    def step():
+        joined = backend.xp.concatenate([a, b])
+        summed = backend.xp.zeros(N, dtype=np.float32)
+        residual_forward(summed, a, out=summed)
+        return joined, summed
+
+    pool = graphs.graph_pool_handle()
+    with graphs.use_pool(pool):
+        step()
+    g = gpt2_cupy.cuda.CUDAGraph()
+    with gpt2_cupy.cuda.graph(g, pool=pool):
+        joined, summed = step()
+    for _ in range(2):
+        values = rng.standard_normal((2, N)).astype(np.float32)
+        backend.copy_into(a, to_device(values[0]))
+        backend.copy_into(b, to_device(values[1]))
+        g.replay()
+        assert np.array_equal(to_host(joined), values.reshape(-1))
+        assert np.array_equal(to_host(summed), values[0])
+
+
 def test_copy_into_refuses_another_shape_or_dtype(to_device):
     with pytest.raises(ValueError, match=r"copy_into: dst is float32 \(3,\), src float64 \(3,\)"):
         backend.copy_into(to_device(np.zeros(3, np.float32)), np.zeros(3))
