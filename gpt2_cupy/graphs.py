@@ -239,10 +239,13 @@ def _growth_error(nbytes, why):
 
 def _capture_error(error):
     """CuPy's stream-capture errors as a RuntimeError that says what they mean; None for other errors."""
-    if backend.name != "cuda" or not isinstance(error, backend.xp.cuda.runtime.CUDARuntimeError):
+    if backend.name != "cuda":
         return None
-    if "Capture" not in str(error):  # cudaErrorStreamCaptureUnsupported, ...Invalidated, ...Implicit, ...
-        return None
+    if isinstance(error, backend.xp.cuda.runtime.CUDARuntimeError):
+        if "Capture" not in str(error):  # cudaErrorStreamCaptureUnsupported, ...Invalidated, ...Implicit, ...
+            return None
+    elif not (type(error) is RuntimeError and "stream is capturing" in str(error)):
+        return None  # CuPy refuses its own device-to-host copies with "the current stream is capturing, ..."
     return RuntimeError(
         f"CUDA graph capture failed ({error}): capture forbids host copies and synchronisation, and the block "
         "made one: int(), float() or bool() of a device array, .item(), .get(), print of a tensor, a check "
