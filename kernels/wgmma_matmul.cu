@@ -32,6 +32,7 @@ constexpr int STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;
 static_assert(STAGE_BYTES % 1024 == 0, "every tile starts on 1024 bytes, where the swizzle pattern repeats");
 // Dynamic shared memory per block: the stages, and room to start them on 1024 bytes (193 KB).
 constexpr int SHARED_BYTES = STAGES * STAGE_BYTES + 1024;
+static_assert(SHARED_BYTES <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
 
 // Start copying rows first_row .. first_row + ROWS - 1, k = k0 .. k0 + 63 of `matrix` (rows x K, k contiguous)
 // into the tile at shared address `tile`, swizzled. Eight threads copy one row's 128 bytes: consecutive
@@ -69,10 +70,10 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* out, float x, float y)
     *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
 }
 
-// Dynamic shared memory: SHARED_BYTES. Grid: one block per 128 x 256 tile of C, 1-D.
+// The whole product for one block, into a float32 or bf16 C.
 template <typename Output>
-__global__ void __launch_bounds__(THREADS, 1) wgmma_matmul(
-    Output* __restrict__ C, const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ B, int M, int N, int K)
+__device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat16* A, const __nv_bfloat16* B, int M,
+                                                    int N, int K)
 {
     extern __shared__ __align__(1024) unsigned char shared[];
     // The swizzle acts on shared-memory address bits, so each stage starts on 1024 bytes of that address.
@@ -139,4 +140,18 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul(
             if (column + 1 < N) store_one(out + 1, d[i + 1]);
         }
     }
+}
+
+// Dynamic shared memory: SHARED_BYTES. Grid: one block per 128 x 256 tile of C, 1-D.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul_float32(
+    float* __restrict__ C, const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ B, int M, int N, int K)
+{
+    wgmma_block_product(C, A, B, M, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul_bfloat16(
+    __nv_bfloat16* __restrict__ C, const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ B, int M,
+    int N, int K)
+{
+    wgmma_block_product(C, A, B, M, N, K);
 }

@@ -61,10 +61,8 @@ def _require_hopper(operation):
 
 
 def _kernel(output_dtype):
-    element = "float" if output_dtype == numpy.dtype(numpy.float32) else "__nv_bfloat16"
-    name = f"wgmma_matmul<{element}>"
-    kernel = kernels.function("wgmma_matmul", name, options=OPTIONS,
-                              name_expressions=("wgmma_matmul<float>", "wgmma_matmul<__nv_bfloat16>"))
+    name = "wgmma_matmul_float32" if output_dtype == numpy.dtype(numpy.float32) else "wgmma_matmul_bfloat16"
+    kernel = kernels.function("wgmma_matmul", name, options=OPTIONS)
     if kernel.max_dynamic_shared_size_bytes < SHARED_BYTES:
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
         kernel.max_dynamic_shared_size_bytes = SHARED_BYTES
