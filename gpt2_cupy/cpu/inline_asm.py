@@ -10,7 +10,8 @@ Here the statement is read (in the preprocessor's output, so asm in macros is fo
 each operand becomes a local variable of its register's type ("r" 32 bits, "l" 64, "f" float, ...), each
 PTX instruction a C++ statement on those locals calling include/gpt2cupy/ptx.h, and the outputs are
 written back at the end. The replacement keeps the statement's line count, so later lines keep their
-numbers. An instruction outside the list below is a CompileError naming it and the kernel's line.
+numbers. An instruction outside the list below is a CompileError naming it and the kernel's line; so is
+a wgmma instruction in a module compiled without -arch=sm_90a, which NVRTC refuses too.
 """
 
 import re

@@ -331,8 +331,8 @@ inline ThreadOfWarpgroup& my_warpgroup_record() {
 inline unsigned long long relaxed_load(const unsigned long long& place) { return __atomic_load_n(&place, __ATOMIC_RELAXED); }
 inline void relaxed_store(unsigned long long& place, unsigned long long value) { __atomic_store_n(&place, value, __ATOMIC_RELAXED); }
 
-// The warpgroup's 128 threads meet at one instruction; a thread missing, or one at another instruction or
-// with other descriptors, stops the launch with the instruction's name.
+// The warpgroup's 128 threads meet at one wgmma instruction; a thread missing, one at another instruction,
+// or one with other descriptors stops the launch with a message that says which.
 inline void warpgroup_meet(unsigned long long what, unsigned long long a_descriptor, unsigned long long b_descriptor,
                            int line) {
     const unsigned thread = thread_in_block(), first = thread & ~127u;
