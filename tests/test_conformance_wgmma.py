@@ -265,7 +265,7 @@ def test_header_wrappers_k_steps_are_not_interchangeable(rng):
 # ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.cpu_only
-def test_a_descriptor_reaching_outside_dynamic_shared_memory_is_a_kernel_error(rng):
+def test_a_descriptor_reaching_outside_dynamic_shared_memory_is_a_kernel_error():
     from gpt2_cupy.cpu import KernelError
     a, b, c = np.ones((64, 16)), np.ones((64, 16)), np.zeros((64, 64), np.float32)
     kernel = backend.RawKernel(tile_kernel(64), "wgmma_tile", options=OPTIONS)
@@ -279,7 +279,7 @@ def test_a_descriptor_reaching_outside_dynamic_shared_memory_is_a_kernel_error(r
 
 
 @pytest.mark.cpu_only
-def test_a_swizzled_matrix_off_its_pattern_is_a_kernel_error(rng):
+def test_a_swizzled_matrix_off_its_pattern_is_a_kernel_error():
     """The executor runs swizzled matrices that start in the first row of their swizzle pattern; B placed 128
     bytes past a 1024-byte boundary (with base offset 0) is refused rather than guessed at."""
     from gpt2_cupy.cpu import KernelError
@@ -289,7 +289,7 @@ def test_a_swizzled_matrix_off_its_pattern_is_a_kernel_error(rng):
 
 
 @pytest.mark.cpu_only
-def test_a_block_of_fewer_than_128_threads_is_a_kernel_error(rng):
+def test_a_block_of_fewer_than_128_threads_is_a_kernel_error():
     from gpt2_cupy.cpu import KernelError
     a, b, c = np.ones((64, 16)), np.ones((64, 16)), np.zeros((64, 64), np.float32)
     with pytest.raises(KernelError, match="all 128 threads of a warpgroup"):
@@ -297,7 +297,7 @@ def test_a_block_of_fewer_than_128_threads_is_a_kernel_error(rng):
 
 
 @pytest.mark.cpu_only
-def test_wgmma_without_a_fence_is_a_kernel_error(rng):
+def test_wgmma_without_a_fence_is_a_kernel_error():
     from gpt2_cupy.cpu import KernelError
     a, b, c = np.ones((64, 16)), np.ones((64, 16)), np.zeros((64, 64), np.float32)
     with pytest.raises(KernelError, match="no wgmma.fence before it"):
@@ -343,6 +343,21 @@ DIFFERENT_DESCRIPTORS = STATIC_TILES.replace("static_tiles", "different_descript
     "__shared__ __align__(1024) unsigned short tiles[2 * 64 * 16];",
     "extern __shared__ __align__(1024) unsigned short tiles[];").replace(
     "(address + 2048)", "(address + 2048 + 16 * (threadIdx.x / 64))")
+
+
+EXITED_THREAD = DIFFERENT_DESCRIPTORS.replace("different_descriptors", "exited_thread").replace(
+    "(address + 2048 + 16 * (threadIdx.x / 64))", "(address + 2048)").replace(
+    'asm volatile("wgmma.fence.sync.aligned;" ::: "memory");',
+    'if (threadIdx.x == 77) return;\n    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");')
+
+
+@pytest.mark.cpu_only
+def test_a_thread_of_the_warpgroup_that_exited_is_a_kernel_error():
+    from gpt2_cupy.cpu import KernelError
+    assert "threadIdx.x == 77" in EXITED_THREAD
+    with pytest.raises(KernelError, match="all 128 threads of a warpgroup"):
+        backend.RawKernel(EXITED_THREAD, "exited_thread", options=OPTIONS)(
+            (1,), (128,), (np.zeros(128, np.float32),), shared_mem=8192)
 
 
 @pytest.mark.cpu_only
