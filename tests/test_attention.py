@@ -194,13 +194,14 @@ def test_every_rows_per_block_choice(rng, to_device, to_host, rows, d, causal):
         q, k, v, dout = (to_device(a) for a in random_inputs(rng, (heads, T, d)))
         out, dq, dk, dv = (backend.xp.empty_like(q) for _ in range(4))
         lse, rowdot = (backend.xp.empty((heads, T), dtype=np.float32) for _ in range(2))
-        attention_ops._forward(out, lse, q, k, v, heads, T, d, causal, variant, rows)
+        shape = attention_ops.LaunchShape.of(q, k, v)
+        attention_ops._forward(out, lse, q, k, v, shape, causal, variant, rows)
         if variant == "softmax":
             attention_ops._rowdot(rowdot, dout, out, heads * T, d)
         else:
             lse = rowdot = dout
-        attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows)
-        attention_ops._dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows)
+        attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows)
+        attention_ops._dq(dq, dout, q, k, v, lse, rowdot, shape, causal, variant, rows)
         host = [to_host(a) for a in (q, k, v, dout)]
         assert relative_error(to_host(out), reference_forward(*host[:3], causal, variant)[0]) < TOLERANCE
         for name, gradient, reference in zip("qkv", (dq, dk, dv), reference_backward(host[3], *host[:3], causal,
@@ -215,8 +216,8 @@ def test_bad_arguments(to_device):
         attention_forward(q, to_device(np.zeros((2, 8, 32), np.float64)), q)
     with pytest.raises(ValueError, match="attention_forward: v"):
         attention_forward(q, q, to_device(np.zeros((2, 9, 32), np.float32)))
-    with pytest.raises(ValueError, match="head size"):
-        attention_forward(*(to_device(np.zeros((8, 48), np.float32)),) * 3)
+    with pytest.raises(ValueError, match="head size d .* from 1 to 256, got 257"):
+        attention_forward(*(to_device(np.zeros((8, 257), np.float32)),) * 3)
     with pytest.raises(ValueError, match="variant"):
         attention_forward(q, q, q, variant="sigmoid")
     out, _ = attention_forward(q, q, q)
