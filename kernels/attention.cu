@@ -42,12 +42,12 @@
 // A tile on the diagonal (ROWS = 64: its rows and columns are the same 64 positions) has one quadrant
 // masked whole, the 32 queries 0-31 against the 32 keys 32-63: the forward and the two backward passes skip
 // those products (QUADRANT below).
-// The tiles take 35 to 213 KB of shared memory, more than the 48 KB a kernel may declare statically:
-// they are carved out of one extern __shared__ array, whose size the launch gives. A block may have 227 KB:
-// at D = 256 the backward's four tiles of 64 rows would take 260 KB, so it runs with ROWS = 32.
+// The tiles take 45 to 213 KiB of shared memory, more than the 48 KiB a kernel may declare statically:
+// they are carved out of one extern __shared__ array, whose size the launch gives. A block may have at most
+// 227 KiB: at D = 256 the backward's four tiles of 64 rows would take 278 KiB, so it runs with ROWS = 32.
 // Registers: __launch_bounds__(threads, blocks) holds the compiler to the registers that `blocks` blocks
 // per multiprocessor can have (65536 / (blocks * threads)), the number of blocks their shared memory allows
-// (228 KB per multiprocessor on an H100): from D = 128 the tiles take more than half of it, one block.
+// (228 KiB per multiprocessor on an H100): from D = 128 the tiles take more than half of it, one block.
 #include "warp.cuh"
 #include "special_values.cuh"
 #include "float_groups.cuh"
@@ -118,7 +118,7 @@ __device__ void load_tile(float* tile, const float* matrix, int first_row, int T
     }
     const float* from = matrix + (long long)(first_row + row) * d + column;
     bool whole_float4 = d % 4 == 0;
-#pragma unroll
+#pragma unroll 1
     for (int pass = 0; pass < ROWS / ROW_STEP; pass++) {
         float value[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         const float* source = from + (long long)pass * ROW_STEP * d;

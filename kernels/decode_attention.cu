@@ -11,11 +11,11 @@
 // multiprocessors busy as there are heads (8 of an H100's 132 for Llama 3 8B's key-value heads at batch 1).
 // So the keys are cut into `splits` chunks of `chunk` keys, one block each (flash-decoding, Dao et al. 2023):
 // block (head, s) computes, for each of its rows, over its chunk only, the maximum score m_s, the sum
-// l_s = Σ 2^(score - m_s) and the unnormalised output o_s = Σ 2^(score - m_s) v; a second, small kernel
-// merges the chunks: M = max_s m_s, l = Σ_s l_s 2^(m_s - M), out = Σ_s o_s 2^(m_s - M) / l. The
+// l_s = Σ e^(score - m_s) and the unnormalised output o_s = Σ e^(score - m_s) v; a second, small kernel
+// merges the chunks: M = max_s m_s, l = Σ_s l_s e^(m_s - M), out = Σ_s o_s e^(m_s - M) / l. The
 // same rescaling as the online softmax of chapter 04 and the forward of chapter 08, across blocks.
-// Scores are kept in base 2: the queries are multiplied by log2(e) / √d as they are loaded, and
-// e^((s - m) / √d) becomes one exp2f.
+// The queries are multiplied by 1 / √d as they are loaded, so a score is one dot product; exponentials are
+// __expf, the hardware's approximate e^x (a multiply by log2(e) and one MUFU.EX2).
 //
 // Grouped-query attention: the rows of a block are queries of every head of the group, so the block reads
 // each key and value once for all of them (a group of 4 query heads costs the bytes of one).
@@ -35,7 +35,6 @@
 
 #define WARPS 4
 #define KEYS_AT_ONCE 4
-#define LOG2E 1.4426950408889634f
 
 // The lane's D / 32 neighbouring floats of a row of d floats (zeros past d). Rows of d = D floats start on
 // 16 bytes from D = 128, where a lane's 4 or 8 floats are whole float4s.
@@ -72,7 +71,7 @@ __global__ void __launch_bounds__(WARPS * WARP_SIZE) decode_attention_partial(fl
     int first_key = split * chunk, end_key = min(first_key + chunk, length);
     keys += head * capacity * d;
     values += head * capacity * d;
-    const float scale = LOG2E * rsqrtf((float)d);
+    const float scale = rsqrtf((float)d);
 
     float query[ROWS][PER_LANE], out[ROWS][PER_LANE], running_max[ROWS], running_sum[ROWS];
     int last_visible[ROWS];  // the last key each row sees: its own position
@@ -109,12 +108,12 @@ __global__ void __launch_bounds__(WARPS * WARP_SIZE) decode_attention_partial(fl
             }
             if (step_max == NEGATIVE_INFINITY) continue;  // no key of this step is visible to the row
             float new_max = fmaxf(running_max[r], step_max);
-            float correction = exp2f(running_max[r] - new_max);  // 2^-inf = 0 the first time
+            float correction = __expf(running_max[r] - new_max);  // e^-inf = 0 the first time
             running_sum[r] *= correction;
             for (int e = 0; e < PER_LANE; e++) out[r][e] *= correction;
 #pragma unroll
             for (int u = 0; u < KEYS_AT_ONCE; u++) {
-                float p = exp2f(score[u] - new_max);  // 0 for a key the row does not see
+                float p = __expf(score[u] - new_max);  // 0 for a key the row does not see
                 running_sum[r] += p;
                 for (int e = 0; e < PER_LANE; e++) out[r][e] += p * value[u][e];
             }
@@ -137,7 +136,7 @@ __global__ void __launch_bounds__(WARPS * WARP_SIZE) decode_attention_partial(fl
         float sum = 0.0f, result = 0.0f;
         if (block_max != NEGATIVE_INFINITY) {
             for (int w = 0; w < WARPS; w++) {
-                float weight = exp2f(warp_max[w][r] - block_max);
+                float weight = __expf(warp_max[w][r] - block_max);
                 sum += warp_sums[w][r] * weight;
                 result += warp_out[w][r][column] * weight;
             }
@@ -162,13 +161,13 @@ extern "C" __global__ void decode_attention_combine(float* out, const float* par
     for (int s = lane; s < splits; s += WARP_SIZE) largest = fmaxf(largest, maxima[(long long)s * rows]);
     largest = warp_max(largest);
     float sum = 0.0f;
-    for (int s = lane; s < splits; s += WARP_SIZE) sum += sums[(long long)s * rows] * exp2f(maxima[(long long)s * rows] - largest);
+    for (int s = lane; s < splits; s += WARP_SIZE) sum += sums[(long long)s * rows] * __expf(maxima[(long long)s * rows] - largest);
     float normaliser = 1.0f / warp_sum(sum);
     for (int column = lane; column < d; column += WARP_SIZE) {
         float result = 0.0f;
         for (int s = 0; s < splits; s++) {
             long long partial_row = (head * splits + s) * rows + r;
-            result += partial_out[partial_row * d + column] * exp2f(maxima[(long long)s * rows] - largest);
+            result += partial_out[partial_row * d + column] * __expf(maxima[(long long)s * rows] - largest);
         }
         out[(head * rows + r) * d + column] = result * normaliser;
     }
