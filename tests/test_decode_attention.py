@@ -53,7 +53,8 @@ CASES = [  # (B, H, H_kv, n, capacity, length, d)
     (2, 8, 2, 1, 300, 300, 128),     # Llama's head size, a full cache, several chunks of keys
     (1, 3, 3, 3, 40, 25, 48),        # no grouping, 3 new positions (causal among them), a padded head
     (1, 2, 1, 5, 20, 9, 80),
-    (1, 8, 1, 1, 64, 33, 256),       # 8 query heads per key head: two blocks of 4 rows at D = 256
+    (1, 8, 1, 1, 64, 33, 256),       # 8 query heads per key head: 8 rows in a block
+    (1, 4, 1, 3, 30, 30, 64),        # 12 rows (4 heads x 3 new positions): two blocks of 8
     (1, 2, 2, 2, 50, 2, 1),          # the prompt's own keys only; a head of one float
     (1, 4, 2, 1, 600, 517, 200),
 ]
@@ -80,7 +81,7 @@ def test_keys_split_into_chunks_as_the_grid_needs():
     assert decode_ops.key_chunks(4096, 32) == (16, 256)
     assert decode_ops.key_chunks(100, 1) == (4, 32)
     assert decode_ops.key_chunks(5, 1) == (1, 16)
-    assert decode_ops.rows_per_block(3, 128) == 4 and decode_ops.rows_per_block(8, 256) == 4
+    assert decode_ops.rows_per_block(3) == 4 and decode_ops.rows_per_block(12) == 8   # 12 rows: 2 blocks
 
 
 def test_many_chunks_merge_to_the_same_attention(rng, to_device, to_host, monkeypatch):

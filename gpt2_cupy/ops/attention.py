@@ -105,16 +105,17 @@ def _check_variant(operation, variant):
         raise ValueError(f"{operation}: variant must be one of {VARIANTS}, got {variant!r}")
 
 
-def _check_sizes(operation, q, k, v, **others):
+def _check_sizes(operation, q, k, v, like_q=None, per_row=None):
     """The sizes of q (..., H, T, d) and of k, v (..., H_kv, T, d) (or all (T, d)), checked: the same leading
-    axes, T and d, H_kv dividing H, d in HEAD_SIZES. others: more (array, pattern) pairs, in q's names."""
+    axes, T and d, H_kv dividing H, d in HEAD_SIZES. like_q: {name: array} of q's shape (the backward's dout,
+    out); per_row: {name: array} of one value per row of q (lse)."""
     if q.ndim >= 3:
         queries, keys = ("...", "H", "T", "d"), ("...", "H_kv", "T", "d")
     else:
         queries = keys = ("T", "d")
-    others = {name: (array, queries[:-1] if pattern == "rows" else queries) for name, (array, pattern) in
-              others.items()}
-    sizes = check(operation, q=(q, queries), k=(k, keys), v=(v, keys), **others)
+    arguments = {name: (array, queries) for name, array in (like_q or {}).items()}
+    arguments.update({name: (array, queries[:-1]) for name, array in (per_row or {}).items()})
+    sizes = check(operation, q=(q, queries), k=(k, keys), v=(v, keys), **arguments)
     sizes.setdefault("...", ())
     heads, key_heads = sizes.setdefault("H", 1), sizes.setdefault("H_kv", 1)
     if heads % key_heads:
@@ -124,8 +125,10 @@ def _check_sizes(operation, q, k, v, **others):
     if sizes["d"] not in HEAD_SIZES:
         raise ValueError(f"{operation}: the head size d (the last axis of q, k, v) must be from 1 to "
                          f"{HEAD_SIZES[-1]}, got {sizes['d']}")
-    if ceil_div(sizes["T"], TILE) > LARGEST_GRID_Y:
-        raise ValueError(f"{operation}: T = {sizes['T']} is too long for one launch (at most {LARGEST_GRID_Y * TILE})")
+    fewest_rows = NARROW_ROWS if tile_width(sizes["d"]) == TILE_WIDTHS[-1] else TILE  # per block, in any kernel
+    if ceil_div(sizes["T"], fewest_rows) > LARGEST_GRID_Y:
+        raise ValueError(f"{operation}: T = {sizes['T']} is too long for one launch (at most "
+                         f"{LARGEST_GRID_Y * fewest_rows} at d = {sizes['d']})")
     return sizes
 
 
@@ -177,7 +180,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax
     deterministic=False takes the one-pass backward (dq added with atomics): faster, not bit-reproducible."""
     name = "attention_backward"
     _check_variant(name, variant)
-    shape = LaunchShape(_check_sizes(name, q, k, v, dout=(dout, "queries"), out=(out, "queries"), lse=(lse, "rows")))
+    shape = LaunchShape(_check_sizes(name, q, k, v, like_q=dict(dout=dout, out=out), per_row=dict(lse=lse)))
     if variant == "softmax" and lse is None:
         raise ValueError(f"{name}: the softmax variant needs the lse that attention_forward returned")
     dq = backend.xp.empty(q.shape, dtype=np.float32)

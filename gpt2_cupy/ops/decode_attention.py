@@ -21,24 +21,18 @@ import numpy as np
 
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, WARP_SIZE, ceil_div, check, output
+from gpt2_cupy.ops.attention import HEAD_SIZES, tile_width  # the fused attention's tiles: D = 32, 64, 128, 256
 
-TILE_WIDTHS = (32, 64, 128, 256)   # D, the kernel's template parameter: a row of d floats fills D - d with zeros
 ROW_CHOICES = (1, 2, 4, 8)         # rows (query heads of a group x new positions) per block, a template parameter
-MOST_ROWS_AT_D_256 = 4             # at D = 256, eight rows' queries and outputs would not fit in registers
 WARPS = 4                          # per block (kernels/decode_attention.cu's WARPS)
 KEYS_PER_STEP = 4 * WARPS          # keys a block takes at once: KEYS_AT_ONCE per warp
 SMALLEST_CHUNK = 2 * KEYS_PER_STEP
 BLOCKS_PER_MULTIPROCESSOR = 4
 
 
-def tile_width(d):
-    return next(width for width in TILE_WIDTHS if width >= d)
-
-
-def rows_per_block(rows, width):
-    """The smallest template choice that holds `rows` rows, at most the largest that fits in registers."""
-    choices = [r for r in ROW_CHOICES if width < 256 or r <= MOST_ROWS_AT_D_256]
-    return next((r for r in choices if r >= rows), choices[-1])
+def rows_per_block(rows):
+    """The smallest template choice that holds `rows` rows; more rows take several blocks of the largest."""
+    return next((r for r in ROW_CHOICES if r >= rows), ROW_CHOICES[-1])
 
 
 def key_chunks(keys_bound, blocks_per_chunk):
@@ -59,21 +53,21 @@ def decode_attention_forward(q, keys, values, length, *, out=None):
     if H % key_heads:
         raise ValueError(f"{name}: keys and values have {key_heads} heads, which does not divide q's {H}: in "
                          "grouped-query attention each key and value head serves the same number of query heads")
-    if not 1 <= d <= TILE_WIDTHS[-1]:
+    if d not in HEAD_SIZES:
         raise ValueError(f"{name}: the head size d (the last axis of q, keys, values) must be from 1 to "
-                         f"{TILE_WIDTHS[-1]}, got {d}")
+                         f"{HEAD_SIZES[-1]}, got {d}")
     device_length, host_length = _length(name, length, n, capacity)
     out = output(name, out, q.shape)
     if out.size == 0:
         return out
     rows = H // key_heads * n                         # a key-value head's queries: its group's heads x n positions
     width = tile_width(d)
-    block_rows = rows_per_block(rows, width)
+    block_rows = rows_per_block(rows)
     heads, batches = B * key_heads, ceil_div(rows, block_rows)
-    splits, chunk = key_chunks(capacity if device_length is not None else host_length, heads * batches)
     if batches > LARGEST_GRID_Y:
         raise ValueError(f"{name}: {n} new positions are too many for one launch; the fused attention "
                          "(gpt2_cupy.ops.attention) is made for long runs of queries")
+    splits, chunk = key_chunks(capacity if device_length is not None else host_length, heads * batches)
     partial_out = backend.xp.empty((heads, splits, rows, d), dtype=np.float32)
     partial_max, partial_sum = (backend.xp.empty((heads, splits, rows), dtype=np.float32) for _ in range(2))
     kernel_name = f"decode_attention_partial<{width}, {block_rows}>"
