@@ -118,6 +118,8 @@ __device__ void load_tile(float* tile, const float* matrix, int first_row, int T
     }
     const float* from = matrix + (long long)(first_row + row) * d + column;
     bool whole_float4 = d % 4 == 0;
+    // Not unrolled: unrolled too, this loop beside the one above made ptxas spill registers in the forward at
+    // D = 64 (`nvcc -Xptxas -v`), the head size GPT-2 trains with.
 #pragma unroll 1
     for (int pass = 0; pass < ROWS / ROW_STEP; pass++) {
         float value[4] = {0.0f, 0.0f, 0.0f, 0.0f};
