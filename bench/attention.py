@@ -220,6 +220,13 @@ def head_case_runs(cupy, heads, key_heads, d):
         attention_backward(dout, q, k, v, out, lse)
 
     runs = {"fused, forward": (lambda: attention_forward(q, k, v), 2), "fused, forward + backward": (both, 7)}
+    # The forward kernel alone with 64 and 128 queries per block: at d > 64 one block fills a multiprocessor's
+    # shared memory either way, and 128 rows give it twice the warps.
+    out, lse = cupy.empty_like(q), cupy.empty(q.shape[:-1], dtype=cupy.float32)
+    shape = attention_ops.LaunchShape.of(q, k, v)
+    for rows in attention_ops.ROW_CHOICES:
+        runs[f"fused, forward kernel, {rows} rows"] = (
+            lambda rows=rows: attention_ops._forward(out, lse, q, k, v, shape, True, "softmax", rows), 2)
     torch = torch_or_none()
     if torch is not None:
         torch.backends.cuda.matmul.allow_tf32 = False
