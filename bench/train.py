@@ -329,23 +329,34 @@ def measure(arguments):
     return results
 
 
+def comparison_lines(comparison, heading):
+    """The validation losses of a comparison, side by side, and whether they stay within 2 %."""
+    lines = [f"{heading}, {comparison['config']['steps']} steps: validation loss (ours, torch, difference)"]
+    for step, a, b, r in zip(comparison["steps"], comparison["gpt2_cupy"]["val_loss"],
+                             comparison["torch"]["val_loss"], comparison["relative_difference"]):
+        lines.append(f"  step {step:5}  {a:.4f}  {b:.4f}  {r:.2%}")
+    lines.append(f"  within 2 % at every evaluation: {comparison['within_2_percent']}")
+    return lines
+
+
+def profile_lines(profile, heading, shown=20):
+    """The time of each op per step, largest first, with its share of the events' sum."""
+    total = sum(profile.values())
+    lines = [f"{heading} (events sum {total:.1f} ms):"]
+    for name, ms in list(profile.items())[:shown]:
+        lines.append(f"  {name:32} {ms:8.2f} ms  {ms / total:6.1%}")
+    return lines
+
+
 def table(results):
     lines = [f"{results['device']}, {results['date']}"]
     if "comparison" in results:
-        comparison = results["comparison"]
-        lines.append(f"course preset, {comparison['config']['steps']} steps: validation loss (ours, torch, difference)")
-        for step, a, b, r in zip(comparison["steps"], comparison["gpt2_cupy"]["val_loss"],
-                                 comparison["torch"]["val_loss"], comparison["relative_difference"]):
-            lines.append(f"  step {step:5}  {a:.4f}  {b:.4f}  {r:.2%}")
-        lines.append(f"  within 2 % at every evaluation: {comparison['within_2_percent']}")
+        lines += comparison_lines(results["comparison"], "course preset")
     for label, speeds in results["tokens_per_second"].items():
         ratio = f"  (ours / torch = {speeds['gpt2_cupy'] / speeds['torch']:.2f})" if "torch" in speeds else ""
         lines.append(f"{label:18} tokens/s: " + ", ".join(f"{n} {v:,.0f}" for n, v in speeds.items()) + ratio)
-    total = sum(results["profile"].values())
-    lines.append(f"gpt2 preset, time per step by op (events sum {total:.1f} ms; a profiled step "
-                 f"{results['profiled_step_ms']:.1f} ms wall):")
-    for name, ms in list(results["profile"].items())[:20]:
-        lines.append(f"  {name:32} {ms:8.2f} ms  {ms / total:6.1%}")
+    lines += profile_lines(results["profile"], f"gpt2 preset, time per step by op; a profiled step "
+                           f"{results['profiled_step_ms']:.1f} ms wall")
     return lines
 
 

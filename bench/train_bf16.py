@@ -25,7 +25,8 @@ import numpy as np
 from gpt2_cupy import backend, benchmark, data, testing
 from gpt2_cupy.train import Trainer, learning_rate, make_config
 
-from bench.train import GPT2, OpTimer, as_torch, torch_copy_of, torch_gpt, torch_optimizer
+from bench.train import (GPT2, OpTimer, as_torch, comparison_lines, profile_lines, torch_copy_of, torch_gpt,
+                         torch_optimizer)
 
 HERE = Path(__file__).resolve().parent
 COURSE = dict(corpus="tinyshakespeare", preset="course", batch_size=64, block_size=256)
@@ -225,22 +226,13 @@ def measure(arguments):
 def table(results):
     lines = [f"{results['device']}, {results['date']}"]
     if "comparison" in results:
-        comparison = results["comparison"]
-        lines.append(f"course preset in bf16, {comparison['config']['steps']} steps: validation loss "
-                     "(ours, torch, difference)")
-        for step, a, b, r in zip(comparison["steps"], comparison["gpt2_cupy"]["val_loss"],
-                                 comparison["torch"]["val_loss"], comparison["relative_difference"]):
-            lines.append(f"  step {step:5}  {a:.4f}  {b:.4f}  {r:.2%}")
-        lines.append(f"  within 2 % at every evaluation: {comparison['within_2_percent']}")
+        lines += comparison_lines(results["comparison"], "course preset in bf16")
     for label, entry in results["speed"].items():
         lines.append(label)
         for name, value in entry.items():
             lines.append(f"  {name:30} {value['tokens_per_second']:12,.0f} tokens/s  "
                          f"{value['memory_bytes'] / 2**30:6.2f} GiB")
-    total = sum(results["profile"].values())
-    lines.append(f"gpt2 preset in bf16, eager: time per step by op (events sum {total:.1f} ms):")
-    for name, ms in list(results["profile"].items())[:20]:
-        lines.append(f"  {name:32} {ms:8.2f} ms  {ms / total:6.1%}")
+    lines += profile_lines(results["profile"], "gpt2 preset in bf16, eager: time per step by op")
     return lines
 
 
