@@ -18,6 +18,9 @@ changes the strides the generated kernels read it through; contiguous() copies i
 
 Types follow PyTorch's promotion: bool < integers < floats; a Python number only lifts the category (an
 int tensor times 2.5 is float32, a float32 tensor plus 1 stays float32); / is always true division.
+bfloat16 is a float type narrower than float32: bf16 with bf16 (or with a Python number) stays bf16, bf16
+with float32 gives float32. bf16 operations compute in float32 and round their result once (elementwise's
+doc), and an input's gradient always has the input's dtype, as in PyTorch.
 """
 
 import builtins
@@ -30,17 +33,22 @@ import numpy
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import Function, Tensor, init_generator
 from gpt2_cupy.elementwise import broadcast_shapes, copy, elementwise
+from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.reduction import normalize_dims, reduce
 
-FLOAT32 = numpy.dtype(numpy.float32)
 INT64 = numpy.dtype(numpy.int64)
 BOOL = numpy.dtype(numpy.bool_)
 
 
 # ---- types ---------------------------------------------------------------------------------------------
 
+def is_floating(dtype):
+    """float16, 32, 64 or bfloat16 (whose numpy kind is "V", a type numpy itself does not know)."""
+    return numpy.dtype(dtype).kind == "f" or numpy.dtype(dtype) == BFLOAT16
+
+
 def _category(dtype):
-    return {"b": 0, "i": 1, "u": 1, "f": 2}[numpy.dtype(dtype).kind]
+    return 2 if is_floating(dtype) else {"b": 0, "i": 1, "u": 1}[numpy.dtype(dtype).kind]
 
 
 def _widest(dtypes):
@@ -69,7 +77,7 @@ def result_type(*operands):
 
 def floating(dtype):
     """The type a float function of dtype returns: float32 for integers and bools, as PyTorch's exp(int)."""
-    return numpy.dtype(dtype) if numpy.dtype(dtype).kind == "f" else FLOAT32
+    return numpy.dtype(dtype) if is_floating(dtype) else FLOAT32
 
 
 def as_operand(value):
@@ -120,13 +128,14 @@ class Binary(Function):
         if name == "div" or (name == "pow" and _category(dtype) == 2):
             dtype = floating(dtype)
         expression = BINARY[name][0]
-        if name == "pow" and dtype.kind != "f":  # integer powers, exactly, through double
+        if name == "pow" and not is_floating(dtype):  # integer powers, exactly, through double
             expression = "(long long)rint(pow((double)a, (double)b))"
         out = elementwise(name, expression, [a, b], compute_dtype=dtype, names=["self", "other"])
         # Only what the gradient rules read is kept: a sum keeps nothing of its operands, a product both.
         used = set(re.findall(r"\b[abc]\b", BINARY[name][1] + " " + BINARY[name][2]))
         ctx.save_for_backward(*(array if letter in used else None for letter, array in zip("abc", (a, b, out))))
         ctx.name, ctx.shapes = name, (numpy.shape(a), numpy.shape(b))
+        ctx.dtypes = (getattr(a, "dtype", None), getattr(b, "dtype", None))
         return out
 
     @staticmethod
@@ -134,13 +143,18 @@ class Binary(Function):
         _, rule_a, rule_b = BINARY[ctx.name]
         operands = [0.0 if array is None else array for array in ctx.saved_tensors] + [dout]
         gradients = []
-        for needed, rule, shape in zip(ctx.needs_input_grad, (rule_a, rule_b), ctx.shapes):
+        for needed, rule, shape, dtype in zip(ctx.needs_input_grad, (rule_a, rule_b), ctx.shapes, ctx.dtypes):
             if not needed:
                 gradients.append(None)
                 continue
             gradient = elementwise(f"{ctx.name}_backward", rule, operands, compute_dtype=dout.dtype)
-            gradients.append(sum_to(gradient, shape))
+            gradients.append(as_dtype(sum_to(gradient, shape), dtype))
         return gradients[0], gradients[1], None
+
+
+def as_dtype(gradient, dtype):
+    """gradient in dtype (an input's own), converted when an operation promoted it (bf16 + float32)."""
+    return gradient if gradient.dtype == dtype else elementwise("to", "a", [gradient], compute_dtype=dtype)
 
 
 def binary(name, a, b):
@@ -221,7 +235,7 @@ class Clamp(Function):
         dtype = result_type(x, *[v for v in (low, high) if v is not None])
         low = -math.inf if low is None else low
         high = math.inf if high is None else high
-        if dtype.kind != "f":  # integer bounds: the widest a long long holds
+        if not is_floating(dtype):  # integer bounds: the widest a long long holds
             low, high = max(low, -2**63), min(high, 2**63 - 1)
         return elementwise("clamp", "a < b ? b : (a > c ? c : a)", [x, low, high], compute_dtype=dtype)
 
@@ -231,7 +245,8 @@ class Clamp(Function):
         low = -math.inf if ctx.low is None else ctx.low
         high = math.inf if ctx.high is None else ctx.high
         # the gradient passes where low <= x <= high (both ends included, as PyTorch's)
-        return elementwise("clamp_backward", "(a >= b && a <= c) ? d : 0.0f", [x, low, high, dout]), None, None
+        return elementwise("clamp_backward", "(a >= b && a <= c) ? d : 0.0f", [x, low, high, dout],
+                           compute_dtype=dout.dtype), None, None
 
 
 def clamp(x, min=None, max=None):
@@ -248,6 +263,7 @@ class Where(Function):
         _check_bool("where", "condition", condition)
         ctx.save_for_backward(condition)
         ctx.shapes = [getattr(v, "shape", ()) for v in (a, b)]
+        ctx.dtypes = [getattr(v, "dtype", None) for v in (a, b)]
         return elementwise("where", "a ? b : c", [condition, a, b], compute_dtype=result_type(a, b),
                            names=["condition", "input", "other"])
 
@@ -258,7 +274,7 @@ class Where(Function):
         for index, expression in enumerate(("a ? b : 0.0f", "a ? 0.0f : b")):
             if ctx.needs_input_grad[index + 1]:
                 gradient = elementwise("where_backward", expression, [condition, dout], compute_dtype=dout.dtype)
-                gradients[index] = sum_to(gradient, ctx.shapes[index])
+                gradients[index] = as_dtype(sum_to(gradient, ctx.shapes[index]), ctx.dtypes[index])
         return None, *gradients
 
 
@@ -392,7 +408,7 @@ class Sum(Function):
         dims = normalize_dims("mean" if mean else "sum", dims, x.ndim)
         ctx.shape, ctx.dims, ctx.keepdim = x.shape, dims, keepdim
         count = math.prod(x.shape[d] for d in dims)
-        if mean and x.dtype.kind != "f":
+        if mean and not is_floating(x.dtype):
             raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be either a floating point "
                                f"or complex dtype. Got: {x.dtype}")
         ctx.scale = 1.0 / count if mean and count else (math.nan if mean else 1.0)
@@ -402,7 +418,7 @@ class Sum(Function):
     def backward(ctx, dout):
         gradient = _expand_back(dout, ctx.shape, ctx.dims, ctx.keepdim)
         if ctx.scale != 1.0:
-            gradient = elementwise("mean_backward", "a * b", [gradient, ctx.scale])
+            gradient = elementwise("mean_backward", "a * b", [gradient, ctx.scale], compute_dtype=gradient.dtype)
         return gradient, None, None, None
 
 
@@ -512,7 +528,7 @@ class LogSoftmax(Function):
         largest, _ = reduce("log_softmax", "max", x, (dim,), keepdim=True)
         shifted_exp = elementwise("log_softmax", "expf(a - b)", [x, largest])
         total = reduce("log_softmax", "sum", shifted_exp, (dim,), keepdim=True)
-        out = elementwise("log_softmax", "a - b - logf(c)", [x, largest, total])
+        out = elementwise("log_softmax", "a - b - logf(c)", [x, largest, total], compute_dtype=x.dtype)
         ctx.save_for_backward(out)
         ctx.dim = dim
         return out
@@ -521,7 +537,8 @@ class LogSoftmax(Function):
     def backward(ctx, dout):
         (out,) = ctx.saved_tensors  # d/dx = dout - softmax · Σ dout over the axis
         total = reduce("log_softmax_backward", "sum", dout, (ctx.dim,), keepdim=True)
-        return elementwise("log_softmax_backward", "a - expf(b) * c", [dout, out, total]), None
+        return elementwise("log_softmax_backward", "a - expf(b) * c", [dout, out, total],
+                           compute_dtype=dout.dtype), None
 
 
 def log_softmax(x, dim):
@@ -830,7 +847,7 @@ class Cast(Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return elementwise("to", "a", [dout], compute_dtype=ctx.dtype) if ctx.dtype.kind == "f" else None, None
+        return elementwise("to", "a", [dout], compute_dtype=ctx.dtype) if is_floating(ctx.dtype) else None, None
 
 
 def to_dtype(x, dtype):
