@@ -326,19 +326,23 @@ def _triangle(x, diagonal, upper):
 
 # ---- matrix products -------------------------------------------------------------------------------------
 
-def _batched_product(operation, a, b, transpose_a=False, transpose_b=False):
-    """op(a) @ op(b) over broadcast batch axes: a (..., M, K), b (..., K, N) -> (..., M, N), float32."""
+def _batched_product(operation, a, b, transpose_a=False, transpose_b=False, out_dtype=None):
+    """op(a) @ op(b) over broadcast batch axes: a (..., M, K), b (..., K, N) -> (..., M, N), of a's dtype
+    (float32, or bf16), or of out_dtype: float32 from bf16 inputs keeps the tensor cores' sums unrounded."""
     from gpt2_cupy.ops.matmul import batched_matmul, matmul
     a_rows = a.shape[-1] if transpose_a else a.shape[-2]
     b_columns = b.shape[-2] if transpose_b else b.shape[-1]
     batch = broadcast_shapes(operation, [a.shape[:-2], b.shape[:-2]], ["input", "other"])
+    out_dtype = a.dtype if out_dtype is None else out_dtype
     if b.ndim == 2 and not transpose_a:  # (..., M, K) @ (K, N): one matrix product over all rows
         rows = _contiguous(a).reshape(-1, a.shape[-1])
-        return matmul(rows, _contiguous(b), transpose_b=transpose_b).reshape(batch + (a_rows, b_columns))
+        out = backend.xp.empty((rows.shape[0], b_columns), dtype=out_dtype)
+        return matmul(rows, _contiguous(b), transpose_b=transpose_b, out=out).reshape(batch + (a_rows, b_columns))
     count = math.prod(batch)
     a = _contiguous(backend.xp.broadcast_to(a, batch + a.shape[-2:])).reshape((count,) + a.shape[-2:])
     b = _contiguous(backend.xp.broadcast_to(b, batch + b.shape[-2:])).reshape((count,) + b.shape[-2:])
-    out = batched_matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    out = backend.xp.empty((count, a_rows, b_columns), dtype=out_dtype)
+    batched_matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out=out)
     return out.reshape(batch + (a_rows, b_columns))
 
 
@@ -347,16 +351,23 @@ def _contiguous(array):
 
 
 class MatMul(Function):
+    """a @ b. a_bf16 and b_bf16: autocast's bf16 copies of a and b (matmul passes them inside an autocast
+    block); the product then runs in bf16, and the gradients keep a's and b's own dtypes."""
     accepts_strided = True
 
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(ctx, a, b, a_bf16=None, b_bf16=None):
         for name, array in (("input", a), ("other", b)):
-            if array.dtype != FLOAT32:
-                raise TypeError(f"matmul: {name} has dtype {array.dtype}; the matmul kernels take float32")
+            if array.dtype not in (FLOAT32, BFLOAT16):
+                raise TypeError(f"matmul: {name} has dtype {array.dtype}; the matmul kernels take float32 or bfloat16")
             if array.ndim == 0:
                 raise RuntimeError(f"matmul: both arguments to matmul need to be at least 1D, but they are "
                                    f"{a.ndim}D and {b.ndim}D")
+        ctx.dtypes = (a.dtype, b.dtype)
+        if a_bf16 is not None:
+            a, b = a_bf16, b_bf16
+        if a.dtype != b.dtype:
+            raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {a.dtype} != {b.dtype}")
         ctx.shapes = (a.shape, b.shape)
         a2 = a.reshape(1, -1) if a.ndim == 1 else a  # a vector is a one-row (or one-column) matrix
         b2 = b.reshape(-1, 1) if b.ndim == 1 else b
@@ -378,15 +389,20 @@ class MatMul(Function):
         dout = dout.reshape(ctx.full_shape)
         da = db = None
         if ctx.needs_input_grad[0]:  # dA = dout Bᵀ
-            da = sum_to(_batched_product("matmul_backward", dout, b2, transpose_b=True), a2.shape)
-            da = da.reshape(ctx.shapes[0])
+            da = _batched_product("matmul_backward", dout, b2, transpose_b=True, out_dtype=ctx.dtypes[0])
+            da = sum_to(da, a2.shape).reshape(ctx.shapes[0])
         if ctx.needs_input_grad[1]:  # dB = Aᵀ dout
-            db = sum_to(_batched_product("matmul_backward", a2, dout, transpose_a=True), b2.shape)
-            db = db.reshape(ctx.shapes[1])
-        return da, db
+            db = _batched_product("matmul_backward", a2, dout, transpose_a=True, out_dtype=ctx.dtypes[1])
+            db = sum_to(db, b2.shape).reshape(ctx.shapes[1])
+        return da, db, None, None
 
 
 def matmul(a, b):
+    """a @ b, batched and broadcasting as torch.matmul; inside gpt2_cupy.autocast in bf16 (float32 inputs
+    converted, a parameter's copy cached for the block), with a bf16 result."""
+    from gpt2_cupy import amp
+    if amp.autocast_dtype() is not None:
+        return MatMul.apply(a, b, amp.product_input(a), amp.product_input(b))
     return MatMul.apply(a, b)
 
 
