@@ -788,11 +788,12 @@ class Index(Function):
 
     @staticmethod
     def backward(ctx, dout):
+        if ctx.advanced:  # an index may repeat: each of its uses adds its gradient, summed in float32 for bf16
+            gradient = backend.xp.zeros(ctx.shape, dtype=FLOAT32 if dout.dtype == BFLOAT16 else dout.dtype)
+            backend.xp.add.at(gradient, ctx.key, as_dtype(dout, gradient.dtype))
+            return as_dtype(gradient, dout.dtype), None, None
         gradient = backend.xp.zeros(ctx.shape, dtype=dout.dtype)
-        if ctx.advanced:  # an index may repeat: each of its uses adds its gradient
-            backend.xp.add.at(gradient, ctx.key, dout)
-        else:
-            gradient[ctx.key] = dout
+        gradient[ctx.key] = dout
         return gradient, None, None
 
 
