@@ -108,12 +108,12 @@ def autocast_dtype():
     return _blocks[-1][0] if _blocks else None
 
 
-def to_bf16(array):
+def as_bf16(array):
     """A backend array in bf16: itself if it is bf16 already, else a rounded copy (a generated kernel)."""
     if array.dtype == BFLOAT16:
         return array
     from gpt2_cupy.elementwise import elementwise
-    return elementwise("to_bf16", "a", [array], compute_dtype=BFLOAT16)
+    return elementwise("as_bf16", "a", [array], compute_dtype=BFLOAT16)
 
 
 def product_input(tensor):
@@ -124,10 +124,10 @@ def product_input(tensor):
     cacheable = (isinstance(tensor, Tensor) and tensor.is_leaf and tensor.requires_grad and _blocks
                  and _blocks[-1][1] and array.dtype != BFLOAT16)
     if not cacheable:
-        return to_bf16(array)
+        return as_bf16(array)
     cached = _weight_cache.get(id(tensor))
     if cached is None or cached[1] is not array:   # new, or its .data was replaced since
-        cached = (tensor, array, to_bf16(array))
+        cached = (tensor, array, as_bf16(array))
         _weight_cache[id(tensor)] = cached
     return cached[2]
 

@@ -25,6 +25,10 @@ Gradients are summed, never overwritten: a tensor used twice receives the sum of
 usually added by the op itself, into the buffer ctx.grad_buffer(i) hands it. When a leaf has no .grad yet
 and an optimizer reserved a place for it in its flat gradient buffer (leaf._grad_slot), that place becomes
 its .grad: an optimisation the graph does not depend on.
+
+A gradient has its tensor's dtype, as in PyTorch: bf16 activations (gpt2_cupy.amp) receive bf16 gradients,
+float32 parameters float32 ones. The ops add parameter gradients in float32; for a parameter of another
+dtype ctx.grad_buffer hands out a float32 buffer, which the Node converts to the parameter's dtype.
 """
 
 import contextlib

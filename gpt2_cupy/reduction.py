@@ -24,6 +24,9 @@ generated elementwise kernel into the order (kept axes, reduced axes), which is 
 The order in which partial results are combined is fixed by the code, never by timing (no atomics),
 so a reduction gives the same bits on every run, split or not. max and min keep the earliest index among
 equal values and let NaN win, as PyTorch's do.
+
+A bf16 input is read into float32 partials (a bf16 running sum would lose its small addends once it is
+large) and its result, bf16 as in PyTorch, is rounded once when it is stored.
 """
 
 import math

@@ -53,7 +53,7 @@ class Linear(Function):
         # gradients keep x's and weight's own dtypes (weight's float32, summed so on the tensor cores)
         ctx.x_dtype = x.dtype
         if weight_bf16 is not None:
-            x, weight = amp.to_bf16(x), weight_bf16
+            x, weight = amp.as_bf16(x), weight_bf16
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return linear_forward(x, weight, None if bias is None else _float32(bias))
