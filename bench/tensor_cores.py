@@ -5,10 +5,11 @@
                                                                   small size and checks it; no timings, no file
 
 At 4096³ (C = A Bᵀ, the forward layout, B stored N x K) each kernel of the chapter and the package's op at
-each precision, against cuBLAS in the same run: float32 through cupy.matmul (CUPY_TF32=0), TF32 and bf16
+each precision (and, on an H100 or H200, the wgmma kernel of section 4.8 on bf16 copies), against cuBLAS in
+the same run: float32 through cupy.matmul (CUPY_TF32=0), TF32 and bf16
 through PyTorch (torch.matmul with allow_tf32, and on bf16 tensors) when it is installed. Then GPT-2 small's
 Linear products (8192 rows: forward x Wᵀ, input gradient dy W, weight gradient dW += dyᵀ x) at each precision
-against cuBLAS at the same precision. Each result is checked against cuBLAS float32 before it is timed, and the
+against cuBLAS at the same precision, and the forward product through wgmma where it runs. Each result is checked against cuBLAS float32 before it is timed, and the
 error of each precision against float64 is measured at 4096³. chapters/15_tensor_cores.ipynb imports this file.
 """
 
@@ -22,6 +23,7 @@ import numpy  # noqa: E402
 from gpt2_cupy import backend, benchmark, kernels  # noqa: E402
 from gpt2_cupy.ops.matmul import matmul  # noqa: E402
 from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_matmul, tensor_core_matmul, to_bf16  # noqa: E402
+from gpt2_cupy.ops.wgmma_matmul import wgmma_matmul  # noqa: E402
 from gpt2_cupy.testing import relative_error, torch_or_none  # noqa: E402
 
 SQUARE = 4096
@@ -38,6 +40,11 @@ def _random(shape, seed):
 
 def _blocks(n, size):
     return (n + size - 1) // size
+
+
+def _has_wgmma():
+    """wgmma runs on compute capability 9.0 (H100, H200), and on the CPU executor, which emulates it."""
+    return backend.name != "cuda" or backend.xp.cuda.Device().compute_capability == "90"
 
 
 def _torch():
@@ -68,6 +75,8 @@ def square_versions(a, b, c):
             a, b, transpose_b=True, out=c, precision="medium")),
         "float32 (gpt2_cupy matmul, chapter 01)": ("float32", lambda: matmul(a, b, transpose_b=True, out=c)),
     }
+    if _has_wgmma():
+        versions["bf16 wgmma (wgmma_matmul on bf16 copies)"] = ("medium", lambda: wgmma_matmul(a16, b16, out=c))
     if backend.name == "cuda":
         versions["cuBLAS float32 (cupy.matmul)"] = ("float32", lambda: backend.xp.matmul(a, b.T, out=c))
     torch = _torch()
@@ -141,6 +150,12 @@ def linear_products(C_in, C_out, rows=GPT2_ROWS):
             if not error < TOLERANCE[precision]:
                 raise AssertionError(f"{product} {M}x{N}x{K} at {precision}: relative error {error:.2e}")
             row[PRECISION_NAMES[precision]] = flop / seconds(lambda: ours(precision)) / 1e12  # noqa: B023
+        if product.startswith("x Wᵀ") and _has_wgmma():   # the layout wgmma_matmul takes, on bf16 copies
+            x16, w16 = to_bf16(x)[0], to_bf16(w)[0]
+            error = relative_error(wgmma_matmul(x16, w16), cublas())
+            if not error < TOLERANCE["medium"]:
+                raise AssertionError(f"{product} {M}x{N}x{K} through wgmma: relative error {error:.2e}")
+            row["bf16 wgmma"] = flop / seconds(lambda: wgmma_matmul(x16, w16)) / 1e12  # noqa: B023
         if backend.name == "cuda":
             row["cuBLAS float32"] = flop / seconds(cublas) / 1e12
         if torch is not None:

@@ -187,6 +187,9 @@ cuda = types.SimpleNamespace(
     # one generator seeds both backends here, so torch.cuda.manual_seed(s) is torch.manual_seed(s)
     manual_seed=lambda seed: __getattr__("manual_seed")(seed),
     manual_seed_all=lambda seed: __getattr__("manual_seed")(seed),
+    CUDAGraph=lambda: __import__("gpt2_cupy.graphs").graphs.CUDAGraph(),
+    graph=lambda cuda_graph, pool=None, stream=None, capture_error_mode="global":
+        __import__("gpt2_cupy.graphs").graphs.graph(cuda_graph, pool, stream, capture_error_mode),
 )
 
 

@@ -13,8 +13,15 @@ Everything else imports the names below and never asks which backend is active:
     RawModule(code=..., options=(), name_expressions=None) with .get_function(name)
                   CuPy's own (or the executor's), with kernels/include/ on the include path, so that any
                   kernel, a chapter's cell as well as a file of kernels/, may `#include "warp.cuh"`
+    fill_zero(a)  a[...] = 0, on the device
+    copy_into(dst, src)      dst[...] = src, on the device (src may be a numpy array: one host-to-device copy)
 
 A kernel is called exactly like CuPy's: kernel(grid, block, args, shared_mem=0).
+
+Inside a CUDA graph's capture (gpt2_cupy.graphs) nothing runs: on a GPU, CuPy's launches, fills and
+copies go to the capturing stream, which records them; on the CPU the executor's kernels, fill_zero and
+copy_into are recorded here instead of run. A host copy (asnumpy, and so .item(), float(), print of a
+tensor) or synchronize() inside capture raises RuntimeError: there is nothing to read before a replay.
 
 The choice: GPT2_CUPY_BACKEND=cuda|cpu; unset means cuda when CuPy imports and sees a device, else cpu.
 On cuda the arrays and kernels are CuPy's own objects, so there is no wrapper in the hot path.
@@ -59,15 +66,64 @@ def _choose():
 
 _cupy = _choose()
 
+# ---- CUDA graph capture: set by gpt2_cupy.graphs while a `with graph(g):` block runs ---------------------
+
+_capturing = False   # a graph is being captured: host copies and synchronisation are refused
+_recording = None    # on the CPU, the graphs.Recording that takes the launches, fills and copies meanwhile
+
+
+def set_capture(recording):
+    """Start (a Recording on the CPU, True on a GPU) or end (None) a capture. For gpt2_cupy.graphs only."""
+    global _capturing, _recording
+    _capturing = recording is not None
+    _recording = recording if name == "cpu" else None
+
+
+def set_array_module(module):
+    """CPU only: the numpy stand-in that gpt2_cupy.graphs puts in xp's place during a warm-up or a capture
+    (it records the calls a capture makes), or numpy itself again. For gpt2_cupy.graphs only."""
+    global xp
+    if name != "cpu":
+        raise RuntimeError("set_array_module: on a GPU, xp stays CuPy (its stream records what a capture needs)")
+    xp = module
+
+
+def refuse_under_capture(call):
+    """RuntimeError naming `call` when a graph is being captured: capture forbids host copies and syncs."""
+    if _capturing:
+        raise RuntimeError(
+            f"{call} inside CUDA graph capture: capture forbids host copies and synchronisation. Inside "
+            "`with graph(g):` nothing has run yet (the kernels are recorded, not executed), so there is no "
+            "value to read; read results after g.replay(), outside the block.")
+
+
 if _cupy is not None:
     name = "cuda"
     xp = _cupy
     _RawKernel = _cupy.RawKernel
     _RawModule = _cupy.RawModule
-    asnumpy = _cupy.asnumpy
+
+    def asnumpy(a):
+        refuse_under_capture("backend.asnumpy (a host copy, as .item(), .tolist(), float() and print make)")
+        return _cupy.asnumpy(a)
 
     def synchronize():
+        refuse_under_capture("backend.synchronize()")
         _cupy.cuda.get_current_stream().synchronize()
+
+    def fill_zero(array):
+        """array[...] = 0: a memset on the current stream (inside capture, the capturing stream records it)."""
+        array.fill(0)
+
+    def copy_into(dst, src):
+        """dst[...] = src on the current stream; src a device array, or a numpy array (one host-to-device copy)."""
+        _check_copy(dst, src)
+        if isinstance(src, numpy.ndarray):
+            # A capture would keep the host address of src and read it again at every replay.
+            refuse_under_capture("backend.copy_into from a numpy array (a host-to-device copy)")
+            dst.set(src)
+        else:
+            _cupy.copyto(dst, src)
 
     def device_name():
         properties = _cupy.cuda.runtime.getDeviceProperties(_cupy.cuda.Device().id)
@@ -90,10 +146,27 @@ else:
     from .cpu import RawKernel as _RawKernel, RawModule as _RawModule  # (only the CPU backend needs the executor)
 
     def asnumpy(a):
+        refuse_under_capture("backend.asnumpy (a host copy, as .item(), .tolist(), float() and print make)")
         return numpy.asarray(a)
 
     def synchronize():
         """Launches on the CPU executor return when the kernel has finished."""
+        refuse_under_capture("backend.synchronize()")
+
+    def fill_zero(array):
+        """array[...] = 0 (recorded, not run, inside a graph's capture)."""
+        if _recording is not None:
+            _recording.fill_zero(array)
+        else:
+            array.fill(0)
+
+    def copy_into(dst, src):
+        """dst[...] = src (recorded, not run, inside a graph's capture)."""
+        _check_copy(dst, src)
+        if _recording is not None:
+            _recording.copy_into(dst, src)
+        else:
+            numpy.copyto(dst, src)
 
     def device_name():
         from .cpu import describe_host
@@ -113,14 +186,60 @@ else:
         return MAX_DYNAMIC_SHARED_BYTES
 
 
+def _check_copy(dst, src):
+    if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+        raise ValueError(f"copy_into: dst is {dst.dtype} {tuple(dst.shape)}, src {src.dtype} {tuple(src.shape)}; "
+                         "they must have the same shape and dtype")
+
+
+class _RecordableKernel:
+    """An executor kernel that a CPU graph's capture records instead of running (CUDA has no need of it:
+    the capturing stream records CuPy's own launches)."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+
+    def __call__(self, grid, block, args, shared_mem=0, **checks_wanted):
+        if _recording is not None:
+            _recording.launch(self._kernel, grid, block, args, shared_mem, checks_wanted)
+        else:
+            self._kernel(grid, block, args, shared_mem, **checks_wanted)
+
+    @property
+    def max_dynamic_shared_size_bytes(self):
+        return self._kernel.max_dynamic_shared_size_bytes
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value):
+        self._kernel.max_dynamic_shared_size_bytes = value
+
+    def __getattr__(self, attribute):  # compile(), max_threads_per_block, ...: the executor's own
+        return getattr(self._kernel, attribute)
+
+
+class _RecordableModule:
+    """An executor RawModule whose functions are _RecordableKernels."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def get_function(self, name):
+        return _RecordableKernel(self._module.get_function(name))
+
+    def __getattr__(self, attribute):  # compile(), get_global(), ...
+        return getattr(self._module, attribute)
+
+
 def RawKernel(code, name, options=(), **keywords):
     """The backend's RawKernel, able to #include the device helpers of kernels/include/."""
-    return _RawKernel(code, name, options=tuple(options) + kernels.include_options(), **keywords)
+    kernel = _RawKernel(code, name, options=tuple(options) + kernels.include_options(), **keywords)
+    return kernel if _cupy is not None else _RecordableKernel(kernel)
 
 
 def RawModule(code=None, options=(), **keywords):
     """The backend's RawModule, able to #include the device helpers of kernels/include/."""
-    return _RawModule(code=code, options=tuple(options) + kernels.include_options(), **keywords)
+    module = _RawModule(code=code, options=tuple(options) + kernels.include_options(), **keywords)
+    return module if _cupy is not None else _RecordableModule(module)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,11 @@ skipped at some steps gets the bias correction of the optimizer's step count.
 
 The hyperparameters of every group live in a small float64 device array, copied from `param_groups`
 at a step where one of them changed; the step count and the bias corrections are computed on the device.
+
+Ready for CUDA graphs (gpt2_cupy.graphs): zero_grad, clip_grad_norm_ and step launch kernels and
+backend.fill_zero / copy_into only, never a host copy, so each can be captured and replayed. A captured
+step() reads the hyperparameters from the device array: change the learning rate with
+`group["lr"] = ...; optimizer.upload_hyperparameters()` before the replay, outside the capture.
 """
 
 import numpy as np
@@ -118,39 +123,44 @@ class Optimizer:
             p, _, data_view, slot = entry
             if p.data is not data_view:
                 _check_replacement(self.name, "data", p.data, data_view)
-                data_view[...] = p.data
+                backend.copy_into(data_view, p.data)
                 p.data = data_view
             if p.grad is None or not getattr(p, "requires_grad", True):
                 skipped.append(entry)
                 if p.grad is None and not slot.zeroed:
-                    slot.array.fill(0)
+                    backend.fill_zero(slot.array)
                     slot.zeroed = True
             elif p.grad is not slot.array:
                 _check_replacement(self.name, "grad", p.grad, slot.array)
-                slot.array[...] = p.grad
+                backend.copy_into(slot.array, p.grad)
                 p.grad, slot.zeroed = slot.array, False
         return skipped
 
     def _update_all_but(self, skipped, update):
         """Run update() (one launch over the whole buffer), then put the skipped parameters and their state back."""
-        kept = [(p_slice, [self.flat_params[p_slice].copy()] + [self.state[name][p_slice].copy()
-                                                                for name in self.state_names])
-                for _, p_slice, _, _ in skipped]
+        buffers = [self.flat_params] + [self.state[name] for name in self.state_names]
+        kept = [(p_slice, [_device_copy(buffer[p_slice]) for buffer in buffers]) for _, p_slice, _, _ in skipped]
         update()
-        for p_slice, (params, *states) in kept:
-            self.flat_params[p_slice] = params
-            for name, values in zip(self.state_names, states):
-                self.state[name][p_slice] = values
+        for p_slice, copies in kept:
+            for buffer, copy in zip(buffers, copies):
+                backend.copy_into(buffer[p_slice], copy)
 
-    def _upload_hyperparameters(self):
-        """Copy the groups' hyperparameters to the device when one changed since the last step."""
+    def upload_hyperparameters(self):
+        """Copy the groups' hyperparameters to the device when one changed since the last upload.
+
+        step() does it first; a step() captured in a CUDA graph reads what was uploaded last, so call this
+        before each replay, after changing param_groups (the learning rate of the schedule).
+        """
         values = tuple(tuple(self._hyperparameter_values(group)) for group in self.param_groups)
         if values != self._uploaded:
+            backend.refuse_under_capture(f"{self.name}.step() with changed hyperparameters (their upload is a "
+                                         "host-to-device copy; call upload_hyperparameters() before capture "
+                                         "and before each replay)")
             for number, group in enumerate(self.param_groups):
                 self._check_hyperparameters(group, number)
             table = np.zeros((len(values), kernels_of.HYPERPARAMETERS), dtype=np.float64)
             table[:, :len(values[0])] = values
-            self._hyperparameters[...] = backend.xp.asarray(table)
+            backend.copy_into(self._hyperparameters, table)
             self._uploaded = values
 
     # ---- what every step needs ---------------------------------------------------------------------------
@@ -158,7 +168,7 @@ class Optimizer:
     def zero_grad(self, set_to_none=True):
         """Zero every gradient: one memset over the flat buffer; with set_to_none (PyTorch's default) every
         .grad becomes None as well, so that a parameter the next forward does not use is skipped."""
-        self.flat_grads.fill(0)
+        backend.fill_zero(self.flat_grads)
         for p, _, _, slot in self._packed:
             if set_to_none or p.grad is None:
                 p.grad, slot.zeroed = None, True
@@ -173,7 +183,7 @@ class Optimizer:
         self._gather()
         kernels_of.gradient_norm(self.flat_grads, self._partial_sums, self._norm)
         kernels_of.clip_gradients(self.flat_grads, self._norm, max_norm)
-        return self._norm.copy()  # the caller's own: the next call overwrites self._norm
+        return _device_copy(self._norm)  # the caller's own: the next call overwrites self._norm
 
     # ---- checkpoints -------------------------------------------------------------------------------------
 
@@ -251,7 +261,7 @@ class AdamW(Optimizer):
     def step(self):
         """One AdamW update of every parameter from its gradient (a one-thread launch, then one launch)."""
         skipped = self._gather()
-        self._upload_hyperparameters()
+        self.upload_hyperparameters()
         kernels_of.adamw_prepare_step(self._step_scalars, self.state["step"], self._hyperparameters)
         self._update_all_but(skipped, lambda: kernels_of.adamw_update(
             self.flat_params, self.state["exp_avg"], self.state["exp_avg_sq"], self.flat_grads,
@@ -278,9 +288,16 @@ class SGD(Optimizer):
     def step(self):
         """One SGD update of every parameter (one launch)."""
         skipped = self._gather()
-        self._upload_hyperparameters()
+        self.upload_hyperparameters()
         self._update_all_but(skipped, lambda: kernels_of.sgd_update(
             self.flat_params, self.state["momentum_buffer"], self.flat_grads, self._hyperparameters, self._group_ends))
+
+
+def _device_copy(array):
+    """A new device array with array's values (a device-to-device copy, which a graph can capture)."""
+    copy = backend.xp.empty(array.shape, dtype=array.dtype)
+    backend.copy_into(copy, array)
+    return copy
 
 
 def _as_groups(name, params_or_groups):

@@ -6,7 +6,9 @@
 
 One step: for each of grad_accum micro-batches, forward and backward (the gradients add up in the
 optimizer's flat buffer); then clip the gradient norm, set the learning rate, one AdamW step, zero the
-gradients. Everything a run writes goes to out_dir (default runs/<corpus>-<preset>/):
+gradients. With cuda_graph (the default) the step runs as CUDA graphs (gpt2_cupy.graphs), captured after
+one eager step and replayed with no Python per kernel, with the same results bit for bit: see
+TrainingGraphs. Everything a run writes goes to out_dir (default runs/<corpus>-<preset>/):
 
     checkpoint.npz   model, optimizer state, step, the data sampler's and dropout's random state
     best.npz         the same at the evaluation with the lowest validation loss so far: on a small corpus the
@@ -32,10 +34,12 @@ import numpy
 
 from gpt2_cupy import backend, checkpoint, data
 from gpt2_cupy.autograd import dropout_rng_state, manual_seed, no_grad
+from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
 from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.ops.arrays import ceil_div
-from gpt2_cupy.precision import PRECISIONS, set_float32_matmul_precision
+from gpt2_cupy.ops.residual import residual_forward
+from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision, set_float32_matmul_precision
 
 RUNS_DIR = Path("runs")
 
@@ -80,6 +84,8 @@ class TrainConfig:
     norm: str = "layernorm"         # "layernorm" or "dyt"
     attention: str = "softmax"      # "softmax" or "relu"
     matmul_precision: str = "highest"  # set_float32_matmul_precision's: "highest", "high" (TF32), "medium" (bf16)
+    cuda_graph: bool = True         # the step and the evaluation as CUDA graphs (also on the CPU executor, which
+                                    # records and replays them); False: launch by launch, for debugging
     vocab_size: int = None          # None: the corpus's tokenizer's (or, without one, the largest id + 1)
     eval_interval: int = None       # steps between evaluations on the validation split
     eval_batches: int = None        # validation batches per evaluation (the same ones; at most all of them)
@@ -225,9 +231,9 @@ class Trainer:
         self.val_batches = data.Batches(val_tokens, B, T)
         # A small validation split (tinyshakespeare's holds 2 batches of the course preset) is used whole.
         self.eval_batches = min(config.eval_batches, self.val_batches.sequential_batches)
-        # The backward of a micro-batch starts from d(loss)/d(loss) = 1/grad_accum, so the summed
-        # gradient is that of the mean loss over the micro-batches.
-        self.backward_seed = backend.xp.full((), 1.0 / config.grad_accum, dtype=numpy.float32)
+        self.backward_seed = self.backward_seed_value = None  # set_backward_seed() makes it
+        self.set_backward_seed()
+        self.graphs = TrainingGraphs(self)
         self.step = 0
         self.stop_requested = False
         self.updating = False  # True while optimizer.step() changes the parameters
@@ -237,8 +243,42 @@ class Trainer:
     # ---- one step, one evaluation -------------------------------------------------------------------------
 
     def train_step(self):
-        """One optimizer step; returns (mean loss, gradient norm before clipping), host floats."""
+        """One optimizer step; returns (mean loss, gradient norm before clipping, learning rate), host floats."""
         self.model.train()
+        self.set_backward_seed()
+        if not self.config.cuda_graph:
+            return self.step_with(self.accumulate_eagerly, self.update_eagerly)
+        if self.graphs.training_is_current():
+            return self.step_with(self.graphs.accumulate, self.graphs.update)
+        # The first step, or the first after a change the graphs depend on: eagerly, with the graphs' memory
+        # pool, so that every buffer the step needs exists; then the graphs are captured (nothing runs).
+        with self.graphs.warm_up():
+            result = self.step_with(self.accumulate_eagerly, self.update_eagerly)
+        self.graphs.capture_training()
+        return result
+
+    def step_with(self, accumulate, update):
+        """The step around its two halves: accumulate() the gradients, read the loss and the norm (the one
+        host copy of the step, for the log, the progress bar and the NaN check); then update()."""
+        loss_value, norm_value = accumulate()
+        loss_value /= self.config.grad_accum
+        if not math.isfinite(loss_value):
+            self.forget_gradients()
+            kept = f"the last checkpoint, {self.checkpoint_path}, is kept" if self.checkpoint_path.exists() else \
+                "no checkpoint was written yet"
+            raise TrainingDiverged(f"step {self.step + 1}: the training loss is {loss_value}; stopped before the "
+                                   f"update ({kept}). Try a lower learning rate or stronger gradient clipping.")
+        lr = learning_rate(self.step, self.config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.updating = True
+        update()
+        self.updating = False
+        self.step += 1
+        return loss_value, norm_value, lr
+
+    def accumulate_eagerly(self):
+        """grad_accum forwards and backwards, then clipping, launch by launch; (loss sum, norm) as host floats."""
         loss_sum = backend.xp.zeros((), dtype=numpy.float32)
         for _ in range(self.config.grad_accum):
             inputs, targets = self.train_batches.sample()
@@ -249,24 +289,27 @@ class Trainer:
             norm = self.optimizer.clip_grad_norm_(self.config.grad_clip)
         else:
             norm = backend.xp.zeros((), dtype=numpy.float32)
-        # The one host copy of the step: the loss, for the log, the progress bar and the NaN check.
         loss_value, norm_value = (float(v) for v in backend.asnumpy(backend.xp.stack([loss_sum, norm])))
-        loss_value /= self.config.grad_accum
-        if not math.isfinite(loss_value):
-            self.optimizer.zero_grad()
-            kept = f"the last checkpoint, {self.checkpoint_path}, is kept" if self.checkpoint_path.exists() else \
-                "no checkpoint was written yet"
-            raise TrainingDiverged(f"step {self.step + 1}: the training loss is {loss_value}; stopped before the "
-                                   f"update ({kept}). Try a lower learning rate or stronger gradient clipping.")
-        lr = learning_rate(self.step, self.config)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.updating = True
+        return loss_value, norm_value
+
+    def update_eagerly(self):
         self.optimizer.step()
-        self.updating = False
         self.optimizer.zero_grad()
-        self.step += 1
-        return loss_value, norm_value, lr
+
+    def set_backward_seed(self):
+        """d(loss)/d(loss) for each micro-batch's backward: 1/grad_accum, so that the summed gradient is that
+        of the mean loss. Rewritten in place when grad_accum changes, so that a captured backward reads it."""
+        value = numpy.float32(1.0 / self.config.grad_accum)
+        if self.backward_seed is None:
+            self.backward_seed = backend.xp.full((), value, dtype=numpy.float32)
+        elif value != self.backward_seed_value:
+            backend.copy_into(self.backward_seed, numpy.full((), value, dtype=numpy.float32))
+        self.backward_seed_value = value
+
+    def forget_gradients(self):
+        """Zero what a step has accumulated so far (gradients, and the graphs' loss sum)."""
+        self.optimizer.zero_grad()
+        self.graphs.forget_step()
 
     def random_state(self):
         """Where the training windows' generator and dropout's generator are (dropout's: a device copy)."""
@@ -277,18 +320,35 @@ class Trainer:
         batches_state, dropout_state = random_state
         self.train_batches.random_generator.bit_generator.state = batches_state
         dropout_rng_state()[...] = dropout_state
-        self.optimizer.zero_grad()
+        self.forget_gradients()
 
     def evaluate(self):
         """The mean loss over the first eval_batches validation batches (the same ones every time)."""
         self.model.eval()
+        try:
+            if not self.config.cuda_graph:
+                total = self.evaluate_eagerly()
+            elif self.graphs.evaluation_is_current():
+                total = self.graphs.evaluate(self.validation_batches())
+            else:  # the first evaluation: eagerly in the graphs' pool, then captured
+                with self.graphs.warm_up():
+                    total = self.evaluate_eagerly()
+                self.graphs.capture_evaluation()
+        finally:
+            self.model.train()
+        return total / self.eval_batches
+
+    def validation_batches(self):
+        return (batch for _, batch in zip(range(self.eval_batches), self.val_batches.sequential()))
+
+    def evaluate_eagerly(self):
+        """The sum of the validation batches' losses, a host float."""
         total = backend.xp.zeros((), dtype=numpy.float32)
         with no_grad():
-            for _, (inputs, targets) in zip(range(self.eval_batches), self.val_batches.sequential()):
+            for inputs, targets in self.validation_batches():
                 _, loss = self.model(inputs, targets)
                 total += loss.data
-        self.model.train()
-        return float(backend.asnumpy(total)) / self.eval_batches
+        return float(backend.asnumpy(total))
 
     # ---- checkpoints --------------------------------------------------------------------------------------
 
@@ -420,6 +480,140 @@ class Trainer:
             signal.signal(signal.SIGINT, previous_handler)
 
 
+class TrainingGraphs:
+    """A Trainer's step and evaluation as CUDA graphs (gpt2_cupy.graphs), sharing one memory pool:
+
+        micro_step_graph   forward, loss and backward of the batch in the static buffers inputs and targets;
+                           the gradients add into the optimizer's flat buffer, the loss into report[0]
+        clip_graph         the gradients' global norm into report[1], the gradients clipped (when grad_clip > 0)
+        update_graph       one AdamW step (learning rate and step count read from device memory), then the
+                           gradients and the report zeroed for the next step
+        evaluation_graph   forward and loss of the validation batch in val_inputs, val_targets under no_grad,
+                           the loss added into val_total
+
+    A step: for each micro-batch, copy the batch into inputs and targets and replay micro_step_graph;
+    replay clip_graph; read report (loss sum and norm) with one host copy; stop there on a NaN loss, before
+    anything is updated; write the learning rate into the optimizer's device array; replay update_graph.
+
+    Why the step waits for the GPU once, between the gradients and the update: the host needs the loss for
+    the log anyway, and with it in hand a non-finite loss skips the update on the host, so the parameters
+    and AdamW's moments stay as they were, exactly as in the eager step. The alternative, one graph for the
+    whole step with the update skipped on the device (AdamW reading a "loss is finite" flag), would let the
+    host queue the next step before this one ends; what that wait costs has not been measured here.
+
+    Everything a graph reads at a replay is in device memory, the same arrays every time: the batch, the
+    learning rate (optimizer.upload_hyperparameters()), AdamW's step count, dropout's Philox (seed, offset),
+    which the captured dropout kernels advance on the device. What a replay cannot see is what was fixed at
+    capture: the module modes (train or eval), dropout probabilities, the clipping threshold, the matmul
+    precision, which arrays the parameters are. Before each replay a signature of those is compared with
+    the one at capture; when it differs the step runs eagerly again (the warm-up) and the graphs are
+    captured anew, rather than replaying a graph of another model.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.pool = None
+        self.training_signature = self.evaluation_signature = None  # what each was captured with (None: not yet)
+        self.report = None        # (loss sum, gradient norm) of the current step, float32
+        self.val_total = None     # the sum of an evaluation's losses, float32 (1,)
+
+    def signature(self):
+        trainer = self.trainer
+        modules = list(trainer.model.modules())
+        return (tuple(module.training for module in modules), tuple(getattr(module, "p", None) for module in modules),
+                tuple(id(parameter.data) for parameter in trainer.model.parameters()), id(dropout_rng_state()),
+                get_float32_matmul_precision(), trainer.config.grad_clip, trainer.config.batch_size,
+                trainer.config.block_size)
+
+    def training_is_current(self):
+        return self.training_signature is not None and self.training_signature == self.signature()
+
+    def evaluation_is_current(self):
+        return self.evaluation_signature is not None and self.evaluation_signature == self.signature()
+
+    def warm_up(self):
+        """The block runs eagerly with the graphs' pool, so that the capture after it finds its memory there."""
+        if self.pool is None:
+            self.pool = graph_pool_handle()
+        return use_pool(self.pool)
+
+    def static_batch(self):
+        """Two (B, T) int32 device buffers for a graph's input ids and targets; zeros are valid ids."""
+        shape = (self.trainer.config.batch_size, self.trainer.config.block_size)
+        return backend.xp.zeros(shape, dtype=numpy.int32), backend.xp.zeros(shape, dtype=numpy.int32)
+
+    # ---- training -----------------------------------------------------------------------------------------
+
+    def capture_training(self):
+        trainer, model, optimizer = self.trainer, self.trainer.model, self.trainer.optimizer
+        self.training_signature = None
+        if self.report is None:
+            self.report = backend.xp.zeros(2, dtype=numpy.float32)
+            self.inputs, self.targets = self.static_batch()
+        loss_sum, norm = self.report[0:1], self.report[1:2]
+        self.micro_step_graph, self.clip_graph, self.update_graph = CUDAGraph(), None, CUDAGraph()
+        with graph(self.micro_step_graph, pool=self.pool):
+            _, loss = model(self.inputs, self.targets)
+            loss.backward(trainer.backward_seed)
+            residual_forward(loss_sum, loss.data.reshape(1), out=loss_sum)
+        del loss  # the graph's activations go back to the pool
+        if trainer.config.grad_clip > 0:
+            self.clip_graph = CUDAGraph()
+            with graph(self.clip_graph, pool=self.pool):
+                backend.copy_into(norm, optimizer.clip_grad_norm_(trainer.config.grad_clip).reshape(1))
+        optimizer.upload_hyperparameters()  # the warm-up's values, already on the device: nothing to copy
+        with graph(self.update_graph, pool=self.pool):
+            optimizer.step()
+            optimizer.zero_grad()
+            backend.fill_zero(self.report)
+        self.training_signature = self.signature()
+
+    def accumulate(self):
+        """The micro-steps and the clipping, replayed; (loss sum, norm) as host floats."""
+        trainer = self.trainer
+        for _ in range(trainer.config.grad_accum):
+            inputs, targets = trainer.train_batches.sample()
+            backend.copy_into(self.inputs, inputs)
+            backend.copy_into(self.targets, targets)
+            self.micro_step_graph.replay()
+        if self.clip_graph is not None:
+            self.clip_graph.replay()
+        loss_sum, norm = (float(value) for value in backend.asnumpy(self.report))
+        return loss_sum, norm
+
+    def update(self):
+        self.trainer.optimizer.upload_hyperparameters()  # this step's learning rate
+        self.update_graph.replay()
+
+    def forget_step(self):
+        """Zero the loss sum and norm of a step that is abandoned (the gradients are the optimizer's to zero)."""
+        if self.report is not None:
+            backend.fill_zero(self.report)
+
+    # ---- evaluation ---------------------------------------------------------------------------------------
+
+    def capture_evaluation(self):
+        self.evaluation_signature = None
+        if self.val_total is None:
+            self.val_total = backend.xp.zeros(1, dtype=numpy.float32)
+            self.val_inputs, self.val_targets = self.static_batch()
+        self.evaluation_graph = CUDAGraph()
+        with no_grad(), graph(self.evaluation_graph, pool=self.pool):
+            _, loss = self.trainer.model(self.val_inputs, self.val_targets)
+            residual_forward(self.val_total, loss.data.reshape(1), out=self.val_total)
+        del loss
+        self.evaluation_signature = self.signature()
+
+    def evaluate(self, batches):
+        """The sum of the losses of batches, replayed one by one; a host float."""
+        backend.fill_zero(self.val_total)
+        for inputs, targets in batches:
+            backend.copy_into(self.val_inputs, inputs)
+            backend.copy_into(self.val_targets, targets)
+            self.evaluation_graph.replay()
+        return float(backend.asnumpy(self.val_total)[0])
+
+
 def read_log(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -480,6 +674,8 @@ def parse_arguments(argv=None):
     option("--attention", choices=["softmax", "relu"], default="softmax")
     option("--matmul-precision", choices=list(PRECISIONS), default="highest", dest="matmul_precision",
            help="float32 products: highest (float32), high (TF32), medium (bf16 inputs)")
+    option("--cuda-graph", action=argparse.BooleanOptionalAction, default=True, dest="cuda_graph",
+           help="run the step and the evaluation as CUDA graphs; --no-cuda-graph launches kernel by kernel")
     option("--vocab-size", type=int, dest="vocab_size")
     option("--eval-interval", type=int, dest="eval_interval")
     option("--eval-batches", type=int, dest="eval_batches")

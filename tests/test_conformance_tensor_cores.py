@@ -545,24 +545,24 @@ UNKNOWN_INSTRUCTION = r"""
 extern "C" __global__ void fence(float* out)
 {
     out[threadIdx.x] = 1.0f;
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
 }
 """
 
-WGMMA_FENCE = r"""
+CLUSTER_BARRIER = r"""
 extern "C" __global__ void hopper(float* out)
 {
     float value = out[threadIdx.x];
-    asm volatile("wgmma.fence.sync.aligned;\n"
-                 "wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.arrive;\n"
+                 "barrier.cluster.wait;\n" ::: "memory");
     out[threadIdx.x] = value;
 }
 """
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("code, name, instruction, line", [(UNKNOWN_INSTRUCTION, "fence", "fence.proxy.async.shared::cta", 5),
-                                                          (WGMMA_FENCE, "hopper", "wgmma.fence.sync.aligned", 5)])
+@pytest.mark.parametrize("code, name, instruction, line", [(UNKNOWN_INSTRUCTION, "fence", "setmaxnreg.inc.sync.aligned.u32", 5),
+                                                          (CLUSTER_BARRIER, "hopper", "barrier.cluster.arrive", 5)])
 def test_unknown_ptx_instruction_is_a_compile_error_naming_it_and_its_line(code, name, instruction, line):
     from gpt2_cupy.cpu import CompileError
     with pytest.raises(CompileError) as caught:
@@ -677,7 +677,7 @@ def test_inline_ptx_in_an_included_header_runs_and_its_errors_name_the_header(tm
     if backend.name == "cpu":
         from gpt2_cupy.cpu import CompileError
 
-        (tmp_path / "unknown.cuh").write_text('__device__ void fence() {\n    asm volatile("fence.proxy.async.shared::cta;");\n}\n')
+        (tmp_path / "unknown.cuh").write_text('__device__ void fence() {\n    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");\n}\n')
         unknown = '#include "unknown.cuh"\nextern "C" __global__ void k() { fence(); }\n'
-        with pytest.raises(CompileError, match=r"unknown\.cuh:2: error: .*fence\.proxy\.async"):
+        with pytest.raises(CompileError, match=r"unknown\.cuh:2: error: .*setmaxnreg\.inc"):
             backend.RawKernel(unknown, "k", options=(f"-I{tmp_path}",))((1,), (32,), ())

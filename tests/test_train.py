@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import signal
 
 import numpy as np
@@ -34,9 +35,10 @@ def test_learning_rate_warms_up_linearly_then_decays_by_a_cosine():
     assert rates[110:] == pytest.approx([0.1] * 10)
 
 
-def test_a_resumed_run_repeats_the_uninterrupted_losses_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
+def test_a_resumed_run_repeats_the_uninterrupted_losses_bit_for_bit(tmp_path, cuda_graph):
     # dropout on and two micro-batches per step: the dropout generator and the sampler must both resume
-    options = dict(dropout=0.1, grad_accum=2)
+    options = dict(dropout=0.1, grad_accum=2, cuda_graph=cuda_graph)
     uninterrupted = Trainer(small_config(tmp_path, "whole", **options)).run()
     first = Trainer(small_config(tmp_path, "parts", **options)).run(stop_after=4)
     second = Trainer(small_config(tmp_path, "parts", **options), resume=True).run()
@@ -83,8 +85,9 @@ def test_ctrl_c_finishes_the_step_saves_and_stops(tmp_path, monkeypatch):
 
 def test_ctrl_c_inside_a_kernel_undoes_the_step_and_the_resumed_run_is_exact(tmp_path, monkeypatch):
     # The CPU executor turns Ctrl-C during a launch into KeyboardInterrupt: here, in the third step's forward,
-    # after its batch and some dropout numbers were drawn.
-    options = dict(dropout=0.1)
+    # after its batch and some dropout numbers were drawn. Launch by launch: with graphs the third step's
+    # forward is a replay (the next test).
+    options = dict(dropout=0.1, cuda_graph=False)
     uninterrupted = Trainer(small_config(tmp_path, "whole", **options)).run()
     trainer = Trainer(small_config(tmp_path, "parts", **options))
     forward = trainer.model.forward
@@ -102,15 +105,50 @@ def test_ctrl_c_inside_a_kernel_undoes_the_step_and_the_resumed_run_is_exact(tmp
     assert losses(first + rest) == losses(uninterrupted)
 
 
-def test_a_nan_loss_stops_at_its_step_and_keeps_the_last_checkpoint(tmp_path):
-    trainer = Trainer(small_config(tmp_path, checkpoint_interval=2))
+def test_ctrl_c_inside_a_replayed_graph_undoes_the_step_and_the_resumed_run_is_exact(tmp_path, monkeypatch):
+    # Ctrl-C during the third step's first micro-step graph, after it ran: its gradients, its loss and its
+    # dropout numbers must all be undone, so that the run resumed from the checkpoint is exact.
+    from gpt2_cupy import graphs
+
+    options = dict(dropout=0.1, grad_accum=2)
+    uninterrupted = Trainer(small_config(tmp_path, "whole", **options)).run()
+    trainer = Trainer(small_config(tmp_path, "parts", **options))
+    replay = graphs.CUDAGraph.replay
+
+    def interrupted_replay(graph):
+        replay(graph)
+        if trainer.step == 2 and graph is trainer.graphs.micro_step_graph:
+            raise KeyboardInterrupt("kernel interrupted")
+
+    monkeypatch.setattr(graphs.CUDAGraph, "replay", interrupted_replay)
+    first = trainer.run()
+    assert trainer.step == 2 and checkpoint.load(trainer.checkpoint_path)[1]["step"] == 2
+    monkeypatch.undo()
+    shutil.copytree(tmp_path / "parts", tmp_path / "resumed")
+    # The interrupted trainer goes on with its graphs (one at a time: trainers share dropout's generator),
+    trainer.stop_requested = False
+    assert losses(first + trainer.run()) == losses(uninterrupted)
+    # and a new one resumes from the checkpoint of step 2.
+    rest = Trainer(small_config(tmp_path, "resumed", **options), resume=True).run()
+    assert losses(first + rest) == losses(uninterrupted)
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
+def test_a_nan_loss_stops_at_its_step_and_keeps_the_last_checkpoint(tmp_path, cuda_graph):
+    trainer = Trainer(small_config(tmp_path, checkpoint_interval=2, cuda_graph=cuda_graph))
     trainer.run(stop_after=2)
     saved = trainer.checkpoint_path.read_bytes()
     trainer.model.transformer.ln_f.weight.data[0] = np.nan  # every logit, then the loss, becomes NaN
+    optimizer = trainer.optimizer
+    buffers = {"params": optimizer.flat_params, **optimizer.state}
+    before = {name: backend.asnumpy(buffer).copy() for name, buffer in buffers.items()}
     with pytest.raises(TrainingDiverged, match=r"step 3: the training loss is nan.*checkpoint.*kept"):
         trainer.run()
     assert trainer.step == 2
     assert trainer.checkpoint_path.read_bytes() == saved
+    for name, buffer in buffers.items():  # the update was skipped: parameters and AdamW's state as they were
+        assert np.array_equal(backend.asnumpy(buffer), before[name], equal_nan=True), name
+    assert not backend.asnumpy(optimizer.flat_grads).any()  # and the step's gradients are gone
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(tmp_path):
@@ -159,6 +197,8 @@ def test_the_command_line_trains_writes_the_log_and_samples(tmp_path, capsys):
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
     assert [r["step"] for r in records if "val_loss" in r] == [0, 3]
     assert {"loss", "lr", "grad_norm", "tokens_per_second"} <= set(records[1])
+    assert training.parse_arguments(arguments)[0].cuda_graph is True
+    assert training.parse_arguments(arguments + ["--no-cuda-graph"])[0].cuda_graph is False
     assert training.main(arguments + ["--n-embd", "64", "--resume"]) == 1
     assert "n_embd: checkpoint 32, here 64" in capsys.readouterr().err
     capsys.readouterr()

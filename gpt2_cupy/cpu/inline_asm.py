@@ -10,7 +10,8 @@ Here the statement is read (in the preprocessor's output, so asm in macros is fo
 each operand becomes a local variable of its register's type ("r" 32 bits, "l" 64, "f" float, ...), each
 PTX instruction a C++ statement on those locals calling include/gpt2cupy/ptx.h, and the outputs are
 written back at the end. The replacement keeps the statement's line count, so later lines keep their
-numbers. An instruction outside the list below is a CompileError naming it and the kernel's line.
+numbers. An instruction outside the list below is a CompileError naming it and the kernel's line; so is
+a wgmma instruction in a module compiled without -arch=sm_90a, which NVRTC refuses too.
 """
 
 import re
@@ -24,7 +25,12 @@ SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 onl
              "ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans][.shared].b16, "
              "cp.async.{ca,cg}.shared.global, cp.async.commit_group, cp.async.wait_group, cp.async.wait_all, "
              "cvt.rna[.satfinite].tf32.f32, cvt between u32/s32/u64/s64, cvta[.to].shared, mov, setp, "
-             "and .reg declarations")
+             "wgmma.mma_async.sync.aligned.m64n{8..256}k16.f32.{bf16,f16}.<same> with both matrices by descriptor "
+             "(K-major), wgmma.fence/commit_group/wait_group.sync.aligned (these four with -arch=sm_90a), "
+             "fence.proxy.async, and .reg declarations")
+
+# wgmma exists only on sm_90a: NVRTC refuses it for sm_90, the architecture CuPy picks for an H100 or H200.
+WGMMA_ARCHITECTURES = ("sm_90a", "compute_90a")
 
 _ASM = re.compile(r"\b(?:asm|__asm__|__asm)\b(?:\s*\b(?:volatile|__volatile__|__volatile|inline|__inline__|goto)\b)*\s*\(")
 _STRING = re.compile(r'"((?:\\.|[^"\\])*)"')
@@ -43,8 +49,9 @@ class AsmError(Exception):
     """An asm statement the executor cannot run; the message says why, without the line."""
 
 
-def translate(preprocessed, code):
-    """The preprocessed kernel text with every asm statement of the kernel's own source made C++."""
+def translate(preprocessed, code, architecture=None):
+    """The preprocessed kernel text with every asm statement of the kernel's own source made C++.
+    architecture: the -arch option's value (sm_90a, ...), which decides whether wgmma compiles."""
     from .source import SOURCE_NAME, source_location  # source imports this module
     pieces, position = [], 0
     for match in _ASM.finditer(preprocessed):
@@ -55,7 +62,7 @@ def translate(preprocessed, code):
         if file is None or Path(file).resolve().is_relative_to(_EXECUTOR):
             continue  # the executor's own headers hold no PTX
         try:
-            replacement = _statement(preprocessed[match.end():close], line)
+            replacement = _statement(preprocessed[match.end():close], line, architecture)
         except AsmError as error:
             if file == SOURCE_NAME:
                 lines = code.splitlines()
@@ -118,7 +125,7 @@ class _Operand:
         self.local = f"gpt2cupy_asm_{index}"
 
 
-def _statement(inside, line):
+def _statement(inside, line, architecture=None):
     """The C++ block standing for one asm statement (the text between its parentheses)."""
     sections = _split_top_level(inside, ":")
     template = "".join(bytes(s, "utf-8").decode("unicode_escape") for s in _STRING.findall(sections[0]))
@@ -130,7 +137,7 @@ def _statement(inside, line):
     for operand in operands[:len(outputs)]:
         if not operand.constraint.startswith(("=", "+")):
             raise AsmError(f'asm output operand "{operand.constraint}" must start with "=" or "+"')
-    body = _Body(operands, line).translate(template)
+    body = _Body(operands, line, architecture).translate(template)
     declarations = " ".join(f"{o.type} {o.local}{{}};" for o in operands)
     reads = " ".join(f"{o.local} = {_NS}bits<{o.type}>({o.expression});"
                      for o in operands if o.index >= len(outputs) or o.constraint.startswith("+"))
@@ -141,9 +148,10 @@ def _statement(inside, line):
 class _Body:
     """The PTX template of one asm statement, as C++ statements."""
 
-    def __init__(self, operands, line):
+    def __init__(self, operands, line, architecture=None):
         self.operands = operands
         self.line = line
+        self.architecture = architecture
         self.registers = {}  # PTX register name -> (C++ name, C++ type), from .reg declarations
 
     def translate(self, template):
@@ -334,6 +342,53 @@ class _Body:
         left, right = (f"{_NS}bits<{cpp_type}>({self.scalar(o)})" for o in operands[1:])
         return f"{self.scalar(operands[0])} = ({left} {_COMPARISONS[match.group('comparison')]} {right});"
 
+    # ---- Hopper: warpgroup products and the async proxy ----
+    def require_sm_90a(self, opcode):
+        if self.architecture not in WGMMA_ARCHITECTURES:
+            given = f"-arch={self.architecture}" if self.architecture else "no -arch option"
+            raise AsmError(f"'{opcode}' needs the architecture sm_90a ({given} here): NVRTC refuses wgmma for sm_90, "
+                           "the architecture it picks for an H100 or H200. Compile with options=(\"-arch=sm_90a\",)")
+
+    def wgmma_mma(self, match, operands):
+        self.require_sm_90a(match.group(0))
+        n, d_type, a_type, b_type = int(match.group("n")), match.group("d"), match.group("a"), match.group("b")
+        if n % 8 != 0 or not 8 <= n <= 256 or d_type != "f32" or a_type != b_type or a_type not in ("bf16", "f16"):
+            raise AsmError(f"the CPU executor does not run '{match.group(0)}': it runs wgmma.mma_async m64nNk16 "
+                           "(N a multiple of 8 up to 256) with f32 D and A, B both bf16 or both f16")
+        if len(operands) == 7 and operands[1].startswith("{"):
+            raise AsmError(f"{match.group(0)}: the CPU executor runs wgmma.mma_async with A in shared memory (a "
+                           "descriptor), not A in registers")
+        self.expect(operands, 8, "wgmma.mma_async")
+        d = self.vector(operands[0], n // 2, "wgmma.mma_async D")
+        a_descriptor, b_descriptor, scale_d, *immediates = (self.scalar(o) for o in operands[1:])
+        as_float = ", ".join(f"{_NS}bits<float>({v})" for v in d)
+        return (f"{{ float gpt2cupy_d[{n // 2}] = {{{as_float}}}; "
+                f"{_NS}wgmma<{n}, {_NS}Input::{a_type}>(gpt2cupy_d, {_NS}bits<unsigned long long>({a_descriptor}), "
+                f"{_NS}bits<unsigned long long>({b_descriptor}), ({scale_d}) != 0, "
+                + ", ".join(f"(long long)({v})" for v in immediates) + f", {self.line}); "
+                + " ".join(f"{_NS}assign({target}, gpt2cupy_d[{i}]);" for i, target in enumerate(d)) + " }")
+
+    def wgmma_fence(self, match, operands):
+        self.require_sm_90a(match.group(0))
+        self.expect(operands, 0, match.group(0))
+        return f"{_NS}wgmma_fence({self.line});"
+
+    def wgmma_commit_group(self, match, operands):
+        self.require_sm_90a(match.group(0))
+        self.expect(operands, 0, match.group(0))
+        return f"{_NS}wgmma_commit_group({self.line});"
+
+    def wgmma_wait_group(self, match, operands):
+        self.require_sm_90a(match.group(0))
+        self.expect(operands, 1, match.group(0))
+        return f"{_NS}wgmma_wait_group((unsigned long long){self.scalar(operands[0])}, {self.line});"
+
+    def fence_proxy_async(self, match, operands):
+        # Orders a thread's ordinary writes to memory before the async proxy (wgmma, bulk copies) reads it. The
+        # executor has one memory and no proxies: the barrier a kernel needs after the fence does the ordering.
+        self.expect(operands, 0, match.group(0))
+        return ";"
+
     _SHARED = r"\.shared(?:::cta)?"
     _INTEGER = r"u32|s32|b32|u64|s64|b64"
     INSTRUCTIONS = (
@@ -348,4 +403,9 @@ class _Body:
         (rf"cvta(?P<to>\.to)?{_SHARED}\.(?P<type>u32|u64)", cvta),
         (r"mov\.(?P<type>b16|u16|s16|b32|u32|s32|f32|b64|u64|s64|f64)", mov),
         (rf"setp\.(?P<comparison>eq|ne|lt|le|gt|ge)\.(?P<type>{_INTEGER})", setp),
+        (r"wgmma\.mma_async\.sync\.aligned\.m64n(?P<n>\d+)k16\.(?P<d>\w+)\.(?P<a>\w+)\.(?P<b>\w+)", wgmma_mma),
+        (r"wgmma\.fence\.sync\.aligned", wgmma_fence),
+        (r"wgmma\.commit_group\.sync\.aligned", wgmma_commit_group),
+        (r"wgmma\.wait_group\.sync\.aligned", wgmma_wait_group),
+        (r"fence\.proxy\.async(?:\.shared::(?:cta|cluster)|\.global)?", fence_proxy_async),
     )

@@ -252,7 +252,7 @@ def prepare(code, options):
     user_start = preprocessed.rfind("\n", 0, user_start) + 1 if user_start >= 0 else 0
     header, user = preprocessed[:user_start], preprocessed[user_start:]
     _refuse_initialized_shared(user, code)  # before numbering, which may join lines: it reports line numbers
-    user = inline_asm.translate(user, code)  # as well; keeps every line where it was
+    user = inline_asm.translate(user, code, architecture(options))  # as well; keeps every line where it was
     user, bounds_arguments = _numbered_launch_bounds(user)
     kernels = find_kernels(user, bounds_arguments)
 
@@ -276,9 +276,19 @@ def prepare(code, options):
     return PreparedSource(kernels=kernels, body=header + body)
 
 
+def architecture(options):
+    """The GPU architecture an -arch=... (or --gpu-architecture=...) option names ("sm_90a"), else None."""
+    for option in options:
+        for prefix in ("-arch=", "--gpu-architecture="):
+            if option.startswith(prefix):
+                return option[len(prefix):]
+    return None
+
+
 def compiler_flags(options):
     """The C++ compiler's flags for a tuple of NVRTC options; an option NVRTC would not know is refused."""
-    flags = []
+    # NVRTC defines this macro for the sm_90a features (wgmma); __CUDA_ARCH__ is 900 either way.
+    flags = ["-D__CUDA_ARCH_FEAT_SM90_ALL"] if architecture(options) in inline_asm.WGMMA_ARCHITECTURES else []
     options = list(options)
     while options:
         option = options.pop(0)

@@ -31,6 +31,7 @@ import numpy
 from gpt2_cupy import amp, backend, tensor_ops
 from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state
 from gpt2_cupy.elementwise import elementwise
+from gpt2_cupy.graphs import is_current_stream_capturing
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.reduction import normalize_dims
 from gpt2_cupy.ops.attention import attention_backward, attention_forward
@@ -369,6 +370,8 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
 
 
 def _check_targets(target, classes, ignore_index):
+    if is_current_stream_capturing():  # a capture cannot read the targets back (a bad one gives a NaN loss)
+        return
     bad = (target != ignore_index) & ((target < 0) | (target >= classes))
     if bool(bad.any()):
         row = int(backend.asnumpy(bad).argmax())

@@ -109,8 +109,11 @@ def _output(operation, out, sizes, dtype=FLOAT32):
 
 
 def _check_ids(operation, ids, V):
-    """ValueError unless every id is in [0, V). On a GPU this waits for the ids and reads two numbers back."""
-    if ids.size == 0:
+    """ValueError unless every id is in [0, V). On a GPU this waits for the ids and reads two numbers back,
+    which a CUDA graph's capture cannot do: skipped then (the kernels still never leave the table)."""
+    from gpt2_cupy.graphs import is_current_stream_capturing
+
+    if ids.size == 0 or is_current_stream_capturing():
         return
     smallest, largest = int(ids.min()), int(ids.max())
     if smallest >= 0 and largest < V:

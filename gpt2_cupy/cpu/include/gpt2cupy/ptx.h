@@ -1,6 +1,7 @@
 // The PTX instructions a kernel may write in inline `asm`, for the CPU executor: tensor-core products
-// (mma.sync), warp-wide matrix loads (ldmatrix), asynchronous copies to shared memory (cp.async) and the
-// conversion to TF32 (cvt.rna.tf32.f32). inline_asm.py turns each asm statement into calls of these.
+// (mma.sync, and Hopper's warpgroup-wide wgmma.mma_async from shared-memory descriptors), warp-wide matrix
+// loads (ldmatrix), asynchronous copies to shared memory (cp.async) and the conversion to TF32
+// (cvt.rna.tf32.f32). inline_asm.py turns each asm statement into calls of these.
 //
 // Shared-memory addresses. On a GPU, `__cvta_generic_to_shared(p)` and `cvta.to.shared` give a 32-bit offset
 // into the block's shared memory, which code then adds to and XOR-swizzles. Here shared memory is ordinary
@@ -53,7 +54,10 @@ inline unsigned long long* window_table() {
     return table;
 }
 
+inline void note_dynamic_shared(const void* pointer);  // for wgmma's descriptors, below
+
 inline unsigned long long to_shared(const void* pointer) {
+    note_dynamic_shared(pointer);
     unsigned long long address = (unsigned long long)pointer;
     unsigned long long region = address >> offset_bits;
     unsigned long long* table = window_table();
@@ -282,6 +286,207 @@ inline void cp_async_wait_group(unsigned pending) {
 inline void cp_async_wait_all() {
     cp_async_commit_group();
     cp_async_wait_group(0);
+}
+
+// ---- wgmma: warpgroups ---------------------------------------------------------------------------------
+// A warpgroup is four consecutive warps, threads 128w .. 128w + 127 of the block. Its wgmma instructions are
+// .sync.aligned: all 128 threads execute the same one together. Each thread posts which instruction it
+// reached (and, for wgmma.mma_async, its descriptors), the warpgroup waits in one tile sync, and the lowest
+// thread checks that all 128 posted the same. Posts alternate between two slots: a thread already at the
+// next instruction writes the other slot, never the one still being compared. The posts are shared by the
+// block's threads, so they are read and written with relaxed atomics, which keeps this bookkeeping out of
+// the race check's report; each entry carries its block's tag, so a new block needs no reset.
+enum WarpgroupStep : unsigned { step_fence = 1, step_mma = 2, step_commit = 3, step_wait = 4 };
+
+struct WarpgroupPost {
+    unsigned long long reached;  // (block tag << 32) | how many warpgroup instructions the thread has reached
+    unsigned long long what;     // the WarpgroupStep, and for wgmma.mma_async its shape's N << 8
+    unsigned long long a_descriptor, b_descriptor;
+};
+
+struct ThreadOfWarpgroup {  // one thread's own record, touched by that thread only
+    unsigned long long reached;  // as its posts' `reached`
+    unsigned long long fenced;   // the block tag once it has executed wgmma.fence
+};
+
+inline unsigned long long block_tag() { return (gpt2cupy_block_serial() + 1) & 0xffffffffull; }
+
+inline unsigned thread_in_block() {
+    const ThreadCoordinates& t = *gpt2cupy_current_thread;
+    return (t.thread_idx.z * t.block_dim.y + t.thread_idx.y) * t.block_dim.x + t.thread_idx.x;
+}
+
+inline WarpgroupPost (&warpgroup_posts())[1024][2] {
+    static thread_local WarpgroupPost posts[1024][2];  // one block at a time per OS thread, like shared memory
+    return posts;
+}
+
+inline ThreadOfWarpgroup& my_warpgroup_record() {
+    static thread_local ThreadOfWarpgroup records[1024];
+    ThreadOfWarpgroup& record = records[thread_in_block()];
+    if (record.reached >> 32 != block_tag()) record.reached = block_tag() << 32;
+    return record;
+}
+
+inline unsigned long long relaxed_load(const unsigned long long& place) { return __atomic_load_n(&place, __ATOMIC_RELAXED); }
+inline void relaxed_store(unsigned long long& place, unsigned long long value) { __atomic_store_n(&place, value, __ATOMIC_RELAXED); }
+
+// The warpgroup's 128 threads meet at one wgmma instruction; a thread missing, one at another instruction,
+// or one with other descriptors stops the launch with a message that says which.
+inline void warpgroup_meet(unsigned long long what, unsigned long long a_descriptor, unsigned long long b_descriptor,
+                           int line) {
+    const unsigned thread = thread_in_block(), first = thread & ~127u;
+    ThreadOfWarpgroup& record = my_warpgroup_record();
+    record.reached += 1;
+    const unsigned long long reached = record.reached;
+    WarpgroupPost& mine = warpgroup_posts()[thread][reached & 1];
+    relaxed_store(mine.what, what);
+    relaxed_store(mine.a_descriptor, a_descriptor);
+    relaxed_store(mine.b_descriptor, b_descriptor);
+    relaxed_store(mine.reached, reached);
+    gpt2cupy_tile_sync(first, 128);
+    static const char* const missing =
+        "wgmma: all 128 threads of a warpgroup (4 consecutive warps, threads 128w .. 128w + 127 of the block) must "
+        "execute each wgmma instruction together: a thread of this warpgroup exited or waits elsewhere, or the "
+        "block's size is not a multiple of 128";
+    const ThreadCoordinates& t = *gpt2cupy_current_thread;
+    if (first + 128 > t.block_dim.x * t.block_dim.y * t.block_dim.z) fail(missing, line);
+    const unsigned last = thread == first ? first + 127 : first;  // the lowest thread checks them all
+    for (unsigned other = first; other <= last; ++other) {
+        const WarpgroupPost& theirs = warpgroup_posts()[other][reached & 1];
+        if (relaxed_load(theirs.reached) != reached) fail(missing, line);
+        if (relaxed_load(theirs.what) != what)
+            fail("wgmma: the threads of a warpgroup reached different wgmma instructions (each one is executed by "
+                 "all 128 threads together)", line);
+        if (relaxed_load(theirs.a_descriptor) != a_descriptor || relaxed_load(theirs.b_descriptor) != b_descriptor)
+            fail("wgmma.mma_async: the threads of a warpgroup gave different matrix descriptors (PTX requires the "
+                 "same descriptors in every thread of the warpgroup)", line);
+    }
+}
+
+inline void wgmma_fence(int line) {
+    warpgroup_meet(step_fence, 0, 0, line);
+    my_warpgroup_record().fenced = block_tag();
+}
+
+// The product is computed when issued (see wgmma below), so committing and waiting only meet.
+inline void wgmma_commit_group(int line) { warpgroup_meet(step_commit, 0, 0, line); }
+inline void wgmma_wait_group(unsigned long long pending, int line) {
+    warpgroup_meet(step_wait | pending << 8, 0, 0, line);
+}
+
+// ---- wgmma: shared-memory matrix descriptors -----------------------------------------------------------
+// A descriptor (PTX ISA, "Matrix Descriptor Format") is 64 bits:
+//     bits  0-13  start address / 16        (the shared address's bits 4-17)
+//     bits 16-29  leading dimension byte offset / 16
+//     bits 32-45  stride dimension byte offset / 16
+//     bits 49-51  matrix base offset
+//     bits 62-63  swizzle: 0 none, 1 128-byte, 2 64-byte, 3 32-byte
+// The matrix (64 rows of A, or N rows of B, 16 elements of k each: K-major, "no transpose") is made of core
+// matrices of 8 rows of 16 bytes. Element (row, k), with chunk = k / 8 its 16-byte column:
+//     no swizzle  start + (row / 8) SBO + chunk LBO + (row % 8) 16 + (k % 8) 2
+//     swizzle W   start + (row / 8) SBO + (row % 8) W + chunk 16 + (k % 8) 2, its address bits 4.. XOR-ed
+//                 with bits 7.. (W = 32: one bit, 64: two, 128: three), as TMA's swizzled copies write
+// The descriptor keeps only 18 bits of the address, which on a GPU is all of shared memory. Here shared
+// memory is host memory anywhere in 64 bits: a descriptor is read as pointing into the block's dynamic
+// shared memory (extern __shared__, where Hopper kernels keep their tiles: they need more than the 48 KB a
+// static array may have), at the one place there whose low 18 bits it holds. So that a static __shared__
+// tile is an error rather than a read of the wrong bytes, to_shared notes when the block takes the shared
+// address of a pointer into dynamic shared memory, and a descriptor is refused before that.
+constexpr unsigned long long dynamic_shared_bytes = 227 * 1024;  // runtime.cpp's buffer (an H100's limit)
+
+inline unsigned long long& dynamic_shared_noted() {
+    static thread_local unsigned long long block;  // the block tag once a pointer into it was converted
+    return block;
+}
+
+inline void note_dynamic_shared(const void* pointer) {
+    const unsigned char* dynamic = (const unsigned char*)gpt2cupy_dynamic_shared_memory();
+    const unsigned char* p = (const unsigned char*)pointer;
+    if (p >= dynamic && p < dynamic + dynamic_shared_bytes && relaxed_load(dynamic_shared_noted()) != block_tag())
+        relaxed_store(dynamic_shared_noted(), block_tag());
+}
+
+struct SharedMatrix {
+    const unsigned char* dynamic;  // the block's dynamic shared memory, where the matrix must lie
+    const unsigned char* start;
+    unsigned long long leading, stride, swizzle;  // swizzle: its width in bytes, 0 for none
+    const char* name;
+    int line;
+
+    const unsigned char* address(int row, int k) const {
+        const unsigned long long chunk = k / 8, within = 2 * (k % 8);
+        if (swizzle == 0) return start + (row / 8) * stride + chunk * leading + (row % 8) * 16 + within;
+        unsigned long long at = (unsigned long long)start + (row / 8) * stride + (row % 8) * swizzle + chunk * 16 + within;
+        return (const unsigned char*)(at ^ ((at >> 7) & (swizzle / 16 - 1)) << 4);
+    }
+
+    template <Input input>
+    double element(int row, int k) const {
+        const unsigned char* at = address(row, k);
+        if (at < dynamic || at + 2 > dynamic + dynamic_shared_bytes) fail(name, line);
+        unsigned short value;
+        __builtin_memcpy(&value, at, 2);
+        return input == Input::bf16 ? from_bf16(value) : from_f16(value);
+    }
+};
+
+inline SharedMatrix decode_descriptor(unsigned long long descriptor, bool is_a, int line) {
+    const unsigned long long start = (descriptor & 0x3fff) << 4, mode = descriptor >> 62;
+    const unsigned long long swizzle = mode == 0 ? 0 : 256 >> mode;  // 1: 128, 2: 64, 3: 32 bytes
+    if (relaxed_load(dynamic_shared_noted()) != block_tag())
+        fail("wgmma.mma_async: the CPU executor reads a descriptor's matrix from the block's dynamic shared memory "
+             "(extern __shared__), and no thread of this block has taken the shared address of a pointer into it "
+             "(tiles in static __shared__ arrays are not supported here)", line);
+    if (swizzle != 0 && ((descriptor >> 49 & 7) != 0 || start % (8 * swizzle) >= swizzle))
+        fail("wgmma.mma_async: the CPU executor runs swizzled matrices that start in the first row of their swizzle "
+             "pattern (start address modulo 8 x the swizzle width below the width: a tile 1024-byte aligned for "
+             "128-byte swizzle, plus 32 bytes per step of k) with matrix base offset 0", line);
+    const unsigned char* dynamic = (const unsigned char*)gpt2cupy_dynamic_shared_memory();
+    const unsigned long long offset = (start - ((unsigned long long)dynamic & 0x3ffff)) & 0x3ffff;
+    return SharedMatrix{dynamic, dynamic + offset, (descriptor >> 16 & 0x3fff) << 4, (descriptor >> 32 & 0x3fff) << 4, swizzle,
+                        is_a ? "wgmma.mma_async: matrix A's descriptor reaches outside the block's dynamic shared memory"
+                             : "wgmma.mma_async: matrix B's descriptor reaches outside the block's dynamic shared memory",
+                        line};
+}
+
+// ---- wgmma.mma_async -----------------------------------------------------------------------------------
+// D = A B + D (or A B when scale_d is false) for a 64 x n x 16 tile, A and B both read from shared memory
+// by descriptor, each element negated when its scale is -1. Accumulator fragment (PTX ISA, "Matrix
+// Fragments for wgmma.mma_async.m64nNk16"): warp w of the warpgroup holds rows 16w .. 16w + 15, and its
+// lane l = 4g + t holds, in register i,
+//     row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2t + i % 2
+// (mma.sync's m16n8 accumulator, repeated every 8 columns). As for mma.sync, each product of two 16-bit
+// values is exact in double, the 16 products and D are summed in double and rounded to fp32 once: results
+// agree with a GPU's within a few fp32 units, not bit for bit. The product is computed when the instruction
+// is issued, from shared memory as it is then: a correct kernel cannot tell, as it neither writes those
+// bytes nor reads D before the wgmma.wait_group that covers the instruction.
+template <int n, Input input>
+inline void wgmma(float (&d)[n / 2], unsigned long long a_descriptor, unsigned long long b_descriptor, bool scale_d,
+                  long long scale_a, long long scale_b, long long transpose_a, long long transpose_b, int line) {
+    if ((scale_a != 1 && scale_a != -1) || (scale_b != 1 && scale_b != -1) || (transpose_a != 0 && transpose_a != 1) ||
+        (transpose_b != 0 && transpose_b != 1))
+        fail("wgmma.mma_async: imm-scale-a and imm-scale-b must be 1 or -1, imm-trans-a and imm-trans-b 0 or 1", line);
+    if (transpose_a || transpose_b)
+        fail("wgmma.mma_async: the CPU executor runs K-major matrices only (imm-trans-a and imm-trans-b 0)", line);
+    warpgroup_meet(step_mma | (unsigned long long)n << 8, a_descriptor, b_descriptor, line);
+    if (my_warpgroup_record().fenced != block_tag())
+        fail("wgmma.mma_async: no wgmma.fence before it (PTX requires one before the first wgmma.mma_async, and "
+             "between other instructions' accesses to its registers and the wgmma.mma_async that uses them)", line);
+    const SharedMatrix a = decode_descriptor(a_descriptor, true, line), b = decode_descriptor(b_descriptor, false, line);
+    const int warp = (thread_in_block() / 32) % 4, g = lane() / 4, t = lane() % 4;
+    double a_rows[2][16], b_columns[n / 4][16];  // the thread's two rows of A, its n / 4 columns of B
+    for (int half = 0; half < 2; ++half)
+        for (int k = 0; k < 16; ++k) a_rows[half][k] = scale_a * a.element<input>(16 * warp + g + 8 * half, k);
+    for (int j = 0; j < n / 4; ++j)
+        for (int k = 0; k < 16; ++k) b_columns[j][k] = scale_b * b.element<input>(8 * (j / 2) + 2 * t + j % 2, k);
+    for (int i = 0; i < n / 2; ++i) {
+        const double* row = a_rows[(i / 2) % 2];
+        const double* column = b_columns[2 * (i / 4) + i % 2];
+        double sum = scale_d ? (double)d[i] : 0.0;
+        for (int k = 0; k < 16; ++k) sum += row[k] * column[k];
+        d[i] = (float)sum;
+    }
 }
 
 }  // namespace ptx

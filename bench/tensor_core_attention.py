@@ -1,0 +1,230 @@
+"""Attention on tensor cores in bf16 on a GPU: against chapter 08's float32 fused kernels and PyTorch's bf16
+scaled_dot_product_attention, causal, forward and forward + backward, in the same run.
+
+    python -m bench.tensor_core_attention          prints a table and writes bench/tensor_core_attention.json
+    python -m bench.tensor_core_attention --tiny   on any backend: every run once at small shapes, no timings,
+                                                   no file (a check that the script itself works)
+
+Shapes: GPT-2 124M's, B = 8, H = 12, T = 1024, d = 64; and Llama's, H = 32 query heads over H_kv = 8
+key/value heads (grouped-query attention), T = 2048, d = 128, at B = 1, 2 and 4. TFLOP/s counts what a
+causal kernel must do, half of each T x T x d product (2 T² d FLOP each, per head), as bench/attention.py
+does: 2 B H T² d forward (S and P V), 7 B H T² d forward + backward (the backward's five: S recomputed, dP,
+dV, dK, dQ). The kernel rows count the products each kernel does: the dk, dv pass 4 (S, dP, dV, dK), the
+dq pass 3 (S, dP again, dQ).
+
+  - ours: gpt2_cupy.ops.tensor_core_attention, with the tile shapes the op uses;
+  - chapter 08's fused float32 kernels (gpt2_cupy.ops.attention) where they run: d = 32 or 64, one key and
+    value head per query head (the GPT-2 shape);
+  - torch.nn.functional.scaled_dot_product_attention(is_causal=True) on bf16 tensors, where PyTorch is
+    installed (its flash kernel); for grouped-query attention with enable_gqa=True where this PyTorch has
+    it, else on K and V repeated per head beforehand (outside the timing, and said so);
+  - each kernel of ours alone, with every candidate tile shape (TILE_CANDIDATES), at the GPT-2 shape and
+    at Llama's B = 4: what the op's FORWARD_TILES, DK_DV_TILES and DQ_TILES were chosen from.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy
+from ml_dtypes import bfloat16
+
+from gpt2_cupy import backend, benchmark
+from gpt2_cupy.ops import tensor_core_attention as ops
+from gpt2_cupy.ops.attention import HEAD_SIZES as FLOAT32_HEAD_SIZES, attention_backward, attention_forward
+from gpt2_cupy.testing import torch_or_none
+
+# name: (B, H, H_kv, T, d)
+SHAPES = {"GPT-2 124M": (8, 12, 12, 1024, 64),
+          "Llama GQA, B = 1": (1, 32, 8, 2048, 128),
+          "Llama GQA, B = 2": (2, 32, 8, 2048, 128),
+          "Llama GQA, B = 4": (4, 32, 8, 2048, 128)}
+KERNEL_SHAPES = ("GPT-2 124M", "Llama GQA, B = 4")   # where each kernel's candidates are timed
+TINY_SHAPES = {"GPT-2-like": (1, 2, 2, 80, 64), "Llama-like": (1, 4, 2, 80, 128)}
+FORWARD, BOTH = "forward", "forward + backward"
+CAUSAL_HALF_PRODUCTS = {FORWARD: 2, BOTH: 7}
+KERNEL_PRODUCTS = {"forward": 2, "dk_dv": 4, "dq": 3, "row_dot": 0}
+
+
+def causal_flop(shape, products):
+    """FLOP of `products` causal T x T x d products over all B H query heads: half of 2 T² d each."""
+    B, H, _, T, d = shape
+    return products * B * H * T * T * d
+
+
+def bf16_arrays(shape, seed=0):
+    """q, k, v, dout as bf16 backend arrays: q, dout (B, H, T, d), k, v (B, H_kv, T, d)."""
+    B, H, H_kv, T, d = shape
+    random = numpy.random.default_rng(seed)
+    return [backend.xp.asarray(random.standard_normal(s, dtype=numpy.float32).astype(bfloat16))
+            for s in ((B, H, T, d), (B, H_kv, T, d), (B, H_kv, T, d), (B, H, T, d))]
+
+
+def ours(shape):
+    """{name: run}: the op forward, and forward + backward."""
+    q, k, v, dout = bf16_arrays(shape)
+
+    def both():
+        out, lse = ops.tensor_core_attention_forward(q, k, v)
+        ops.tensor_core_attention_backward(dout, q, k, v, out, lse)
+
+    return {f"tensor cores bf16, {FORWARD}": lambda: ops.tensor_core_attention_forward(q, k, v),
+            f"tensor cores bf16, {BOTH}": both}
+
+
+def chapter_08(shape):
+    """{name: run, or why it does not run}: chapter 08's fused float32 kernels."""
+    B, H, H_kv, T, d = shape
+    names = [f"chapter 08 fused float32, {FORWARD}", f"chapter 08 fused float32, {BOTH}"]
+    if d not in FLOAT32_HEAD_SIZES or H_kv != H:
+        why = f"not run: chapter 08's kernels take d in {FLOAT32_HEAD_SIZES} and one key/value head per query head"
+        return dict.fromkeys(names, why)
+    random = backend.xp.random.default_rng(0)
+    q, k, v, dout = (random.standard_normal((B, H, T, d), dtype=numpy.float32) for _ in range(4))
+
+    def both():
+        out, lse = attention_forward(q, k, v)
+        attention_backward(dout, q, k, v, out, lse)
+
+    return {names[0]: lambda: attention_forward(q, k, v), names[1]: both}
+
+
+def torch_runs(shape):
+    """{name: run, or a note}: PyTorch's scaled_dot_product_attention on bf16 tensors; {} without PyTorch."""
+    torch = torch_or_none()
+    if torch is None or backend.name != "cuda":
+        return {}
+    B, H, H_kv, T, d = shape
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def tensor(heads):
+        return torch.randn(B, heads, T, d, device="cuda", generator=generator, dtype=torch.bfloat16)
+
+    q, k, v, dout = tensor(H), tensor(H_kv), tensor(H_kv), tensor(H)
+    sdpa, options, how = torch.nn.functional.scaled_dot_product_attention, {}, ""
+    if H_kv != H:
+        try:
+            sdpa(q[:, :, :16], k[:, :, :16], v[:, :, :16], is_causal=True, enable_gqa=True)
+            options = {"enable_gqa": True}
+            how = " (enable_gqa=True)"
+        except TypeError:  # a PyTorch before enable_gqa: K and V repeated per head, outside the timing
+            k, v = (x.repeat_interleave(H // H_kv, dim=1) for x in (k, v))
+            how = " (K, V repeated per head before timing)"
+    for x in (q, k, v):
+        x.requires_grad_(True)
+
+    def forward():
+        with torch.no_grad():
+            sdpa(q, k, v, is_causal=True, **options)
+
+    def both():
+        q.grad = k.grad = v.grad = None
+        sdpa(q, k, v, is_causal=True, **options).backward(dout)
+
+    return {f"torch sdpa bf16{how}, {FORWARD}": forward, f"torch sdpa bf16{how}, {BOTH}": both}
+
+
+def kernel_runs(shape):
+    """{name: (run, products)}: each of our kernels alone, with every candidate tile shape."""
+    B, H, H_kv, T, d = shape
+    q, k, v, dout = bf16_arrays(shape)
+    xp, scale = backend.xp, numpy.float32(d ** -0.5)
+    out, lse = ops.tensor_core_attention_forward(q, k, v)
+    row_dot = xp.empty((B, H, T), dtype=numpy.float32)
+    dq, dk, dv = xp.empty_like(q), xp.empty_like(k), xp.empty_like(v)
+    defaults = {"forward": ops.FORWARD_TILES[d], "dk_dv": ops.DK_DV_TILES[d], "dq": ops.DQ_TILES[d]}
+    launches = {"forward": lambda tiles: ops._forward(out, lse, q, k, v, True, scale, *tiles),
+                "dk_dv": lambda tiles: ops._dk_dv(dk, dv, dout, q, k, v, lse, row_dot, True, scale, *tiles),
+                "dq": lambda tiles: ops._dq(dq, dout, q, k, v, lse, row_dot, True, scale, *tiles)}
+    other = {"forward": "keys", "dk_dv": "queries", "dq": "keys"}
+    runs = {"kernel row_dot": (lambda: ops._row_dot(row_dot, dout, out), KERNEL_PRODUCTS["row_dot"])}
+    ops._row_dot(row_dot, dout, out)
+    for kernel, candidates in ops.TILE_CANDIDATES.items():
+        for warps, tile in candidates:
+            used = " (the op's)" if (warps, tile) == defaults[kernel] else ""
+            name = f"kernel {kernel}, {warps} warps, {tile} {other[kernel]}{used}"
+            runs[name] = (lambda launch=launches[kernel], tiles=(warps, tile): launch(tiles), KERNEL_PRODUCTS[kernel])
+    return runs
+
+
+def timed(runs, flop, tiny=False):
+    """({name: seconds, or a note}, {name: TFLOP/s}) of {name: run, or a note}; tiny: each run once, untimed.
+    flop(name): the FLOP one run does, or None."""
+    seconds, tflops = {}, {}
+    for name, run in runs.items():
+        if isinstance(run, str):
+            seconds[name] = run
+        elif tiny:
+            run()
+        else:
+            seconds[name] = benchmark.seconds_per_call(run, warmup=2, repeat=10)
+            tflops[name] = benchmark.tflops(flop(name), seconds[name]) if flop(name) else None
+    if backend.name == "cuda":
+        backend.xp.get_default_memory_pool().free_all_blocks()
+    return seconds, tflops
+
+
+def measure_shape(shape, tiny=False):
+    """Ours, chapter 08's and PyTorch's, forward and forward + backward, at one shape."""
+    runs = {**ours(shape), **chapter_08(shape), **torch_runs(shape)}
+    return timed(runs, lambda name: causal_flop(shape, CAUSAL_HALF_PRODUCTS[name.rsplit(", ", 1)[1]]), tiny)
+
+
+def measure_kernels(shape, tiny=False):
+    """Each of our kernels alone, with every candidate tile shape, at one shape."""
+    runs = kernel_runs(shape)
+    products = {name: count for name, (_, count) in runs.items()}
+    return timed({name: run for name, (run, _) in runs.items()}, lambda name: causal_flop(shape, products[name]),
+                 tiny)
+
+
+def shape_report(shape_name, seconds, tflops):
+    """Lines of the table for one shape: each run's time and TFLOP/s, then ours against the others."""
+    B, H, H_kv, T, d = SHAPES[shape_name]
+    lines = [f"  {shape_name}: B={B} H={H} H_kv={H_kv} T={T} d={d}"]
+    for name, s in seconds.items():
+        if isinstance(s, str):
+            lines.append(f"    {name:<62s} {s}")
+            continue
+        rate = f"{tflops[name]:7.1f} TFLOP/s" if tflops.get(name) else ""
+        lines.append(f"    {name:<62s} {s * 1e3:9.3f} ms {rate}")
+    for other in ("torch sdpa bf16", "chapter 08 fused float32"):
+        for part in (FORWARD, BOTH):
+            mine = seconds.get(f"tensor cores bf16, {part}")
+            theirs = [s for name, s in seconds.items() if name.startswith(other) and name.endswith(f", {part}")]
+            if mine and theirs and isinstance(theirs[0], float):
+                lines.append(f"    ours vs {other}, {part}: {theirs[0] / mine:.2f}x (above 1: ours faster)")
+    return lines
+
+
+def main():
+    tiny = "--tiny" in sys.argv[1:]
+    if tiny:
+        for shape in TINY_SHAPES.values():
+            measure_shape(shape, tiny=True)
+            measure_kernels(shape, tiny=True)
+        print(f"every run went through once at {TINY_SHAPES} on the {backend.name} backend")
+        return 0
+    benchmark.require_gpu()
+    torch = torch_or_none()
+    measured = {**benchmark.measured_on(), "torch": torch.__version__ if torch is not None else None,
+                "shapes": {name: dict(zip(("B", "H", "H_kv", "T", "d"), shape)) for name, shape in SHAPES.items()},
+                "tiles": {"forward": ops.FORWARD_TILES, "dk_dv": ops.DK_DV_TILES, "dq": ops.DQ_TILES},
+                "seconds": {}, "tflops": {}}
+    print(f"{measured['device']}, {measured['date']}: causal attention, bf16 (chapter 08: float32), "
+          f"PyTorch {measured['torch'] or 'not installed'}")
+    path = Path(__file__).with_suffix(".json")
+    # The comparisons at every shape first, then each kernel's candidates; the file is written after each
+    # step, so that a run cut short keeps what it measured.
+    steps = [(name, measure_shape) for name in SHAPES] + [(name, measure_kernels) for name in KERNEL_SHAPES]
+    for name, measure in steps:
+        seconds, tflops = measure(SHAPES[name])
+        measured["seconds"].setdefault(name, {}).update(seconds)
+        measured["tflops"].setdefault(name, {}).update(tflops)
+        print("\n".join(shape_report(name, seconds, tflops)), flush=True)
+        benchmark.write_results(path, measured)
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,541 @@
+// Attention on tensor cores, FlashAttention-2 style: bf16 inputs and outputs, float32 sums and softmax,
+// forward and backward, causal or not, with grouped-query attention.
+//   q, out, dout, dq: (B, H, T, D) bf16;  k, v, dk, dv: (B, H_kv, T, D) bf16;  lse, row_dot: (B, H, T) float32.
+// Query head h reads key and value head h / (H / H_kv) of the same batch element (H_kv = H: one each).
+// S = scale q kᵀ, P = softmax(S) over the visible keys (causal: query t sees keys 0..t), out = P v, and
+// lse = log Σ_j e^S of each row, which the backward uses to recompute P. Grid: blockIdx.x is the head (the
+// query head b H + h, or for the dk, dv pass the key/value head b H_kv + h_kv), blockIdx.y a tile of rows.
+//
+// Every product runs on mma.sync.m16n8k16 (kernels/include/mma.cuh), a warp-wide 16 x 8 += 16 x 16 · 16 x 8.
+// A warp owns 16 rows of each product: queries in the forward and in the dq pass, keys in the dk, dv pass.
+// A block of WARPS warps owns 16 WARPS rows and walks along the other axis a tile at a time.
+//  - Tiles live in shared memory as [row][D + 8] bf16, as in global memory plus 16 bytes: ldmatrix reads
+//    8 rows of 16 bytes at once, and rows D / 8 + 1 (an odd number of) 16-byte groups apart start on 8
+//    different groups of 4 banks (of the 8 a 128-byte line has), so the 8 rows are read in one pass.
+//  - They arrive by cp.async, two stages: the next tile is in flight while the warps multiply this one.
+//  - A fragments come from shared memory by ldmatrix, B fragments by ldmatrix (tiles stored as B's
+//    columns, K in Q Kᵀ) or ldmatrix.trans (stored as B's rows, V in P V). The forward reads its queries'
+//    fragments once and keeps them in registers; the backward reads its A fragments again for each tile,
+//    where registers are short (the dk, dv pass holds two 16 x D sums).
+//  - The FlashAttention-2 trick: the float32 result fragments of two neighbouring 16 x 8 products (S, or
+//    P after the softmax) hold, lane for lane, exactly the elements of the A fragment of the next
+//    m16n8k16 (16 x 16). P is rounded to bf16 in registers and multiplied by V without a trip through
+//    shared memory.
+//  - The dk, dv pass computes the transposed products, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, so that its 16 keys are
+//    the rows of the result and Pᵀ, dSᵀ are again A fragments for dV += Pᵀ dO and dK += dSᵀ Q.
+// Exponentials are exp2f of scores in log2 units: e^(x - m) = 2^(x log2 e - m log2 e).
+// Deterministic: every output element is summed by one thread in a fixed order, no atomics, so the bits
+// are the same on every run; dk and dv of a key/value head are summed over the query heads of its group
+// one after the other by the same block.
+#include <cuda_bf16.h>
+#include "mma.cuh"
+#include "special_values.cuh"
+#include "warp.cuh"
+
+typedef __nv_bfloat16 bfloat16;
+
+constexpr int ROW_PADDING = 8;     // bf16 after each row of a shared tile: 16 bytes
+constexpr float LOG2_E = 1.4426950408889634f;
+constexpr float LN_2 = 0.6931471805599453f;
+
+// Two floats rounded to bf16 (to nearest, ties to even) in one register, the first in the low half: the
+// order of an mma operand's two neighbours along k.
+__device__ __forceinline__ unsigned bf16_pair(float low, float high)
+{
+    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(low)) |
+           ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(high)) << 16);
+}
+
+// The key/value head that query head `head` (b * heads + h) reads: head h / (heads / kv_heads) of batch b.
+__device__ __forceinline__ long long kv_head_of(long long head, int heads, int kv_heads)
+{
+    return head / heads * kv_heads + head % heads / (heads / kv_heads);
+}
+
+// Start copying rows first_row .. first_row + ROWS - 1 of a (T, D) matrix into a shared tile, 16 bytes per
+// cp.async; rows at or past T become zeros (a copy that reads 0 bytes fills its 16 with zeros).
+template <int ROWS, int D, int THREADS>
+__device__ __forceinline__ void copy_rows_async(bfloat16* tile, const bfloat16* matrix, int first_row, int T)
+{
+    constexpr int STRIDE = D + ROW_PADDING, COPIES_PER_ROW = D / 8;
+#pragma unroll
+    for (int copy = threadIdx.x; copy < ROWS * COPIES_PER_ROW; copy += THREADS) {
+        const int row = copy / COPIES_PER_ROW, column = copy % COPIES_PER_ROW * 8;
+        const bool inside = first_row + row < T;
+        const bfloat16* source = inside ? matrix + (long long)(first_row + row) * D + column : matrix;
+        cp_async_16(shared_address(tile + row * STRIDE + column), source, inside ? 16 : 0);
+    }
+}
+
+// The same for COUNT floats first .. first + COUNT - 1 of a length-T vector, 4 bytes per copy.
+template <int COUNT, int THREADS>
+__device__ __forceinline__ void copy_floats_async(float* tile, const float* vector, int first, int T)
+{
+    for (int i = threadIdx.x; i < COUNT; i += THREADS) {
+        const bool inside = first + i < T;
+        cp_async_4(shared_address(tile + i), inside ? vector + first + i : vector, inside ? 4 : 0);
+    }
+}
+
+// Fragments from shared tiles whose rows are D bf16 long. lane 8q + r names row r of ldmatrix's matrix q.
+// The A fragments of 16 rows (rows[0] .. rows[15]) for every 16 columns k0 = 16i: matrices q = rows 0-7
+// and 8-15 at k0, then at k0 + 8 (mma.cuh: a[0] = (g, 2t..2t+1), a[1] = (g + 8, ..), a[2], a[3] at k + 8).
+template <int D>
+__device__ __forceinline__ void row_fragments(unsigned (&a)[D / 16][4], const bfloat16* rows)
+{
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+        ldmatrix_x4(a[i], shared_address(rows + (lane % 16) * (D + ROW_PADDING) + 16 * i + lane / 16 * 8));
+    }
+}
+
+// B fragments of two neighbouring n8 tiles, b[0..1] for columns n = 0..7 and b[2..3] for n = 8..15, at
+// k = k0 .. k0 + 15, from a tile whose rows are B's columns (K's rows are the columns of Kᵀ): matrices q =
+// rows 0-7 at k0 and k0 + 8, then rows 8-15 at k0 and k0 + 8. b[0] = (2t..2t+1, g): row g, elements 2t, 2t+1.
+template <int D>
+__device__ __forceinline__ void column_fragments(unsigned (&b)[4], const bfloat16* rows, int k0)
+{
+    const int lane = threadIdx.x % 32;
+    ldmatrix_x4(b, shared_address(rows + (lane / 16 * 8 + lane % 8) * (D + ROW_PADDING) + k0 + lane / 8 % 2 * 8));
+}
+
+// The same when the tile's rows are B's rows (V in P V: 16 keys are k, the head dimensions n0 .. n0 + 15
+// are n): ldmatrix.trans hands each lane two neighbours down a column, rows 2t and 2t + 1 of column g.
+template <int D>
+__device__ __forceinline__ void column_fragments_transposed(unsigned (&b)[4], const bfloat16* rows, int n0)
+{
+    const int lane = threadIdx.x % 32;
+    ldmatrix_x4_trans(b, shared_address(rows + (lane / 8 % 2 * 8 + lane % 8) * (D + ROW_PADDING) + n0 + lane / 16 * 8));
+}
+
+// first += a b[0..1], second += a b[2..3]: one A fragment against two n8 tiles.
+__device__ __forceinline__ void mma_two_tiles(float (&first)[4], float (&second)[4], const unsigned (&a)[4],
+                                              const unsigned (&b)[4])
+{
+    const unsigned b_first[2] = {b[0], b[1]}, b_second[2] = {b[2], b[3]};
+    mma_m16n8k16_bf16(first, a, b_first);
+    mma_m16n8k16_bf16(second, a, b_second);
+}
+
+// product (16 x COLUMNS, as COLUMNS / 8 result fragments) = the warp's 16 rows of length D (their A
+// fragments, a) times the transpose of b_rows (COLUMNS rows of length D), for the chunks of 16 columns c
+// in [begin, end); the other chunks are left at zero. Loops run over compile-time bounds, fully unrolled,
+// so that the fragments stay in registers (an array indexed at run time goes to local memory); the chunk
+// range is a condition inside.
+template <int D, int COLUMNS>
+__device__ __forceinline__ void multiply_by_rows(float (&product)[COLUMNS / 8][4], const unsigned (&a)[D / 16][4],
+                                                 const bfloat16* b_rows, int begin, int end)
+{
+#pragma unroll
+    for (int j = 0; j < COLUMNS / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) product[j][e] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+#pragma unroll
+        for (int c = 0; c < COLUMNS / 16; ++c) {
+            if (c < begin || c >= end) continue;
+            unsigned b[4];
+            column_fragments<D>(b, b_rows + 16 * c * (D + ROW_PADDING), 16 * i);
+            mma_two_tiles(product[2 * c], product[2 * c + 1], a[i], b);
+        }
+    }
+}
+
+// The same with the 16 rows' A fragments read from a shared tile first (a_rows: the first of them).
+template <int D, int COLUMNS>
+__device__ __forceinline__ void multiply_shared_rows(float (&product)[COLUMNS / 8][4], const bfloat16* a_rows,
+                                                     const bfloat16* b_rows, int begin, int end)
+{
+    unsigned a[D / 16][4];
+    row_fragments<D>(a, a_rows);
+    multiply_by_rows<D, COLUMNS>(product, a, b_rows, begin, end);
+}
+
+// sum (16 x D) += weights (16 x COLUMNS, the result fragments of multiply_by_rows) times value_rows
+// (COLUMNS rows of length D), over the chunks of 16 columns c in [begin, end). Fragments 2c and 2c + 1
+// of the weights, rounded to bf16, are the A fragment of chunk c: a[0] = (g, 2t..2t+1) is elements 0, 1
+// of fragment 2c, a[1] = (g + 8, 2t..2t+1) its elements 2, 3, and a[2], a[3] the same of fragment 2c + 1.
+template <int D, int COLUMNS>
+__device__ __forceinline__ void accumulate_weighted_rows(float (&sum)[D / 8][4], const float (&weights)[COLUMNS / 8][4],
+                                                         const bfloat16* value_rows, int begin, int end)
+{
+#pragma unroll
+    for (int c = 0; c < COLUMNS / 16; ++c) {
+        if (c < begin || c >= end) continue;
+        const float(&left)[4] = weights[2 * c];
+        const float(&right)[4] = weights[2 * c + 1];
+        const unsigned a[4] = {bf16_pair(left[0], left[1]), bf16_pair(left[2], left[3]),
+                               bf16_pair(right[0], right[1]), bf16_pair(right[2], right[3])};
+#pragma unroll
+        for (int n0 = 0; n0 < D; n0 += 16) {
+            unsigned b[4];
+            column_fragments_transposed<D>(b, value_rows + 16 * c * (D + ROW_PADDING), n0);
+            mma_two_tiles(sum[n0 / 8], sum[n0 / 8 + 1], a, b);
+        }
+    }
+}
+
+// Write the warp's 16 rows of a 16 x D sum, times `factor`, to rows first_row + ... of a (T, D) matrix in
+// bf16. Result element e of fragment n is row g + 8 (e / 2), column 8n + 2t + e % 2: elements 0, 1 and
+// 2, 3 are neighbours, one bf16 pair each.
+template <int D>
+__device__ __forceinline__ void store_rows_bf16(bfloat16* matrix, const float (&sum)[D / 8][4], int first_row, int T,
+                                                float factor)
+{
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = first_row + g + 8 * half;
+        if (row >= T) continue;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            *reinterpret_cast<__nv_bfloat162*>(matrix + (long long)row * D + 8 * n + 2 * t) =
+                __floats2bfloat162_rn(factor * sum[n][2 * half], factor * sum[n][2 * half + 1]);
+        }
+    }
+}
+
+// The key tiles that a block of ROWS queries (first_query ..) sees, KEYS keys each, K and V in two shared
+// stages: tile i + 1 is copied while the warps work on tile i. Copies the caller started before (its query
+// tiles) join the first group, and have landed when the work first runs. For each tile, each warp whose
+// 16 queries (warp_query ..) see some of its keys runs work(first_key, k_tile, v_tile, chunks, masked):
+// the chunks of 16 keys (from the first) that it sees, and whether some key is hidden from some of its
+// queries (past T, or causal past the query) so that the scores need masking.
+template <int D, int ROWS, int KEYS, typename Work>
+__device__ __forceinline__ void for_each_visible_key_tile(bfloat16* k_tiles, bfloat16* v_tiles, const bfloat16* k,
+                                                          const bfloat16* v, int first_query, int T, int causal,
+                                                          Work work)
+{
+    constexpr int THREADS = 2 * ROWS, TILE_ELEMENTS = KEYS * (D + ROW_PADDING);
+    const int warp_query = first_query + 16 * (threadIdx.x / 32);
+    const int tiles = ((causal ? min(first_query + ROWS, T) : T) + KEYS - 1) / KEYS;
+    auto start_tile = [&](int tile) {
+        const int stage = tile % 2;
+        copy_rows_async<KEYS, D, THREADS>(k_tiles + stage * TILE_ELEMENTS, k, tile * KEYS, T);
+        copy_rows_async<KEYS, D, THREADS>(v_tiles + stage * TILE_ELEMENTS, v, tile * KEYS, T);
+    };
+    start_tile(0);
+    cp_async_commit();
+    for (int tile = 0; tile < tiles; ++tile) {
+        // The stage of tile + 1 was last read at tile - 1, which every warp finished (the barrier below).
+        if (tile + 1 < tiles) start_tile(tile + 1);
+        cp_async_commit();
+        cp_async_wait<1>();  // this thread's copies of this tile have landed (the next may be in flight)
+        __syncthreads();     // and everyone's
+        const int first_key = tile * KEYS, stage = tile % 2;
+        const int visible = min(T, causal ? warp_query + 16 : T) - first_key;  // keys up to T and the last query
+        if (warp_query < T && visible > 0) {
+            const bool masked = first_key + KEYS > T || (causal && first_key + KEYS - 1 > warp_query);
+            work(first_key, k_tiles + stage * TILE_ELEMENTS, v_tiles + stage * TILE_ELEMENTS,
+                 min(KEYS / 16, (visible + 15) / 16), masked);
+        }
+        __syncthreads();     // everyone is done with this stage before it is refilled
+    }
+}
+
+// ---- forward ----------------------------------------------------------------------------------------
+
+// One key tile of the forward for the warp's 16 queries (first_query ..): S = Q Kᵀ, the online softmax,
+// O += P V. Each lane holds rows g and g + 8 of every fragment: row_max and row_sum [0] and [1]. row_max
+// is in log2 units; row_sum is the lane's own part of the row's sum (its 2 columns of each fragment),
+// added across the 4 lanes of the row once at the end: rescaling multiplies every part alike.
+// MASKED: the tile reaches past T or (causal) past the warp's first query, so scores are masked one by
+// one. The warp sees the first `chunks` chunks of 16 keys; the rest are hidden from all 16 rows and not
+// multiplied.
+template <int D, int KEYS, bool MASKED>
+__device__ __forceinline__ void forward_tile(float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
+                                             const unsigned (&q_fragments)[D / 16][4], const bfloat16* k_tile,
+                                             const bfloat16* v_tile, int chunks, int first_key, int first_query, int T,
+                                             int causal, float scale_log2)
+{
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    float s[KEYS / 8][4];
+    multiply_by_rows<D, KEYS>(s, q_fragments, k_tile, 0, chunks);
+    // Element e of fragment j: query first_query + g + 8 (e / 2), key first_key + 8j + 2t + e % 2.
+#pragma unroll
+    for (int j = 0; j < KEYS / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[j][e] *= scale_log2;  // scaled before masking: any sign of scale keeps hidden keys at -inf
+            const int key = first_key + 8 * j + 2 * t + e % 2, query = first_query + g + 8 * (e / 2);
+            if (MASKED && (key >= T || (causal && key > query))) s[j][e] = NEGATIVE_INFINITY;
+        }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float tile_max = NEGATIVE_INFINITY;
+#pragma unroll
+        for (int j = 0; j < KEYS / 8; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * half], s[j][2 * half + 1]));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));  // the 4 lanes of the row
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
+        const float new_max = fmaxf(row_max[half], tile_max);
+        // A row that has seen no key yet keeps -inf as its maximum; subtracting 0 instead keeps
+        // 2^(-inf - (-inf)) from becoming NaN: its weights and its rescaling are then 2^-inf = 0.
+        const float base = new_max == NEGATIVE_INFINITY ? 0.0f : new_max;
+        const float rescale = exp2f(row_max[half] - base);
+        row_max[half] = new_max;
+        row_sum[half] *= rescale;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][2 * half] *= rescale;
+            o[n][2 * half + 1] *= rescale;
+        }
+#pragma unroll
+        for (int j = 0; j < KEYS / 8; ++j)
+#pragma unroll
+            for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                s[j][e] = exp2f(s[j][e] - base);
+                row_sum[half] += s[j][e];  // from the float32 weights; P V uses them rounded to bf16
+            }
+    }
+    accumulate_weighted_rows<D, KEYS>(o, s, v_tile, 0, chunks);
+}
+
+// out, lse from q, k, v. Dynamic shared memory: the query tile, then two stages of K and of V.
+template <int D, int WARPS, int KEYS>
+__global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
+    bfloat16* __restrict__ out, float* __restrict__ lse, const bfloat16* __restrict__ q,
+    const bfloat16* __restrict__ k, const bfloat16* __restrict__ v, int T, int heads, int kv_heads, float scale,
+    int causal)
+{
+    static_assert(D % 16 == 0 && KEYS % 16 == 0, "fragments are 16 wide");
+    constexpr int ROWS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = D + ROW_PADDING;
+    extern __shared__ __align__(16) unsigned char shared_bytes[];
+    bfloat16* q_tile = reinterpret_cast<bfloat16*>(shared_bytes);
+    bfloat16* k_tiles = q_tile + ROWS * STRIDE;
+    bfloat16* v_tiles = k_tiles + 2 * KEYS * STRIDE;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const long long head = blockIdx.x, kv_head = kv_head_of(head, heads, kv_heads);
+    const int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS;  // causal: the longest rows start first
+    const int warp_query = first_query + 16 * warp;
+    q += head * T * D; out += head * T * D; lse += head * T;
+    k += kv_head * T * D; v += kv_head * T * D;
+    const float scale_log2 = scale * LOG2_E;
+
+    float o[D / 8][4] = {};
+    float row_max[2] = {NEGATIVE_INFINITY, NEGATIVE_INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    unsigned q_fragments[D / 16][4];  // the warp's queries, read from shared memory once (every warp sees key 0)
+    copy_rows_async<ROWS, D, THREADS>(q_tile, q, first_query, T);
+    for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, first_query, T, causal,
+        [&](int first_key, const bfloat16* k_tile, const bfloat16* v_tile, int chunks, bool masked) {
+            if (first_key == 0) row_fragments<D>(q_fragments, q_tile + 16 * warp * STRIDE);
+            if (masked)
+                forward_tile<D, KEYS, true>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks, first_key,
+                                            warp_query, T, causal, scale_log2);
+            else
+                forward_tile<D, KEYS, false>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks, first_key,
+                                             warp_query, T, causal, scale_log2);
+        });
+
+    if (warp_query >= T) return;
+    float inverse_sum[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float total = row_sum[half];
+        total += __shfl_xor_sync(FULL_MASK, total, 1);
+        total += __shfl_xor_sync(FULL_MASK, total, 2);
+        inverse_sum[half] = 1.0f / total;
+        const int query = warp_query + g + 8 * half;
+        if (t == 0 && query < T) lse[query] = (row_max[half] + log2f(total)) * LN_2;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][2 * half] *= inverse_sum[half];
+            o[n][2 * half + 1] *= inverse_sum[half];
+        }
+    }
+    store_rows_bf16<D>(out, o, warp_query, T, 1.0f);
+}
+
+// ---- backward ---------------------------------------------------------------------------------------
+// dV = Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP - row_dot) with row_dot = rowsum(dO ⊙ O), dQ = scale dS K,
+// dK = scale dSᵀ Q. Two passes, each summing its own outputs: dk, dv (a block per tile of keys, looping
+// over queries) and dq (a block per tile of queries, looping over keys); S and dP are computed in both.
+
+// row_dot[i] = Σ_d dout[i][d] out[i][d] for each of `rows` rows of length d, in float32: a warp per row.
+extern "C" __global__ void tensor_core_attention_row_dot(float* row_dot, const bfloat16* dout, const bfloat16* out,
+                                                         int rows, int d)
+{
+    const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    float sum = 0.0f;
+    if (row < rows) {
+        for (int i = lane; i < d; i += 32) {
+            sum += __bfloat162float(dout[row * d + i]) * __bfloat162float(out[row * d + i]);
+        }
+    }
+    sum = warp_sum(sum);
+    if (lane == 0 && row < rows) row_dot[row] = sum;
+}
+
+// One query tile of the dk, dv pass for the warp's 16 keys (first_key ..): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
+// (rows = keys, columns = queries), Pᵀ = 2^(Sᵀ scale log2 e - lse log2 e), dSᵀ = Pᵀ ⊙ (dPᵀ - row_dot),
+// then dV += Pᵀ dO and dK += dSᵀ Q. lse_tile and dot_tile hold the tile's queries' lse and row_dot.
+// Chunks of 16 queries c in [begin, end) are multiplied; the others are hidden from all 16 keys.
+template <int D, int QUERIES, bool MASKED>
+__device__ __forceinline__ void dk_dv_tile(float (&dk_sum)[D / 8][4], float (&dv_sum)[D / 8][4],
+                                           const bfloat16* k_rows, const bfloat16* v_rows, const bfloat16* q_tile,
+                                           const bfloat16* dout_tile, const float* lse_tile, const float* dot_tile,
+                                           int begin, int end, int first_key, int first_query, int T, int causal,
+                                           float scale_log2)
+{
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    float p[QUERIES / 8][4], ds[QUERIES / 8][4];
+    multiply_shared_rows<D, QUERIES>(p, k_rows, q_tile, begin, end);
+    multiply_shared_rows<D, QUERIES>(ds, v_rows, dout_tile, begin, end);
+    // Element e of fragment j: key first_key + g + 8 (e / 2), query first_query + 8j + 2t + e % 2.
+#pragma unroll
+    for (int j = 0; j < QUERIES / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int column = 8 * j + 2 * t + e % 2, key = first_key + g + 8 * (e / 2);
+            float probability = exp2f(fmaf(p[j][e], scale_log2, -lse_tile[column] * LOG2_E));
+            if (MASKED && (first_query + column >= T || (causal && key > first_query + column))) probability = 0.0f;
+            p[j][e] = probability;
+            ds[j][e] = probability * (ds[j][e] - dot_tile[column]);
+        }
+    accumulate_weighted_rows<D, QUERIES>(dv_sum, p, dout_tile, begin, end);
+    accumulate_weighted_rows<D, QUERIES>(dk_sum, ds, q_tile, begin, end);
+}
+
+// dk, dv of one key/value head's tile of 16 WARPS keys, summed over every query head of its group and
+// every query tile that sees them. Dynamic shared memory: the K and V tiles, two stages of Q and dO
+// tiles, then two stages of QUERIES floats of lse and of row_dot.
+template <int D, int WARPS, int QUERIES>
+__global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_dv(
+    bfloat16* __restrict__ dk, bfloat16* __restrict__ dv, const bfloat16* __restrict__ dout,
+    const bfloat16* __restrict__ q, const bfloat16* __restrict__ k, const bfloat16* __restrict__ v,
+    const float* __restrict__ lse, const float* __restrict__ row_dot, int T, int heads, int kv_heads, float scale,
+    int causal)
+{
+    static_assert(D % 16 == 0 && QUERIES % 16 == 0, "fragments are 16 wide");
+    constexpr int KEYS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = D + ROW_PADDING;
+    constexpr int TILE_ELEMENTS = QUERIES * STRIDE;
+    extern __shared__ __align__(16) unsigned char shared_bytes[];
+    bfloat16* k_tile = reinterpret_cast<bfloat16*>(shared_bytes);
+    bfloat16* v_tile = k_tile + KEYS * STRIDE;
+    bfloat16* q_tiles = v_tile + KEYS * STRIDE;
+    bfloat16* dout_tiles = q_tiles + 2 * TILE_ELEMENTS;
+    float* lse_tiles = reinterpret_cast<float*>(dout_tiles + 2 * TILE_ELEMENTS);
+    float* dot_tiles = lse_tiles + 2 * QUERIES;
+    const int warp = threadIdx.x / 32;
+    const long long kv_head = blockIdx.x, group = heads / kv_heads;
+    const long long first_head = kv_head / kv_heads * heads + kv_head % kv_heads * group;
+    const int first_key = blockIdx.y * KEYS, warp_key = first_key + 16 * warp;
+    const float scale_log2 = scale * LOG2_E;
+    // The query tiles that see these keys: causal, from the one holding the first key; in every head of the group.
+    const int first_tile = causal ? first_key / QUERIES : 0;
+    const int tiles_per_head = (T + QUERIES - 1) / QUERIES - first_tile, steps = group * tiles_per_head;
+
+    auto start_step = [&](int step) {
+        const long long head = first_head + step / tiles_per_head;
+        const int first_query = (first_tile + step % tiles_per_head) * QUERIES, stage = step % 2;
+        copy_rows_async<QUERIES, D, THREADS>(q_tiles + stage * TILE_ELEMENTS, q + head * T * D, first_query, T);
+        copy_rows_async<QUERIES, D, THREADS>(dout_tiles + stage * TILE_ELEMENTS, dout + head * T * D, first_query, T);
+        copy_floats_async<QUERIES, THREADS>(lse_tiles + stage * QUERIES, lse + head * T, first_query, T);
+        copy_floats_async<QUERIES, THREADS>(dot_tiles + stage * QUERIES, row_dot + head * T, first_query, T);
+    };
+    copy_rows_async<KEYS, D, THREADS>(k_tile, k + kv_head * T * D, first_key, T);
+    copy_rows_async<KEYS, D, THREADS>(v_tile, v + kv_head * T * D, first_key, T);
+    start_step(0);
+    cp_async_commit();
+
+    float dk_sum[D / 8][4] = {}, dv_sum[D / 8][4] = {};
+    for (int step = 0; step < steps; ++step) {
+        if (step + 1 < steps) start_step(step + 1);  // into the stage step - 1 used, which all warps are done with
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const int first_query = (first_tile + step % tiles_per_head) * QUERIES, stage = step % 2;
+        // Chunks of 16 queries that see the warp's keys: causal, from the chunk of its first key; before T.
+        const int begin = causal ? max(0, (warp_key - first_query) / 16) : 0;
+        const int end = min(QUERIES / 16, (T - first_query + 15) / 16);
+        if (warp_key < T && begin < end) {
+            const bfloat16* k_rows = k_tile + 16 * warp * STRIDE;
+            const bfloat16* v_rows = v_tile + 16 * warp * STRIDE;
+            const bfloat16* q_rows = q_tiles + stage * TILE_ELEMENTS;
+            const bfloat16* dout_rows = dout_tiles + stage * TILE_ELEMENTS;
+            const float* lse_tile = lse_tiles + stage * QUERIES;
+            const float* dot_tile = dot_tiles + stage * QUERIES;
+            if (first_query + QUERIES > T || (causal && first_query < warp_key + 15))
+                dk_dv_tile<D, QUERIES, true>(dk_sum, dv_sum, k_rows, v_rows, q_rows, dout_rows, lse_tile, dot_tile,
+                                             begin, end, warp_key, first_query, T, causal, scale_log2);
+            else
+                dk_dv_tile<D, QUERIES, false>(dk_sum, dv_sum, k_rows, v_rows, q_rows, dout_rows, lse_tile, dot_tile,
+                                              begin, end, warp_key, first_query, T, causal, scale_log2);
+        }
+        __syncthreads();
+    }
+    store_rows_bf16<D>(dk + kv_head * T * D, dk_sum, warp_key, T, scale);
+    store_rows_bf16<D>(dv + kv_head * T * D, dv_sum, warp_key, T, 1.0f);
+}
+
+// One key tile of the dq pass for the warp's 16 queries: S = Q Kᵀ, dP = dO Vᵀ, P from lse, dS, dQ += dS K.
+// lse2 and dot: the lane's rows g and g + 8, lse in log2 units.
+template <int D, int KEYS, bool MASKED>
+__device__ __forceinline__ void dq_tile(float (&dq_sum)[D / 8][4], const bfloat16* q_rows, const bfloat16* dout_rows,
+                                        const bfloat16* k_tile, const bfloat16* v_tile, const float (&lse2)[2],
+                                        const float (&dot)[2], int chunks, int first_key, int first_query, int T,
+                                        int causal, float scale_log2)
+{
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    float p[KEYS / 8][4], ds[KEYS / 8][4];
+    multiply_shared_rows<D, KEYS>(p, q_rows, k_tile, 0, chunks);
+    multiply_shared_rows<D, KEYS>(ds, dout_rows, v_tile, 0, chunks);
+#pragma unroll
+    for (int j = 0; j < KEYS / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = first_key + 8 * j + 2 * t + e % 2, query = first_query + g + 8 * (e / 2);
+            float probability = exp2f(fmaf(p[j][e], scale_log2, -lse2[e / 2]));
+            if (MASKED && (key >= T || (causal && key > query))) probability = 0.0f;
+            ds[j][e] = probability * (ds[j][e] - dot[e / 2]);
+        }
+    accumulate_weighted_rows<D, KEYS>(dq_sum, ds, k_tile, 0, chunks);
+}
+
+// dq of one tile of 16 WARPS queries of one head. Dynamic shared memory: the Q and dO tiles, then two
+// stages of K and of V.
+template <int D, int WARPS, int KEYS>
+__global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
+    bfloat16* __restrict__ dq, const bfloat16* __restrict__ dout, const bfloat16* __restrict__ q,
+    const bfloat16* __restrict__ k, const bfloat16* __restrict__ v, const float* __restrict__ lse,
+    const float* __restrict__ row_dot, int T, int heads, int kv_heads, float scale, int causal)
+{
+    static_assert(D % 16 == 0 && KEYS % 16 == 0, "fragments are 16 wide");
+    constexpr int ROWS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = D + ROW_PADDING;
+    extern __shared__ __align__(16) unsigned char shared_bytes[];
+    bfloat16* q_tile = reinterpret_cast<bfloat16*>(shared_bytes);
+    bfloat16* dout_tile = q_tile + ROWS * STRIDE;
+    bfloat16* k_tiles = dout_tile + ROWS * STRIDE;
+    bfloat16* v_tiles = k_tiles + 2 * KEYS * STRIDE;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
+    const long long head = blockIdx.x, kv_head = kv_head_of(head, heads, kv_heads);
+    const int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS, warp_query = first_query + 16 * warp;
+    q += head * T * D; dout += head * T * D; dq += head * T * D; lse += head * T; row_dot += head * T;
+    k += kv_head * T * D; v += kv_head * T * D;
+    const float scale_log2 = scale * LOG2_E;
+
+    float lse2[2], dot[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int query = warp_query + g + 8 * half;
+        lse2[half] = query < T ? lse[query] * LOG2_E : 0.0f;
+        dot[half] = query < T ? row_dot[query] : 0.0f;
+    }
+    float dq_sum[D / 8][4] = {};
+    copy_rows_async<ROWS, D, THREADS>(q_tile, q, first_query, T);
+    copy_rows_async<ROWS, D, THREADS>(dout_tile, dout, first_query, T);
+    for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, first_query, T, causal,
+        [&](int first_key, const bfloat16* k_tile, const bfloat16* v_tile, int chunks, bool masked) {
+            const bfloat16* q_rows = q_tile + 16 * warp * STRIDE;
+            const bfloat16* dout_rows = dout_tile + 16 * warp * STRIDE;
+            if (masked)
+                dq_tile<D, KEYS, true>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks, first_key,
+                                       warp_query, T, causal, scale_log2);
+            else
+                dq_tile<D, KEYS, false>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks, first_key,
+                                        warp_query, T, causal, scale_log2);
+        });
+    store_rows_bf16<D>(dq, dq_sum, warp_query, T, scale);
+}

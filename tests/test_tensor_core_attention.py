@@ -1,0 +1,367 @@
+"""Attention on tensor cores in bf16 (gpt2_cupy.ops.tensor_core_attention) against float64 numpy.
+
+The reference computes exactly, in float64, from the same bf16 inputs. The kernels round in known places,
+and every element of every result must lie within what those roundings can do (first order, times 1.01
+for the second-order terms), with u = 2⁻⁸, bf16's unit roundoff (8 significant bits, to nearest):
+
+  out   P is rounded to bf16 before P V, each weight by at most u of itself: u Σ_j P_ij |v_j|; then the
+        result is rounded to bf16: u |out_i|.
+  lse   float32 throughout: the error of the scores it is the log-sum-exp of, and FLOAT32_SLACK (1 + |lse|).
+  dv    P rounded before Pᵀ dO: u Σ_i P_ij |dout_i|, and the output's rounding u |dv_j|.
+  dq    dS = P ⊙ (dP - row_dot) is rounded to bf16 before dS K and dSᵀ Q: u |dS_ij| per term; row_dot
+  dk    comes from the bf16 out the forward returned, not the exact O: P_ij |dout_i · (out_i - O_i)| per
+        term; then the output's rounding, u |dq_i| (u |dk_j|).
+Besides, every float32 sum of bf16 products on a tensor core is within MMA_UNIT of the sum of its terms'
+magnitudes per mma.sync (as in tests/test_tensor_core_gemm.py), which moves each score by δS and each
+weight P by δS relative; the rest of the float32 work (exp2f, sums over T, the online rescaling) stays
+within FLOAT32_SLACK relative. On the CPU executor the largest error of each result is 0.25 to 0.9 of
+its bound (lse: far less, its bound allows float32 sums over T in any order); a kernel that cuts P toward
+zero instead of rounding it to nearest, skips a rescaling of the running sum, or is 0.4 % off fails.
+
+Sequence lengths 1, 17, 33, 50, 100 and 200 are not multiples of the kernels' 16-row fragments or 32- and
+64-row tiles; 200 keys are four tiles, so the two-stage pipeline refills each stage. Grouped-query attention:
+H = 4 query heads over H_kv = 1 or 2 key/value heads.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from ml_dtypes import bfloat16
+
+from gpt2_cupy import backend
+from gpt2_cupy.ops import tensor_core_attention as attention_ops
+from gpt2_cupy.ops.tensor_core_attention import tensor_core_attention_backward, tensor_core_attention_forward
+from gpt2_cupy.testing import finite_difference_gradient, relative_error, torch_or_none
+
+BF16_UNIT = 2.0 ** -8         # bf16's unit roundoff
+MMA_UNIT = 2.0 ** -20         # a tensor core's float32 sum, of the sum of magnitudes, per mma.sync
+FLOAT32_SLACK = 2.0 ** -16    # the rest of the float32 work, relative
+SECOND_ORDER = 1.01
+
+
+# ---- the float64 reference --------------------------------------------------------------------------------
+
+def repeat_kv(x, heads):
+    """(B, H_kv, T, d) -> (B, H, T, d): key/value head h // (H // H_kv) for query head h."""
+    return np.repeat(x, heads // x.shape[1], axis=1)
+
+
+def group_sum(x, kv_heads):
+    """(B, H, T, d) -> (B, H_kv, T, d): the sum over the query heads that share each key/value head."""
+    B, H, T, d = x.shape
+    return x.reshape(B, kv_heads, H // kv_heads, T, d).sum(axis=2)
+
+
+def reference_probabilities(q, k, causal, scale):
+    """P (B, H, T, T) and lse (B, H, T) in float64, k already repeated per query head."""
+    T = q.shape[-2]
+    scores = scale * q @ np.swapaxes(k, -1, -2)
+    if causal:
+        scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    largest = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - largest)
+    total = weights.sum(axis=-1, keepdims=True)
+    return weights / total, (largest + np.log(total))[..., 0]
+
+
+def reference_forward(q, k, v, causal=True, scale=None):
+    """(out, lse) in float64 from float64 q (B, H, T, d) and k, v (B, H_kv, T, d)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    p, lse = reference_probabilities(q, repeat_kv(k, q.shape[1]), causal, scale)
+    return p @ repeat_kv(v, q.shape[1]), lse
+
+
+def reference_backward(dout, q, k, v, causal=True, scale=None):
+    """(dq, dk, dv) in float64, from the graph: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ⊙ (dP - rowsum(dP ⊙ P)),
+    dQ = scale dS K, dK = scale dSᵀ Q; dk and dv summed over the query heads of each key/value head."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    H, H_kv = q.shape[1], k.shape[1]
+    k_heads, v_heads = repeat_kv(k, H), repeat_kv(v, H)
+    p, _ = reference_probabilities(q, k_heads, causal, scale)
+    dp = dout @ np.swapaxes(v_heads, -1, -2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    dv = np.swapaxes(p, -1, -2) @ dout
+    return scale * ds @ k_heads, group_sum(scale * np.swapaxes(ds, -1, -2) @ q, H_kv), group_sum(dv, H_kv)
+
+
+def score_errors(q, k, scale):
+    """δS (B, H, T, T): how far a score of bf16 q, k summed on tensor cores may be from the exact one."""
+    mmas = q.shape[-1] // 16 + 1
+    return MMA_UNIT * mmas * abs(scale) * np.abs(q) @ np.swapaxes(np.abs(k), -1, -2)
+
+
+def weight_errors(p, lse, score_error):
+    """η (B, H, T, T): the relative error of each float32 weight P before rounding: its score's error, the
+    error of its row's normalisation (a P-weighted mean of the scores' errors), and FLOAT32_SLACK."""
+    row_error = (p * score_error).sum(axis=-1, keepdims=True)
+    return score_error + row_error + FLOAT32_SLACK * (1 + np.abs(lse[..., None]))
+
+
+def forward_bounds(q, k, v, causal, scale):
+    """(out, lse, bound on out, bound on lse), float64, from float64 copies of the bf16 inputs."""
+    H = q.shape[1]
+    k_heads, v_heads = repeat_kv(k, H), repeat_kv(v, H)
+    p, lse = reference_probabilities(q, k_heads, causal, scale)
+    out = p @ v_heads
+    score_error = score_errors(q, k_heads, scale)
+    eta = weight_errors(p, lse, score_error)
+    out_bound = (p * (BF16_UNIT + eta)) @ np.abs(v_heads) + BF16_UNIT * np.abs(out)
+    lse_bound = (p * score_error).sum(axis=-1) + FLOAT32_SLACK * (1 + np.abs(lse))
+    return out, lse, SECOND_ORDER * out_bound, SECOND_ORDER * lse_bound
+
+
+def backward_bounds(dout, q, k, v, kernel_out, causal, scale):
+    """(dq, dk, dv) and a bound on each, float64; kernel_out is the bf16 out the backward is given."""
+    H, H_kv, T = q.shape[1], k.shape[1], q.shape[2]
+    k_heads, v_heads = repeat_kv(k, H), repeat_kv(v, H)
+    p, lse = reference_probabilities(q, k_heads, causal, scale)
+    exact_out = p @ v_heads
+    dp = dout @ np.swapaxes(v_heads, -1, -2)
+    row_dot = (dout * exact_out).sum(axis=-1, keepdims=True)
+    ds = p * (dp - row_dot)
+    eta = weight_errors(p, lse, score_errors(q, k_heads, scale))
+    # row_dot as the kernel forms it: from kernel_out, in float32
+    row_dot_error = np.abs((dout * (kernel_out - exact_out)).sum(axis=-1, keepdims=True))
+    row_dot_error += FLOAT32_SLACK * (np.abs(dout) * np.abs(kernel_out)).sum(axis=-1, keepdims=True)
+    dp_error = MMA_UNIT * (q.shape[-1] // 16 + 1) * np.abs(dout) @ np.swapaxes(np.abs(v_heads), -1, -2)
+    sum_error = MMA_UNIT * (T // 16 + 1)   # of a sum over T on tensor cores, relative to its magnitudes
+    ds_error = (BF16_UNIT + eta + sum_error) * np.abs(ds) + p * (dp_error + row_dot_error)
+    dq = scale * ds @ k_heads
+    dk = group_sum(scale * np.swapaxes(ds, -1, -2) @ q, H_kv)
+    dv = group_sum(np.swapaxes(p, -1, -2) @ dout, H_kv)
+    dq_bound = abs(scale) * ds_error @ np.abs(k_heads) + BF16_UNIT * np.abs(dq)
+    dk_bound = group_sum(abs(scale) * np.swapaxes(ds_error, -1, -2) @ np.abs(q), H_kv) + BF16_UNIT * np.abs(dk)
+    dv_weights = (BF16_UNIT + eta + sum_error) * p
+    dv_bound = group_sum(np.swapaxes(dv_weights, -1, -2) @ np.abs(dout), H_kv) + BF16_UNIT * np.abs(dv)
+    return (dq, dk, dv), tuple(SECOND_ORDER * b for b in (dq_bound, dk_bound, dv_bound))
+
+
+def assert_within(name, got, expected, bound):
+    error = np.abs(np.asarray(got, np.float64) - expected)
+    worst = np.unravel_index(np.argmax(error - bound), error.shape)
+    assert np.all(error <= bound), (f"{name}: error {error[worst]:.3g} above the bound {bound[worst]:.3g} at "
+                                    f"{worst}; largest error {error.max():.3g}")
+
+
+def bf16_inputs(rng, B, H, H_kv, T, d):
+    """q, k, v, dout as bf16 numpy arrays (q, dout: (B, H, T, d); k, v: (B, H_kv, T, d))."""
+    shapes = [(B, H, T, d), (B, H_kv, T, d), (B, H_kv, T, d), (B, H, T, d)]
+    return [rng.standard_normal(shape).astype(bfloat16) for shape in shapes]
+
+
+def wide(*arrays):
+    return [np.asarray(a, np.float64) for a in arrays]
+
+
+# ---- the reference itself --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_backward_matches_finite_differences(rng, causal):
+    q, dout = rng.standard_normal((2, 1, 4, 3, 4))   # B = 1, H = 4 query heads
+    k, v = rng.standard_normal((2, 1, 2, 3, 4))      # H_kv = 2
+    scale = 0.7
+
+    def loss():
+        return float((dout * reference_forward(q, k, v, causal, scale)[0]).sum())
+
+    for name, array, gradient in zip("qkv", (q, k, v), reference_backward(dout, q, k, v, causal, scale)):
+        error = relative_error(gradient, finite_difference_gradient(loss, array))
+        assert error < 1e-8, f"d{name}: {error:.3g}"
+
+
+# ---- the kernels against it -------------------------------------------------------------------------------
+
+CASES = [(1, 2, 2, T, d, causal) for T in (1, 17, 64, 100) for d in (64, 128) for causal in (True, False)]
+CASES += [(2, 4, 1, 100, 64, True), (2, 4, 2, 17, 128, True), (1, 4, 2, 64, 128, False), (1, 4, 1, 100, 128, False),
+          (1, 2, 1, 200, 64, False), (1, 2, 2, 200, 128, True), (2, 2, 1, 33, 32, True), (1, 4, 2, 50, 32, False)]
+
+
+@pytest.mark.parametrize("B, H, H_kv, T, d, causal", CASES)
+def test_matches_float64_within_the_rounding_bounds(rng, to_device, to_host, B, H, H_kv, T, d, causal):
+    q, k, v, dout = bf16_inputs(rng, B, H, H_kv, T, d)
+    device_q, device_k, device_v, device_dout = (to_device(a) for a in (q, k, v, dout))
+    out, lse = tensor_core_attention_forward(device_q, device_k, device_v, causal=causal)
+    assert out.dtype == bfloat16 and out.shape == q.shape and lse.dtype == np.float32 and lse.shape == (B, H, T)
+    scale = 1.0 / math.sqrt(d)
+    q64, k64, v64, dout64 = wide(q, k, v, dout)
+    expected_out, expected_lse, out_bound, lse_bound = forward_bounds(q64, k64, v64, causal, scale)
+    assert_within("out", to_host(out), expected_out, out_bound)
+    assert_within("lse", to_host(lse), expected_lse, lse_bound)
+
+    grads = tensor_core_attention_backward(device_dout, device_q, device_k, device_v, out, lse, causal=causal)
+    expected, bounds = backward_bounds(dout64, q64, k64, v64, wide(to_host(out))[0], causal, scale)
+    for name, got, reference, bound, like in zip(("dq", "dk", "dv"), grads, expected, bounds, (q, k, v)):
+        assert got.dtype == bfloat16 and got.shape == like.shape
+        assert_within(name, to_host(got), reference, bound)
+
+
+def test_scale_and_out(rng, to_device, to_host):
+    """A scale other than 1/√d (negative too: masked keys stay hidden) reaches every kernel; out= is
+    filled and returned."""
+    q, k, v, dout = bf16_inputs(rng, 1, 2, 1, 40, 64)
+    q64, k64, v64, dout64 = wide(q, k, v, dout)
+    for scale in (0.3, -0.2):
+        out = to_device(np.full(q.shape, np.nan, dtype=bfloat16))
+        returned, lse = tensor_core_attention_forward(*(to_device(a) for a in (q, k, v)), scale=scale, out=out)
+        assert returned is out
+        expected_out, expected_lse, out_bound, lse_bound = forward_bounds(q64, k64, v64, True, scale)
+        assert_within("out", to_host(out), expected_out, out_bound)
+        assert_within("lse", to_host(lse), expected_lse, lse_bound)
+        grads = tensor_core_attention_backward(*(to_device(a) for a in (dout, q, k, v)), out, lse, scale=scale)
+        expected, bounds = backward_bounds(dout64, q64, k64, v64, wide(to_host(out))[0], True, scale)
+        for name, got, reference, bound in zip(("dq", "dk", "dv"), grads, expected, bounds):
+            assert_within(name, to_host(got), reference, bound)
+
+
+@pytest.mark.parametrize("H_kv", [1, 2])
+def test_grouped_query_attention_equals_repeated_heads(rng, to_device, to_host, H_kv):
+    """K and V shared by H / H_kv query heads give what the same K and V repeated per head give: out, lse and
+    dq bit for bit; dk and dv the sums over each group's heads (each head's rounded to bf16 there, the
+    group's sum rounded once here)."""
+    H, T, d = 4, 70, 64
+    q, k, v, dout = bf16_inputs(rng, 2, H, H_kv, T, d)
+    grouped = [to_device(a) for a in (q, k, v)]
+    repeated = [to_device(a) for a in (q, repeat_kv(k, H), repeat_kv(v, H))]
+    out, lse = tensor_core_attention_forward(*grouped)
+    out_repeated, lse_repeated = tensor_core_attention_forward(*repeated)
+    assert np.array_equal(to_host(out).view(np.uint16), to_host(out_repeated).view(np.uint16))
+    assert np.array_equal(to_host(lse), to_host(lse_repeated))
+    dq, dk, dv = tensor_core_attention_backward(to_device(dout), *grouped, out, lse)
+    dq_repeated, dk_heads, dv_heads = tensor_core_attention_backward(to_device(dout), *repeated, out, lse)
+    assert np.array_equal(to_host(dq).view(np.uint16), to_host(dq_repeated).view(np.uint16))
+    for name, got, per_head in (("dk", dk, dk_heads), ("dv", dv, dv_heads)):
+        per_head = wide(to_host(per_head))[0]
+        got = wide(to_host(got))[0]
+        summed = group_sum(per_head, H_kv)
+        bound = BF16_UNIT * (group_sum(np.abs(per_head), H_kv) + np.abs(got)) * SECOND_ORDER
+        assert_within(name, got, summed, bound + FLOAT32_SLACK * group_sum(np.abs(per_head), H_kv))
+
+
+def test_backward_is_deterministic(rng, to_device, to_host):
+    arrays = [to_device(a) for a in bf16_inputs(rng, 1, 4, 2, 100, 64)]
+    q, k, v, dout = arrays
+    out, lse = tensor_core_attention_forward(q, k, v)
+    first = [to_host(g).view(np.uint16) for g in tensor_core_attention_backward(dout, q, k, v, out, lse)]
+    second = [to_host(g).view(np.uint16) for g in tensor_core_attention_backward(dout, q, k, v, out, lse)]
+    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+
+
+def test_keys_past_the_block_are_never_read(rng, to_device, to_host):
+    """Causal: NaN in every key and value after position 64 (the first block of queries, and the first key
+    tile). The first 64 queries must not see them, so the kernels skip them rather than multiply them by a
+    zero weight (0 · NaN is NaN); out and dq of those queries are finite and right."""
+    rows, T, d = 64, 90, 64
+    q, k, v, dout = bf16_inputs(rng, 1, 2, 2, T, d)
+    k[:, :, rows:], v[:, :, rows:] = np.nan, np.nan
+    device = [to_device(a) for a in (q, k, v, dout)]
+    out, lse = tensor_core_attention_forward(*device[:3])
+    q64, k64, v64, dout64 = wide(q[:, :, :rows], k[:, :, :rows], v[:, :, :rows], dout[:, :, :rows])
+    expected_out, _, out_bound, _ = forward_bounds(q64, k64, v64, True, 1 / math.sqrt(d))
+    assert_within("out", to_host(out)[:, :, :rows], expected_out, out_bound)
+    dq, _, _ = tensor_core_attention_backward(device[3], *device[:3], out, lse)
+    (expected_dq, _, _), (dq_bound, _, _) = backward_bounds(dout64, q64, k64, v64, wide(to_host(out)[:, :, :rows])[0],
+                                                            True, 1 / math.sqrt(d))
+    assert_within("dq", to_host(dq)[:, :, :rows], expected_dq, dq_bound)
+
+
+@pytest.mark.parametrize("kernel", ["forward", "dk_dv", "dq"])
+def test_every_tile_choice(rng, to_device, to_host, kernel):
+    """Each kernel launched directly with every candidate shape that bench/tensor_core_attention.py times
+    (the op uses one per d), on 100 positions (causal) and 2 query heads per key/value head; the backward
+    passes from the op's forward."""
+    B, H, H_kv, T, d = 1, 4, 2, 100, 64
+    q, k, v, dout = bf16_inputs(rng, B, H, H_kv, T, d)
+    xp, scale = backend.xp, np.float32(1 / math.sqrt(d))
+    device_q, device_k, device_v, device_dout = (to_device(a) for a in (q, k, v, dout))
+    q64, k64, v64, dout64 = wide(q, k, v, dout)
+    out, lse = tensor_core_attention_forward(device_q, device_k, device_v)
+    row_dot = xp.empty((B, H, T), np.float32)
+    attention_ops._row_dot(row_dot, device_dout, out)
+    expected_out, expected_lse, out_bound, lse_bound = forward_bounds(q64, k64, v64, True, scale)
+    (expected_dq, expected_dk, expected_dv), (dq_bound, dk_bound, dv_bound) = backward_bounds(
+        dout64, q64, k64, v64, wide(to_host(out))[0], True, scale)
+    for warps, tile in attention_ops.TILE_CANDIDATES[kernel]:
+        shape = f"{warps} warps, tile {tile}"
+        if kernel == "forward":
+            out, lse = xp.empty(q.shape, bfloat16), xp.empty((B, H, T), np.float32)
+            attention_ops._forward(out, lse, device_q, device_k, device_v, True, scale, warps, tile)
+            assert_within(f"out, {shape}", to_host(out), expected_out, out_bound)
+            assert_within(f"lse, {shape}", to_host(lse), expected_lse, lse_bound)
+        elif kernel == "dk_dv":
+            dk, dv = xp.empty(k.shape, bfloat16), xp.empty(v.shape, bfloat16)
+            attention_ops._dk_dv(dk, dv, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale,
+                                 warps, tile)
+            assert_within(f"dk, {shape}", to_host(dk), expected_dk, dk_bound)
+            assert_within(f"dv, {shape}", to_host(dv), expected_dv, dv_bound)
+        else:
+            dq = xp.empty(q.shape, bfloat16)
+            attention_ops._dq(dq, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale, warps, tile)
+            assert_within(f"dq, {shape}", to_host(dq), expected_dq, dq_bound)
+
+
+def test_bad_arguments(to_device):
+    def zeros(shape, dtype=bfloat16):
+        return to_device(np.zeros(shape, dtype))
+
+    q, kv = zeros((1, 4, 8, 64)), zeros((1, 2, 8, 64))
+    with pytest.raises(TypeError, match="tensor_core_attention_forward: q has dtype float32; it must be bfloat16"):
+        tensor_core_attention_forward(zeros((1, 4, 8, 64), np.float32), kv, kv)
+    with pytest.raises(ValueError, match="head size d .* must be one of"):
+        tensor_core_attention_forward(*(zeros((1, 2, 8, 48)),) * 3)
+    with pytest.raises(ValueError, match="H must be a multiple of H_kv"):
+        tensor_core_attention_forward(zeros((1, 3, 8, 64)), kv, kv)
+    with pytest.raises(ValueError, match="k has shape .* T = 9"):
+        tensor_core_attention_forward(q, zeros((1, 2, 9, 64)), kv)
+    with pytest.raises(ValueError, match="v has shape"):
+        tensor_core_attention_forward(q, kv, zeros((1, 1, 8, 64)))
+    with pytest.raises(ValueError, match="must have shape"):
+        tensor_core_attention_forward(zeros((4, 8, 64)), kv, kv)
+    with pytest.raises(ValueError, match="out has shape"):
+        tensor_core_attention_forward(q, kv, kv, out=zeros((1, 4, 8, 32)))
+    storage = zeros(4 * 8 * 64 + 1)
+    with pytest.raises(ValueError, match="q must start on a 16-byte boundary"):
+        tensor_core_attention_forward(storage[1:].reshape(1, 4, 8, 64), kv, kv)
+    out, lse = tensor_core_attention_forward(q, kv, kv)
+    with pytest.raises(TypeError, match="tensor_core_attention_backward: lse has dtype bfloat16"):
+        tensor_core_attention_backward(q, q, kv, kv, out, out[..., 0].copy())
+    with pytest.raises(ValueError, match="tensor_core_attention_backward: lse"):
+        tensor_core_attention_backward(q, q, kv, kv, out, zeros((1, 4, 7), np.float32))
+    with pytest.raises(TypeError, match="tensor_core_attention_backward: dout has dtype float32"):
+        tensor_core_attention_backward(zeros((1, 4, 8, 64), np.float32), q, kv, kv, out, lse)
+
+
+def test_empty_inputs(to_device):
+    q, kv = to_device(np.zeros((2, 4, 0, 64), bfloat16)), to_device(np.zeros((2, 2, 0, 64), bfloat16))
+    out, lse = tensor_core_attention_forward(q, kv, kv)
+    assert out.shape == q.shape and lse.shape == (2, 4, 0)
+    dq, dk, dv = tensor_core_attention_backward(q, q, kv, kv, out, lse)
+    assert dq.shape == q.shape and dk.shape == dv.shape == kv.shape
+
+
+def test_against_torch(rng, to_device, to_host):
+    """PyTorch's scaled_dot_product_attention in bf16 on the same inputs (its flash kernels round in the
+    same places), at a size the CPU executor would take long over: ours and PyTorch's both within 2 % of
+    float64 (max |error| / max |reference|)."""
+    torch = torch_or_none()
+    if torch is None or backend.name != "cuda":
+        pytest.skip("needs PyTorch and a GPU (the comparison runs on the GPU machine)")
+    B, H, H_kv, T, d = 2, 8, 2, 1000, 128
+    q, k, v, dout = bf16_inputs(rng, B, H, H_kv, T, d)
+    tensors = [torch.from_numpy(a.astype(np.float32)).to("cuda").to(torch.bfloat16)   # exact both ways
+               for a in (q, repeat_kv(k, H), repeat_kv(v, H), dout)]
+    for tensor in tensors[:3]:
+        tensor.requires_grad_(True)
+    expected = torch.nn.functional.scaled_dot_product_attention(*tensors[:3], is_causal=True)
+    expected.backward(tensors[3])
+    out, lse = tensor_core_attention_forward(*(to_device(a) for a in (q, k, v)))
+    grads = tensor_core_attention_backward(*(to_device(a) for a in (dout, q, k, v)), out, lse)
+    q64, k64, v64, dout64 = wide(q, k, v, dout)
+    references = [reference_forward(q64, k64, v64)[0], *reference_backward(dout64, q64, k64, v64)]
+    theirs = [expected.detach(), tensors[0].grad, tensors[1].grad, tensors[2].grad]
+    theirs = [t.float().cpu().numpy() for t in theirs]
+    theirs[1:] = [theirs[1], group_sum(theirs[2], H_kv), group_sum(theirs[3], H_kv)]
+    for name, ours, their, reference in zip(("out", "dq", "dk", "dv"), (out, *grads), theirs, references):
+        ours = to_host(ours).astype(np.float64)
+        assert relative_error(ours, reference) < 2e-2, name
+        assert relative_error(their, reference) < 2e-2, name
