@@ -21,6 +21,14 @@ Then longer sequences, T = 4096, 8192, 16384 at the same B and H: the naive vers
 float32 arrays (P, and dP, which becomes dS in place), 6.4 GB each at T = 4096 and 103 GB each at
 T = 16384; the fused one needs O(T) beyond its inputs. The naive one runs where its arrays fit the
 GPU and the kernels' int indexing (at most 2^31 elements), and the reason is recorded where they do not.
+
+Then Llama's heads (HEAD_CASES, B = 4, T = 1024): d = 128 with 32 heads, with 8 key-value heads for the 32 query
+heads (grouped-query attention, no copy of k and v), and d = 80 (run in tiles of 128), fused against PyTorch's
+scaled_dot_product_attention (enable_gqa=True, or k and v repeated where PyTorch is older than 2.5), float32.
+And the decode kernel (gpt2_cupy.ops.decode_attention) at Llama 7B's shape, one new query per head, B = 1,
+H = 32, H_kv = 8 or 32, a cache of 512, 2048 or 4096 positions, d = 128: GB/s of keys and values read
+(2 H_kv T d floats, all it must move) against the copy bandwidth, beside the naive path it replaced (chapter 01's
+batched matmul and chapter 04's softmax, the scores written out) and PyTorch's scaled_dot_product_attention.
 """
 
 import json
@@ -32,6 +40,9 @@ from gpt2_cupy.ops.arrays import LARGEST_INT
 from gpt2_cupy.ops import attention as attention_ops
 from gpt2_cupy.ops.attention import (attention_backward, attention_backward_naive, attention_forward,
                                      attention_forward_naive)
+from gpt2_cupy.ops.decode_attention import decode_attention_forward
+from gpt2_cupy.ops.matmul import batched_matmul
+from gpt2_cupy.ops.softmax import softmax_forward
 from gpt2_cupy.testing import torch_or_none
 
 B, H, T, D = 8, 12, 1024, 64
@@ -104,7 +115,7 @@ def kernel_runs(cupy):
     dq, dk, dv = (cupy.empty_like(q) for _ in range(3))
     rowdot = cupy.empty_like(lse)
     heads, causal = B * H, True
-    common = (heads, T, D, causal, "softmax")
+    common = (attention_ops.LaunchShape.of(q, k, v), causal, "softmax")
     attention_ops._rowdot(rowdot, dout, out, heads * T, D)
     runs = {"kernel attention_backward_rowdot": (lambda: attention_ops._rowdot(rowdot, dout, out, heads * T, D), 0)}
     for rows in attention_ops.ROW_CHOICES:
@@ -127,7 +138,7 @@ def same_rows_runs(cupy):
     dq, dk, dv = (cupy.empty_like(q) for _ in range(3))
     rowdot = cupy.empty_like(lse)
     heads, causal = B * H, True
-    common = (heads, T, D, causal, "softmax")
+    common = (attention_ops.LaunchShape.of(q, k, v), causal, "softmax")
 
     def both(rows):
         attention_ops._forward(out, lse, q, k, v, *common, rows)
@@ -190,6 +201,124 @@ def measure_long(cupy):
     return results
 
 
+# ---- Llama's heads: d = 128, grouped-query attention, a head size between the tile widths ----------------
+
+HEADS_B, HEADS_T = 4, 1024
+HEAD_CASES = {"d = 128, 32 heads": (32, 32, 128),           # (query heads, key-value heads, d)
+              "d = 128, 32 query heads, 8 key-value heads": (32, 8, 128),
+              "d = 80, 32 heads": (32, 32, 80)}
+
+
+def head_case_runs(cupy, heads, key_heads, d):
+    """{name: (function, causal half-products)}: ours and PyTorch's, forward and forward + backward."""
+    random = cupy.random.default_rng(0)
+    q, dout = (random.standard_normal((HEADS_B, heads, HEADS_T, d), dtype=cupy.float32) for _ in range(2))
+    k, v = (random.standard_normal((HEADS_B, key_heads, HEADS_T, d), dtype=cupy.float32) for _ in range(2))
+
+    def both():
+        out, lse = attention_forward(q, k, v)
+        attention_backward(dout, q, k, v, out, lse)
+
+    runs = {"fused, forward": (lambda: attention_forward(q, k, v), 2), "fused, forward + backward": (both, 7)}
+    # The forward kernel alone with 64 and 128 queries per block: at d > 64 one block fills a multiprocessor's
+    # shared memory either way, and 128 rows give it twice the warps.
+    out, lse = cupy.empty_like(q), cupy.empty(q.shape[:-1], dtype=cupy.float32)
+    shape = attention_ops.LaunchShape.of(q, k, v)
+    for rows in attention_ops.ROW_CHOICES:
+        runs[f"fused, forward kernel, {rows} rows"] = (
+            lambda rows=rows: attention_ops._forward(out, lse, q, k, v, shape, True, "softmax", rows), 2)
+    torch = torch_or_none()
+    if torch is not None:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        tq, tk, tv = (torch.from_dlpack(a).clone().requires_grad_(True) for a in (q, k, v))
+        tdout = torch.from_dlpack(dout)
+
+        def attend():
+            try:
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
+                                                                        enable_gqa=key_heads != heads)
+            except TypeError:  # PyTorch before 2.5: no enable_gqa; each key and value head repeated for its group
+                group = heads // key_heads
+                return torch.nn.functional.scaled_dot_product_attention(
+                    tq, tk.repeat_interleave(group, 1), tv.repeat_interleave(group, 1), is_causal=True)
+
+        def torch_forward():
+            with torch.no_grad():
+                attend()
+
+        def torch_both():
+            tq.grad = tk.grad = tv.grad = None
+            attend().backward(tdout)
+
+        runs["torch scaled_dot_product_attention, forward"] = (torch_forward, 2)
+        runs["torch scaled_dot_product_attention, forward + backward"] = (torch_both, 7)
+    return runs
+
+
+def measure_head_cases(cupy):
+    """{case: {name: {"seconds", "tflops"}}}; TFLOP/s counts the causal half-products as above."""
+    results = {}
+    for case, (heads, key_heads, d) in HEAD_CASES.items():
+        results[case] = {}
+        for name, (run, products) in head_case_runs(cupy, heads, key_heads, d).items():
+            seconds = benchmark.seconds_per_call(run, warmup=2, repeat=10)
+            flop = products * HEADS_B * heads * HEADS_T * HEADS_T * d
+            results[case][name] = {"seconds": seconds, "tflops": benchmark.tflops(flop, seconds)}
+        cupy.get_default_memory_pool().free_all_blocks()
+    return results
+
+
+# ---- the decode kernel: one new query per head over a KV cache ------------------------------------------------
+
+DECODE_HEADS, DECODE_D = 32, 128
+DECODE_KEY_HEADS = (8, 32)
+DECODE_LENGTHS = (512, 2048, 4096)
+
+
+def naive_decode(q, keys, values):
+    """The path the KV cache took before the decode kernel: the group's queries as rows of one matrix per key
+    head, scores = q kᵀ (written out), softmax, @ values (one new position: no mask)."""
+    B, heads, n, d = q.shape
+    key_heads, length = keys.shape[1], keys.shape[2]
+    queries = q.reshape(B * key_heads, heads // key_heads * n, d)
+    scores = batched_matmul(queries, keys.reshape(B * key_heads, length, d), transpose_b=True)
+    weights = softmax_forward(scores, scale=1.0 / DECODE_D ** 0.5, out=scores)
+    return batched_matmul(weights, values.reshape(B * key_heads, length, d))
+
+
+def measure_decode(cupy):
+    """{"H_kv = ..., T = ...": {name: {"seconds", "gb_per_s"}}}: bytes = the keys and values read."""
+    torch = torch_or_none()
+    results = {}
+    for key_heads in DECODE_KEY_HEADS:
+        for length in DECODE_LENGTHS:
+            random = cupy.random.default_rng(0)
+            q = random.standard_normal((1, DECODE_HEADS, 1, DECODE_D), dtype=cupy.float32)
+            keys, values = (random.standard_normal((1, key_heads, length, DECODE_D), dtype=cupy.float32)
+                            for _ in range(2))
+            runs = {"decode kernel": lambda: decode_attention_forward(q, keys, values, length),
+                    "naive (batched matmul + softmax)": lambda: naive_decode(q, keys, values)}
+            if torch is not None:
+                tq, tk, tv = (torch.from_dlpack(a) for a in (q, keys, values))
+                group = DECODE_HEADS // key_heads
+
+                def torch_run():
+                    try:
+                        return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=group > 1)
+                    except TypeError:
+                        return torch.nn.functional.scaled_dot_product_attention(
+                            tq, tk.repeat_interleave(group, 1), tv.repeat_interleave(group, 1))
+
+                runs["torch scaled_dot_product_attention"] = torch_run
+            bytes_read = 2 * key_heads * length * DECODE_D * FLOAT
+            case = results[f"H_kv = {key_heads}, T = {length}"] = {}
+            for name, run in runs.items():
+                seconds = benchmark.seconds_per_call(run, warmup=3, repeat=20)
+                case[name] = {"seconds": seconds, "gb_per_s": benchmark.gigabytes_per_second(bytes_read, seconds)}
+    return results
+
+
 def measure(quick=False):
     benchmark.require_gpu()
     cupy = backend.xp
@@ -200,7 +329,11 @@ def measure(quick=False):
             "seconds": seconds,
             "tflops": {name: benchmark.tflops(flop_of(name, T), s) for name, s in seconds.items()},
             "long_sequences_seconds": {str(t): r for t, r in long.items()},
-            "bytes_of_one_B_H_T_T_array": {str(t): b for t, b in square_bytes.items()}}
+            "bytes_of_one_B_H_T_T_array": {str(t): b for t, b in square_bytes.items()},
+            "head_cases": {} if quick else {"shape": {"B": HEADS_B, "T": HEADS_T}, **measure_head_cases(cupy)},
+            "decode": {} if quick else {"shape": {"B": 1, "H": DECODE_HEADS, "d": DECODE_D},
+                                        "copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9,
+                                        **measure_decode(cupy)}}
 
 
 def stored_before(path):
@@ -209,6 +342,30 @@ def stored_before(path):
         return {}, None
     stored = json.loads(path.read_text())
     return stored.get("seconds", {}), f"{stored.get('device')}, {stored.get('date')}"
+
+
+def llama_report(measured):
+    """Lines for the head cases and the decode kernel, where measured has them."""
+    lines = []
+    if measured.get("head_cases"):
+        lines.append(f"  Llama's heads, B = {HEADS_B}, T = {HEADS_T}, causal, float32:")
+    for case, runs in measured.get("head_cases", {}).items():
+        if case == "shape":
+            continue
+        for name, r in runs.items():
+            lines.append(f"    {case + ', ' + name:<90s} {r['seconds'] * 1e3:8.3f} ms  {r['tflops']:6.1f} TFLOP/s")
+    decode = measured.get("decode", {})
+    if decode:
+        ceiling = decode["copy_bandwidth_gb_per_s"]
+        lines.append(f"  decode, B = 1, H = {DECODE_HEADS}, d = {DECODE_D}, one new query: GB/s of keys and values read "
+                     f"(copy: {ceiling:.0f} GB/s)")
+    for case, runs in decode.items():
+        if case in ("shape", "copy_bandwidth_gb_per_s"):
+            continue
+        for name, r in runs.items():
+            lines.append(f"    {case + ', ' + name:<70s} {r['seconds'] * 1e6:8.1f} µs  {r['gb_per_s']:6.0f} GB/s "
+                         f"{r['gb_per_s'] / ceiling:6.1%} of copy")
+    return lines
 
 
 def report(measured, before=None, before_from=None):
@@ -233,6 +390,7 @@ def report(measured, before=None, before_from=None):
         if torch_name in seconds:
             lines.append(f"  fused ({label}) vs torch, forward + backward: {seconds[torch_name] / fused:.2f}x "
                          "(target >= 1x: at least as fast)")
+    lines += llama_report(measured)
     if measured["long_sequences_seconds"]:
         lines.append("  long sequences, softmax, forward + backward:")
     for t, results in measured["long_sequences_seconds"].items():

@@ -4,13 +4,18 @@ bench/llama.json, which the chapter shows on a machine without a GPU.
 
 Bytes that must move per call (float32):
     RMSNorm forward   read x, write y              2 N C (+ N for rstd)
-    RMSNorm backward  read dout, x, write dx       3 N C, and again 2 N C for dweight's column sums
+    RMSNorm backward  read dout, x, write dx       3 N C (+ N for rstd); the first layout reads dout and x again
+                                                   for dweight's column sums, 2 N C more that it need not move
     RoPE (q)          read x, write y              2 B T H D
     SwiGLU forward    read gate, up, write y       3 N I
     SwiGLU backward   read dout, gate, up, write dgate, dup    5 N I
+RMSNorm is timed as the op launches it (the row in registers; the backward with BACKWARD_ROWS_PER_BLOCK = 16 rows
+per block, and with 8 and 32) and in chapter 17's first layout (a warp per row, the row read twice, dweight from a
+second kernel).
 """
 
 from gpt2_cupy import backend, benchmark
+from gpt2_cupy.ops import rmsnorm as rmsnorm_ops
 from gpt2_cupy.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpt2_cupy.ops.rope import rope_backward, rope_forward
 from gpt2_cupy.ops.swiglu import swiglu_backward, swiglu_forward
@@ -32,10 +37,19 @@ def runs(xp):
     q_out = xp.empty_like(q)
     gate, up = (xp.random.standard_normal((N, INTERMEDIATE), dtype=xp.float32) for _ in range(2))
     hidden, dgate, dup = (xp.empty_like(gate) for _ in range(3))
+    layout = rmsnorm_ops.row_layout("rmsnorm", C, (x, dout, y, dx, weight))
     table = {
         "RMSNorm forward": (FLOAT * (2 * N * C + N), lambda: rmsnorm_forward(x, weight, out=y)),
-        "RMSNorm backward": (FLOAT * (5 * N * C + N), lambda: rmsnorm_backward(dout, x, weight, rstd,
+        "RMSNorm backward": (FLOAT * (3 * N * C + N), lambda: rmsnorm_backward(dout, x, weight, rstd,
                                                                                dweight=dweight, out=dx)),
+        **{f"RMSNorm backward, {rows} rows per block": (
+            FLOAT * (3 * N * C + N),
+            lambda rows=rows: rmsnorm_ops._backward(layout, dx, dweight, dout, x, weight, rstd, N, C, rows))
+           for rows in (8, 32)},
+        "RMSNorm forward, first layout (a warp per row)": (
+            FLOAT * (2 * N * C + N), lambda: rmsnorm_ops.first_layout_forward(y, rstd, x, weight)),
+        "RMSNorm backward, first layout (a warp per row, dweight apart)": (
+            FLOAT * (3 * N * C + N), lambda: rmsnorm_ops.first_layout_backward(dx, dweight, dout, x, weight, rstd)),
         "RoPE forward (rotate_half)": (FLOAT * 2 * q.size, lambda: rope_forward(q, out=q_out)),
         "RoPE forward (interleaved)": (FLOAT * 2 * q.size, lambda: rope_forward(q, interleaved=True, out=q_out)),
         "RoPE backward": (FLOAT * 2 * q.size, lambda: rope_backward(q, out=q_out)),

@@ -58,7 +58,8 @@ def main():
         for precision in ("float32", "bf16"):
             runs[precision] = train(precision, arguments.preset, arguments.steps, arguments.eval_interval,
                                     arguments.corpus, str(Path(scratch) / precision))
-    differences = [abs(b16 - b32) / b32 for (_, b32), (_, b16) in zip(runs["float32"]["val_loss"], runs["bf16"]["val_loss"])]
+    differences = [abs(bf16 - float32) / float32
+                   for (_, float32), (_, bf16) in zip(runs["float32"]["val_loss"], runs["bf16"]["val_loss"])]
     result = {
         "description": __doc__.split("\n")[0],
         "device": backend.device_name(),

@@ -12,14 +12,13 @@
     cache = model.new_kv_cache(batch_size, max_length); logits, _ = model(idx_new, kv_cache=cache)
 
 Grouped-query attention: num_key_value_heads key and value heads, each shared by num_attention_heads //
-num_key_value_heads query heads. Training and a prompt's first pass repeat each key and value head for its group
-(F.repeat_kv, a copy) because chapter 08's fused kernels take one key head per query head; generation with a
-KV cache stores the key and value heads once and lets each group of queries read them without a copy. Head
-sizes the fused kernels do not take (Llama's 128) go through the batched-matmul attention (F.causal_attention).
+num_key_value_heads query heads. Chapter 08's fused kernels read each key and value head for its whole group, with
+no copy per query head (F.scaled_dot_product_attention(..., enable_gqa=True)), at any head size up to 256; the KV
+cache stores the key and value heads once, and each generation step reads them with the decode kernel
+(gpt2_cupy.ops.decode_attention).
 """
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -27,7 +26,7 @@ import numpy
 
 from gpt2_cupy import backend, nn, safetensors_files
 from gpt2_cupy.autograd import Tensor, init_generator, is_grad_enabled
-from gpt2_cupy.model import KVCache, _LayerCache
+from gpt2_cupy.model import KVCache
 from gpt2_cupy.nn import functional as F
 
 
@@ -118,8 +117,7 @@ class LlamaAttention(nn.Module):
         else:
             if layer_cache is not None:
                 layer_cache.store(k, v)
-            group = self.n_heads // self.n_kv_heads
-            y = F.causal_attention(q, F.repeat_kv(k, group), F.repeat_kv(v, group))   # (B, H, T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * self.head_dim)  # heads side by side again
         return self.o_proj(y)
 
@@ -252,8 +250,8 @@ class Llama(nn.Module):
 
 class LlamaKVCache(KVCache):
     """The keys (after RoPE) and values of every position seen so far, per layer: (B, Hkv, max_length, hd) each,
-    one copy per key-value head, not per query head. Storing is GPT-2's cache's (gpt2_cupy.model); attending
-    differs, by the groups of query heads."""
+    one copy per key-value head, not per query head. Storing and attending are GPT-2's cache's (gpt2_cupy.model):
+    the decode kernel lets each group of query heads read its key-value head."""
 
     def __init__(self, config, batch_size, max_length):
         if max_length > config.max_position_embeddings:
@@ -264,32 +262,3 @@ class LlamaKVCache(KVCache):
         self.values = [backend.xp.zeros(shape, numpy.float32) for _ in range(config.num_hidden_layers)]
         self.length = 0          # positions stored; the model advances it after each forward
         self.max_length = max_length
-
-    def layer(self, index):
-        return _LlamaLayerCache(self, index)
-
-
-class _LlamaLayerCache(_LayerCache):
-    def attend(self, q, k, v):
-        """New queries (B, H, n, hd) at positions start.. over every cached key, with no copy per query head:
-        the group of query heads that shares key head j is laid out as rows of one (group·n, hd) matrix,
-        multiplied by that head's keys. Scores, the queries' future masked, softmax, @ values."""
-        from gpt2_cupy.ops.matmul import batched_matmul
-        from gpt2_cupy.ops.softmax import softmax_forward
-
-        xp = backend.xp
-        B, H, n, hd = q.shape
-        Hkv = k.shape[1]
-        group = H // Hkv
-        keys, values = self.store(k, v)
-        length = keys.shape[2]
-        keys = xp.ascontiguousarray(keys).reshape(B * Hkv, length, hd)
-        values = xp.ascontiguousarray(values).reshape(B * Hkv, length, hd)
-        queries = q.data.reshape(B * Hkv, group * n, hd)          # query head h = j·group + g: rows of head j
-        scores = batched_matmul(queries, keys, transpose_b=True)  # (B·Hkv, group·n, length)
-        future = xp.arange(length)[None, :] > (self.start + xp.arange(n))[:, None]     # (n, length)
-        future = xp.tile(future, (group, 1))                                            # (group·n, length)
-        scores = xp.where(future, numpy.float32(-numpy.inf), scores)
-        weights = softmax_forward(xp.ascontiguousarray(scores, dtype=numpy.float32), scale=1.0 / math.sqrt(hd))
-        y = batched_matmul(weights, values)                       # (B·Hkv, group·n, hd)
-        return Tensor(y.reshape(B, H, n, hd))

@@ -25,6 +25,7 @@ import numpy
 from gpt2_cupy import backend, nn, safetensors_files
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.autograd import Tensor, is_grad_enabled, init_generator
+from gpt2_cupy.ops.decode_attention import decode_attention_forward
 
 
 @dataclass
@@ -269,35 +270,20 @@ class _LayerCache:
         self.cache, self.index, self.start = cache, index, cache.length
 
     def store(self, k, v):
-        """Copy the new positions' keys and values into the cache; return all keys and values so far."""
+        """Copy the new positions' keys and values (B, H, n, hs) into the cache, at positions start..start+n-1."""
         end = self.start + k.shape[2]
         if end > self.cache.max_length:
             raise ValueError(f"GPT: the kv_cache holds {self.cache.max_length} positions, {end} asked")
-        keys, values = self.cache.keys[self.index], self.cache.values[self.index]
-        keys[:, :, self.start:end] = k.data
-        values[:, :, self.start:end] = v.data
-        return keys[:, :, :end], values[:, :, :end]
+        self.cache.keys[self.index][:, :, self.start:end] = k.data
+        self.cache.values[self.index][:, :, self.start:end] = v.data
 
-    def attend(self, q, k, v, variant):
-        """Queries at positions start..start+n over keys 0..start+n: the product, masked, normalised.
-
-        The fused attention kernel takes as many queries as keys, so this path is chapter 08's naive one,
-        built from the matmul and softmax ops: scores = q kᵀ, the new queries' future masked, softmax, @ v.
-        """
-        from gpt2_cupy.ops.matmul import batched_matmul
-        from gpt2_cupy.ops.softmax import softmax_forward
-
+    def attend(self, q, k, v, variant="softmax"):
+        """Queries (B, H, n, hs) at positions start..start+n-1 over keys 0..start+n-1, the new ones stored first:
+        the decode kernel (gpt2_cupy.ops.decode_attention), which reads the cache where it is, splits the keys
+        across blocks and lets each group of query heads share its key-value head's reads."""
         if variant != "softmax":
             raise NotImplementedError("GPT: the kv_cache path computes softmax attention only")
-        B, H, n, hs = q.shape
-        keys, values = self.store(k, v)
-        length = keys.shape[2]
-        keys = backend.xp.ascontiguousarray(keys).reshape(B * H, length, hs)
-        values = backend.xp.ascontiguousarray(values).reshape(B * H, length, hs)
-        scores = batched_matmul(q.data.reshape(B * H, n, hs), keys, transpose_b=True)  # (B·H, n, length)
-        # New query i sits at position start + i: keys after it are its future.
-        future = backend.xp.arange(length)[None, :] > (self.start + backend.xp.arange(n))[:, None]  # (n, length)
-        scores = backend.xp.where(future, numpy.float32(-numpy.inf), scores)  # exp(-inf) = 0: no weight
-        weights = softmax_forward(scores, scale=1.0 / math.sqrt(hs))
-        y = batched_matmul(weights, values)                                  # (B·H, n, hs)
-        return Tensor(y.reshape(B, H, n, hs))
+        self.store(k, v)
+        queries = backend.xp.ascontiguousarray(q.data)                       # (B, H, n, hs)
+        return Tensor(decode_attention_forward(queries, self.cache.keys[self.index], self.cache.values[self.index],
+                                               self.start + q.shape[2]))

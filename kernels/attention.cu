@@ -1,17 +1,29 @@
 // Causal self-attention, fused (FlashAttention-2 style), forward and backward, in float32.
-//   q, k, v, out, dout, dq, dk, dv: (heads, T, D), one (T, D) matrix per head, rows of D floats;
+//   q, out, dout, dq: (heads, T, d), one (T, d) matrix per query head, rows of d floats;
+//   k, v, dk, dv: (heads / group, T, d), one matrix per key-value head (below);
 //   lse (log-sum-exp of each row of scores) and rowdot (rowsum(dout * out)): (heads, T).
 // Two variants, a template flag:
-//   softmax:  S = q kᵀ / √D, P = softmax(S) over the visible keys, out = P v;
-//   RELU:     S = q kᵀ / √D, P = max(S, 0) on the visible keys, no normalisation, out = P v.
+//   softmax:  S = q kᵀ / √d, P = softmax(S) over the visible keys, out = P v;
+//   RELU:     S = q kᵀ / √d, P = max(S, 0) on the visible keys, no normalisation, out = P v.
 // causal = 1: query t sees keys 0..t. S and P are never written to memory: a block holds a tile of them
 // in registers and shared memory, uses it, and moves on, so the extra memory is O(T) (lse, rowdot).
 //
+// Head sizes. The tiles are D floats wide, D = 32, 64, 128 or 256, a template parameter: the loops over D
+// unroll and each thread's accumulators (D / 8 floats per row) live in registers. The head size d, a
+// launch argument, is any number from 1 to D: a tile holds the d columns of a row followed by D - d zeros
+// (load_tile), zeros add nothing to a dot product q·k, and their columns of the results are not written
+// (store_rows). A head of 80 floats runs in the kernel for 128, at the cost of 128-wide products.
+// Grouped-query attention. group = heads of q per head of k and v (1 without grouping): query head h reads
+// key-value head h / group, with no copy of k and v per query head. With q (B, H, T, d) and k, v
+// (B, H / group, T, d), head h of sequence b is matrix b H + h of q and matrix b H / group + h / group
+// = (b H + h) / group of k and v: the flat index divided by the group. dk and dv of a key-value head sum
+// over the group's query heads: its blocks loop over them, in order, so the sums have a fixed order.
+//
 // Work layout, the same in every kernel: a block handles ROWS "rows" (queries in the forward and in the
-// dq kernel, keys in the dk, dv kernel; ROWS = 64 or 128, a template parameter) against tiles of 64
+// dq kernel, keys in the dk, dv kernel; ROWS = 32, 64 or 128, a template parameter) against tiles of 64
 // "columns" (keys, or queries). Each thread owns a 2-D micro-tile of 4 rows x 8 columns of each tile,
 // held in registers: rows row_group + (ROWS / 4) r (r < 4) and columns column_group + 8 c (c < 8). The
-// block has ROWS / 4 row groups x 8 column groups = 2 ROWS threads (128 or 256); a warp holds 4 row groups
+// block has ROWS / 4 row groups x 8 column groups = 2 ROWS threads (64 to 256); a warp holds 4 row groups
 // and all 8 column groups, so a row's 64 scores belong to 8 lanes of one warp.
 // Why 2-D: a score is a dot product of a row and a column over D. Per 4 steps of D, the thread reads one
 // float4 of each of its 4 rows and 8 columns from shared memory and does 4 x 8 x 4 multiply-adds with them.
@@ -21,22 +33,24 @@
 // The products that sum over a tile's columns (P v, dS k, Pᵀ dout, dSᵀ q) take the same rows and
 // D / 8 columns of the result (accumulators in registers): per 4 columns j of the tile, one float4 of P per
 // row and D / 32 float4s of values per j.
-// Tiles of q, k, v, dout live in shared memory as [rows][D + 4] floats, as in global memory plus 4 floats
-// of padding, so that consecutive rows start 4 banks apart.
+// Tiles of q, k, v, dout live in shared memory as [rows][D + 4] floats, a row as in global memory plus 4
+// floats of padding, so that consecutive rows start 4 banks apart.
 // Exponentials use exp2f, the hardware's approximate 2^x (MUFU.EX2): scores stay unscaled, and
-// e^((s - m) / √D) = 2^(s log2(e) / √D - m log2(e) / √D) is one multiply-add and one exp2 per score.
+// e^((s - m) / √d) = 2^(s log2(e) / √d - m log2(e) / √d) is one multiply-add and one exp2 per score.
 // Only the tiles that cross the diagonal (or the end of the sequence) are masked element by element; the
 // others take a version of the same loop without the comparisons (a template flag, MASKED).
 // A tile on the diagonal (ROWS = 64: its rows and columns are the same 64 positions) has one quadrant
 // masked whole, the 32 queries 0-31 against the 32 keys 32-63: the forward and the two backward passes skip
 // those products (QUADRANT below).
-// The tiles take 71 to 142 KB of shared memory, more than the 48 KB a kernel may declare statically:
-// they are carved out of one extern __shared__ array, whose size the launch gives.
+// The tiles take 45 to 213 KiB of shared memory, more than the 48 KiB a kernel may declare statically:
+// they are carved out of one extern __shared__ array, whose size the launch gives. A block may have at most
+// 227 KiB: at D = 256 the backward's four tiles of 64 rows would take 278 KiB, so it runs with ROWS = 32.
 // Registers: __launch_bounds__(threads, blocks) holds the compiler to the registers that `blocks` blocks
 // per multiprocessor can have (65536 / (blocks * threads)), the number of blocks their shared memory allows
-// (228 KB per multiprocessor on an H100).
+// (228 KiB per multiprocessor on an H100): from D = 128 the tiles take more than half of it, one block.
 #include "warp.cuh"
 #include "special_values.cuh"
+#include "float_groups.cuh"
 
 #define COLUMNS 64                 // columns (keys, or queries) per tile
 #define ROWS_PER_THREAD 4
@@ -46,6 +60,8 @@
 #define PAD 4
 #define WEIGHTS_STRIDE (COLUMNS + 8)  // P and dS tiles: rows of 64 + 8 floats, see store_micro_tile
 #define LOG2E 1.4426950408889634f
+#define FORWARD_BLOCKS(D, ROWS) ((D) >= 128 ? 1 : (ROWS) == 64 ? 3 : 2)   // per multiprocessor, see above
+#define BACKWARD_BLOCKS(D, ROWS) ((D) >= 128 ? 1 : (ROWS) == 64 ? 2 : 1)
 
 // The quadrant of a diagonal tile whose products a tile product skips (a template parameter, QUADRANT).
 // Where the rows are queries and the columns keys (forward, dq), the masked quadrant is the upper right:
@@ -73,27 +89,46 @@ __device__ __forceinline__ bool in_skipped_quadrant(int quadrant, int r, bool se
 __device__ int thread_row_group() { return (threadIdx.x / 32) * 4 + threadIdx.x % 4; }
 __device__ int thread_column_group() { return (threadIdx.x % 32) / 4; }
 
-// Load rows first_row .. first_row + ROWS - 1 of a (T, D) matrix into tile[ROWS][D + PAD]; rows past T are
-// zero. Consecutive threads read consecutive float4s: each warp's load is four whole 128-byte lines, in a
-// quarter of the instructions of float-by-float loads. Rows of D floats keep every float4 aligned, in
-// global memory (cupy's arrays start on 256-byte boundaries) and in the tile (D + PAD is a multiple of 4).
-// A thread copies the same float4 of every ROW_STEP-th row, so its addresses are computed once and then
-// step by constants. Dividing a running index into row and column, in 64-bit arithmetic, cost about 18
-// integer instructions per float4 (Nsight Compute): 6 % of the forward's instructions and of its time.
+// Load rows first_row .. first_row + ROWS - 1 of a (T, d) matrix into tile[ROWS][D + PAD]; rows past T and
+// columns d .. D - 1 are zero. Consecutive threads read consecutive float4s: each warp's load is four whole
+// 128-byte lines, in a quarter of the instructions of float-by-float loads. Rows of D floats keep every
+// float4 aligned, in global memory (cupy's arrays start on 256-byte boundaries) and in the tile (D + PAD is
+// a multiple of 4). A thread copies the same float4 of every ROW_STEP-th row, so its addresses are computed
+// once and then step by constants. Dividing a running index into row and column, in 64-bit arithmetic, cost
+// about 18 integer instructions per float4 (Nsight Compute): 6 % of the forward's instructions and its time.
+// A narrower head (d < D, the same for every thread: one branch, no divergence) steps by d instead, reads
+// a float4 where it lies inside the row and rows start on 16 bytes (d a multiple of 4), floats otherwise.
 template <int ROWS, int D, int THREADS>
-__device__ void load_tile(float* tile, const float* matrix, int first_row, int T)
+__device__ void load_tile(float* tile, const float* matrix, int first_row, int T, int d)
 {
     constexpr int PER_ROW = D / 4, ROW_STEP = THREADS / PER_ROW;  // float4s per row; rows per pass of the block
     static_assert(THREADS % PER_ROW == 0 && ROWS % ROW_STEP == 0, "whole rows per pass, whole passes per tile");
     int row = threadIdx.x / PER_ROW, column = 4 * (threadIdx.x % PER_ROW);
-    const float* from = matrix + (long long)(first_row + row) * D + column;
     float* to = tile + row * (D + PAD) + column;
+    if (d == D) {
+        const float* from = matrix + (long long)(first_row + row) * D + column;
 #pragma unroll
+        for (int pass = 0; pass < ROWS / ROW_STEP; pass++) {
+            float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (first_row + row + pass * ROW_STEP < T)
+                value = *reinterpret_cast<const float4*>(from + (long long)pass * ROW_STEP * D);
+            *reinterpret_cast<float4*>(to + pass * ROW_STEP * (D + PAD)) = value;
+        }
+        return;
+    }
+    const float* from = matrix + (long long)(first_row + row) * d + column;
+    bool whole_float4 = d % 4 == 0;
+    // Not unrolled: unrolled too, this loop beside the one above made ptxas spill registers in the forward at
+    // D = 64 (`nvcc -Xptxas -v`), the head size GPT-2 trains with.
+#pragma unroll 1
     for (int pass = 0; pass < ROWS / ROW_STEP; pass++) {
-        float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (first_row + row + pass * ROW_STEP < T)
-            value = *reinterpret_cast<const float4*>(from + (long long)pass * ROW_STEP * D);
-        *reinterpret_cast<float4*>(to + pass * ROW_STEP * (D + PAD)) = value;
+        float value[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const float* source = from + (long long)pass * ROW_STEP * d;
+        if (first_row + row + pass * ROW_STEP < T) {
+            if (whole_float4) load_group<4>(value, source, column < d);
+            else for (int e = 0; e < 4; e++) load_group<1>(value + e, source + e, column + e < d);
+        }
+        store_group<4>(to + pass * ROW_STEP * (D + PAD), value);
     }
 }
 
@@ -178,45 +213,57 @@ __device__ float row_sum(float value)
     return value;
 }
 
-// The address of the thread's float4 h of row `row` in a (T, D) matrix of results.
-template <int D>
-__device__ float* result_address(float* matrix, int row, int h)
-{
-    return &matrix[(long long)row * D + 4 * thread_column_group() + 4 * COLUMN_GROUPS * h];
-}
+// The first of the 4 columns of the thread's float4 h of a row of results: D / 32 float4s 32 floats apart.
+__device__ int result_column(int h) { return 4 * thread_column_group() + 4 * COLUMN_GROUPS * h; }
 
-// Write the thread's rows of a (ROWS, D) accumulator, times `factor`, to rows first_row + ... of matrix.
+// Write the thread's rows of a (ROWS, D) accumulator, times `factor`, to rows first_row + ... of a (T, d)
+// matrix, the columns below d: a float4 where rows start on 16 bytes (d a multiple of 4), else float by float.
 template <int D, int ROWS>
 __device__ void store_rows(float* matrix, float accumulator[ROWS_PER_THREAD][D / COLUMN_GROUPS], int first_row, int T,
-                           float factor)
+                           int d, float factor)
 {
+    bool whole_float4 = d % 4 == 0;
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
         int row = first_row + thread_row_group() + ROWS / ROWS_PER_THREAD * r;
+        if (row >= T) continue;
         for (int h = 0; h < D / (4 * COLUMN_GROUPS); h++) {
-            const float* a = &accumulator[r][4 * h];
-            float4 scaled = make_float4(factor * a[0], factor * a[1], factor * a[2], factor * a[3]);
-            if (row < T) *reinterpret_cast<float4*>(result_address<D>(matrix, row, h)) = scaled;
+            int column = result_column(h);
+            float scaled[4];
+            for (int e = 0; e < 4; e++) scaled[e] = factor * accumulator[r][4 * h + e];
+            float* to = matrix + (long long)row * d + column;
+            if (whole_float4) {
+                if (column < d) store_group<4>(to, scaled);
+            } else {
+                for (int e = 0; e < 4; e++)
+                    if (column + e < d) to[e] = scaled[e];
+            }
         }
     }
 }
 
 // The same, added into global memory with atomicAdd: one float4 atomic on compute capability 9.0 and later
-// (a quarter of the atomic instructions); before that, one per float.
+// (a quarter of the atomic instructions); before that, or where rows do not start on 16 bytes, one per float.
 template <int D, int ROWS>
 __device__ void atomic_add_rows(float* matrix, float accumulator[ROWS_PER_THREAD][D / COLUMN_GROUPS], int first_row,
-                                int T, float factor)
+                                int T, int d, float factor)
 {
+    bool whole_float4 = d % 4 == 0;
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
         int row = first_row + thread_row_group() + ROWS / ROWS_PER_THREAD * r;
+        if (row >= T) continue;
         for (int h = 0; h < D / (4 * COLUMN_GROUPS); h++) {
+            int column = result_column(h);
             const float* a = &accumulator[r][4 * h];
-            if (row >= T) continue;
-            float* to = result_address<D>(matrix, row, h);
+            float* to = matrix + (long long)row * d + column;
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-            atomicAdd(reinterpret_cast<float4*>(to), make_float4(factor * a[0], factor * a[1], factor * a[2], factor * a[3]));
-#else
-            for (int e = 0; e < 4; e++) atomicAdd(to + e, factor * a[e]);
+            if (whole_float4) {
+                if (column < d)
+                    atomicAdd(reinterpret_cast<float4*>(to), make_float4(factor * a[0], factor * a[1], factor * a[2], factor * a[3]));
+                continue;
+            }
 #endif
+            for (int e = 0; e < 4; e++)
+                if (column + e < d) atomicAdd(to + e, factor * a[e]);
         }
     }
 }
@@ -246,8 +293,8 @@ __device__ void store_micro_tile_transposed(float* tile, float value[ROWS_PER_TH
 }
 
 // The forward's online softmax (or ReLU) over one tile, in place: s holds q·k, unscaled; it becomes P.
-// The running maximum m is kept unscaled too (scaling by 1/√D > 0 keeps the order). When the maximum
-// grows, what was summed so far, l and the output, is rescaled by e^((m_old - m_new) / √D).
+// The running maximum m is kept unscaled too (scaling by 1/√d > 0 keeps the order). When the maximum
+// grows, what was summed so far, l and the output, is rescaled by e^((m_old - m_new) / √d).
 template <bool RELU, bool MASKED, int ROWS, int D>
 __device__ void forward_probabilities(float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD],
                                       float o[ROWS_PER_THREAD][D / COLUMN_GROUPS], float running_max[ROWS_PER_THREAD],
@@ -283,16 +330,16 @@ __device__ void forward_probabilities(float s[ROWS_PER_THREAD][COLUMNS_PER_THREA
     }
 }
 
-// Forward. grid = (heads, ⌈T/ROWS⌉): a block owns ROWS queries of one head and loops over the key tiles,
-// keeping for each row the running maximum m and (per thread) the running sum l of exp(S - m), the online
-// softmax of chapter 04. Causal: the loop stops at the tile holding the block's last query, so tiles
-// entirely above the diagonal are never touched; only tiles crossing the diagonal are masked element by
-// element. Query tiles are taken last first: with the causal mask they have the most key tiles, and
-// starting them early keeps the GPU from ending on a few long blocks.
+// Forward. grid = (heads, ⌈T/ROWS⌉): a block owns ROWS queries of one head and loops over the key tiles
+// of its key-value head, keeping for each row the running maximum m and (per thread) the running sum l of
+// exp(S - m), the online softmax of chapter 04. Causal: the loop stops at the tile holding the block's last
+// query, so tiles entirely above the diagonal are never touched; only tiles crossing the diagonal are masked
+// element by element. Query tiles are taken last first: with the causal mask they have the most key tiles,
+// and starting them early keeps the GPU from ending on a few long blocks.
 // Shared memory: a q tile of ROWS x (D + 4) floats, k and v tiles of 64 x (D + 4), a ROWS x 72 tile of P.
 template <int D, bool RELU, int ROWS>
-__global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 3 : 2)) attention_forward(float* out, float* lse,
-    const float* q, const float* k, const float* v, int T, int causal)
+__global__ void __launch_bounds__(THREADS_FOR(ROWS), FORWARD_BLOCKS(D, ROWS)) attention_forward(float* out,
+    float* lse, const float* q, const float* k, const float* v, int T, int causal, int d, int group)
 {
     constexpr int THREADS = THREADS_FOR(ROWS);
     extern __shared__ __align__(16) float shared[];
@@ -300,13 +347,13 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 3 : 2)) atten
     float* k_tile = q_tile + ROWS * (D + PAD);
     float* v_tile = k_tile + COLUMNS * (D + PAD);
     float* p_tile = v_tile + COLUMNS * (D + PAD);
-    const float scale = rsqrtf((float)D);
-    long long head = blockIdx.x;
+    const float scale = rsqrtf((float)d);
+    long long head = blockIdx.x, key_head = head / group;
     int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS;
-    q += head * T * D; k += head * T * D; v += head * T * D; out += head * T * D;
+    q += head * T * d; out += head * T * d; k += key_head * T * d; v += key_head * T * d;
     if (!RELU) lse += head * T;  // the ReLU variant saves no log-sum-exp
 
-    load_tile<ROWS, D, THREADS>(q_tile, q, first_query, T);
+    load_tile<ROWS, D, THREADS>(q_tile, q, first_query, T, d);
     float o[ROWS_PER_THREAD][D / COLUMN_GROUPS] = {};
     float running_max[ROWS_PER_THREAD], running_sum[ROWS_PER_THREAD];
     for (int r = 0; r < ROWS_PER_THREAD; r++) { running_max[r] = NEGATIVE_INFINITY; running_sum[r] = 0.0f; }
@@ -314,8 +361,8 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 3 : 2)) atten
     int last_key = causal ? min(first_query + ROWS - 1, T - 1) : T - 1;
     for (int first_key = 0; first_key <= last_key; first_key += COLUMNS) {
         __syncthreads();  // everyone is done with the previous tiles
-        load_tile<COLUMNS, D, THREADS>(k_tile, k, first_key, T);
-        load_tile<COLUMNS, D, THREADS>(v_tile, v, first_key, T);
+        load_tile<COLUMNS, D, THREADS>(k_tile, k, first_key, T, d);
+        load_tile<COLUMNS, D, THREADS>(v_tile, v, first_key, T, d);
         __syncthreads();
         float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
         bool diagonal = ROWS == COLUMNS && causal && first_key == first_query;  // its upper right quadrant masked
@@ -339,23 +386,30 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 3 : 2)) atten
         }
         for (int c = 0; c < D / COLUMN_GROUPS; c++) o[r][c] *= factor;
     }
-    store_rows<D, ROWS>(out, o, first_query, T, 1.0f);
+    store_rows<D, ROWS>(out, o, first_query, T, d, 1.0f);
 }
 
-// rowdot[i] = Σ_d dout[i][d] * out[i][d], the softmax backward's row sum (D_i in FlashAttention-2):
+// rowdot[i] = Σ_c dout[i][c] * out[i][c], the softmax backward's row sum (D_i in FlashAttention-2):
 // Σ_j P_ij dP_ij = Σ_j P_ij <dout_i, v_j> = <dout_i, out_i>. A half-warp per row, a float4 per lane: one
-// load instruction covers two whole rows at D = 64, where a warp per row with a float per lane needed four
-// (measured on an H100 at 98304 rows of 64: 19.7 µs, against 22.8 µs a warp per row).
+// load instruction covers two whole rows at d = 64, where a warp per row with a float per lane needed four
+// (measured on an H100 at 98304 rows of 64: 19.7 µs, against 22.8 µs a warp per row). Rows of a head size
+// that is not a multiple of 4 do not all start on 16 bytes: a float per lane.
 #define HALF_WARP 16
-extern "C" __global__ void attention_backward_rowdot(float* rowdot, const float* dout, const float* out, int rows, int D)
+extern "C" __global__ void attention_backward_rowdot(float* rowdot, const float* dout, const float* out, int rows, int d)
 {
     int row = (blockIdx.x * blockDim.x + threadIdx.x) / HALF_WARP, lane = threadIdx.x % HALF_WARP;
     float sum = 0.0f;
     if (row < rows) {  // no early return: the shuffles below need every lane of the warp
-        for (int d = 4 * lane; d < D; d += 4 * HALF_WARP) {
-            float4 a = *reinterpret_cast<const float4*>(dout + (long long)row * D + d);
-            float4 b = *reinterpret_cast<const float4*>(out + (long long)row * D + d);
-            sum += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+        const float* dout_row = dout + (long long)row * d;
+        const float* out_row = out + (long long)row * d;
+        if (d % 4 == 0) {
+            for (int column = 4 * lane; column < d; column += 4 * HALF_WARP) {
+                float4 a = *reinterpret_cast<const float4*>(dout_row + column);
+                float4 b = *reinterpret_cast<const float4*>(out_row + column);
+                sum += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+            }
+        } else {
+            for (int column = lane; column < d; column += HALF_WARP) sum += dout_row[column] * out_row[column];
         }
     }
     for (int offset = HALF_WARP / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, offset);  // within the half
@@ -363,7 +417,7 @@ extern "C" __global__ void attention_backward_rowdot(float* rowdot, const float*
 }
 
 // P of one (query, key) pair in the backward, from its unscaled score s = q·k, recomputed from the saved
-// log-sum-exp: softmax 2^(s log2(e) / √D - lse log2(e)) (lse2 = lse log2(e)); ReLU max(s / √D, 0).
+// log-sum-exp: softmax 2^(s log2(e) / √d - lse log2(e)) (lse2 = lse log2(e)); ReLU max(s / √d, 0).
 template <bool RELU>
 __device__ float probability(float score, float scale, float lse2)
 {
@@ -423,23 +477,24 @@ __device__ void query_gradients(const float s[ROWS_PER_THREAD][COLUMNS_PER_THREA
     }
 }
 
-// Backward, first pass: dk and dv. grid = (heads, ⌈T/ROWS⌉): a block owns ROWS keys (rows; columns =
-// queries) and loops over the query tiles that see them, from the diagonal down (causal) to T:
-//   dv_j += Σ_i P_ij dout_i,  dk_j += Σ_i dS_ij q_i / √D.
+// Backward, first pass: dk and dv. grid = (key-value heads, ⌈T/ROWS⌉): a block owns ROWS keys (rows;
+// columns = queries) of one key-value head and loops over the query heads of its group, and for each over
+// the query tiles that see its keys, from the diagonal down (causal) to T:
+//   dv_j += Σ_i P_ij dout_i,  dk_j += Σ_i dS_ij q_i / √d    (i over the group's heads and their queries).
 // Every dk, dv element is summed by one thread in a fixed order: no atomics, the same bits every run.
 // P (transposed: rows = keys) goes through one shared tile; dS then takes its place, each thread reading
 // its own entries of P back to compute them (fewer registers than keeping P).
 // DQ_ATOMIC: the one-pass backward. The block also adds each query tile's share of dq,
-// dq_i += Σ_j dS_ij k_j / √D over its 64 keys (ROWS = 64), into dq with atomicAdd: dq must hold zeros
+// dq_i += Σ_j dS_ij k_j / √d over its 64 keys (ROWS = 64), into dq with atomicAdd: dq must hold zeros
 // before the launch, and the dq pass is not needed. dS goes to a second tile, transposed (rows = queries),
 // which every warp reads whole: a __syncthreads between writing and reading it. The blocks that share a
 // query tile add into it in whatever order they run: dq's bits vary from run to run.
 // Shared memory: k, v tiles of ROWS x (D + 4) floats, q, dout tiles of 64 x (D + 4), a ROWS x 72 tile, and
 // with DQ_ATOMIC a 64 x (ROWS + 4) tile.
 template <int D, bool RELU, int ROWS, bool DQ_ATOMIC>
-__global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 2 : 1)) attention_backward_dk_dv(float* dk,
+__global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dk_dv(float* dk,
     float* dv, float* dq, const float* dout, const float* q, const float* k, const float* v, const float* lse,
-    const float* rowdot, int T, int causal)
+    const float* rowdot, int T, int causal, int d, int group)
 {
     static_assert(!DQ_ATOMIC || ROWS == COLUMNS, "the one-pass dq takes tiles of 64 keys");
     constexpr int THREADS = THREADS_FOR(ROWS);
@@ -450,83 +505,90 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 2 : 1)) atten
     float* dout_tile = q_tile + COLUMNS * (D + PAD);
     float* weights_tile = dout_tile + COLUMNS * (D + PAD);  // P, then dS, transposed
     float* ds_by_query = weights_tile + ROWS * WEIGHTS_STRIDE;  // DQ_ATOMIC: dS, rows = queries
-    const float scale = rsqrtf((float)D);
+    const float scale = rsqrtf((float)d);
     int row_group = thread_row_group(), column_group = thread_column_group();
-    long long head = blockIdx.x;
+    long long key_head = blockIdx.x;
     int first_key = blockIdx.y * ROWS;
-    q += head * T * D; k += head * T * D; v += head * T * D; dout += head * T * D;
-    dk += head * T * D; dv += head * T * D; dq += head * T * D;
-    if (!RELU) { lse += head * T; rowdot += head * T; }
+    k += key_head * T * d; v += key_head * T * d; dk += key_head * T * d; dv += key_head * T * d;
 
-    load_tile<ROWS, D, THREADS>(k_tile, k, first_key, T);
-    load_tile<ROWS, D, THREADS>(v_tile, v, first_key, T);
+    load_tile<ROWS, D, THREADS>(k_tile, k, first_key, T, d);
+    load_tile<ROWS, D, THREADS>(v_tile, v, first_key, T, d);
     float dk_rows[ROWS_PER_THREAD][D / COLUMN_GROUPS] = {}, dv_rows[ROWS_PER_THREAD][D / COLUMN_GROUPS] = {};
-    // first_key is a multiple of 64: the first query tile that sees the block's keys starts there.
-    for (int first_query = causal ? first_key : 0; first_query < T; first_query += COLUMNS) {
-        __syncthreads();
-        load_tile<COLUMNS, D, THREADS>(q_tile, q, first_query, T);
-        load_tile<COLUMNS, D, THREADS>(dout_tile, dout, first_query, T);
-        __syncthreads();
-        float query_lse2[COLUMNS_PER_THREAD], query_rowdot[COLUMNS_PER_THREAD];
-        for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
-            int query = first_query + column_group + COLUMN_GROUPS * c;
-            query_lse2[c] = !RELU && query < T ? lse[query] * LOG2E : 0.0f;
-            query_rowdot[c] = !RELU && query < T ? rowdot[query] : 0.0f;
-        }
-        float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
-        // A diagonal tile's lower left quadrant is masked. The one-pass kernel does not skip it: with a second
-        // copy of its products it grew from 68 to 126 KB of machine code, and forward + backward got slower
-        // (1.313 ms against 1.306 on the H100), although the kernel alone was 2 % faster.
-        bool diagonal = !DQ_ATOMIC && ROWS == COLUMNS && causal && first_query == first_key;
-        if (diagonal) tile_dots<D, ROWS, LOWER_LEFT>(s, k_tile, q_tile);  // row j = key, column i = query
-        else tile_dots<D, ROWS>(s, k_tile, q_tile);
-        bool masked = (causal && first_query < first_key + ROWS - 1) || first_query + COLUMNS > T || first_key + ROWS > T;
-        if (masked) key_probabilities<RELU, true, ROWS>(s, query_lse2, first_key, first_query, T, causal, scale);
-        else key_probabilities<RELU, false, ROWS>(s, query_lse2, first_key, first_query, T, causal, scale);
-        store_micro_tile<ROWS>(weights_tile, s);
-        __syncwarp();  // a thread reads back only rows its own warp wrote
-        float ds[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
-        if (diagonal) {
-            tile_accumulate<D, ROWS, WEIGHTS_STRIDE, LOWER_LEFT>(dv_rows, weights_tile, dout_tile);
-            tile_dots<D, ROWS, LOWER_LEFT>(ds, v_tile, dout_tile);  // dP_ij = <dout_i, v_j>
-        } else {
-            tile_accumulate<D, ROWS>(dv_rows, weights_tile, dout_tile);
-            tile_dots<D, ROWS>(ds, v_tile, dout_tile);
-        }
-        __syncwarp();  // the warp is done reading P before dS overwrites it
-        for (int r = 0; r < ROWS_PER_THREAD; r++) {
+    for (int member = 0; member < group; member++) {
+        long long head = key_head * group + member;  // the query head
+        const float* head_q = q + head * T * d;
+        const float* head_dout = dout + head * T * d;
+        const float* head_lse = lse + (RELU ? 0 : head * T);  // the ReLU variant has no lse or rowdot
+        const float* head_rowdot = rowdot + (RELU ? 0 : head * T);
+        float* head_dq = dq + head * T * d;
+        // The first query that sees the block's keys is first_key: the query tiles start there.
+        for (int first_query = causal ? first_key : 0; first_query < T; first_query += COLUMNS) {
+            __syncthreads();
+            load_tile<COLUMNS, D, THREADS>(q_tile, head_q, first_query, T, d);
+            load_tile<COLUMNS, D, THREADS>(dout_tile, head_dout, first_query, T, d);
+            __syncthreads();
+            float query_lse2[COLUMNS_PER_THREAD], query_rowdot[COLUMNS_PER_THREAD];
             for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
-                float& place = weights_tile[(row_group + ROWS / ROWS_PER_THREAD * r) * WEIGHTS_STRIDE +
-                                            column_group + COLUMN_GROUPS * c];
-                ds[r][c] = score_gradient<RELU>(place, ds[r][c], query_rowdot[c]);
-                place = ds[r][c];
+                int query = first_query + column_group + COLUMN_GROUPS * c;
+                query_lse2[c] = !RELU && query < T ? head_lse[query] * LOG2E : 0.0f;
+                query_rowdot[c] = !RELU && query < T ? head_rowdot[query] : 0.0f;
+            }
+            float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
+            // A diagonal tile's lower left quadrant is masked. The one-pass kernel does not skip it: with a second
+            // copy of its products it grew from 68 to 126 KB of machine code, and forward + backward got slower
+            // (1.313 ms against 1.306 on the H100), although the kernel alone was 2 % faster.
+            bool diagonal = !DQ_ATOMIC && ROWS == COLUMNS && causal && first_query == first_key;
+            if (diagonal) tile_dots<D, ROWS, LOWER_LEFT>(s, k_tile, q_tile);  // row j = key, column i = query
+            else tile_dots<D, ROWS>(s, k_tile, q_tile);
+            bool masked = (causal && first_query < first_key + ROWS - 1) || first_query + COLUMNS > T || first_key + ROWS > T;
+            if (masked) key_probabilities<RELU, true, ROWS>(s, query_lse2, first_key, first_query, T, causal, scale);
+            else key_probabilities<RELU, false, ROWS>(s, query_lse2, first_key, first_query, T, causal, scale);
+            store_micro_tile<ROWS>(weights_tile, s);
+            __syncwarp();  // a thread reads back only rows its own warp wrote
+            float ds[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
+            if (diagonal) {
+                tile_accumulate<D, ROWS, WEIGHTS_STRIDE, LOWER_LEFT>(dv_rows, weights_tile, dout_tile);
+                tile_dots<D, ROWS, LOWER_LEFT>(ds, v_tile, dout_tile);  // dP_ij = <dout_i, v_j>
+            } else {
+                tile_accumulate<D, ROWS>(dv_rows, weights_tile, dout_tile);
+                tile_dots<D, ROWS>(ds, v_tile, dout_tile);
+            }
+            __syncwarp();  // the warp is done reading P before dS overwrites it
+            for (int r = 0; r < ROWS_PER_THREAD; r++) {
+                for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
+                    float& place = weights_tile[(row_group + ROWS / ROWS_PER_THREAD * r) * WEIGHTS_STRIDE +
+                                                column_group + COLUMN_GROUPS * c];
+                    ds[r][c] = score_gradient<RELU>(place, ds[r][c], query_rowdot[c]);
+                    place = ds[r][c];
+                }
+            }
+            if (DQ_ATOMIC) store_micro_tile_transposed<ROWS>(ds_by_query, ds);
+            __syncwarp();
+            if (diagonal) tile_accumulate<D, ROWS, WEIGHTS_STRIDE, LOWER_LEFT>(dk_rows, weights_tile, q_tile);
+            else tile_accumulate<D, ROWS>(dk_rows, weights_tile, q_tile);
+            if (DQ_ATOMIC) {
+                __syncthreads();  // every warp's part of the transposed dS tile is written
+                float dq_part[ROWS_PER_THREAD][D / COLUMN_GROUPS] = {};  // rows = the tile's 64 queries
+                tile_accumulate<D, COLUMNS, ROWS + PAD>(dq_part, ds_by_query, k_tile);
+                atomic_add_rows<D, COLUMNS>(head_dq, dq_part, first_query, T, d, scale);
             }
         }
-        if (DQ_ATOMIC) store_micro_tile_transposed<ROWS>(ds_by_query, ds);
-        __syncwarp();
-        if (diagonal) tile_accumulate<D, ROWS, WEIGHTS_STRIDE, LOWER_LEFT>(dk_rows, weights_tile, q_tile);
-        else tile_accumulate<D, ROWS>(dk_rows, weights_tile, q_tile);
-        if (DQ_ATOMIC) {
-            __syncthreads();  // every warp's part of the transposed dS tile is written
-            float dq_part[ROWS_PER_THREAD][D / COLUMN_GROUPS] = {};  // rows = the tile's 64 queries
-            tile_accumulate<D, COLUMNS, ROWS + PAD>(dq_part, ds_by_query, k_tile);
-            atomic_add_rows<D, COLUMNS>(dq, dq_part, first_query, T, scale);
-        }
     }
-    store_rows<D, ROWS>(dk, dk_rows, first_key, T, scale);
-    store_rows<D, ROWS>(dv, dv_rows, first_key, T, 1.0f);
+    store_rows<D, ROWS>(dk, dk_rows, first_key, T, d, scale);
+    store_rows<D, ROWS>(dv, dv_rows, first_key, T, d, 1.0f);
 }
 
 // Backward, second pass: dq. grid = (heads, ⌈T/ROWS⌉): a block owns ROWS queries (rows; columns = keys)
-// and loops over the key tiles they see, as the forward does: dq_i = Σ_j dS_ij k_j / √D. A separate pass
-// recomputes S and dP once more (7 T x T x D products in the backward instead of 5), but each dq element
+// and loops over the key tiles of its key-value head that they see, as the forward does:
+// dq_i = Σ_j dS_ij k_j / √d. A separate pass recomputes S and dP once more (7 T x T x d products in the
+// backward instead of 5), but each dq element
 // is summed by one thread in a fixed order, where adding into dq with atomics from the dk, dv kernel
 // would sum in whatever order the blocks happen to run: this way training is bit-reproducible.
 // Shared memory: q, dout tiles of ROWS x (D + 4) floats, k, v tiles of 64 x (D + 4), a ROWS x 72 tile of dS.
 template <int D, bool RELU, int ROWS>
-__global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 2 : 1)) attention_backward_dq(float* dq,
+__global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dq(float* dq,
     const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* rowdot, int T,
-    int causal)
+    int causal, int d, int group)
 {
     constexpr int THREADS = THREADS_FOR(ROWS);
     extern __shared__ __align__(16) float shared[];
@@ -535,14 +597,14 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 2 : 1)) atten
     float* k_tile = dout_tile + ROWS * (D + PAD);
     float* v_tile = k_tile + COLUMNS * (D + PAD);
     float* ds_tile = v_tile + COLUMNS * (D + PAD);
-    const float scale = rsqrtf((float)D);
-    long long head = blockIdx.x;
+    const float scale = rsqrtf((float)d);
+    long long head = blockIdx.x, key_head = head / group;
     int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS;  // longest first, as in the forward
-    q += head * T * D; k += head * T * D; v += head * T * D; dout += head * T * D; dq += head * T * D;
+    q += head * T * d; dout += head * T * d; dq += head * T * d; k += key_head * T * d; v += key_head * T * d;
     if (!RELU) { lse += head * T; rowdot += head * T; }
 
-    load_tile<ROWS, D, THREADS>(q_tile, q, first_query, T);
-    load_tile<ROWS, D, THREADS>(dout_tile, dout, first_query, T);
+    load_tile<ROWS, D, THREADS>(q_tile, q, first_query, T, d);
+    load_tile<ROWS, D, THREADS>(dout_tile, dout, first_query, T, d);
     float row_lse2[ROWS_PER_THREAD], row_rowdot[ROWS_PER_THREAD];
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
         int query = first_query + thread_row_group() + ROWS / ROWS_PER_THREAD * r;
@@ -553,8 +615,8 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 2 : 1)) atten
     int last_key = causal ? min(first_query + ROWS - 1, T - 1) : T - 1;
     for (int first_key = 0; first_key <= last_key; first_key += COLUMNS) {
         __syncthreads();
-        load_tile<COLUMNS, D, THREADS>(k_tile, k, first_key, T);
-        load_tile<COLUMNS, D, THREADS>(v_tile, v, first_key, T);
+        load_tile<COLUMNS, D, THREADS>(k_tile, k, first_key, T, d);
+        load_tile<COLUMNS, D, THREADS>(v_tile, v, first_key, T, d);
         __syncthreads();
         float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD], ds[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
         bool diagonal = ROWS == COLUMNS && causal && first_key == first_query;  // its upper right quadrant masked
@@ -573,5 +635,5 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), (ROWS == 64 ? 2 : 1)) atten
         if (diagonal) tile_accumulate<D, ROWS, WEIGHTS_STRIDE, UPPER_RIGHT>(dq_rows, ds_tile, k_tile);
         else tile_accumulate<D, ROWS>(dq_rows, ds_tile, k_tile);
     }
-    store_rows<D, ROWS>(dq, dq_rows, first_query, T, scale);
+    store_rows<D, ROWS>(dq, dq_rows, first_query, T, d, scale);
 }

@@ -184,23 +184,25 @@ def test_tiles_above_the_diagonal_are_never_read(rng, to_device, to_host):
 
 
 @pytest.mark.parametrize("rows", ROW_CHOICES)
-@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("causal", [True, False])
 def test_every_rows_per_block_choice(rng, to_device, to_host, rows, d, causal):
     # Each kernel launched directly with 64 and 128 rows per block (the op uses one of them; the
     # benchmark times both), on 130 rows: two blocks of 64 and a partial one, or one of 128 and a partial one.
+    # At d = 128 the backward's tiles of 128 rows do not fit in a block's shared memory: it takes 32.
     heads, T = 2, 130
     for variant in VARIANTS:
         q, k, v, dout = (to_device(a) for a in random_inputs(rng, (heads, T, d)))
         out, dq, dk, dv = (backend.xp.empty_like(q) for _ in range(4))
         lse, rowdot = (backend.xp.empty((heads, T), dtype=np.float32) for _ in range(2))
-        attention_ops._forward(out, lse, q, k, v, heads, T, d, causal, variant, rows)
+        shape = attention_ops.LaunchShape.of(q, k, v)
+        attention_ops._forward(out, lse, q, k, v, shape, causal, variant, rows)
         if variant == "softmax":
             attention_ops._rowdot(rowdot, dout, out, heads * T, d)
         else:
             lse = rowdot = dout
-        attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows)
-        attention_ops._dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows)
+        attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows)
+        attention_ops._dq(dq, dout, q, k, v, lse, rowdot, shape, causal, variant, rows)
         host = [to_host(a) for a in (q, k, v, dout)]
         assert relative_error(to_host(out), reference_forward(*host[:3], causal, variant)[0]) < TOLERANCE
         for name, gradient, reference in zip("qkv", (dq, dk, dv), reference_backward(host[3], *host[:3], causal,
@@ -215,8 +217,8 @@ def test_bad_arguments(to_device):
         attention_forward(q, to_device(np.zeros((2, 8, 32), np.float64)), q)
     with pytest.raises(ValueError, match="attention_forward: v"):
         attention_forward(q, q, to_device(np.zeros((2, 9, 32), np.float32)))
-    with pytest.raises(ValueError, match="head size"):
-        attention_forward(*(to_device(np.zeros((8, 48), np.float32)),) * 3)
+    with pytest.raises(ValueError, match="head size d .* from 1 to 256, got 257"):
+        attention_forward(*(to_device(np.zeros((8, 257), np.float32)),) * 3)
     with pytest.raises(ValueError, match="variant"):
         attention_forward(q, q, q, variant="sigmoid")
     out, _ = attention_forward(q, q, q)
@@ -241,3 +243,137 @@ def test_against_torch(rng, to_device, to_host):
     got = attention_backward(to_device(dout), to_device(q), to_device(k), to_device(v), out, lse)
     for gradient, tensor in zip(got, tensors):
         assert relative_error(to_host(gradient), tensor.grad.cpu().numpy()) < TOLERANCE
+
+
+# ---- any head size, grouped-query attention ----------------------------------------------------------------
+
+def grouped_reference(dout, q, k, v, causal=True, variant="softmax"):
+    """(out, dq, dk, dv) in float64 for k, v with fewer heads (axis -3) than q: each key and value head repeated for
+    its group (query head h reads h // group), then dk and dv summed back over each group."""
+    group = q.shape[-3] // k.shape[-3]
+    k_repeated, v_repeated = (np.repeat(a, group, axis=-3) for a in (k, v))
+    out, _ = reference_forward(q, k_repeated, v_repeated, causal, variant)
+    dq, dk, dv = reference_backward(dout, q, k_repeated, v_repeated, causal, variant)
+    grouped = k.shape[:-2] + (group,) + k.shape[-2:]
+    return out, dq, dk.reshape(grouped).sum(axis=-3), dv.reshape(grouped).sum(axis=-3)
+
+
+def check_against_grouped_reference(to_device, to_host, q, k, v, dout, causal, variant="softmax", deterministic=True):
+    arrays = [to_device(a) for a in (q, k, v)]
+    out, lse = attention_forward(*arrays, causal=causal, variant=variant)
+    got = attention_backward(to_device(dout), *arrays, out, lse, causal=causal, variant=variant,
+                             deterministic=deterministic)
+    expected = grouped_reference(dout, q, k, v, causal, variant)
+    for name, result, reference in zip(("out", "dq", "dk", "dv"), (out, *got), expected):
+        error = relative_error(to_host(result), reference)
+        assert error < TOLERANCE, f"{name}: {error:.3g}"
+    return got
+
+
+# Head sizes below, between and at the tile widths 32, 64, 128 and 256; 1 and 200 are not multiples of 4
+# (rows that do not start on 16 bytes), 256 runs the backward with 32 rows per block. 67 queries: a full tile
+# of 64 and a partial one (and three blocks of 32).
+@pytest.mark.parametrize("d", [1, 16, 48, 80, 128, 200, 256])
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_head_size_matches_float64(rng, to_device, to_host, d, causal):
+    q, k, v, dout = random_inputs(rng, (1, 2, 67, d))
+    check_against_grouped_reference(to_device, to_host, q, k, v, dout, causal)
+
+
+@pytest.mark.parametrize("d", [1, 48, 200])
+def test_head_sizes_between_the_tile_widths_in_the_relu_variant(rng, to_device, to_host, d):
+    q, k, v, dout = random_inputs(rng, (2, 40, d))
+    check_against_grouped_reference(to_device, to_host, q, k, v, dout, True, variant="relu")
+
+
+GROUPED_CASES = [(heads, key_heads, d, causal) for heads, key_heads in ((4, 2), (3, 1), (4, 1)) for d in (48, 64)
+                 for causal in (True, False)]
+
+
+@pytest.mark.parametrize("heads, key_heads, d, causal", GROUPED_CASES)
+def test_grouped_query_attention_matches_float64(rng, to_device, to_host, heads, key_heads, d, causal):
+    # Query head h reads key-value head h // (heads / key_heads); dk and dv sum over the group.
+    q, dout = (rng.normal(size=(2, heads, 70, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.normal(size=(2, key_heads, 70, d)).astype(np.float32) for _ in range(2))
+    dk_shape = check_against_grouped_reference(to_device, to_host, q, k, v, dout, causal)[1].shape
+    assert dk_shape == (2, key_heads, 70, d)                  # one gradient per key head, not per query head
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_grouped_one_pass_backward_matches_float64(rng, to_device, to_host, variant):
+    q, dout = (rng.normal(size=(1, 4, 130, 64)).astype(np.float32) for _ in range(2))
+    k, v = (rng.normal(size=(1, 2, 130, 64)).astype(np.float32) for _ in range(2))
+    check_against_grouped_reference(to_device, to_host, q, k, v, dout, True, variant, deterministic=False)
+
+
+def test_grouped_backward_is_deterministic(rng, to_device, to_host):
+    q, dout = (to_device(rng.normal(size=(1, 4, 100, 48)).astype(np.float32)) for _ in range(2))
+    k, v = (to_device(rng.normal(size=(1, 1, 100, 48)).astype(np.float32)) for _ in range(2))
+    out, lse = attention_forward(q, k, v)
+    first, second = ([to_host(g) for g in attention_backward(dout, q, k, v, out, lse)] for _ in range(2))
+    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+
+
+def test_one_pass_at_head_size_256_runs_the_two_passes(rng, to_device, to_host):
+    # At D = 256 the one-pass kernel's tiles need 295 KiB of shared memory, more than a block may have.
+    assert not attention_ops.one_pass_fits(256) and attention_ops.one_pass_fits(128)
+    q, k, v, dout = (to_device(a) for a in random_inputs(rng, (1, 70, 256)))
+    out, lse = attention_forward(q, k, v)
+    one_pass = attention_backward(dout, q, k, v, out, lse, deterministic=False)
+    two_passes = attention_backward(dout, q, k, v, out, lse)
+    assert all(np.array_equal(to_host(a), to_host(b)) for a, b in zip(one_pass, two_passes))
+
+
+def test_grouped_heads_that_do_not_divide_are_refused(to_device):
+    q = to_device(np.zeros((1, 4, 8, 32), np.float32))
+    k = to_device(np.zeros((1, 3, 8, 32), np.float32))
+    with pytest.raises(ValueError, match="attention_forward: k and v have 3 heads .* does not divide q's 4"):
+        attention_forward(q, k, k)
+    with pytest.raises(ValueError, match="attention_forward: v"):
+        attention_forward(q, to_device(np.zeros((1, 2, 8, 32), np.float32)), k)
+
+
+# ---- F.scaled_dot_product_attention: PyTorch's enable_gqa, every head size on the fused kernels ------------
+
+def test_scaled_dot_product_attention_with_enable_gqa(rng, to_device, to_host):
+    from gpt2_cupy import Tensor
+    from gpt2_cupy.nn import functional as F
+
+    q, dout = (rng.normal(size=(2, 4, 9, 80)).astype(np.float32) for _ in range(2))
+    k, v = (rng.normal(size=(2, 2, 9, 80)).astype(np.float32) for _ in range(2))
+    expected = grouped_reference(dout, q, k, v, causal=True)
+    tensors = [Tensor(to_device(a), requires_grad=True) for a in (q, k, v)]
+    out = F.scaled_dot_product_attention(*tensors, is_causal=True, enable_gqa=True)
+    assert out.grad_fn.function is F.Attention  # the fused kernels
+    out.backward(Tensor(to_device(dout)))
+    for name, result, reference in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in tensors)), expected):
+        assert relative_error(to_host(result.data), reference) < TOLERANCE, name
+    # The math path (a mask) repeats the key and value heads and gives the same attention.
+    mask = Tensor(to_device(np.tril(np.ones((9, 9), bool))))
+    through_operations = F.scaled_dot_product_attention(*(Tensor(to_device(a)) for a in (q, k, v)), attn_mask=mask,
+                                                        enable_gqa=True)
+    assert relative_error(to_host(through_operations.data), expected[0]) < TOLERANCE
+
+
+def test_scaled_dot_product_attention_head_count_errors_are_pytorchs(to_device):
+    from gpt2_cupy import Tensor
+    from gpt2_cupy.nn import functional as F
+
+    q = Tensor(to_device(np.zeros((1, 4, 8, 16), np.float32)))
+    k2, k3 = (Tensor(to_device(np.zeros((1, heads, 8, 16), np.float32))) for heads in (2, 3))
+    with pytest.raises(RuntimeError, match=r"The size of tensor a \(4\) must match the size of tensor b \(2\) at "
+                                           "non-singleton dimension 1"):
+        F.scaled_dot_product_attention(q, k2, k2)                  # enable_gqa=False, PyTorch's default
+    with pytest.raises(RuntimeError, match="Number of heads in key and value must divide the number of heads in query"):
+        F.scaled_dot_product_attention(q, k3, k3, enable_gqa=True)
+
+
+@pytest.mark.parametrize("d", [8, 100, 256])
+def test_model_head_sizes_run_the_fused_kernels(rng, to_device, d):
+    # No head size up to 256 falls back to a path that writes the (T, T) scores.
+    from gpt2_cupy import Tensor
+    from gpt2_cupy.nn import functional as F
+
+    q, k, v = (Tensor(to_device(rng.normal(size=(1, 2, 5, d)).astype(np.float32)), requires_grad=True)
+               for _ in range(3))
+    assert F.scaled_dot_product_attention(q, k, v, is_causal=True).grad_fn.function is F.Attention

@@ -35,8 +35,9 @@ def within_one_rounding(got, reference, float32_error=0.0):
     got64 = np.asarray(backend.asnumpy(got), dtype=np.float64)
     error = np.abs(got64 - reference)
     bound = BF16_ROUNDING * (np.abs(reference) + float32_error) + float32_error
-    assert np.all(error <= bound), (f"largest error {error.max():.3g} at {np.unravel_index(error.argmax(), error.shape)}, "
-                                    f"bound there {np.broadcast_to(bound, error.shape).ravel()[error.argmax()]:.3g}")
+    worst = error.argmax()
+    assert np.all(error <= bound), (f"largest error {error.max():.3g} at {np.unravel_index(worst, error.shape)}, "
+                                    f"bound there {np.broadcast_to(bound, error.shape).ravel()[worst]:.3g}")
 
 
 def tensor(array, dtype=BF16, requires_grad=False):
@@ -167,7 +168,8 @@ def test_linear_in_bf16_on_tensor_cores(rng):
     within_one_rounding(host(y).reshape(N, C_out), x64 @ w64.T + b64, products)
     y.backward(tensor(dout))
     assert tx.grad.dtype == BF16 and tw.grad.dtype == BF16 and tb.grad.dtype == np.float32
-    within_one_rounding(host(tx.grad).reshape(N, C_in), d64 @ w64, (C_out + 1) * TENSOR_CORE_ADDITION * np.abs(d64) @ np.abs(w64))
+    within_one_rounding(host(tx.grad).reshape(N, C_in), d64 @ w64,
+                        (C_out + 1) * TENSOR_CORE_ADDITION * np.abs(d64) @ np.abs(w64))
     # the weight's gradient: float32 sums (N terms), rounded once to bf16 because this weight is bf16
     within_one_rounding(tw.grad, d64.T @ x64, (N + 1) * TENSOR_CORE_ADDITION * np.abs(d64).T @ np.abs(x64))
     assert np.all(np.abs(host(tb.grad) - d64.sum(0)) <= summation_bound(d64))

@@ -2,8 +2,8 @@
 
 The reference takes the model's state_dict and computes the logits as Hugging Face's modeling_llama does:
 RMSNorm, rotate_half RoPE, grouped-query attention (query head h reads key head h // group), SwiGLU. Configs are
-tiny and random, with and without grouping, head sizes 64 (the fused attention kernels) and 128 (the
-batched-matmul path), rope_theta 10000 and 500000. The test at the end compares with transformers itself and is
+tiny and random, with and without grouping, head sizes 64 and 128 (and 80, between the fused kernels' tile widths),
+rope_theta 10000 and 500000. The test at the end compares with transformers itself and is
 skipped where torch or transformers is not installed.
 """
 
@@ -167,6 +167,41 @@ def test_generation_with_the_kv_cache_equals_the_whole_forward(rng, to_device, t
     assert cache.keys[0].shape == (2, config.num_key_value_heads, 16, config.head_dim)  # a copy per key head
     stepped = np.concatenate([to_host(p.data) for p in pieces], axis=1)
     assert relative_error(stepped, to_host(whole.data)) < 1e-5
+
+
+def test_head_size_between_the_tile_widths_matches_the_reference(rng, to_device, to_host):
+    # Head size 80 runs in the fused kernels' tiles of 128, the columns past 80 zero; 2 query heads per key head.
+    config = tiny_config(4, 2, 80, 10000.0)
+    model = random_model(config)
+    idx = tokens(rng, config)
+    logits, _ = model(to_device(idx))
+    assert relative_error(to_host(logits.data), reference_logits(model.state_dict(), config, idx)) < 1e-5
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 1, 128), (4, 2, 80)])
+def test_greedy_generation_with_the_cache_equals_recomputing_the_sequence(rng, heads, kv_heads, head_dim):
+    """Each step after the prompt runs the decode kernel over the cache; without the cache, every step runs the
+    whole sequence through the fused attention again. The same tokens come out, from the same logits."""
+    config = tiny_config(heads, kv_heads, head_dim, 10000.0)
+    model = random_model(config)
+    prompt = tokens(rng, config, B=2, T=4)
+    results = {}
+    with gpt2_cupy.no_grad():
+        for with_cache in (True, False):
+            ids, seen = prompt, []
+            cache = model.new_kv_cache(2, 16) if with_cache else None
+            logits, _ = model(backend.xp.asarray(ids), kv_cache=cache)
+            for step in range(10):
+                last = backend.asnumpy(logits.data)[:, -1]
+                seen.append(last)
+                ids = np.concatenate([ids, last.argmax(axis=-1).astype(np.int32)[:, None]], axis=1)
+                if with_cache:
+                    logits, _ = model(backend.xp.asarray(ids[:, -1:]), kv_cache=cache)   # one new position
+                else:
+                    logits, _ = model(backend.xp.asarray(ids))                           # the whole sequence
+            results[with_cache] = ids, np.stack(seen, axis=1)
+    assert np.array_equal(results[True][0], results[False][0])
+    assert relative_error(results[True][1], results[False][1]) < 1e-5
 
 
 def test_kv_cache_needs_no_grad(to_device):

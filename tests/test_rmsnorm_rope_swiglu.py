@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
-from gpt2_cupy.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
+from gpt2_cupy.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward, row_layout
 from gpt2_cupy.ops.rope import inverse_frequencies_host, permute_for_interleaved, rope_backward, rope_forward
 from gpt2_cupy.ops.swiglu import swiglu_backward, swiglu_forward
 from gpt2_cupy.testing import assert_within_summation_bound, finite_difference_gradient, relative_error
@@ -78,9 +78,11 @@ def test_reference_gradients_match_central_differences(rng):
 
 # ---- RMSNorm ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("columns", [3, 31, 33, 100, 768, 1000])
+# Rows held by one warp (3 to 512 floats at 4 per load), by 2 warps (768, 1000; 1001 floats one at a time) and by
+# 8 warps (4096, Llama 7B's width): the kernels' layouts (gpt2_cupy.ops.rmsnorm.row_layout). Fewer rows when wide.
+@pytest.mark.parametrize("columns", [3, 31, 33, 100, 768, 1000, 1001, 4096])
 def test_rmsnorm_forward_and_backward(rng, to_device, to_host, columns):
-    x = rng.normal(0.5, 2.0, (3, 37, columns)).astype(np.float32)
+    x = rng.normal(0.5, 2.0, (3, 37 if columns < 4096 else 7, columns)).astype(np.float32)
     weight = rng.normal(1.0, 0.3, columns).astype(np.float32)
     dout = rng.normal(size=x.shape).astype(np.float32)
     start = rng.normal(size=columns).astype(np.float32)  # dweight's value before: the backward adds into it
@@ -96,6 +98,31 @@ def test_rmsnorm_forward_and_backward(rng, to_device, to_host, columns):
     assert relative_error(to_host(dx), dx_ref) < 1e-5
     terms = (dout64 * x64 * rstd_ref[..., None]).reshape(-1, columns)
     assert_within_summation_bound(to_host(dweight), terms, start=start)
+
+
+def test_rmsnorm_layouts_of_wide_rows(to_device):
+    aligned = to_device(np.zeros(4, np.float32))
+    assert row_layout("rmsnorm", 4096, (aligned,)) == (4, 4, 8)      # 8 warps per row, 4 float4s per thread
+    assert row_layout("rmsnorm", 768, (aligned,)) == (4, 3, 2)
+    assert row_layout("rmsnorm", 1001, (aligned,)) == (1, 16, 2)     # not a multiple of 4: a float per load
+    assert row_layout("rmsnorm", 4096, (aligned[1:],)) == (1, 16, 8)  # 4 bytes past a 16-byte boundary
+    with pytest.raises(ValueError, match="longer than the kernels hold"):
+        row_layout("rmsnorm_forward", 32 * 32 * 16 + 1, (aligned,))
+
+
+def test_rmsnorm_of_wide_rows_that_do_not_start_on_16_bytes(rng, to_device, to_host):
+    # Views 4 bytes past a 16-byte boundary, rows of 4096: one float per load, 8 warps per row.
+    x, dout = (to_device(rng.normal(size=5 * 4096 + 1).astype(np.float32))[1:].reshape(5, 4096) for _ in range(2))
+    weight = rng.normal(1.0, 0.3, 4096).astype(np.float32)
+    assert row_layout("rmsnorm", 4096, (x, dout))[0] == 1
+    x64, dout64, weight64 = (to_host(a).astype(np.float64) for a in (x, dout, to_device(weight)))
+    y, rstd = rmsnorm_forward(x, to_device(weight))
+    dweight = to_device(np.zeros(4096, np.float32))
+    dx = rmsnorm_backward(dout, x, to_device(weight), rstd, dweight=dweight)
+    assert relative_error(to_host(y), rmsnorm_reference(x64, weight64)[0]) < 1e-5
+    dx_ref, dweight_ref = rmsnorm_backward_reference(dout64, x64, weight64)
+    assert relative_error(to_host(dx), dx_ref) < 1e-5
+    assert relative_error(to_host(dweight), dweight_ref) < 1e-5
 
 
 def test_rmsnorm_weight_gradient_is_the_same_bit_for_bit_on_every_run(rng, to_device, to_host):

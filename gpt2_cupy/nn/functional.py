@@ -249,33 +249,56 @@ class Attention(Function):
         return dq, dk, dv, None, None
 
 
-def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-    """softmax(q kᵀ · scale + mask) v, q, k, v (B, H, T, d); is_causal: each query sees keys up to its own
-    position. PyTorch's signature and defaults; dropout_p drops attention weights whenever it is above 0.
+def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """softmax(q kᵀ · scale + mask) v, q (B, H, T, d), k, v (B, H, S, d); is_causal: each query sees keys up to its
+    own position. PyTorch's signature and defaults; dropout_p drops attention weights whenever it is above 0.
+    enable_gqa: k and v may have H_kv heads, H_kv dividing H: query head h reads key and value head
+    h // (H / H_kv) (grouped-query attention, as PyTorch 2.5's argument; without it, other head counts are its error).
 
     The fused kernels of chapter 08 run what they take: the default scale 1/√d, no mask but the causal one, no
-    dropout, head sizes FUSED_ATTENTION_HEAD_SIZES (and, causal, any head size through MatmulAttention).
-    Anything else runs PyTorch's "math" path, written with Tensor operations (chapter 11b): attn_mask a bool
-    tensor (True: take part) or a float one added to the scores, broadcast to (B, H, T, S).
+    dropout, head sizes FUSED_ATTENTION_HEAD_SIZES (1 to 256), as many keys as queries; grouped heads are read
+    without a copy. Anything else runs PyTorch's "math" path, written with Tensor operations (chapter 11b):
+    attn_mask a bool tensor (True: take part) or a float one added to the scores, broadcast to (B, H, T, S).
     """
     if BFLOAT16 in (q.dtype, k.dtype, v.dtype):  # until bf16 attention kernels: the float32 ones, converted around
-        return in_float32(scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal, scale)
+        return in_float32(scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     d = q.shape[-1]
     default_scale = scale is None or math.isclose(scale, 1 / math.sqrt(d), rel_tol=1e-6)
     if attn_mask is not None and is_causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
-    if attn_mask is None and dropout_p == 0.0 and default_scale:
+    heads, key_heads, value_heads = (x.shape[-3] if x.ndim >= 3 else 1 for x in (q, k, v))
+    if enable_gqa and (heads % key_heads or heads % value_heads):
+        raise RuntimeError("Number of heads in key and value must divide the number of heads in query: "
+                           f"q has {heads}, k {key_heads}, v {value_heads}")
+    for other in (key_heads, value_heads):
+        if not enable_gqa and other not in (heads, 1):  # a single head broadcasts, as in PyTorch's matmul
+            raise RuntimeError(f"The size of tensor a ({heads}) must match the size of tensor b ({other}) at "
+                               f"non-singleton dimension {q.ndim - 3}: q has {heads} heads, k {key_heads} and v "
+                               f"{value_heads} (enable_gqa=True: a key and value head serves several query heads)")
+    same_layout = (k.shape == v.shape and k.ndim == q.ndim and q.shape[:-3] == k.shape[:-3]
+                   and q.shape[-2] == k.shape[-2])  # the fused kernels' (B, H or H_kv, T, d)
+    if attn_mask is None and dropout_p == 0.0 and default_scale and same_layout:
         if d in FUSED_ATTENTION_HEAD_SIZES:
             return Attention.apply(q, k, v, bool(is_causal), "softmax")
-        if is_causal:
+        if is_causal and key_heads == heads:
             return MatmulAttention.apply(q, k, v)
     return _attention_from_operations(q, k, v, attn_mask, dropout_p, is_causal, 1 / math.sqrt(d) if scale is None else scale)
 
 
 def _attention_from_operations(q, k, v, attn_mask, dropout_p, is_causal, scale):
     """The attention of the textbooks, one Tensor operation at a time: every launch reads and writes the
-    (T, S) scores that the fused kernels keep on chip (chapter 11b counts the bytes)."""
+    (T, S) scores that the fused kernels keep on chip (chapter 11b counts the bytes). Grouped k and v heads are
+    repeated first, head j as heads j·group .. j·group + group - 1 (PyTorch's repeat_interleave)."""
     T, S = q.shape[-2], k.shape[-2]
+    repeated = []
+    for x in (k, v):
+        if x.ndim == q.ndim >= 3 and x.shape[-3] not in (1, q.shape[-3]):             # grouped: (B, H_kv, S, d)
+            group = q.shape[-3] // x.shape[-3]
+            x = x.unsqueeze(-3).expand(*x.shape[:-2], group, *x.shape[-2:]).reshape(*x.shape[:-3], q.shape[-3],
+                                                                                   *x.shape[-2:])  # (B, H, S, d)
+        repeated.append(x)
+    k, v = repeated
     scores = (q @ k.transpose(-2, -1)) * scale                                     # (B, H, T, S)
     if is_causal:
         attn_mask = Tensor(backend.xp.tril(backend.xp.ones((T, S), dtype=numpy.bool_)))

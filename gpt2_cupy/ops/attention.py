@@ -3,9 +3,12 @@
     out, lse = attention_forward(q, k, v, causal=True, variant="softmax")
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=True, variant="softmax", deterministic=True)
 
-q, k, v: (..., T, d), any leading axes (GPT-2: (B, H, T, d)), d = 32 or 64. The scores are S = q kᵀ / √d;
-causal=True lets query t see keys 0..t.
-    variant="softmax":  out = softmax(S) v; lse, the log-sum-exp of each row of S, (..., T), is saved for
+q: (..., H, T, d), any leading axes (GPT-2: (B, H, T, d)), or (T, d) for one head; k, v: the same shape, or,
+for grouped-query attention, (..., H_kv, T, d) with H_kv dividing H: query head h reads key and value head
+h // (H / H_kv), with no copy per query head, and dk, dv sum over the H / H_kv query heads of each group.
+d: any head size from 1 to 256 (HEAD_SIZES). The scores are S = q kᵀ / √d; causal=True lets query t see
+keys 0..t.
+    variant="softmax":  out = softmax(S) v; lse, the log-sum-exp of each row of S, (..., H, T), is saved for
                         the backward.
     variant="relu":     out = ReLU(S) v on the visible keys, no normalisation; lse is None.
 
@@ -14,13 +17,17 @@ the only memory beyond the inputs and outputs is lse and the backward's row sums
 backward recomputes P from lse. deterministic=True (the default): dk and dv come from one kernel, dq from a
 second, each element summed by one thread in a fixed order (no atomics): the same bits on every run.
 deterministic=False: one pass, the dk, dv kernel also adds each tile's share of dq with atomicAdd: fewer
-products (5 instead of 7), but dq's last bits vary from run to run. Each kernel takes 64 or 128 rows
-(queries, or keys for dk, dv) per block, a template parameter; FORWARD_ROWS, BACKWARD_DK_DV_ROWS and
-BACKWARD_DQ_ROWS say which the op launches, and bench/attention.py times both.
+products (5 instead of 7), but dq's last bits vary from run to run (at d > 128 its tiles do not fit in a
+block's shared memory, and the two passes run instead). Each kernel takes 32, 64 or 128 rows (queries, or
+keys for dk, dv) per block, a template parameter; FORWARD_ROWS, BACKWARD_DK_DV_ROWS and BACKWARD_DQ_ROWS
+say which the op launches, and bench/attention.py times the candidates.
+
+The kernels are built for tiles of D = 32, 64, 128 or 256 floats (TILE_WIDTHS); a head of d floats runs in
+the narrowest tile that holds it, its columns d..D-1 zeros inside the kernel (d = 80 runs as 128).
 
 attention_forward_naive / attention_backward_naive compute the same thing from chapter 01's batched
 matmul and chapter 04's softmax, writing the (..., T, T) scores and probabilities: the version the fused
-one is measured against, and a second, independent check of it.
+one is measured against, and a second, independent check of it (one key head per query head).
 """
 
 import math
@@ -33,15 +40,18 @@ from gpt2_cupy.ops.matmul import batched_matmul
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 
 TILE = 64                  # keys (or queries) per tile of columns: kernels/attention.cu's COLUMNS
-ROW_CHOICES = (64, 128)    # rows per block, a template parameter of every kernel (ROWS)
+ROW_CHOICES = (64, 128)    # rows per block, a template parameter of every kernel (ROWS), timed at d = 64
 # The rows per block that each kernel uses, chosen by timing bench/attention.py's candidates on an H100:
 FORWARD_ROWS = 64
 BACKWARD_DK_DV_ROWS = 64
 BACKWARD_DQ_ROWS = 64
+NARROW_ROWS = 32           # rows per block where a kernel's tiles at ROWS = 64 do not fit (the backward at D = 256)
 PAD = 4                    # floats of padding after each row of a q, k, v or dout tile in shared memory
 WEIGHTS_PAD = 8            # and after each row of a P or dS tile
 FLOAT = 4                  # bytes
-HEAD_SIZES = (32, 64)      # d, a template parameter of the kernels
+TILE_WIDTHS = (32, 64, 128, 256)                   # D, a template parameter of the kernels
+HEAD_SIZES = range(1, TILE_WIDTHS[-1] + 1)         # d: any head size that fits in a tile
+SHARED_BYTES_PER_BLOCK = 227 * 1024                # the most shared memory one block may have (H100, H200)
 VARIANTS = ("softmax", "relu")
 ROWDOT_ROWS_PER_BLOCK = 16      # a half-warp per row: 256 threads
 
@@ -51,65 +61,117 @@ def threads(rows):
     return rows // 4 * 8
 
 
-# The tiles each kernel keeps in shared memory, in rows of d + PAD floats (its ROWS-row tiles, its 64-row
+def tile_width(d):
+    """D, the narrowest tile that holds a head of d floats."""
+    return next(width for width in TILE_WIDTHS if width >= d)
+
+
+# The tiles each kernel keeps in shared memory, in rows of D + PAD floats (its ROWS-row tiles, its 64-row
 # tiles) and in rows of TILE + WEIGHTS_PAD floats (its ROWS-row tiles of P or dS).
 _TILES = {"attention_forward": (1, 2, 1), "attention_backward_dk_dv": (2, 2, 1), "attention_backward_dq": (2, 2, 1)}
 
 
-def _shared_bytes(name, d, rows, dq_atomic=False):
+def _shared_bytes(name, width, rows, dq_atomic=False):
     row_tiles, column_tiles, weight_tiles = _TILES[name]
     transposed = TILE * (rows + PAD) if dq_atomic else 0  # the one-pass backward's dS tile, rows = queries
-    return ((row_tiles * rows + column_tiles * TILE) * (d + PAD) + weight_tiles * rows * (TILE + WEIGHTS_PAD)
+    return ((row_tiles * rows + column_tiles * TILE) * (width + PAD) + weight_tiles * rows * (TILE + WEIGHTS_PAD)
             + transposed) * FLOAT
 
 
-def _kernel(name, d, variant, rows, dq_atomic=None):
+def _fits(name, width, rows, dq_atomic=False):
+    return _shared_bytes(name, width, rows, dq_atomic) <= SHARED_BYTES_PER_BLOCK
+
+
+def _rows(name, width, rows):
+    """`rows` where the kernel's tiles fit in a block's shared memory with them, else NARROW_ROWS."""
+    return rows if _fits(name, width, rows) else NARROW_ROWS
+
+
+def _kernel(name, width, variant, rows, dq_atomic=None):
     """(kernel, bytes of shared memory it needs): one module per instantiation, so that a run compiles
     only the versions it uses. dq_atomic: the dk, dv kernel's fourth template parameter."""
-    full_name = f"{name}<{d}, {'true' if variant == 'relu' else 'false'}, {rows}"
+    full_name = f"{name}<{width}, {'true' if variant == 'relu' else 'false'}, {rows}"
     full_name += ">" if dq_atomic is None else f", {'true' if dq_atomic else 'false'}>"
     kernel = kernels.function("attention", full_name, name_expressions=(full_name,))
-    shared = _shared_bytes(name, d, rows, bool(dq_atomic))
+    shared = _shared_bytes(name, width, rows, bool(dq_atomic))
     if kernel.max_dynamic_shared_size_bytes < shared:
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
         kernel.max_dynamic_shared_size_bytes = shared
     return kernel, shared
 
 
-def _check_options(operation, variant, d):
+def _check_variant(operation, variant):
     if variant not in VARIANTS:
         raise ValueError(f"{operation}: variant must be one of {VARIANTS}, got {variant!r}")
-    if d not in HEAD_SIZES:
-        raise ValueError(f"{operation}: the head size d (the last axis of q, k, v) must be one of {HEAD_SIZES}, "
-                         f"got {d}")
 
 
-def _heads_and_tiles(operation, sizes):
-    heads, T = math.prod(sizes["..."]), sizes["T"]
-    if ceil_div(T, TILE) > LARGEST_GRID_Y:
-        raise ValueError(f"{operation}: T = {T} is too long for one launch (at most {LARGEST_GRID_Y * TILE})")
-    return heads, T
+def _check_sizes(operation, q, k, v, like_q=None, per_row=None):
+    """The sizes of q (..., H, T, d) and of k, v (..., H_kv, T, d) (or all (T, d)), checked: the same leading
+    axes, T and d, H_kv dividing H, d in HEAD_SIZES. like_q: {name: array} of q's shape (the backward's dout,
+    out); per_row: {name: array} of one value per row of q (lse)."""
+    if q.ndim >= 3:
+        queries, keys = ("...", "H", "T", "d"), ("...", "H_kv", "T", "d")
+    else:
+        queries = keys = ("T", "d")
+    arguments = {name: (array, queries) for name, array in (like_q or {}).items()}
+    arguments.update({name: (array, queries[:-1]) for name, array in (per_row or {}).items()})
+    sizes = check(operation, q=(q, queries), k=(k, keys), v=(v, keys), **arguments)
+    sizes.setdefault("...", ())
+    heads, key_heads = sizes.setdefault("H", 1), sizes.setdefault("H_kv", 1)
+    if heads % key_heads:
+        raise ValueError(f"{operation}: k and v have {key_heads} heads (shape {tuple(k.shape)}), which does not "
+                         f"divide q's {heads} (shape {tuple(q.shape)}): in grouped-query attention each key and "
+                         "value head serves the same number of query heads")
+    if sizes["d"] not in HEAD_SIZES:
+        raise ValueError(f"{operation}: the head size d (the last axis of q, k, v) must be from 1 to "
+                         f"{HEAD_SIZES[-1]}, got {sizes['d']}")
+    fewest_rows = NARROW_ROWS if tile_width(sizes["d"]) == TILE_WIDTHS[-1] else TILE  # per block, in any kernel
+    if ceil_div(sizes["T"], fewest_rows) > LARGEST_GRID_Y:
+        raise ValueError(f"{operation}: T = {sizes['T']} is too long for one launch (at most "
+                         f"{LARGEST_GRID_Y * fewest_rows} at d = {sizes['d']})")
+    return sizes
+
+
+class LaunchShape:
+    """What every launch needs: query heads (all leading axes and H), T, d, and query heads per key head.
+    LaunchShape.of(q, k, v) for the kernels launched directly (bench/attention.py, the tests)."""
+
+    @classmethod
+    def of(cls, q, k, v):
+        return cls(_check_sizes("attention", q, k, v))
+
+    def __init__(self, sizes):
+        self.heads = math.prod(sizes["..."]) * sizes["H"]
+        self.T, self.d = sizes["T"], sizes["d"]
+        self.group = sizes["H"] // sizes["H_kv"]
+        self.key_heads = self.heads // self.group
+        self.width = tile_width(self.d)
+
+    def arguments(self, causal):
+        """The kernels' last four arguments: T, causal, d, group."""
+        return np.int32(self.T), np.int32(bool(causal)), np.int32(self.d), np.int32(self.group)
 
 
 def attention_forward(q, k, v, *, causal=True, variant="softmax", out=None):
-    """(out, lse): attention of queries q over keys k and values v, all (..., T, d); lse is None for "relu"."""
+    """(out, lse): attention of queries q (..., H, T, d) over keys k and values v (..., H_kv, T, d);
+    lse is None for "relu"."""
     name = "attention_forward"
-    sizes = check(name, q=(q, ("...", "T", "d")), k=(k, ("...", "T", "d")), v=(v, ("...", "T", "d")))
-    _check_options(name, variant, sizes["d"])
-    heads, T = _heads_and_tiles(name, sizes)
+    _check_variant(name, variant)
+    shape = LaunchShape(_check_sizes(name, q, k, v))
     out = output(name, out, q.shape)
     lse = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
-    _forward(out, lse, q, k, v, heads, T, sizes["d"], causal, variant)
+    _forward(out, lse, q, k, v, shape, causal, variant)
     return out, lse
 
 
-def _forward(out, lse, q, k, v, heads, T, d, causal, variant, rows=FORWARD_ROWS):
-    if heads * T == 0:
+def _forward(out, lse, q, k, v, shape, causal, variant, rows=FORWARD_ROWS):
+    if shape.heads * shape.T == 0:
         return
     # The ReLU variant has no lse: the kernel never touches that pointer, so out stands in for it.
-    kernel, shared = _kernel("attention_forward", d, variant, rows)
-    kernel((heads, ceil_div(T, rows)), (threads(rows),),
-           (out, lse if lse is not None else out, q, k, v, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
+    rows = _rows("attention_forward", shape.width, rows)
+    kernel, shared = _kernel("attention_forward", shape.width, variant, rows)
+    kernel((shape.heads, ceil_div(shape.T, rows)), (threads(rows),),
+           (out, lse if lse is not None else out, q, k, v, *shape.arguments(causal)), shared_mem=shared)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax", deterministic=True):
@@ -117,35 +179,38 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax
 
     deterministic=False takes the one-pass backward (dq added with atomics): faster, not bit-reproducible."""
     name = "attention_backward"
-    pattern = ("...", "T", "d")
-    sizes = check(name, dout=(dout, pattern), q=(q, pattern), k=(k, pattern), v=(v, pattern), out=(out, pattern),
-                  lse=(lse, ("...", "T")))
-    _check_options(name, variant, sizes["d"])
+    _check_variant(name, variant)
+    shape = LaunchShape(_check_sizes(name, q, k, v, like_q=dict(dout=dout, out=out), per_row=dict(lse=lse)))
     if variant == "softmax" and lse is None:
         raise ValueError(f"{name}: the softmax variant needs the lse that attention_forward returned")
-    heads, T = _heads_and_tiles(name, sizes)
-    dq, dk, dv = (backend.xp.empty(q.shape, dtype=np.float32) for _ in range(3))
+    dq = backend.xp.empty(q.shape, dtype=np.float32)
+    dk, dv = (backend.xp.empty(k.shape, dtype=np.float32) for _ in range(2))
     rowdot = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
-    _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, sizes["d"], causal, variant, deterministic)
+    _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, shape, causal, variant, deterministic)
     return dq, dk, dv
 
 
-def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, heads, T, d, causal, variant, deterministic=True):
-    if heads * T == 0:
+def one_pass_fits(width):
+    """Whether the one-pass backward's tiles fit in a block's shared memory at tile width D."""
+    return _fits("attention_backward_dk_dv", width, TILE, dq_atomic=True)
+
+
+def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, shape, causal, variant, deterministic=True):
+    if shape.heads * shape.T == 0:
         return
     if variant == "softmax":
-        _rowdot(rowdot, dout, out, heads * T, d)
+        _rowdot(rowdot, dout, out, shape.heads * shape.T, shape.d)
     else:  # the ReLU kernels never read lse or rowdot: dout stands in for both pointers
         lse = rowdot = dout
-    if deterministic:
-        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
-        _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant)
+    if deterministic or not one_pass_fits(shape.width):
+        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant)
+        _dq(dq, dout, q, k, v, lse, rowdot, shape, causal, variant)
     else:
         # The one-pass kernel adds into dq, which starts from zeros. They are written after rowdot, just
         # before that kernel: the zeros then wait in the L2 for its atomics, where written before rowdot they
         # are pushed out to memory while rowdot reads dout and out.
         dq.fill(0)
-        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=TILE, dq=dq)
+        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=TILE, dq=dq)
 
 
 # The backward's three launches, each its own function so that bench/attention.py can time them apart
@@ -157,18 +222,21 @@ def _rowdot(rowdot, dout, out, rows, d):
         (rowdot, dout, out, np.int32(rows), np.int32(d)))
 
 
-def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=BACKWARD_DK_DV_ROWS, dq=None):
+def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=BACKWARD_DK_DV_ROWS, dq=None):
     """dk, dv; given dq (zeros, and rows = TILE), also dq, added into it with atomics (the one-pass backward)."""
-    kernel, shared = _kernel("attention_backward_dk_dv", d, variant, rows, dq_atomic=dq is not None)
-    kernel((heads, ceil_div(T, rows)), (threads(rows),),
-           (dk, dv, dk if dq is None else dq, dout, q, k, v, lse, rowdot, np.int32(T),
-            np.int32(bool(causal))), shared_mem=shared)
+    if dq is None:
+        rows = _rows("attention_backward_dk_dv", shape.width, rows)
+    kernel, shared = _kernel("attention_backward_dk_dv", shape.width, variant, rows, dq_atomic=dq is not None)
+    kernel((shape.key_heads, ceil_div(shape.T, rows)), (threads(rows),),
+           (dk, dv, dk if dq is None else dq, dout, q, k, v, lse, rowdot, *shape.arguments(causal)),
+           shared_mem=shared)
 
 
-def _dq(dq, dout, q, k, v, lse, rowdot, heads, T, d, causal, variant, rows=BACKWARD_DQ_ROWS):
-    kernel, shared = _kernel("attention_backward_dq", d, variant, rows)
-    kernel((heads, ceil_div(T, rows)), (threads(rows),),
-           (dq, dout, q, k, v, lse, rowdot, np.int32(T), np.int32(bool(causal))), shared_mem=shared)
+def _dq(dq, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=BACKWARD_DQ_ROWS):
+    rows = _rows("attention_backward_dq", shape.width, rows)
+    kernel, shared = _kernel("attention_backward_dq", shape.width, variant, rows)
+    kernel((shape.heads, ceil_div(shape.T, rows)), (threads(rows),),
+           (dq, dout, q, k, v, lse, rowdot, *shape.arguments(causal)), shared_mem=shared)
 
 
 # ---- The naive version: scores and probabilities written out, (..., T, T) each ----
@@ -182,7 +250,7 @@ def attention_forward_naive(q, k, v, *, causal=True, variant="softmax"):
     """(out, p): the same result as attention_forward, and the probabilities P, (..., T, T), it wrote."""
     name = "attention_forward_naive"
     sizes = check(name, q=(q, ("...", "T", "d")), k=(k, ("...", "T", "d")), v=(v, ("...", "T", "d")))
-    _check_options(name, variant, sizes["d"])
+    _check_variant(name, variant)
     T, scale = sizes["T"], 1.0 / math.sqrt(sizes["d"])
     scores = batched_matmul(_three_axes(q), _three_axes(k), transpose_b=True)    # q kᵀ, not yet scaled
     if variant == "softmax":
@@ -204,7 +272,7 @@ def attention_backward_naive(dout, q, k, v, p, *, variant="softmax"):
     pattern = ("...", "T", "d")
     sizes = check(name, dout=(dout, pattern), q=(q, pattern), k=(k, pattern), v=(v, pattern),
                   p=(p, ("...", "T", "T")))
-    _check_options(name, variant, sizes["d"])
+    _check_variant(name, variant)
     scale = 1.0 / math.sqrt(sizes["d"])
     dout3, q3, k3, v3, p3 = (_three_axes(a) for a in (dout, q, k, v, p))
     dv = batched_matmul(p3, dout3, transpose_a=True)          # dV = Pᵀ dO

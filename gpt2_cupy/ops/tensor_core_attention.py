@@ -40,11 +40,12 @@ BF16, FLOAT = 2, 4              # bytes
 ROWS_PER_WARP = 16
 ROW_DOT_WARPS = 8               # rows (a warp each) per block of the row_dot kernel
 # (warps per block, keys per tile) of the forward and of the dq pass; (warps per block, queries per tile)
-# of the dk, dv pass. The dk, dv pass holds two 16 x d sums, d registers per lane, besides the tile's two
-# 16 x tile products (tile / 4 registers each), so d = 128 takes half the tile; so does dq, to leave room
-# for its fragments of Q and dO.
-FORWARD_TILES = {32: (4, 64), 64: (4, 64), 128: (4, 64)}
-DK_DV_TILES = {32: (4, 64), 64: (4, 64), 128: (4, 32)}
+# of the dk, dv pass: the fastest of TILE_CANDIDATES measured by bench/tensor_core_attention.py on an H200
+# at GPT-2's shape (d = 64) and Llama's (d = 128, grouped heads). The dk, dv pass holds two 16 x d sums, d
+# registers per lane, besides the tile's two 16 x tile products (tile / 4 registers each), so dq takes
+# half the tile at d = 128, to leave room for its fragments of Q and dO.
+FORWARD_TILES = {32: (4, 64), 64: (4, 64), 128: (8, 128)}
+DK_DV_TILES = {32: (4, 32), 64: (4, 32), 128: (4, 64)}
 DQ_TILES = {32: (4, 64), 64: (4, 64), 128: (4, 32)}
 # The shapes bench/tensor_core_attention.py times for each kernel (and tests check), the ones above among them.
 TILE_CANDIDATES = {"forward": ((4, 64), (8, 64), (4, 128), (8, 128)),
