@@ -281,6 +281,10 @@ def test_attention_and_softmax_take_bf16_through_float32_kernels(rng, head_size,
     within_one_rounding(out.data, weights @ v.astype(np.float64), 1e-5 * np.abs(v).max())
     out.backward(tensor(bf16_inputs(rng, B, H, T, head_size)))
     assert tq.grad.dtype == tk.grad.dtype == tv.grad.dtype == BF16
+    grouped = F.scaled_dot_product_attention(tq, tk[:, :1], tv[:, :1], is_causal=causal, enable_gqa=True)
+    widened = F.scaled_dot_product_attention(tq.float(), tk[:, :1].float(), tv[:, :1].float(), is_causal=causal,
+                                             enable_gqa=True)
+    assert torch.equal(grouped, widened.to(torch.bfloat16))   # the same float32 kernels, rounded once
     scores = scores.astype(BF16).astype(np.float64)                  # softmax's own bf16 input
     probabilities = F.softmax(tensor(scores), dim=-1)
     assert probabilities.dtype == BF16
