@@ -109,7 +109,8 @@ def test_elementwise_in_bf16_rounds_once_and_follows_pytorch_promotion(rng):
     within_one_rounding((ta + tb).data, a64 + b64, FLOAT32_UNIT_ROUNDOFF * np.abs(a64 + b64))
     denominator = tb.abs() + 1                                          # itself bf16: |b| + 1 rounded once
     assert host(denominator).tobytes() == (np.abs(b64) + 1).astype(BF16).tobytes()
-    within_one_rounding((ta / denominator).data, a64 / host(denominator).astype(np.float64))
+    quotient = a64 / host(denominator).astype(np.float64)
+    within_one_rounding((ta / denominator).data, quotient, FLOAT32_UNIT_ROUNDOFF * np.abs(quotient))
     within_one_rounding((ta * 0.1).data, a64 * np.float32(0.1), FLOAT32_UNIT_ROUNDOFF * np.abs(a64))  # 0.1 in float32
     within_one_rounding(ta.exp().data, np.exp(a64), 4 * FLOAT32_UNIT_ROUNDOFF * np.exp(a64))           # expf: 2 ulp
     assert (ta * tb).dtype == BF16 and (ta * 2.5).dtype == BF16 and (2 - ta).dtype == BF16
