@@ -59,7 +59,7 @@ def grid_stride_kernel():
 
 def candidates(n, cupy, multiprocessors):
     """{name: (bytes moved, function that runs it once)} for arrays of n float32 elements."""
-    gelu = kernels.module("gelu")
+    gelu = kernels.module("gelu", name_expressions=("gelu_forward<float>", "gelu_backward<float>"))
     residual = kernels.module("residual")
     grid_stride = grid_stride_kernel()
     random = cupy.random.default_rng(0)
@@ -78,11 +78,11 @@ def candidates(n, cupy, multiprocessors):
 
     two, three = 2 * n * FLOAT, 3 * n * FLOAT
     runs = {
-        "gelu_forward, one element per thread": (two, launcher(gelu, "gelu_forward", one_per_thread, (out, x), tanh)),
+        "gelu_forward, one element per thread": (two, launcher(gelu, "gelu_forward<float>", one_per_thread, (out, x), tanh)),
         "gelu_forward, grid-stride (one wave)": (two, lambda: grid_stride(one_wave, block, (out, x, size, tanh))),
         "gelu_forward_float4": (two, launcher(gelu, "gelu_forward_float4", float4, (out, x), tanh)),
         "gelu_forward_float4, exact (erf)": (two, launcher(gelu, "gelu_forward_float4", float4, (out, x), erf)),
-        "gelu_backward, one element per thread": (three, launcher(gelu, "gelu_backward", one_per_thread,
+        "gelu_backward, one element per thread": (three, launcher(gelu, "gelu_backward<float>", one_per_thread,
                                                                   (out, x, dy), tanh)),
         "gelu_backward_float4": (three, launcher(gelu, "gelu_backward_float4", float4, (out, x, dy), tanh)),
         "gelu_backward_float4, exact (erf)": (three, launcher(gelu, "gelu_backward_float4", float4,

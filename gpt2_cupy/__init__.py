@@ -10,6 +10,7 @@ With PyTorch's names, so that PyTorch code runs with its imports changed:
     torch.save(model.state_dict(), path); model.load_state_dict(torch.load(path, map_location="cpu"))
     torch.optim.AdamW, torch.nn.utils.clip_grad_norm_, torch.from_numpy, torch.float32, torch.long, ...
     torch.cuda.is_available(), torch.backends.cuda.matmul.allow_tf32, torch.amp.autocast, torch.cuda.amp.GradScaler
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16): ...   # bf16 mixed precision (gpt2_cupy.amp)
 
 Importing the package is cheap: the submodules load, and kernels compile, when first used.
 """
@@ -17,8 +18,11 @@ Importing the package is cheap: the submodules load, and kernels compile, when f
 import builtins as _builtins
 import types
 
+import ml_dtypes
 import numpy
 
+from gpt2_cupy import amp
+from gpt2_cupy.amp import autocast, get_autocast_dtype, is_autocast_enabled  # as torch's
 from gpt2_cupy.precision import get_float32_matmul_precision, set_float32_matmul_precision  # as torch's
 
 __version__ = "0.1.0"
@@ -27,11 +31,11 @@ _FROM_AUTOGRAD = ("Tensor", "Function", "no_grad", "manual_seed", "is_grad_enabl
 _FROM_SERIALIZATION = ("save", "load")
 _SUBMODULES = ("nn", "optim", "functional", "autograd", "backend", "model")
 
-# dtype names, as torch's: numpy dtypes here. numpy has no bfloat16; the name stands for the type the bf16
-# kernels will use, and only float32 tensors exist until then.
+# dtype names, as torch's: numpy dtypes here. bfloat16 is ml_dtypes' (the numpy dtype JAX and CuPy use too);
+# float16 names a dtype that no kernel takes (tensors of it are refused: .to(float16) raises).
 float32 = float = numpy.dtype(numpy.float32)
 float16 = half = numpy.dtype(numpy.float16)
-bfloat16 = "bfloat16"
+bfloat16 = numpy.dtype(ml_dtypes.bfloat16)
 float64 = double = numpy.dtype(numpy.float64)
 int64 = long = numpy.dtype(numpy.int64)
 int32 = int = numpy.dtype(numpy.int32)
@@ -41,9 +45,7 @@ pi, e, inf, nan = numpy.pi, numpy.e, numpy.inf, numpy.nan
 
 
 def dtype_of(value):
-    """A numpy dtype from a dtype name of this module, a numpy dtype, or a string ("float32")."""
-    if value == bfloat16:
-        return bfloat16
+    """A numpy dtype from a dtype name of this module, a numpy dtype, or a string ("float32", "bfloat16")."""
     return numpy.dtype(value)
 
 
@@ -68,7 +70,7 @@ def tensor(data, dtype=None, device=None, requires_grad=False):
     if dtype is None and array.dtype.kind == "f":
         dtype = float32
     return Tensor(backend.xp.asarray(array if dtype is None else array.astype(dtype_of(dtype))),
-                  requires_grad=requires_grad)
+                  requires_grad=requires_grad)  # a float64 list to bfloat16: one rounding (ml_dtypes')
 
 
 # ---- factories: new tensors on the active backend; random ones from manual_seed's generator --------------
@@ -80,8 +82,8 @@ def _shape(size):
 def _made(array, dtype, requires_grad):
     from gpt2_cupy import backend
     from gpt2_cupy.autograd import Tensor
-    return Tensor(backend.xp.asarray(array, dtype=dtype_of(float32 if dtype is None else dtype)),
-                  requires_grad=requires_grad)
+    dtype = dtype_of(float32 if dtype is None else dtype)
+    return Tensor(backend.xp.asarray(numpy.asarray(array).astype(dtype)), requires_grad=requires_grad)
 
 
 def zeros(*size, dtype=None, device=None, requires_grad=False):
@@ -167,57 +169,20 @@ def _cuda_is_available():
     return backend.name == "cuda"
 
 
-class _GradScaler:
-    """torch.cuda.amp.GradScaler as a no-op: float32 training needs no loss scaling (bf16 will not either)."""
-
-    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                 enabled=True, device="cuda"):
-        self.enabled = enabled
-
-    def scale(self, loss):
-        return loss
-
-    def unscale_(self, optimizer):
-        pass
-
-    def step(self, optimizer):
-        optimizer.step()
-
-    def update(self, new_scale=None):
-        pass
-
-    def get_scale(self):
-        return 1.0
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state_dict):
-        pass
-
-
-class _autocast:
-    """torch.autocast as a no-op: every op runs in float32 (on the CPU, or with float32, PyTorch's is one too).
-    A class, as PyTorch's is, so that one object serves many `with` blocks (nanoGPT enters `ctx` every step)
-    and decorates functions."""
-
-    def __init__(self, device_type="cuda", dtype=None, enabled=True, cache_enabled=None):
-        self.device_type, self.dtype, self.enabled = device_type, dtype, enabled
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exception):
+def _cuda_is_bf16_supported(including_emulation=True):
+    """torch.cuda.is_bf16_supported: True on a GPU of compute capability 8.0 or more (Ampere on), whose
+    tensor cores multiply bf16; False without a GPU, as PyTorch answers on a machine without CUDA, although
+    the CPU executor runs the bf16 kernels too (autocast(device_type="cuda") works there: gpt2_cupy.amp)."""
+    from gpt2_cupy import backend
+    if backend.name != "cuda":
         return False
-
-    def __call__(self, function):
-        return function
+    return int(backend.xp.cuda.Device().compute_capability) >= 80
 
 
 cuda = types.SimpleNamespace(
     is_available=_cuda_is_available,
-    is_bf16_supported=lambda: False,        # no bf16 training (autocast) yet: code that checks stays in float32
-    amp=types.SimpleNamespace(GradScaler=_GradScaler, autocast=_autocast),
+    is_bf16_supported=_cuda_is_bf16_supported,
+    amp=types.SimpleNamespace(GradScaler=amp.GradScaler, autocast=amp.autocast),
     synchronize=lambda device=None: __import__("gpt2_cupy.backend").backend.synchronize(),
     # one generator seeds both backends here, so torch.cuda.manual_seed(s) is torch.manual_seed(s)
     manual_seed=lambda seed: __getattr__("manual_seed")(seed),
@@ -226,8 +191,6 @@ cuda = types.SimpleNamespace(
     graph=lambda cuda_graph, pool=None, stream=None, capture_error_mode="global":
         __import__("gpt2_cupy.graphs").graphs.graph(cuda_graph, pool, stream, capture_error_mode),
 )
-amp = types.SimpleNamespace(autocast=_autocast, GradScaler=_GradScaler)
-autocast = _autocast
 
 
 def compile(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,  # noqa: A001

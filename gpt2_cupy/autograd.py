@@ -25,6 +25,10 @@ Gradients are summed, never overwritten: a tensor used twice receives the sum of
 usually added by the op itself, into the buffer ctx.grad_buffer(i) hands it. When a leaf has no .grad yet
 and an optimizer reserved a place for it in its flat gradient buffer (leaf._grad_slot), that place becomes
 its .grad: an optimisation the graph does not depend on.
+
+A gradient has its tensor's dtype, as in PyTorch: bf16 activations (gpt2_cupy.amp) receive bf16 gradients,
+float32 parameters float32 ones. The ops add parameter gradients in float32; for a parameter of another
+dtype ctx.grad_buffer hands out a float32 buffer, which the Node converts to the parameter's dtype.
 """
 
 import contextlib
@@ -37,7 +41,8 @@ _grad_enabled = True    # switched off inside `with no_grad():`
 _dropout_state = {}     # "rng": dropout's (seed, offset) device array; "init": numpy's generator for weights
 
 _DTYPE_NAMES = {"float32": "torch.float32", "float64": "torch.float64", "int32": "torch.int32",
-                "int64": "torch.int64", "bool": "torch.bool", "uint8": "torch.uint8", "float16": "torch.float16"}
+                "int64": "torch.int64", "bool": "torch.bool", "uint8": "torch.uint8", "float16": "torch.float16",
+                "bfloat16": "torch.bfloat16"}
 
 SECOND_BACKWARD = (
     "Trying to backward through the graph a second time (or directly access saved tensors after they have "
@@ -47,7 +52,8 @@ SECOND_BACKWARD = (
 
 
 class Tensor:
-    """A backend array with a gradient: .data (float32 unless it holds ids), .grad, .requires_grad, .grad_fn."""
+    """A backend array with a gradient: .data (float32 or bfloat16, unless it holds ids or a mask), .grad,
+    .requires_grad, .grad_fn."""
 
     def __init__(self, data, requires_grad=False):
         if isinstance(data, Tensor):
@@ -370,19 +376,28 @@ class Tensor:
         return functional.split(self, split_size, dim)
 
     def to(self, *arguments, dtype=None, device=None, **options):
-        """.to(dtype), .to(device) or both; one backend runs everything, so a device changes nothing."""
+        """.to(dtype), .to(device) or both; one backend runs everything, so a device changes nothing. A new
+        dtype is a copy whose gradient is converted back (bfloat16: rounded to nearest, ties to even)."""
         for argument in arguments:
             if isinstance(argument, Tensor):
                 dtype = argument.dtype
             elif argument in ("bfloat16", "float16") or isinstance(argument, (numpy.dtype, type)):
                 dtype = argument
-        if dtype in ("bfloat16", "float16", numpy.float16):
-            raise NotImplementedError(f"to: dtype {dtype} is not supported yet; tensors are float32, int32/int64 "
-                                      "or bool")
-        return self if dtype is None else _ops().to_dtype(self, dtype)
+        if dtype is None:
+            return self
+        if numpy.dtype(dtype) == numpy.float16:
+            raise NotImplementedError(f"to: dtype {dtype} is not supported; tensors are float32, bfloat16, "
+                                      "int32/int64 or bool")
+        return _ops().to_dtype(self, dtype)
 
     def float(self):
         return self.to(numpy.float32)
+
+    def bfloat16(self):
+        return self.to("bfloat16")
+
+    def half(self):
+        return self.to(numpy.float16)
 
     def long(self):
         return self.to(numpy.int64)
@@ -458,6 +473,7 @@ class Node:
         gradients = self.function.backward(self.ctx, *douts)
         gradients = list(gradients) if isinstance(gradients, tuple) else [gradients]
         for index, buffer in self.ctx.intermediate_buffers.items():  # what ops added into ctx.grad_buffer(i)
+            buffer = _as_dtype(buffer, self.ctx._input_dtypes[index])
             gradients[index] = buffer if gradients[index] is None else _add(gradients[index], buffer)
         return gradients
 
@@ -523,21 +539,33 @@ def _contiguous(array):
     return copy("contiguous", array)
 
 
-def _add(a, b):
-    """a + b into a new array (intermediate gradients are shared, never written into in place)."""
-    from gpt2_cupy.ops.residual import residual_forward
-    return residual_forward(_contiguous(a), _contiguous(b))
+def _as_dtype(array, dtype):
+    """array in dtype: itself, or a converted copy (a float32 gradient buffer for a bf16 argument)."""
+    if array.dtype == dtype:
+        return array
+    from gpt2_cupy.elementwise import elementwise
+    return elementwise("to", "a", [array], compute_dtype=dtype)
+
+
+def _add(a, b, out=None):
+    """a + b into a new array (intermediate gradients are shared, never written into in place), or into out:
+    chapter 03's residual kernel for float32, the generated elementwise kernel for bf16 (one rounding)."""
+    a, b = _contiguous(a), _contiguous(b)
+    if a.dtype == numpy.float32 and b.dtype == numpy.float32:
+        from gpt2_cupy.ops.residual import residual_forward
+        return residual_forward(a, b, out=out)
+    from gpt2_cupy.elementwise import elementwise
+    dtype = a.dtype if out is None else out.dtype
+    return elementwise("add_gradients", "a + b", [a, _as_dtype(b, a.dtype)], compute_dtype=dtype, out=out)
 
 
 def _accumulate(tensor, gradient):
     """tensor.grad += gradient, for a leaf: in place into its buffer (which the optimizer may own)."""
-    from gpt2_cupy.ops.residual import residual_forward
-
-    gradient = _contiguous(gradient)
+    gradient = _as_dtype(_contiguous(gradient), tensor.dtype)
     if tensor.grad is None:
         tensor.grad = _new_leaf_gradient(tensor, gradient)
     else:
-        residual_forward(tensor.grad, gradient, out=tensor.grad)
+        _add(tensor.grad, gradient, out=tensor.grad)
 
 
 class GradientSlot:
@@ -563,7 +591,7 @@ def _new_leaf_gradient(tensor, gradient=None):
         return slot.array
     if gradient is not None:
         return backend.xp.array(gradient, copy=True)
-    return backend.xp.zeros(tensor.shape, dtype=numpy.float32)
+    return backend.xp.zeros(tensor.shape, dtype=tensor.dtype)
 
 
 class Context:
@@ -575,6 +603,7 @@ class Context:
         # array would then stay alive as long as the graph even when the backward does not need it.
         self._leaves = [t if t is not None and t.is_leaf else None for t in inputs]
         self._input_shapes = [t.shape if t is not None else None for t in inputs]
+        self._input_dtypes = [t.dtype if t is not None else None for t in inputs]
         self._saved = ()
         self._freed = False             # saved arrays were freed: reading them raises
         self.freed = False              # a backward without retain_graph has run through this call
@@ -594,14 +623,16 @@ class Context:
         self._saved, self._freed, self.freed = (), bool(self._saved), True
 
     def grad_buffer(self, index):
-        """The buffer an op adds argument `index`'s gradient into: a leaf's own .grad (zeroed when new).
+        """The float32 buffer an op adds argument `index`'s gradient into: a float32 leaf's own .grad (zeroed
+        when new).
 
         backward returns None for that argument: its gradient is already in place. For an intermediate
-        tensor the buffer is a new zeroed array that the Node sends on afterwards; for a tensor that needs
-        no gradient, a scratch array that is thrown away.
+        tensor, or one of another dtype (a bf16 weight), the buffer is a new zeroed array that the Node
+        sends on afterwards, in the argument's dtype; for a tensor that needs no gradient, a scratch array
+        that is thrown away.
         """
         leaf = self._leaves[index]
-        if not self.needs_input_grad[index] or leaf is None:
+        if not self.needs_input_grad[index] or leaf is None or leaf.dtype != numpy.float32:
             buffer = backend.xp.zeros(self._input_shapes[index], dtype=numpy.float32)
             if self.needs_input_grad[index]:
                 self.intermediate_buffers[index] = buffer

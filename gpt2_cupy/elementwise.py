@@ -25,6 +25,10 @@ coordinate arithmetic at all, and moves 4 floats per load and store (16 bytes, w
 a multiple of 16 bytes; the last n % 4 elements one by one). Both paths launch about as many blocks as
 the GPU holds at once (8 per multiprocessor) and let each block step through the work.
 
+bf16 (bfloat16) operands are stored as bf16 and computed in float: each element is widened to a float
+(exactly) before the expression, and a bf16 result is rounded once when it is stored (storage.cuh's
+to_float and from_float). A compute dtype of bfloat16 therefore means "float arithmetic, bf16 result".
+
 Indices are int (32 bits): an operand whose memory spans 2³¹ elements or more is refused.
 """
 
@@ -34,21 +38,45 @@ import math
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.ops.arrays import LARGEST_INT, THREADS_PER_BLOCK, ceil_div
+from gpt2_cupy.ops.arrays import BFLOAT16, LARGEST_INT, THREADS_PER_BLOCK, ceil_div
 
 OPERAND_NAMES = "abcdefgh"
 
 # numpy dtype -> the C type a kernel reads it as
 C_TYPES = {numpy.dtype(numpy.float32): "float", numpy.dtype(numpy.float64): "double",
            numpy.dtype(numpy.int32): "int", numpy.dtype(numpy.int64): "long long",
-           numpy.dtype(numpy.bool_): "bool", numpy.dtype(numpy.uint8): "unsigned char"}
+           numpy.dtype(numpy.bool_): "bool", numpy.dtype(numpy.uint8): "unsigned char", BFLOAT16: "__nv_bfloat16"}
+BF16 = C_TYPES[BFLOAT16]
 
 
 def c_type(dtype):
     dtype = numpy.dtype(dtype)
     if dtype not in C_TYPES:
-        raise TypeError(f"dtype {dtype} is not supported by the generated kernels; use float32, int32, int64 or bool")
+        raise TypeError(f"dtype {dtype} is not supported by the generated kernels; use float32, bfloat16, int32, "
+                        "int64 or bool")
     return C_TYPES[dtype]
+
+
+def compute_c_type(dtype):
+    """The C type an expression computes in: a bf16 result is computed in float and rounded when stored."""
+    return "float" if numpy.dtype(dtype) == BFLOAT16 else c_type(dtype)
+
+
+def read(kind, compute_type, element):
+    """C for one stored element of C type `kind` as the compute type (a bf16 through a float, exactly)."""
+    return f"({compute_type})to_float({element})" if kind == BF16 else f"({compute_type}){element}"
+
+
+def written(out_type, expression):
+    """C for the value of `expression` as the output's C type: a bf16 rounded once, to nearest even."""
+    if out_type == BF16:
+        return f"from_float<__nv_bfloat16>((float)({expression}))"
+    return f"({out_type})({expression})"
+
+
+def storage_include(types):
+    """The #include that bf16 operands need (storage.cuh brings <cuda_bf16.h>); nothing for other types."""
+    return ['#include "storage.cuh"', ""] if BF16 in types else []
 
 
 def broadcast_shapes(operation, shapes, names=None):
@@ -155,10 +183,10 @@ def _contiguous_source(name, expression, operand_types, compute_type, out_type, 
         parameters.append(f"const {kind}* {letter}_data")
         loads.append(f"        Vector<{kind}, W> {letter}_vector = "
                      f"reinterpret_cast<const Vector<{kind}, W>*>({letter}_data)[group];")
-        reads.append(f"            {compute_type} {letter} = ({compute_type}){letter}_vector.item[k];")
-        tail_reads.append(f"        {compute_type} {letter} = ({compute_type}){letter}_data[i];")
+        reads.append(f"            {compute_type} {letter} = {read(kind, compute_type, f'{letter}_vector.item[k]')};")
+        tail_reads.append(f"        {compute_type} {letter} = {read(kind, compute_type, f'{letter}_data[i]')};")
     parameters.append("int n")
-    lines = [f"#define W {width}", "", VECTOR_TYPE,
+    lines = storage_include(list(operand_types) + [out_type]) + [f"#define W {width}", "", VECTOR_TYPE,
              f'extern "C" __global__ void {name}({", ".join(parameters)})', "{",
              "    // A grid that fills the GPU steps through the n / W groups of W elements (grid-stride);",
              "    // unsigned: group + step may pass 2^31 on the last step.",
@@ -171,13 +199,13 @@ def _contiguous_source(name, expression, operand_types, compute_type, out_type, 
     lines.extend([f"        Vector<{out_type}, W> result;", "#pragma unroll",
                   "        for (int k = 0; k < W; k++) {"])
     lines.extend(reads)
-    lines.extend([f"            result.item[k] = ({out_type})({expression});", "        }",
+    lines.extend([f"            result.item[k] = {written(out_type, expression)};", "        }",
                   f"        reinterpret_cast<Vector<{out_type}, W>*>(out)[group] = result;", "    }",
                   "    // the n % W elements after the last whole group, one per thread of block 0",
                   "    int i = groups * W + threadIdx.x;",
                   "    if (blockIdx.x == 0 && i < n) {"])
     lines.extend(tail_reads)
-    lines.extend([f"        out[i] = ({out_type})({expression});", "    }", "}"])
+    lines.extend([f"        out[i] = {written(out_type, expression)};", "    }", "}"])
     return "\n".join(lines) + "\n"
 
 
@@ -196,7 +224,7 @@ def _strided_source(name, expression, operand_types, compute_type, out_type, ndi
     for letter in arrays:
         parameters.extend(f"int {letter}_stride{axis}" for axis in range(ndim))
     last = ndim - 1
-    lines = [f"#define ELEMENTS {ELEMENTS_PER_THREAD}", "",
+    lines = storage_include(list(operand_types) + [out_type]) + [f"#define ELEMENTS {ELEMENTS_PER_THREAD}", "",
              f'extern "C" __global__ void {name}({", ".join(parameters)})', "{",
              "    // The output as rows of its last axis: blockIdx.x and threadIdx.x pick columns, blockIdx.y",
              "    // rows (grid-stride). A column index then needs no division: only the row is split into",
@@ -227,14 +255,14 @@ def _strided_source(name, expression, operand_types, compute_type, out_type, ndi
     for index, kind in enumerate(operand_types):
         letter = OPERAND_NAMES[index]
         if not isinstance(kind, tuple):
-            lines.append(f"                {letter}_values[k] = ({compute_type}){letter}_data[{letter}_row + "
-                         f"column * {letter}_stride{last}];")
+            element = f"{letter}_data[{letter}_row + column * {letter}_stride{last}]"
+            lines.append(f"                {letter}_values[k] = {read(kind, compute_type, element)};")
     lines.extend(["            }", "        }", "#pragma unroll", "        for (int k = 0; k < ELEMENTS; k++) {",
                   "            int column = first + k * blockDim.x;",
                   "            if (first < columns - k * (int)blockDim.x) {"])
     for letter in arrays:
         lines.append(f"                {compute_type} {letter} = {letter}_values[k];")
-    lines.extend([f"                out[row * columns + column] = ({out_type})({expression});",
+    lines.extend([f"                out[row * columns + column] = {written(out_type, expression)};",
                   "            }", "        }", "    }", "}"])
     return "\n".join(lines) + "\n"
 
@@ -270,7 +298,8 @@ def resident_blocks():
 
 
 def _scalar(value, dtype):
-    return numpy.dtype(dtype).type(value)
+    """A Python number as the kernel's compute type (float for bf16: the number is not rounded to bf16)."""
+    return numpy.float32(value) if numpy.dtype(dtype) == BFLOAT16 else numpy.dtype(dtype).type(value)
 
 
 def elementwise(operation, expression, operands, compute_dtype=numpy.float32, out_dtype=None, out=None,
@@ -278,11 +307,12 @@ def elementwise(operation, expression, operands, compute_dtype=numpy.float32, ou
     """out = expression(operands...) elementwise, with broadcasting; out a new C-contiguous array unless given.
 
     operands: backend arrays of any strides, or Python numbers (passed to the kernel as compute_dtype).
-    compute_dtype: the type every operand is converted to before the expression; out_dtype: the result's
-    (compute_dtype unless given). names: the operands' names for error messages.
+    compute_dtype: the type every operand is converted to before the expression (bfloat16: float, see the
+    module's doc); out_dtype: the result's (compute_dtype unless given). names: the operands' names for
+    error messages.
     """
     out_dtype = numpy.dtype(compute_dtype if out_dtype is None else out_dtype)
-    compute = c_type(compute_dtype)
+    compute = compute_c_type(compute_dtype)
     names = names or [f"argument {OPERAND_NAMES[i]}" for i in range(len(operands))]
     arrays = [(index, operand) for index, operand in enumerate(operands) if isinstance(operand, backend.xp.ndarray)]
     shape = broadcast_shapes(operation, [a.shape for _, a in arrays], [names[i] for i, _ in arrays])

@@ -24,6 +24,9 @@ generated elementwise kernel into the order (kept axes, reduced axes), which is 
 The order in which partial results are combined is fixed by the code, never by timing (no atomics),
 so a reduction gives the same bits on every run, split or not. max and min keep the earliest index among
 equal values and let NaN win, as PyTorch's do.
+
+A bf16 input is read into float32 partials (a bf16 running sum would lose its small addends once it is
+large) and its result, bf16 as in PyTorch, is rounded once when it is stored.
 """
 
 import math
@@ -31,8 +34,9 @@ import math
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.elementwise import VECTOR_TYPE, c_type, copy, is_aligned, resident_blocks, vector_width
-from gpt2_cupy.ops.arrays import LARGEST_INT, WARP_SIZE, ceil_div
+from gpt2_cupy.elementwise import (VECTOR_TYPE, c_type, copy, is_aligned, resident_blocks, storage_include,
+                                   vector_width)
+from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32, LARGEST_INT, WARP_SIZE, ceil_div
 
 COLUMNS_PER_BLOCK = 32   # the strided kernel: one warp's width of columns (vectors of them)...
 ROWS_PER_BLOCK = 8       # ...and 8 rows of threads splitting the reduced axis
@@ -239,8 +243,11 @@ extern "C" __global__ void NAME(OUT* out, long long* indices, const IN* x, const
 
 def accumulator_dtype(kind, dtype):
     """What a partial result is kept in: sums of integers and bools in int64 (PyTorch's sum type), floats
-    in their own type; max and min in the input's type (bool as int: there is no shuffle of a bool)."""
+    in their own type, bf16 in float32 (a bf16 running sum would lose the small addends); max and min in
+    the input's type (bool as int: there is no shuffle of a bool; bf16 as float32, which holds it exactly)."""
     dtype = numpy.dtype(dtype)
+    if dtype == BFLOAT16:
+        return FLOAT32
     if dtype.kind in "biu":
         return numpy.dtype(numpy.int64) if kind == "sum" else numpy.dtype(numpy.int32 if dtype.kind == "b" else dtype)
     return dtype
@@ -264,7 +271,8 @@ def _kernel(kind, layout, in_dtype, out_dtype, width=4):
         name = f"{kind}_{layout}{width}"
         source = (_HEADER + _LAYOUTS[layout]).replace("COMBINE", COMBINE[kind]).replace("NAME", name)
         types = {"ACC": c_type(accumulator_dtype(kind, in_dtype)), "OUT": c_type(out_dtype), "IN": c_type(in_dtype)}
-        source = ("\n".join(f"typedef {ctype} {alias};" for alias, ctype in types.items()) + "\n" +
+        source = ("\n".join(storage_include(types.values())) +   # a bf16 is read and written by C casts
+                  "\n".join(f"typedef {ctype} {alias};" for alias, ctype in types.items()) + "\n" +
                   f"#define W {width}          // elements per vector load (16 bytes for 4 floats)\n"
                   f"#define UNROLL {UNROLL}     // vector loads in flight per thread\n"
                   f"#define ROWS {ROWS_PER_BLOCK}       // strided: rows of threads splitting the reduced axis\n"

@@ -18,6 +18,9 @@ changes the strides the generated kernels read it through; contiguous() copies i
 
 Types follow PyTorch's promotion: bool < integers < floats; a Python number only lifts the category (an
 int tensor times 2.5 is float32, a float32 tensor plus 1 stays float32); / is always true division.
+bfloat16 is a float type narrower than float32: bf16 with bf16 (or with a Python number) stays bf16, bf16
+with float32 gives float32. bf16 operations compute in float32 and round their result once (elementwise's
+doc), and an input's gradient always has the input's dtype, as in PyTorch.
 """
 
 import builtins
@@ -30,17 +33,22 @@ import numpy
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import Function, Tensor, init_generator
 from gpt2_cupy.elementwise import broadcast_shapes, copy, elementwise
+from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.reduction import normalize_dims, reduce
 
-FLOAT32 = numpy.dtype(numpy.float32)
 INT64 = numpy.dtype(numpy.int64)
 BOOL = numpy.dtype(numpy.bool_)
 
 
 # ---- types ---------------------------------------------------------------------------------------------
 
+def is_floating(dtype):
+    """float16, 32, 64 or bfloat16 (whose numpy kind is "V", a type numpy itself does not know)."""
+    return numpy.dtype(dtype).kind == "f" or numpy.dtype(dtype) == BFLOAT16
+
+
 def _category(dtype):
-    return {"b": 0, "i": 1, "u": 1, "f": 2}[numpy.dtype(dtype).kind]
+    return 2 if is_floating(dtype) else {"b": 0, "i": 1, "u": 1}[numpy.dtype(dtype).kind]
 
 
 def _widest(dtypes):
@@ -69,7 +77,7 @@ def result_type(*operands):
 
 def floating(dtype):
     """The type a float function of dtype returns: float32 for integers and bools, as PyTorch's exp(int)."""
-    return numpy.dtype(dtype) if numpy.dtype(dtype).kind == "f" else FLOAT32
+    return numpy.dtype(dtype) if is_floating(dtype) else FLOAT32
 
 
 def as_operand(value):
@@ -120,13 +128,14 @@ class Binary(Function):
         if name == "div" or (name == "pow" and _category(dtype) == 2):
             dtype = floating(dtype)
         expression = BINARY[name][0]
-        if name == "pow" and dtype.kind != "f":  # integer powers, exactly, through double
+        if name == "pow" and not is_floating(dtype):  # integer powers, exactly, through double
             expression = "(long long)rint(pow((double)a, (double)b))"
         out = elementwise(name, expression, [a, b], compute_dtype=dtype, names=["self", "other"])
         # Only what the gradient rules read is kept: a sum keeps nothing of its operands, a product both.
         used = set(re.findall(r"\b[abc]\b", BINARY[name][1] + " " + BINARY[name][2]))
         ctx.save_for_backward(*(array if letter in used else None for letter, array in zip("abc", (a, b, out))))
         ctx.name, ctx.shapes = name, (numpy.shape(a), numpy.shape(b))
+        ctx.dtypes = (getattr(a, "dtype", None), getattr(b, "dtype", None))
         return out
 
     @staticmethod
@@ -134,13 +143,18 @@ class Binary(Function):
         _, rule_a, rule_b = BINARY[ctx.name]
         operands = [0.0 if array is None else array for array in ctx.saved_tensors] + [dout]
         gradients = []
-        for needed, rule, shape in zip(ctx.needs_input_grad, (rule_a, rule_b), ctx.shapes):
+        for needed, rule, shape, dtype in zip(ctx.needs_input_grad, (rule_a, rule_b), ctx.shapes, ctx.dtypes):
             if not needed:
                 gradients.append(None)
                 continue
             gradient = elementwise(f"{ctx.name}_backward", rule, operands, compute_dtype=dout.dtype)
-            gradients.append(sum_to(gradient, shape))
+            gradients.append(as_dtype(sum_to(gradient, shape), dtype))
         return gradients[0], gradients[1], None
+
+
+def as_dtype(gradient, dtype):
+    """gradient in dtype (an input's own), converted when an operation promoted it (bf16 + float32)."""
+    return gradient if gradient.dtype == dtype else elementwise("to", "a", [gradient], compute_dtype=dtype)
 
 
 def binary(name, a, b):
@@ -221,7 +235,7 @@ class Clamp(Function):
         dtype = result_type(x, *[v for v in (low, high) if v is not None])
         low = -math.inf if low is None else low
         high = math.inf if high is None else high
-        if dtype.kind != "f":  # integer bounds: the widest a long long holds
+        if not is_floating(dtype):  # integer bounds: the widest a long long holds
             low, high = max(low, -2**63), min(high, 2**63 - 1)
         return elementwise("clamp", "a < b ? b : (a > c ? c : a)", [x, low, high], compute_dtype=dtype)
 
@@ -231,7 +245,8 @@ class Clamp(Function):
         low = -math.inf if ctx.low is None else ctx.low
         high = math.inf if ctx.high is None else ctx.high
         # the gradient passes where low <= x <= high (both ends included, as PyTorch's)
-        return elementwise("clamp_backward", "(a >= b && a <= c) ? d : 0.0f", [x, low, high, dout]), None, None
+        return elementwise("clamp_backward", "(a >= b && a <= c) ? d : 0.0f", [x, low, high, dout],
+                           compute_dtype=dout.dtype), None, None
 
 
 def clamp(x, min=None, max=None):
@@ -248,6 +263,7 @@ class Where(Function):
         _check_bool("where", "condition", condition)
         ctx.save_for_backward(condition)
         ctx.shapes = [getattr(v, "shape", ()) for v in (a, b)]
+        ctx.dtypes = [getattr(v, "dtype", None) for v in (a, b)]
         return elementwise("where", "a ? b : c", [condition, a, b], compute_dtype=result_type(a, b),
                            names=["condition", "input", "other"])
 
@@ -258,7 +274,7 @@ class Where(Function):
         for index, expression in enumerate(("a ? b : 0.0f", "a ? 0.0f : b")):
             if ctx.needs_input_grad[index + 1]:
                 gradient = elementwise("where_backward", expression, [condition, dout], compute_dtype=dout.dtype)
-                gradients[index] = sum_to(gradient, ctx.shapes[index])
+                gradients[index] = as_dtype(sum_to(gradient, ctx.shapes[index]), ctx.dtypes[index])
         return None, *gradients
 
 
@@ -310,19 +326,23 @@ def _triangle(x, diagonal, upper):
 
 # ---- matrix products -------------------------------------------------------------------------------------
 
-def _batched_product(operation, a, b, transpose_a=False, transpose_b=False):
-    """op(a) @ op(b) over broadcast batch axes: a (..., M, K), b (..., K, N) -> (..., M, N), float32."""
+def _batched_product(operation, a, b, transpose_a=False, transpose_b=False, out_dtype=None):
+    """op(a) @ op(b) over broadcast batch axes: a (..., M, K), b (..., K, N) -> (..., M, N), of a's dtype
+    (float32, or bf16), or of out_dtype: float32 from bf16 inputs keeps the tensor cores' sums unrounded."""
     from gpt2_cupy.ops.matmul import batched_matmul, matmul
     a_rows = a.shape[-1] if transpose_a else a.shape[-2]
     b_columns = b.shape[-2] if transpose_b else b.shape[-1]
     batch = broadcast_shapes(operation, [a.shape[:-2], b.shape[:-2]], ["input", "other"])
+    out_dtype = a.dtype if out_dtype is None else out_dtype
     if b.ndim == 2 and not transpose_a:  # (..., M, K) @ (K, N): one matrix product over all rows
         rows = _contiguous(a).reshape(-1, a.shape[-1])
-        return matmul(rows, _contiguous(b), transpose_b=transpose_b).reshape(batch + (a_rows, b_columns))
+        out = backend.xp.empty((rows.shape[0], b_columns), dtype=out_dtype)
+        return matmul(rows, _contiguous(b), transpose_b=transpose_b, out=out).reshape(batch + (a_rows, b_columns))
     count = math.prod(batch)
     a = _contiguous(backend.xp.broadcast_to(a, batch + a.shape[-2:])).reshape((count,) + a.shape[-2:])
     b = _contiguous(backend.xp.broadcast_to(b, batch + b.shape[-2:])).reshape((count,) + b.shape[-2:])
-    out = batched_matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    out = backend.xp.empty((count, a_rows, b_columns), dtype=out_dtype)
+    batched_matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out=out)
     return out.reshape(batch + (a_rows, b_columns))
 
 
@@ -331,16 +351,23 @@ def _contiguous(array):
 
 
 class MatMul(Function):
+    """a @ b. a_bf16 and b_bf16: autocast's bf16 copies of a and b (matmul passes them inside an autocast
+    block); the product then runs in bf16, and the gradients keep a's and b's own dtypes."""
     accepts_strided = True
 
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(ctx, a, b, a_bf16=None, b_bf16=None):
         for name, array in (("input", a), ("other", b)):
-            if array.dtype != FLOAT32:
-                raise TypeError(f"matmul: {name} has dtype {array.dtype}; the matmul kernels take float32")
+            if array.dtype not in (FLOAT32, BFLOAT16):
+                raise TypeError(f"matmul: {name} has dtype {array.dtype}; the matmul kernels take float32 or bfloat16")
             if array.ndim == 0:
                 raise RuntimeError(f"matmul: both arguments to matmul need to be at least 1D, but they are "
                                    f"{a.ndim}D and {b.ndim}D")
+        ctx.dtypes = (a.dtype, b.dtype)
+        if a_bf16 is not None:
+            a, b = a_bf16, b_bf16
+        if a.dtype != b.dtype:
+            raise RuntimeError(f"expected m1 and m2 to have the same dtype, but got: {a.dtype} != {b.dtype}")
         ctx.shapes = (a.shape, b.shape)
         a2 = a.reshape(1, -1) if a.ndim == 1 else a  # a vector is a one-row (or one-column) matrix
         b2 = b.reshape(-1, 1) if b.ndim == 1 else b
@@ -362,15 +389,20 @@ class MatMul(Function):
         dout = dout.reshape(ctx.full_shape)
         da = db = None
         if ctx.needs_input_grad[0]:  # dA = dout Bᵀ
-            da = sum_to(_batched_product("matmul_backward", dout, b2, transpose_b=True), a2.shape)
-            da = da.reshape(ctx.shapes[0])
+            da = _batched_product("matmul_backward", dout, b2, transpose_b=True, out_dtype=ctx.dtypes[0])
+            da = sum_to(da, a2.shape).reshape(ctx.shapes[0])
         if ctx.needs_input_grad[1]:  # dB = Aᵀ dout
-            db = sum_to(_batched_product("matmul_backward", a2, dout, transpose_a=True), b2.shape)
-            db = db.reshape(ctx.shapes[1])
-        return da, db
+            db = _batched_product("matmul_backward", a2, dout, transpose_a=True, out_dtype=ctx.dtypes[1])
+            db = sum_to(db, b2.shape).reshape(ctx.shapes[1])
+        return da, db, None, None
 
 
 def matmul(a, b):
+    """a @ b, batched and broadcasting as torch.matmul; inside gpt2_cupy.autocast in bf16 (float32 inputs
+    converted, a parameter's copy cached for the block), with a bf16 result."""
+    from gpt2_cupy import amp
+    if amp.autocast_dtype() is not None:
+        return MatMul.apply(a, b, amp.product_input(a), amp.product_input(b))
     return MatMul.apply(a, b)
 
 
@@ -392,7 +424,7 @@ class Sum(Function):
         dims = normalize_dims("mean" if mean else "sum", dims, x.ndim)
         ctx.shape, ctx.dims, ctx.keepdim = x.shape, dims, keepdim
         count = math.prod(x.shape[d] for d in dims)
-        if mean and x.dtype.kind != "f":
+        if mean and not is_floating(x.dtype):
             raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be either a floating point "
                                f"or complex dtype. Got: {x.dtype}")
         ctx.scale = 1.0 / count if mean and count else (math.nan if mean else 1.0)
@@ -402,7 +434,7 @@ class Sum(Function):
     def backward(ctx, dout):
         gradient = _expand_back(dout, ctx.shape, ctx.dims, ctx.keepdim)
         if ctx.scale != 1.0:
-            gradient = elementwise("mean_backward", "a * b", [gradient, ctx.scale])
+            gradient = elementwise("mean_backward", "a * b", [gradient, ctx.scale], compute_dtype=gradient.dtype)
         return gradient, None, None, None
 
 
@@ -512,7 +544,7 @@ class LogSoftmax(Function):
         largest, _ = reduce("log_softmax", "max", x, (dim,), keepdim=True)
         shifted_exp = elementwise("log_softmax", "expf(a - b)", [x, largest])
         total = reduce("log_softmax", "sum", shifted_exp, (dim,), keepdim=True)
-        out = elementwise("log_softmax", "a - b - logf(c)", [x, largest, total])
+        out = elementwise("log_softmax", "a - b - logf(c)", [x, largest, total], compute_dtype=x.dtype)
         ctx.save_for_backward(out)
         ctx.dim = dim
         return out
@@ -521,7 +553,8 @@ class LogSoftmax(Function):
     def backward(ctx, dout):
         (out,) = ctx.saved_tensors  # d/dx = dout - softmax · Σ dout over the axis
         total = reduce("log_softmax_backward", "sum", dout, (ctx.dim,), keepdim=True)
-        return elementwise("log_softmax_backward", "a - expf(b) * c", [dout, out, total]), None
+        return elementwise("log_softmax_backward", "a - expf(b) * c", [dout, out, total],
+                           compute_dtype=dout.dtype), None
 
 
 def log_softmax(x, dim):
@@ -755,11 +788,12 @@ class Index(Function):
 
     @staticmethod
     def backward(ctx, dout):
+        if ctx.advanced:  # an index may repeat: each of its uses adds its gradient, summed in float32 for bf16
+            gradient = backend.xp.zeros(ctx.shape, dtype=FLOAT32 if dout.dtype == BFLOAT16 else dout.dtype)
+            backend.xp.add.at(gradient, ctx.key, as_dtype(dout, gradient.dtype))
+            return as_dtype(gradient, dout.dtype), None, None
         gradient = backend.xp.zeros(ctx.shape, dtype=dout.dtype)
-        if ctx.advanced:  # an index may repeat: each of its uses adds its gradient
-            backend.xp.add.at(gradient, ctx.key, dout)
-        else:
-            gradient[ctx.key] = dout
+        gradient[ctx.key] = dout
         return gradient, None, None
 
 
@@ -830,7 +864,7 @@ class Cast(Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return elementwise("to", "a", [dout], compute_dtype=ctx.dtype) if ctx.dtype.kind == "f" else None, None
+        return elementwise("to", "a", [dout], compute_dtype=ctx.dtype) if is_floating(ctx.dtype) else None, None
 
 
 def to_dtype(x, dtype):

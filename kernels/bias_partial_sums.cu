@@ -3,16 +3,15 @@
 //                                threads up to 1024: block (s, r) writes the sums of strip s (32 columns)
 //                                over its range r of rows to partial_sums[r, strip columns]
 //   bias_column_sum              (bias_column_sum.cu) then adds up the columns of partial_sums.
+// The matrix is stored as floatX (storage.cuh): float, or bf16 for a model trained in bf16; the sums are
+// float32 either way.
 
-// WIDTH floats that the compiler loads with one instruction (16 bytes when WIDTH is 4).
-template <int WIDTH>
-struct alignas(sizeof(float) * WIDTH) Floats {
-    float value[WIDTH];
-};
+#include "storage.cuh"
 
-// WIDTH is 4 (needs columns % 4 == 0 and matrix 16-byte aligned) or 1 (any shape).
-template <int WIDTH>
-__global__ void bias_partial_sums(float* partial_sums, const float* matrix, int rows, int columns,
+// WIDTH is 4 (needs columns % 4 == 0 and matrix 16-byte aligned) or 1 (any shape). load_as_float moves
+// a lane's WIDTH neighbouring elements with one instruction (16 bytes for 4 floats, 8 for 4 bf16).
+template <int WIDTH, typename floatX = float>
+__global__ void bias_partial_sums(float* partial_sums, const floatX* matrix, int rows, int columns,
                                   int rows_per_block)
 {
     constexpr int LANES_PER_ROW = 32 / WIDTH;  // lanes that cover the 32 columns of one row
@@ -27,9 +26,10 @@ __global__ void bias_partial_sums(float* partial_sums, const float* matrix, int 
     float sum[WIDTH] = {};
     if (column < columns) {  // WIDTH divides columns, so the lane's other columns are in range too
         for (int row = first_row + warp * WIDTH + lane / LANES_PER_ROW; row < end_row; row += warps * WIDTH) {
-            Floats<WIDTH> loaded = *reinterpret_cast<const Floats<WIDTH>*>(matrix + (long long)row * columns + column);
+            float loaded[WIDTH];
+            load_as_float<WIDTH>(loaded, matrix + (long long)row * columns + column, true);
             for (int k = 0; k < WIDTH; ++k) {
-                sum[k] += loaded.value[k];
+                sum[k] += loaded[k];
             }
         }
     }

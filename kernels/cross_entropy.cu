@@ -7,6 +7,7 @@
 
 #include "float_groups.cuh"
 #include "special_values.cuh"
+#include "storage.cuh"
 
 #ifndef ROW_THREADS  // the op builds a copy with fewer threads for a small vocabulary (-DROW_THREADS=256)
 #define ROW_THREADS 1024
@@ -92,8 +93,10 @@ __device__ void block_softmax_state(float& maximum, float& sum)
     sum = warp_sum[0];
 }
 
-// The online softmax over one row, read from `row` (global memory) float by float.
-__device__ void row_softmax_state(float& maximum, float& sum, const float* row, int V)
+// The online softmax over one row, read from `row` (global memory) element by element: float, or bf16
+// logits of a model trained in bf16 (floatX, storage.cuh), each read into a float.
+template <typename floatX>
+__device__ void row_softmax_state(float& maximum, float& sum, const floatX* row, int V)
 {
     maximum = NEGATIVE_INFINITY;
     sum = 0.0f;
@@ -102,7 +105,7 @@ __device__ void row_softmax_state(float& maximum, float& sum, const float* row, 
 #pragma unroll
         for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {  // all loads first: they overlap in the memory system
             int j = first + u * ROW_THREADS;
-            x[u] = j < V ? row[j] : NEGATIVE_INFINITY;
+            x[u] = j < V ? to_float(row[j]) : NEGATIVE_INFINITY;
         }
 #pragma unroll
         for (int u = 0; u < LOADS_IN_FLIGHT; ++u) {
@@ -185,12 +188,15 @@ __device__ __forceinline__ bool target_in_range(int target, int V)
     return 0 <= target && target < V;
 }
 
-// Forward only: lse[i] and the row's loss (0 for an ignored row). Reads each logit once.
-extern "C" __global__ void __launch_bounds__(ROW_THREADS)
-cross_entropy_forward_rows(float* lse, float* row_losses, const float* logits, const int* targets, int V, int ignore_index)
+// Forward only: lse[i] and the row's loss (0 for an ignored row). Reads each logit once. The logits are
+// floatX (float, or bf16); lse and the losses are float32 either way.
+template <typename floatX>
+__global__ void __launch_bounds__(ROW_THREADS)
+cross_entropy_forward_rows(float* lse, float* row_losses, const floatX* logits, const int* targets, int V,
+                           int ignore_index)
 {
     int i = blockIdx.x;
-    const float* row = logits + (long long)i * V;
+    const floatX* row = logits + (long long)i * V;
     float maximum, sum;
     row_softmax_state(maximum, sum, row, V);
     if (threadIdx.x == 0) {
@@ -200,7 +206,7 @@ cross_entropy_forward_rows(float* lse, float* row_losses, const float* logits, c
         if (target == ignore_index) {
             row_losses[i] = 0.0f;
         } else {
-            row_losses[i] = target_in_range(target, V) ? log_sum_exp - row[target] : QUIET_NAN;
+            row_losses[i] = target_in_range(target, V) ? log_sum_exp - to_float(row[target]) : QUIET_NAN;
         }
     }
 }
@@ -262,12 +268,13 @@ __device__ __forceinline__ float logit_gradient(float x, int j, float log_sum_ex
 }
 
 // A counted row's gradient, its logits read from `source`. dlogits may be the logits themselves: every thread
-// reads its element before it writes it.
-__device__ void write_row_gradient(float* dlogits_row, const float* source, int V, float log_sum_exp, int target,
+// reads its element before it writes it. floatX: how both are stored (a bf16 gradient is rounded once).
+template <typename floatX>
+__device__ void write_row_gradient(floatX* dlogits_row, const floatX* source, int V, float log_sum_exp, int target,
                                    float scale)
 {
     for (int j = threadIdx.x; j < V; j += ROW_THREADS) {
-        dlogits_row[j] = logit_gradient(source[j], j, log_sum_exp, target, scale);
+        dlogits_row[j] = from_float<floatX>(logit_gradient(to_float(source[j]), j, log_sum_exp, target, scale));
     }
 }
 
@@ -292,21 +299,24 @@ __device__ void write_cached_row_gradient(float* dlogits_row, const float* cache
     }
 }
 
-__device__ void write_zero_row(float* dlogits_row, int V)
+template <typename floatX>
+__device__ void write_zero_row(floatX* dlogits_row, int V)
 {
     for (int j = threadIdx.x; j < V; j += ROW_THREADS) {
-        dlogits_row[j] = 0.0f;
+        dlogits_row[j] = from_float<floatX>(0.0f);
     }
 }
 
 // Backward from a saved lse: dlogits = (softmax - onehot) * dout / count. Reads and writes each element once.
-extern "C" __global__ void __launch_bounds__(ROW_THREADS)
-cross_entropy_backward_rows(float* dlogits, const float* logits, const int* targets, const float* lse,
+// The logits and their gradient are floatX (float, or bf16); lse and dout are float32.
+template <typename floatX>
+__global__ void __launch_bounds__(ROW_THREADS)
+cross_entropy_backward_rows(floatX* dlogits, const floatX* logits, const int* targets, const float* lse,
                             const float* dout, const int* count, int V, int ignore_index)
 {
     int i = blockIdx.x;
     int target = targets[i];
-    float* dlogits_row = dlogits + (long long)i * V;
+    floatX* dlogits_row = dlogits + (long long)i * V;
     if (target == ignore_index) {
         write_zero_row(dlogits_row, V);
         return;

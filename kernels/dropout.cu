@@ -8,6 +8,8 @@
 // rng_state is a device array of two uint64, (seed, offset), read by the kernels from memory, so that a new
 // offset every step costs no kernel argument and no host-to-device copy.
 
+#include "storage.cuh"
+
 #define PHILOX_M0 0xD2511F53u  // the two round multipliers
 #define PHILOX_M1 0xCD9E8D57u
 #define PHILOX_W0 0x9E3779B9u  // the key increments (the golden ratio, and sqrt(3) - 1, as 32-bit fractions)
@@ -74,9 +76,11 @@ extern "C" __global__ void dropout_uniform(float* u, const unsigned long long* r
 
 // out = x * mask / (1 - p), mask_i = (u_i >= p): element i is dropped with probability p. The backward is
 // the same kernel on dout with the same rng_state: dx = dout * mask / (1 - p). One thread per 4 elements,
-// one Philox call for all four, float4 loads and stores where both arrays are 16-byte aligned. out may be x.
-extern "C" __global__ void dropout_forward(float* out, const float* x, const unsigned long long* rng_state,
-                                           float p, int n)
+// one Philox call for all four, loads and stores of 4 elements at once where both arrays are aligned to
+// them (float4s: 16 bytes). out may be x. floatX is how x and out are stored (storage.cuh): float, or bf16
+// (computed in float, rounded once): dropout_forward<float> or dropout_forward<__nv_bfloat16>.
+template <typename floatX>
+__global__ void dropout_forward(floatX* out, const floatX* x, const unsigned long long* rng_state, float p, int n)
 {
     int group = blockIdx.x * blockDim.x + threadIdx.x;
     int first = 4 * group;
@@ -86,17 +90,18 @@ extern "C" __global__ void dropout_forward(float* out, const float* x, const uns
     float u[4];
     dropout_uniforms(u, rng_state, group);
     float scale = 1.0f / (1.0f - p);  // infinite for p = 1, but then no element is kept and it is never used
-    bool aligned = ((unsigned long long)out % 16 == 0) && ((unsigned long long)x % 16 == 0);
+    const unsigned long long group_bytes = 4 * sizeof(floatX);
+    bool aligned = ((unsigned long long)out % group_bytes == 0) && ((unsigned long long)x % group_bytes == 0);
     if (aligned && first + 4 <= n) {
-        float4 value = reinterpret_cast<const float4*>(x)[group];
-        value.x = u[0] >= p ? value.x * scale : 0.0f;
-        value.y = u[1] >= p ? value.y * scale : 0.0f;
-        value.z = u[2] >= p ? value.z * scale : 0.0f;
-        value.w = u[3] >= p ? value.w * scale : 0.0f;
-        reinterpret_cast<float4*>(out)[group] = value;
+        float value[4];
+        load_as_float<4>(value, x + first, true);
+        for (int word = 0; word < 4; ++word) {
+            value[word] = u[word] >= p ? value[word] * scale : 0.0f;
+        }
+        store_from_float<4>(out + first, value);
     } else {
         for (int word = 0; word < 4 && first + word < n; ++word) {
-            out[first + word] = u[word] >= p ? x[first + word] * scale : 0.0f;
+            out[first + word] = from_float<floatX>(u[word] >= p ? to_float(x[first + word]) * scale : 0.0f);
         }
     }
 }

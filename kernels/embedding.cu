@@ -1,14 +1,19 @@
 // Token and position embeddings of GPT-2, forward and backward, on float32 tables of C columns.
 // Ids are int32. An id outside [0, V) never makes a kernel read or write outside its table: the forward
 // writes a row of NaN for it, the backward skips it (the op refuses such ids before launching anyway).
+// A model trained in bf16 keeps its tables in float32 and its activations in bf16 (storage.cuh's floatX):
+// embedding_forward<__nv_bfloat16> rounds the rows it looks up once, and embedding_backward_chunks reads a
+// bf16 dout into float32 sums.
 
 #include "special_values.cuh"
+#include "storage.cuh"
 #include "warp.cuh"
 
 // ---- Forward: a lookup, one thread per output element. ----
 
-// out[n, c] = weight[ids[n], c] for n < N rows of out.
-extern "C" __global__ void embedding_forward(float* out, const int* ids, const float* weight, int N, int V, int C)
+// out[n, c] = weight[ids[n], c] for n < N rows of out, stored as floatX (float, or bf16).
+template <typename floatX>
+__global__ void embedding_forward(floatX* out, const int* ids, const float* weight, int N, int V, int C)
 {
     int i = blockIdx.x * blockDim.x + threadIdx.x;  // the element n * C + c of out
     if (i >= N * C) {
@@ -17,7 +22,7 @@ extern "C" __global__ void embedding_forward(float* out, const int* ids, const f
     int n = i / C;
     int c = i - n * C;
     int id = ids[n];
-    out[i] = (0 <= id && id < V) ? weight[id * C + c] : QUIET_NAN;
+    out[i] = from_float<floatX>((0 <= id && id < V) ? weight[id * C + c] : QUIET_NAN);
 }
 
 // The same with four neighbouring columns per thread, one 16-byte load and store: C % 4 == 0 and out,
@@ -186,9 +191,10 @@ extern "C" __global__ void embedding_order_groups(int* grouped, const int* unord
 #define COLUMNS_PER_LANE 4
 #define COLUMNS_PER_WARP (32 * COLUMNS_PER_LANE)
 
-extern "C" __global__ void embedding_backward_chunks(float* dweight, float* partials, const float* __restrict__ dout,
-                                                     const int* grouped, const int* starts, const int* ids,
-                                                     int V, int C)
+// dout is stored as floatX (float, or bf16); the sums and dweight are float32.
+template <typename floatX>
+__global__ void embedding_backward_chunks(float* dweight, float* partials, const floatX* __restrict__ dout,
+                                         const int* grouped, const int* starts, const int* ids, int V, int C)
 {
     int chunk = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     int lane = threadIdx.x % 32;
@@ -210,7 +216,7 @@ extern "C" __global__ void embedding_backward_chunks(float* dweight, float* part
 #pragma unroll
             for (int u = 0; u < COLUMNS_PER_LANE; ++u) {
                 int c = first_column + 32 * u;
-                rows[i][u] = (batch + i < count && c < C) ? dout[position * C + c] : 0.0f;
+                rows[i][u] = (batch + i < count && c < C) ? to_float(dout[position * C + c]) : 0.0f;
             }
         }
 #pragma unroll

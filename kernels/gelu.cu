@@ -2,6 +2,8 @@
 // backward dx = dy * GELU'(x). exact = 0 selects GPT-2's tanh approximation, exact = 1 the erf form.
 // Every thread of a launch takes the same side of `exact`, so the choice costs no divergence.
 
+#include "storage.cuh"
+
 __device__ __forceinline__ float gelu_tanh(float x)
 {
     const float sqrt_2_over_pi = 0.7978845608f;
@@ -45,20 +47,24 @@ __device__ __forceinline__ float gelu_derivative(float x, int exact)
     return exact ? gelu_erf_derivative(x) : gelu_tanh_derivative(x);
 }
 
-// One thread per element.
-extern "C" __global__ void gelu_forward(float* y, const float* x, int n, int exact)
+// One thread per element. floatX is how the arrays are stored (storage.cuh): float, or bf16 for a model
+// trained in bf16, whose elements are computed in float and rounded once: gelu_forward<float> or
+// gelu_forward<__nv_bfloat16>.
+template <typename floatX>
+__global__ void gelu_forward(floatX* y, const floatX* x, int n, int exact)
 {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
-        y[i] = gelu(x[i], exact);
+        y[i] = from_float<floatX>(gelu(to_float(x[i]), exact));
     }
 }
 
-extern "C" __global__ void gelu_backward(float* dx, const float* x, const float* dy, int n, int exact)
+template <typename floatX>
+__global__ void gelu_backward(floatX* dx, const floatX* x, const floatX* dy, int n, int exact)
 {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
-        dx[i] = dy[i] * gelu_derivative(x[i], exact);
+        dx[i] = from_float<floatX>(to_float(dy[i]) * gelu_derivative(to_float(x[i]), exact));
     }
 }
 

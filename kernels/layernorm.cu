@@ -8,12 +8,16 @@
 // WIDTH = 4 moves them with one 16-byte load (C a multiple of 4, arrays 16-byte aligned), WIDTH = 1 with
 // one 4-byte load each. The template parameters are compile-time constants, so the loops unroll and the
 // arrays below live in registers. Launch with C <= 32 K WIDTH.
+// floatX is how x, y, dout and dx are stored (storage.cuh): float, or bf16 for a model trained in bf16
+// (WIDTH = 4 then moves 8 bytes). Everything else is float32: weight, bias, mean, rstd, the parameter
+// gradients, and every sum, so a bf16 row is read into floats and only y and dx are rounded, once.
 
 #include "warp.cuh"
 #include "float_groups.cuh"
+#include "storage.cuh"
 
-template <int WIDTH, int K>
-__global__ void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* weight,
+template <int WIDTH, int K, typename floatX = float>
+__global__ void layernorm_forward(floatX* y, float* mean, float* rstd, const floatX* x, const float* weight,
                                   const float* bias, int rows, int columns, float eps, int has_bias)
 {
     int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE;
@@ -21,15 +25,15 @@ __global__ void layernorm_forward(float* y, float* mean, float* rstd, const floa
     if (row >= rows) {
         return;  // the whole warp leaves together: the shuffles below see all 32 lanes
     }
-    const float* x_row = x + (long long)row * columns;
-    float* y_row = y + (long long)row * columns;
+    const floatX* x_row = x + (long long)row * columns;
+    floatX* y_row = y + (long long)row * columns;
 
     float values[K * WIDTH];
     float sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         int column = (lane + k * WARP_SIZE) * WIDTH;
-        load_group<WIDTH>(values + k * WIDTH, x_row + column, column < columns);
+        load_as_float<WIDTH>(values + k * WIDTH, x_row + column, column < columns);
 #pragma unroll
         for (int w = 0; w < WIDTH; ++w) {
             sum += values[k * WIDTH + w];
@@ -62,7 +66,7 @@ __global__ void layernorm_forward(float* y, float* mean, float* rstd, const floa
             for (int w = 0; w < WIDTH; ++w) {
                 result[w] = (values[k * WIDTH + w] - row_mean) * row_rstd * scale[w] + shift[w];
             }
-            store_group<WIDTH>(y_row + column, result);
+            store_from_float<WIDTH>(y_row + column, result);
         }
     }
     if (lane == 0) {
@@ -224,10 +228,10 @@ extern "C" __global__ void column_sums_accumulate(float* first_sums, float* seco
 // two of a lane's six pairs of row loads only after the arithmetic on the first four has begun (two batches of
 // LDG.E.128 in `cuobjdump -sass`); with it, it takes 102 and all twelve leave together. Rows longer than 32
 // floats per lane need more than 128 registers: one block per multiprocessor, as they had without the bound.
-template <int WIDTH, int K>
+template <int WIDTH, int K, typename floatX = float>
 __global__ void __launch_bounds__(256, K * WIDTH <= 32 ? 2 : 1)
-layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partials, const float* dout,
-                          const float* x, const float* weight, const float* mean, const float* rstd, int rows,
+layernorm_backward_shared(floatX* dx, float* weight_partials, float* bias_partials, const floatX* dout,
+                          const floatX* x, const float* weight, const float* mean, const float* rstd, int rows,
                           int columns, int rows_per_block)
 {
     extern __shared__ float shared[];
@@ -253,8 +257,8 @@ layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partial
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             int column = (lane + k * WARP_SIZE) * WIDTH;
-            load_group<WIDTH>(x_hat + k * WIDTH, x + start + column, column < columns);
-            load_group<WIDTH>(d + k * WIDTH, dout + start + column, column < columns);
+            load_as_float<WIDTH>(x_hat + k * WIDTH, x + start + column, column < columns);
+            load_as_float<WIDTH>(d + k * WIDTH, dout + start + column, column < columns);
         }
         float g_sum = 0.0f, g_x_hat_sum = 0.0f;
 #pragma unroll
@@ -291,7 +295,7 @@ layernorm_backward_shared(float* dx, float* weight_partials, float* bias_partial
                     weight_group[w] += d[i] * x_hat[i];
                     bias_group[w] += d[i];
                 }
-                store_group<WIDTH>(dx + start + column, result);
+                store_from_float<WIDTH>(dx + start + column, result);
                 store_group<WIDTH>(weight_sums + column, weight_group);
                 store_group<WIDTH>(bias_sums + column, bias_group);
             }

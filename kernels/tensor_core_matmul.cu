@@ -5,7 +5,9 @@
 //   tf32_matmul<1, ...>  TF32: each float rounded to 10 mantissa bits, one mma per tile (about 1e-3 relative)
 //   tf32_matmul<3, ...>  3xTF32: each float split into big + small TF32 parts, three mmas per tile
 //                        (big·big + big·small + small·big; small·small is below float32's precision)
-//   bf16_matmul<...>     bf16 inputs (8 mantissa bits), from float_to_bf16's copies or a bf16 model
+//   bf16_matmul<...>     bf16 inputs (8 mantissa bits), from float_to_bf16's copies or a bf16 model; its
+//                        output C is float32 (the sums as they are) or bf16 (rounded once, after adding a
+//                        float32 bias: the Linear layer of a model trained in bf16)
 //
 // A block of 256 threads (8 warps) computes a 128 x 128 tile of C, walking along K 32 at a time:
 //  - each operand's 128 x 32 slice travels to shared memory by cp.async, STAGES slices in flight, kept
@@ -18,6 +20,7 @@
 // WIDE_COPIES: rows start on 16 bytes (ld a multiple of 16 bytes, arrays aligned), so slices move in
 // 16-byte copies; otherwise (float32 only) in 4-byte ones. Outside the matrices the copies write zeros.
 #include "mma.cuh"
+#include "storage.cuh"
 
 constexpr int TILE = 128;    // rows and columns of C per block
 constexpr int DEPTH = 32;    // elements of K per slice
@@ -27,8 +30,9 @@ constexpr int THREADS = 256;
 constexpr int WARP_ROWS = 64, WARP_COLUMNS = 32;               // a warp's part of the tile
 constexpr int M_TILES = WARP_ROWS / 16, N_TILES = WARP_COLUMNS / 8;  // its mma tiles
 
-// A bf16 value as its 16 bits (numpy has no bfloat16 type; the arrays are uint16).
-typedef unsigned short bf16;
+// A bf16 value (<cuda_bf16.h>'s type, through storage.cuh): the arrays are ml_dtypes' bfloat16, or uint16
+// holding the same bits. The products never look at its value: cp.async and ldmatrix move its 16 bits.
+typedef __nv_bfloat16 bf16;
 
 // Shared-memory rows of a slice: k-contiguous slices are TILE rows of DEPTH elements, the others DEPTH rows
 // of TILE elements. Padding: a k-contiguous row is 16 bytes longer, so 8 consecutive rows start on 8
@@ -188,10 +192,11 @@ __device__ __forceinline__ void multiply_slice(float (&acc)[M_TILES][N_TILES][4]
     }
 }
 
-// The whole product for one block, either element type: the pipeline of slices, then the store.
-template <typename Element, int PRODUCTS, bool TRANSPOSE_A, bool TRANSPOSE_B, bool WIDE_COPIES>
-__device__ __forceinline__ void block_product(float* C, const Element* A, const Element* B, int M, int N, int K,
-                                              int lda, int ldb, int accumulate, Element* shared)
+// The whole product for one block, either element type: the pipeline of slices, then the store, into a C of
+// float or bf16 (Output), with bias[column] added to each sum when bias is not null.
+template <typename Element, int PRODUCTS, bool TRANSPOSE_A, bool TRANSPOSE_B, bool WIDE_COPIES, typename Output>
+__device__ __forceinline__ void block_product(Output* C, const Element* A, const Element* B, const float* bias,
+                                              int M, int N, int K, int lda, int ldb, int accumulate, Element* shared)
 {
     constexpr bool A_K_CONTIGUOUS = !TRANSPOSE_A, B_K_CONTIGUOUS = TRANSPOSE_B;
     typedef Slice<Element, A_K_CONTIGUOUS> ASlice;
@@ -255,6 +260,7 @@ __device__ __forceinline__ void block_product(float* C, const Element* A, const 
     }
 
     // d[0], d[1] of tile (i, j) are row g, columns 2t and 2t + 1; d[2], d[3] the same 8 rows further down.
+    // The bias and an accumulated C are added to the float32 sum, so a bf16 C is rounded once.
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i) {
@@ -265,8 +271,9 @@ __device__ __forceinline__ void block_product(float* C, const Element* A, const 
                 const int row = m0 + warp_row + 16 * i + g + 8 * (e / 2);
                 const int column = n0 + warp_column + 8 * j + 2 * t + e % 2;
                 if (row < M && column < N) {
-                    float* out = C + (long long)row * N + column;
-                    *out = accumulate ? *out + acc[i][j][e] : acc[i][j][e];
+                    Output* out = C + (long long)row * N + column;
+                    const float sum = bias ? acc[i][j][e] + bias[column] : acc[i][j][e];
+                    *out = from_float<Output>(accumulate ? to_float(*out) + sum : sum);
                 }
             }
         }
@@ -280,20 +287,22 @@ __global__ void __launch_bounds__(THREADS) tf32_matmul(
     int ldb, long long batch_stride_a, long long batch_stride_b, long long batch_stride_c, int accumulate)
 {
     extern __shared__ __align__(16) unsigned char shared_bytes[];
-    block_product<float, PRODUCTS, TRANSPOSE_A, TRANSPOSE_B, WIDE_COPIES>(
+    block_product<float, PRODUCTS, TRANSPOSE_A, TRANSPOSE_B, WIDE_COPIES, float>(
         C + blockIdx.z * batch_stride_c, A + blockIdx.z * batch_stride_a, B + blockIdx.z * batch_stride_b,
-        M, N, K, lda, ldb, accumulate, reinterpret_cast<float*>(shared_bytes));
+        nullptr, M, N, K, lda, ldb, accumulate, reinterpret_cast<float*>(shared_bytes));
 }
 
-template <bool TRANSPOSE_A, bool TRANSPOSE_B>
+// Output: float (C holds the float32 sums) or bf16 (rounded once). bias: C_out floats, or null for none.
+template <bool TRANSPOSE_A, bool TRANSPOSE_B, typename Output = float>
 __global__ void __launch_bounds__(THREADS) bf16_matmul(
-    float* __restrict__ C, const bf16* __restrict__ A, const bf16* __restrict__ B, int M, int N, int K, int lda,
-    int ldb, long long batch_stride_a, long long batch_stride_b, long long batch_stride_c, int accumulate)
+    Output* __restrict__ C, const bf16* __restrict__ A, const bf16* __restrict__ B, const float* __restrict__ bias,
+    int M, int N, int K, int lda, int ldb, long long batch_stride_a, long long batch_stride_b,
+    long long batch_stride_c, int accumulate)
 {
     extern __shared__ __align__(16) unsigned char shared_bytes[];
-    block_product<bf16, 1, TRANSPOSE_A, TRANSPOSE_B, true>(
+    block_product<bf16, 1, TRANSPOSE_A, TRANSPOSE_B, true, Output>(
         C + blockIdx.z * batch_stride_c, A + blockIdx.z * batch_stride_a, B + blockIdx.z * batch_stride_b,
-        M, N, K, lda, ldb, accumulate, reinterpret_cast<bf16*>(shared_bytes));
+        bias, M, N, K, lda, ldb, accumulate, reinterpret_cast<bf16*>(shared_bytes));
 }
 
 // out (rows x ld, ld >= columns) = x (rows x columns, float32) in bf16, rounded to nearest (ties to even),
@@ -311,5 +320,5 @@ extern "C" __global__ void float_to_bf16(bf16* out, const float* x, int rows, in
         // are above half, or at half with the kept part odd
         bits = nan ? (bits | 0x00400000u) : bits + 0x7fffu + ((bits >> 16) & 1u);
     }
-    out[i] = (bf16)(bits >> 16);
+    out[i] = __ushort_as_bfloat16((unsigned short)(bits >> 16));
 }

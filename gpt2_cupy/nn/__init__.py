@@ -158,14 +158,15 @@ class Module:
 
     def to(self, *arguments, **options):
         """Accepted as PyTorch's: a device ("cpu", "cuda") maps to the active backend, where every array
-        already is; float32 is the only dtype of the parameters. Returns self."""
+        already is; float32 is the only dtype of the parameters (they are the float32 masters of bf16
+        training under gpt2_cupy.autocast). Returns self."""
         from gpt2_cupy import dtype_of
         for argument in (*arguments, *options.values()):
             if argument is None or isinstance(argument, str) or type(argument).__name__ == "device":
                 continue
             if dtype_of(argument) != numpy.float32:
                 raise NotImplementedError(f"{type(self).__name__}.to: dtype {argument} is not supported yet; "
-                                          "parameters are float32")
+                                          "parameters are float32 (for bf16 training use gpt2_cupy.autocast)")
         return self
 
     def cuda(self, device=None):

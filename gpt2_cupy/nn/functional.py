@@ -17,15 +17,22 @@ so that parameter gradients are added in place and only activation gradients com
 relu, silu, sigmoid, tanh and log_softmax are generated kernels (gpt2_cupy.tensor_ops), as are Tensor's
 operators; the others are the course's own fused kernels, which read their arguments as flat C-contiguous
 blocks (autograd.Function hands them contiguous copies of views). split copies its pieces.
+
+bf16: every op here takes bf16 activations and returns bf16 (parameters stay float32; LayerNorm's statistics
+and cross-entropy's loss are float32). Inside gpt2_cupy.autocast, linear takes its input and weight in
+bf16 and embedding returns bf16 rows (gpt2_cupy.amp). softmax and scaled_dot_product_attention run bf16
+inputs through their float32 kernels, converted on the way in and rounded once on the way out.
 """
 
 import math
 
 import numpy
 
-from gpt2_cupy import backend, tensor_ops
+from gpt2_cupy import amp, backend, tensor_ops
 from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state
+from gpt2_cupy.elementwise import elementwise
 from gpt2_cupy.graphs import is_current_stream_capturing
+from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.reduction import normalize_dims
 from gpt2_cupy.ops.attention import attention_backward, attention_forward
 from gpt2_cupy.ops.cross_entropy import cross_entropy_backward, cross_entropy_forward
@@ -42,22 +49,30 @@ from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 
 class Linear(Function):
     @staticmethod
-    def forward(ctx, x, weight, bias=None):
+    def forward(ctx, x, weight, bias=None, weight_bf16=None):
+        # weight_bf16: autocast's bf16 copy of the weight; then x is multiplied in bf16 too, and the
+        # gradients keep x's and weight's own dtypes (weight's float32, summed so on the tensor cores)
+        ctx.x_dtype = x.dtype
+        if weight_bf16 is not None:
+            x, weight = amp.as_bf16(x), weight_bf16
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return linear_forward(x, weight, bias)
+        return linear_forward(x, weight, None if bias is None else _float32(bias))
 
     @staticmethod
     def backward(ctx, dout):
         x, weight = ctx.saved_tensors
         dbias = ctx.grad_buffer(2) if ctx.has_bias else None
-        dx = linear_backward(dout, x, weight, dweight=ctx.grad_buffer(1), dbias=dbias)
-        return dx, None, None
+        dx = backend.xp.empty(x.shape, dtype=ctx.x_dtype)  # a float32 input's gradient: float32 sums, unrounded
+        linear_backward(dout, x, weight, dweight=ctx.grad_buffer(1), dbias=dbias, out=dx)
+        return dx, None, None, None
 
 
 def linear(x, weight, bias=None):
-    """y = x Wᵀ + b; x (..., C_in), weight (C_out, C_in), bias (C_out,) or None."""
-    return Linear.apply(x, weight, bias)
+    """y = x Wᵀ + b; x (..., C_in), weight (C_out, C_in), bias (C_out,) or None. Inside gpt2_cupy.autocast,
+    x and weight are multiplied in bf16 (the weight's copy cached for the block) and y is bf16."""
+    weight_bf16 = amp.product_input(weight) if amp.autocast_dtype() is not None else None
+    return Linear.apply(x, weight, bias, weight_bf16)
 
 
 class GELU(Function):
@@ -101,6 +116,7 @@ def tanh(x):
 class LayerNorm(Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
+        weight, bias = _float32(weight), None if bias is None else _float32(bias)
         y, mean, rstd = layernorm_forward(x, weight, bias, eps=eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.has_bias = bias is not None
@@ -145,21 +161,23 @@ def dyt(x, alpha, weight, bias=None):
 
 class Embedding(Function):
     @staticmethod
-    def forward(ctx, ids, weight):
+    def forward(ctx, ids, weight, dtype):
         ctx.save_for_backward(ids)
-        return embedding_forward(ids, weight)
+        return embedding_forward(ids, _float32(weight), dtype=dtype)
 
     @staticmethod
     def backward(ctx, dout):
         (ids,) = ctx.saved_tensors
         # The forward checked these ids already; checking again would cost a second wait for the GPU.
         embedding_backward(dout, ids, dweight=ctx.grad_buffer(1), check_ids=False)
-        return None, None
+        return None, None, None
 
 
 def embedding(idx, weight):
-    """The rows weight[idx]; idx an integer backend array (any shape), converted to int32 if needed."""
-    return Embedding.apply(_int32(idx, "embedding", "idx"), weight)
+    """The rows weight[idx]; idx an integer backend array (any shape), converted to int32 if needed. The rows
+    have the table's dtype; inside gpt2_cupy.autocast they are bf16 (rounded once from a float32 table)."""
+    dtype = BFLOAT16 if amp.autocast_dtype() is not None or weight.dtype == BFLOAT16 else FLOAT32
+    return Embedding.apply(_int32(idx, "embedding", "idx"), weight, dtype)
 
 
 class Dropout(Function):
@@ -201,7 +219,10 @@ class Softmax(Function):
 
 def softmax(x, dim=-1):
     """Softmax over dim: chapter 04's kernel, which reduces over the last axis; any other axis is moved
-    there first (a transposed view, copied to contiguous rows as the kernel reads them) and back after."""
+    there first (a transposed view, copied to contiguous rows as the kernel reads them) and back after.
+    bf16 x goes through the float32 kernel (in_float32), its result rounded once."""
+    if x.dtype == BFLOAT16:
+        return in_float32(softmax, x, dim=dim)
     (dim,) = normalize_dims("softmax", (dim,), x.ndim) if x.ndim else (0,)
     if x.ndim == 0 or dim == x.ndim - 1:
         return Softmax.apply(x)
@@ -240,6 +261,8 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     without a copy. Anything else runs PyTorch's "math" path, written with Tensor operations (chapter 11b):
     attn_mask a bool tensor (True: take part) or a float one added to the scores, broadcast to (B, H, T, S).
     """
+    if BFLOAT16 in (q.dtype, k.dtype, v.dtype):  # until bf16 attention kernels: the float32 ones, converted around
+        return in_float32(scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     d = q.shape[-1]
     default_scale = scale is None or math.isclose(scale, 1 / math.sqrt(d), rel_tol=1e-6)
     if attn_mask is not None and is_causal:
@@ -292,7 +315,17 @@ def _attention_from_operations(q, k, v, attn_mask, dropout_p, is_causal, scale):
 
 def relu_attention(q, k, v, is_causal=True):
     """Attention with ReLU in place of softmax (chapter 08's variant); q, k, v (B, H, T, d)."""
+    if BFLOAT16 in (q.dtype, k.dtype, v.dtype):
+        return in_float32(relu_attention, q, k, v, is_causal)
     return Attention.apply(q, k, v, is_causal, "relu")
+
+
+def in_float32(function, *arguments, **options):
+    """function(*arguments) for an op whose kernels take float32 only: its bf16 tensors converted to float32
+    (exactly), the result rounded once to bf16. The conversions are autograd's .to, so the gradients go
+    back the same way: float32 through the op, bf16 for the bf16 inputs."""
+    widened = [a.float() if isinstance(a, Tensor) and a.dtype == BFLOAT16 else a for a in arguments]
+    return function(*widened, **options).to(BFLOAT16)
 
 
 class CrossEntropy(Function):
@@ -319,7 +352,8 @@ class CrossEntropy(Function):
         row_gradients = cross_entropy_backward(backend.xp.asarray(count, dtype=numpy.float32), logits, targets,
                                                lse, ignore_index=ctx.ignore_index)
         scale = dout if ctx.reduction == "sum" else dout[:, None]
-        return (row_gradients * scale).astype(numpy.float32, copy=False), None, None, None
+        return elementwise("cross_entropy_scale", "a * b", [row_gradients, scale],
+                           compute_dtype=logits.dtype), None, None, None
 
 
 def _row_losses(logits, targets, lse, ignore_index):
@@ -327,7 +361,7 @@ def _row_losses(logits, targets, lse, ignore_index):
     xp = backend.xp
     counted = targets != ignore_index
     picked = xp.take_along_axis(logits, xp.where(counted, targets, 0)[:, None], axis=1)[:, 0]
-    return xp.where(counted, lse - picked, 0).astype(numpy.float32)
+    return xp.where(counted, lse - picked.astype(numpy.float32), 0).astype(numpy.float32)
 
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -387,6 +421,12 @@ class Split(Function):
 def split(x, split_size, dim=-1):
     """Pieces of split_size along dim (the last one shorter when it does not divide), each a copy."""
     return Split.apply(x, split_size, dim)
+
+
+def _float32(parameter):
+    """A parameter array as the float32 the kernels read (a bf16 one converted; its gradient, float32 in the
+    op's buffer, is converted back by autograd)."""
+    return parameter if parameter.dtype == FLOAT32 else elementwise("to_float32", "a", [parameter])
 
 
 def _int32(ids, operation, name):

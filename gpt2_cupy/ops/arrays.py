@@ -12,6 +12,7 @@ shape or layout a ValueError.
 
 import math
 
+import ml_dtypes
 import numpy
 
 from gpt2_cupy import backend, kernels
@@ -21,6 +22,9 @@ LARGEST_GRID_Y = 65535    # CUDA's limit on gridDim.y and gridDim.z (gridDim.x g
 WARP_SIZE = 32            # kernels/include/warp.cuh's WARP_SIZE
 THREADS_PER_BLOCK = 256   # the default block size of elementwise and row kernels
 ELLIPSIS = "..."          # in a shape pattern: any number of leading axes, the same in every argument
+FLOAT32 = numpy.dtype(numpy.float32)
+BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)   # bf16, the dtype numpy, CuPy and JAX share (ml_dtypes')
+STORAGE_DTYPES = (FLOAT32, BFLOAT16)       # what the kernels templated on their storage type read and write
 
 
 def ceil_div(numerator, denominator):
@@ -45,6 +49,21 @@ def _check_one(operation, name, array, dtype, contiguous):
     if array.size > LARGEST_INT:
         raise ValueError(f"{operation}: {name} has {array.size} elements; the kernels index with int, "
                          f"at most {LARGEST_INT}")
+
+
+def storage_dtype(operation, name, array):
+    """The dtype of an activation an op takes in either storage type: float32 or bfloat16; a TypeError
+    naming the argument otherwise. The op then checks its other activations against the same dtype."""
+    if not isinstance(array, backend.xp.ndarray):
+        _check_one(operation, name, array, FLOAT32, contiguous=False)  # raises: not an array at all
+    if array.dtype not in STORAGE_DTYPES:
+        raise TypeError(f"{operation}: {name} has dtype {array.dtype}; it must be float32 or bfloat16")
+    return array.dtype
+
+
+def storage_c_type(dtype):
+    """The C type a kernel templated on its storage type is instantiated with: float or __nv_bfloat16."""
+    return "__nv_bfloat16" if dtype == BFLOAT16 else "float"
 
 
 def _pattern_text(pattern):

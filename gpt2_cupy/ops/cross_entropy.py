@@ -14,6 +14,9 @@ of its own. A target outside [0, V) that is not ignore_index makes the loss NaN 
 the GPU to raise an error without waiting for it).
 
 Nothing here copies to the host: the count of counted targets and the mean are computed on the device.
+cross_entropy_forward and cross_entropy_backward also take bf16 logits (a model trained in bf16,
+gpt2_cupy.amp): each logit is read into a float, the log-sum-exp, the losses and the loss are float32, and
+the gradient is bf16, like the logits, rounded once. cross_entropy_fused takes float32 logits.
 The kernels are kernels/cross_entropy.cu, taught in chapters/09_cross_entropy.ipynb.
 """
 
@@ -22,11 +25,14 @@ from functools import lru_cache
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import LARGEST_INT, check, float4_aligned, output
+from gpt2_cupy.ops.arrays import FLOAT32, LARGEST_INT, check, float4_aligned, output, storage_c_type, storage_dtype
 
 ROW_THREADS = 1024                # kernels/cross_entropy.cu: one block of 1024 threads per row (V ≥ 8192)
 STATIC_SHARED_BYTES = 2 * 32 * 4  # the block reduction's own shared arrays
 _FUSED_NAMES = ("cross_entropy_fused_rows<true>", "cross_entropy_fused_rows<false>")
+# the row kernels' float32 and bf16 versions, compiled in the same module
+_NAMES = _FUSED_NAMES + tuple(f"cross_entropy_{direction}_rows<{c_type}>" for direction in ("forward", "backward")
+                              for c_type in ("float", "__nv_bfloat16"))
 
 
 def row_threads(V):
@@ -57,8 +63,9 @@ def can_cache_row(V, logits, dlogits):
 
 
 def cross_entropy_forward(logits, targets, *, ignore_index=-100):
-    """(loss, lse): the mean cross-entropy (float32, shape ()) and each row's log-sum-exp (N,)."""
-    N, V = _check("cross_entropy_forward", logits, targets, ignore_index)
+    """(loss, lse): the mean cross-entropy (float32, shape ()) and each row's log-sum-exp (N,), from float32 or
+    bf16 logits."""
+    N, V = _check("cross_entropy_forward", logits, targets, ignore_index, logits_dtype=None)
     lse = backend.xp.empty((N,), dtype=np.float32)
     row_losses = backend.xp.empty((N,), dtype=np.float32)
     count = backend.xp.empty((1,), dtype=np.int32)
@@ -66,26 +73,27 @@ def cross_entropy_forward(logits, targets, *, ignore_index=-100):
     ignore = np.int32(ignore_index)
     if N > 0:
         threads = row_threads(V)
-        _kernel("cross_entropy_forward_rows", threads)((N,), (threads,), (lse, row_losses, logits, targets,
-                                                                          np.int32(V), ignore))
+        _kernel(f"cross_entropy_forward_rows<{storage_c_type(logits.dtype)}>", threads)(
+            (N,), (threads,), (lse, row_losses, logits, targets, np.int32(V), ignore))
     _count(count, targets, N, ignore)
     _mean(loss, row_losses, count, N)
     return loss, lse
 
 
 def cross_entropy_backward(dout, logits, targets, lse, *, ignore_index=-100, out=None):
-    """dlogits = (softmax(logits) - onehot(targets)) * dout / count, 0 on ignored rows. out may be logits."""
-    N, V = _check("cross_entropy_backward", logits, targets, ignore_index)
+    """dlogits = (softmax(logits) - onehot(targets)) * dout / count, 0 on ignored rows. out may be logits.
+    dlogits has the logits' dtype (float32 or bf16); lse and dout are float32."""
+    N, V = _check("cross_entropy_backward", logits, targets, ignore_index, logits_dtype=None)
     check("cross_entropy_backward", lse=(lse, (N,)))
     if check("cross_entropy_backward", dout=(dout, ("...",)))["..."] != ():
         raise ValueError(f"cross_entropy_backward: dout must have shape () (the loss's gradient), got {dout.shape}")
-    out = output("cross_entropy_backward", out, (N, V))
+    out = output("cross_entropy_backward", out, (N, V), dtype=logits.dtype)
     count = backend.xp.empty((1,), dtype=np.int32)
     _count(count, targets, N, np.int32(ignore_index))
     if N > 0 and V > 0:
         threads = row_threads(V)
-        _kernel("cross_entropy_backward_rows", threads)((N,), (threads,), (out, logits, targets, lse, dout, count,
-                                                                           np.int32(V), np.int32(ignore_index)))
+        _kernel(f"cross_entropy_backward_rows<{storage_c_type(logits.dtype)}>", threads)(
+            (N,), (threads,), (out, logits, targets, lse, dout, count, np.int32(V), np.int32(ignore_index)))
     return out
 
 
@@ -108,8 +116,11 @@ def cross_entropy_fused(logits, targets, *, ignore_index=-100, dlogits=None):
     return loss, dlogits
 
 
-def _check(operation, logits, targets, ignore_index):
-    sizes = check(operation, logits=(logits, ("N", "V")), targets=(targets, ("N",), np.int32))
+def _check(operation, logits, targets, ignore_index, logits_dtype=FLOAT32):
+    """(N, V) after the checks; logits_dtype None: float32 or bf16 logits."""
+    if logits_dtype is None:
+        logits_dtype = storage_dtype(operation, "logits", logits)
+    sizes = check(operation, logits=(logits, ("N", "V"), logits_dtype), targets=(targets, ("N",), np.int32))
     if not isinstance(ignore_index, (int, np.integer)) or not -LARGEST_INT - 1 <= ignore_index <= LARGEST_INT:
         raise TypeError(f"{operation}: ignore_index must be an int (a 32-bit one), got {ignore_index!r}")
     if sizes["V"] == 0:
@@ -128,7 +139,7 @@ def _mean(loss, row_losses, count, N):
 def _kernel(name, threads=ROW_THREADS):
     """A kernel of kernels/cross_entropy.cu built for blocks of `threads` (the count and mean use 1024)."""
     options = () if threads == ROW_THREADS else (f"-DROW_THREADS={threads}",)
-    return kernels.function("cross_entropy", name, options=options, name_expressions=_FUSED_NAMES)
+    return kernels.function("cross_entropy", name, options=options, name_expressions=_NAMES)
 
 
 @lru_cache(maxsize=None)

@@ -12,7 +12,8 @@ Element i's random number is Philox4x32-10 of (seed, offset, i): a pure function
 executor and on any GPU. The backward therefore stores no mask: it regenerates it from the rng_state the
 forward used, which the caller keeps (a copy, or the same array before advance_rng_state). The kernels
 read (seed, offset) from device memory, so a new offset every step needs no kernel argument and no host
-copy. Any shape works; out may be the input itself.
+copy. Any shape works; out may be the input itself. x (dout) and out are float32, or bf16 (a model
+trained in bf16, gpt2_cupy.amp: computed in float32, rounded once): the same mask for either.
 
 The kernels are kernels/dropout.cu, taught in chapters/07_dropout.ipynb.
 """
@@ -20,9 +21,15 @@ The kernels are kernels/dropout.cu, taught in chapters/07_dropout.ipynb.
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output, storage_c_type, storage_dtype
 
 ELEMENTS_PER_THREAD = 4  # one Philox call gives four 32-bit random numbers
+_NAMES = ("dropout_forward<float>", "dropout_forward<__nv_bfloat16>")  # the template's two storage types
+
+
+def _kernel(name):
+    """A kernel of kernels/dropout.cu, all of them from one module."""
+    return kernels.function("dropout", name, name_expressions=_NAMES)
 
 
 def new_rng_state(seed):
@@ -47,7 +54,7 @@ def advance_rng_state(rng_state, count):
     check("advance_rng_state", rng_state=(rng_state, (2,), np.uint64))
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
         raise ValueError(f"advance_rng_state: count must be a non-negative int, got {count!r}")
-    kernels.function("dropout", "advance_rng_state")((1,), (1,), (rng_state, np.uint64(count)))
+    _kernel("advance_rng_state")((1,), (1,), (rng_state, np.uint64(count)))
 
 
 def dropout_uniform(n, rng_state):
@@ -55,19 +62,20 @@ def dropout_uniform(n, rng_state):
     check("dropout_uniform", rng_state=(rng_state, (2,), np.uint64))
     u = backend.xp.empty(n, dtype=np.float32)
     if n:
-        kernels.function("dropout", "dropout_uniform")(
+        _kernel("dropout_uniform")(
             (ceil_div(ceil_div(n, ELEMENTS_PER_THREAD), THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
             (u, rng_state, np.int32(n)))
     return u
 
 
 def _dropout(operation, name, x, p, rng_state, out):
-    check(operation, **{name: (x, ("...",))}, rng_state=(rng_state, (2,), np.uint64))
+    dtype = storage_dtype(operation, name, x)
+    check(operation, **{name: (x, ("...",), dtype)}, rng_state=(rng_state, (2,), np.uint64))
     if isinstance(p, bool) or not isinstance(p, (int, float, np.floating, np.integer)) or not 0.0 <= p <= 1.0:
         raise ValueError(f"{operation}: p must be a probability in [0, 1], got {p!r}")
-    out = output(operation, out, x.shape)
+    out = output(operation, out, x.shape, dtype=dtype)
     if x.size:
-        kernels.function("dropout", "dropout_forward")(
+        _kernel(f"dropout_forward<{storage_c_type(dtype)}>")(
             (ceil_div(ceil_div(x.size, ELEMENTS_PER_THREAD), THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
             (out, x, rng_state, np.float32(p), np.int32(x.size)))
     return out

@@ -19,24 +19,40 @@ sum chunks of 16 grouped positions, and the pieces of groups longer than a chunk
 chunk. A padding_idx, when given, receives no gradient. Each call allocates its scratch arrays from the
 memory pool: 2 (V + 1) + 2 N int32 for the grouping and 2 ⌈N / 16⌉ rows of C floats for the pieces.
 
+A model trained in bf16 (gpt2_cupy.amp) keeps its tables in float32: embedding_forward(..., dtype=bfloat16)
+rounds the rows it looks up once, and embedding_backward takes a bf16 dout, summed in float32 into the
+float32 dweight.
+
 The kernels are kernels/embedding.cu, taught in chapters/06_embedding.ipynb.
 """
 
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import LARGEST_INT, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check, output, row_width
+from gpt2_cupy.ops.arrays import (FLOAT32, LARGEST_INT, STORAGE_DTYPES, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check,
+                                  output, row_width, storage_c_type, storage_dtype)
 
 COLUMNS_PER_WARP = 128     # the backward's warps each cover 128 columns (kernels/embedding.cu)
 POSITIONS_PER_CHUNK = 16   # and 16 grouped positions
 SCAN_THREADS = 1024        # the one block of embedding_group_starts
 NO_PADDING = -1
+# The templates' instances, float32 and bf16, all in the module with the file's extern "C" kernels.
+_NAMES = tuple(f"{kernel}<{c_type}>" for kernel in ("embedding_forward", "embedding_backward_chunks")
+               for c_type in ("float", "__nv_bfloat16"))
 
 
-def embedding_forward(ids, weight, *, out=None, check_ids=True):
-    """weight[ids]: ids int32 of any shape (...), weight (V, C) float32; returns (..., C)."""
+def _kernel(name):
+    """A kernel of kernels/embedding.cu (one module for all of them)."""
+    return kernels.function("embedding", name, name_expressions=_NAMES)
+
+
+def embedding_forward(ids, weight, *, out=None, check_ids=True, dtype=FLOAT32):
+    """weight[ids]: ids int32 of any shape (...), weight (V, C) float32; returns (..., C) of dtype: float32,
+    or bfloat16 (each value rounded once)."""
+    if np.dtype(dtype) not in STORAGE_DTYPES:
+        raise TypeError(f"embedding_forward: dtype {dtype} is not supported; use float32 or bfloat16")
     sizes = check("embedding_forward", ids=(ids, ("...",), np.int32), weight=(weight, ("V", "C")))
-    out = _output("embedding_forward", out, sizes)
+    out = _output("embedding_forward", out, sizes, np.dtype(dtype))
     if check_ids:
         _check_ids("embedding_forward", ids, sizes["V"])
     _lookup(out, ids, weight, None, 1, sizes["V"], sizes["C"])
@@ -44,9 +60,10 @@ def embedding_forward(ids, weight, *, out=None, check_ids=True):
 
 
 def embedding_backward(dout, ids, *, dweight, padding_idx=None, check_ids=True):
-    """dweight[ids[n]] += dout[n] for every position n (rows of padding_idx excepted); returns None."""
-    sizes = check("embedding_backward", dout=(dout, ("...", "C")), ids=(ids, ("...",), np.int32),
-                  dweight=(dweight, ("V", "C")))
+    """dweight[ids[n]] += dout[n] for every position n (rows of padding_idx excepted); returns None.
+    dout float32 or bf16; dweight float32."""
+    sizes = check("embedding_backward", dout=(dout, ("...", "C"), storage_dtype("embedding_backward", "dout", dout)),
+                  ids=(ids, ("...",), np.int32), dweight=(dweight, ("V", "C")))
     padding = _padding("embedding_backward", padding_idx, sizes["V"])
     if check_ids:
         _check_ids("embedding_backward", ids, sizes["V"])
@@ -77,18 +94,18 @@ def token_position_embedding_backward(dout, ids, *, dwte, dwpe, padding_idx=None
     _scatter_grouped(dwte, dout, ids, sizes["V"], sizes["C"], padding)
     B, T, C = sizes["B"], sizes["T"], sizes["C"]
     if B * T * C:
-        kernels.function("embedding", "position_embedding_backward")(
+        _kernel("position_embedding_backward")(
             (ceil_div(T * C, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
             (dwpe, dout, np.int32(B), np.int32(T), np.int32(C)))
 
 
 # ---- unchecked internals ----
 
-def _output(operation, out, sizes):
+def _output(operation, out, sizes, dtype=FLOAT32):
     shape = tuple(sizes["..."]) + (sizes["C"],)
     if int(np.prod(shape)) > LARGEST_INT:
         raise ValueError(f"{operation}: the output would have shape {shape}, more than {LARGEST_INT} elements")
-    return output(operation, out, shape)
+    return output(operation, out, shape, dtype=dtype)
 
 
 def _check_ids(operation, ids, V):
@@ -121,17 +138,20 @@ def _padding(operation, padding_idx, V):
 
 
 def _lookup(out, ids, table, positions, T, V, C):
-    """out = table[ids] (+ positions[t] when positions is given), four columns per thread when it can."""
+    """out = table[ids] (+ positions[t] when positions is given), four columns per thread when it can (float32
+    out); a bf16 out takes embedding_forward<__nv_bfloat16>, one element per thread."""
     N = ids.size
     if N * C == 0:
         return
     name = "embedding_forward" if positions is None else "token_position_embedding_forward"
     tables = (table,) if positions is None else (table, positions)
     sizes = (np.int32(N),) if positions is None else (np.int32(N), np.int32(T))
-    if row_width(C, out, *tables) == 4:
-        kernel, threads = kernels.function("embedding", name + "_float4"), N * C // 4
+    if out.dtype == FLOAT32 and row_width(C, out, *tables) == 4:
+        kernel, threads = _kernel(name + "_float4"), N * C // 4
+    elif positions is None:
+        kernel, threads = _kernel(f"{name}<{storage_c_type(out.dtype)}>"), N * C
     else:
-        kernel, threads = kernels.function("embedding", name), N * C
+        kernel, threads = _kernel(name), N * C
     kernel((ceil_div(threads, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
            (out, ids, *tables, *sizes, np.int32(V), np.int32(C)))
 
@@ -153,10 +173,10 @@ def group_positions(ids, V, padding=NO_PADDING):
         return starts, grouped  # no positions: every group empty
     per_position = ((ceil_div(N, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,))
     sizes = (np.int32(N), np.int32(V), np.int32(padding))
-    kernels.function("embedding", "embedding_count_ids")(*per_position, (counts, ids, *sizes))
-    kernels.function("embedding", "embedding_group_starts")((1,), (SCAN_THREADS,), (starts, counts, np.int32(V)))
-    kernels.function("embedding", "embedding_place_positions")(*per_position, (unordered, counts, starts, ids, *sizes))
-    kernels.function("embedding", "embedding_order_groups")(*per_position, (grouped, unordered, starts, ids, np.int32(V)))
+    _kernel("embedding_count_ids")(*per_position, (counts, ids, *sizes))
+    _kernel("embedding_group_starts")((1,), (SCAN_THREADS,), (starts, counts, np.int32(V)))
+    _kernel("embedding_place_positions")(*per_position, (unordered, counts, starts, ids, *sizes))
+    _kernel("embedding_order_groups")(*per_position, (grouped, unordered, starts, ids, np.int32(V)))
     return starts, grouped
 
 
@@ -171,9 +191,9 @@ def sum_groups(dweight, dout, ids, starts, grouped, V, C):
     chunks = ceil_div(N, POSITIONS_PER_CHUNK)
     partials = backend.xp.empty((2 * chunks, C), dtype=np.float32)
     grid = (ceil_div(chunks, warps_per_block), ceil_div(C, COLUMNS_PER_WARP))
-    kernels.function("embedding", "embedding_backward_chunks")(
+    _kernel(f"embedding_backward_chunks<{storage_c_type(dout.dtype)}>")(
         grid, (THREADS_PER_BLOCK,), (dweight, partials, dout, grouped, starts, ids, np.int32(V), np.int32(C)))
-    kernels.function("embedding", "embedding_backward_long_groups")(
+    _kernel("embedding_backward_long_groups")(
         grid, (THREADS_PER_BLOCK,), (dweight, partials, grouped, starts, ids, np.int32(V), np.int32(C)))
 
 

@@ -1,4 +1,4 @@
-"""LayerNorm over the last axis, forward and backward, on float32 arrays (chapter 05).
+"""LayerNorm over the last axis, forward and backward, on float32 or bf16 arrays (chapter 05).
 
     y, mean, rstd = layernorm_forward(x, weight, bias, eps=1e-5)
     dx = layernorm_backward(dout, x, weight, mean, rstd, dweight=dweight, dbias=dbias)
@@ -7,6 +7,10 @@ Shapes: x, y, dout, dx (..., C), in GPT-2 (B, T, C); weight and bias (C,), bias 
 (...,), one per row, saved by the forward for the backward (rstd = 1 / sqrt(variance + eps)). The backward
 returns dx and ADDS the parameter gradients into dweight and dbias (dbias may be None), deterministically:
 the same sums, bit for bit, on every run.
+
+x, y, dout and dx are float32, or all bf16 (a model trained in bf16, gpt2_cupy.amp); weight, bias, mean,
+rstd, dweight and dbias are float32 in both cases: the kernels read a bf16 row into floats, keep every
+statistic and sum in float32, and round y and dx once.
 
 Kernels (kernels/layernorm.cu): a warp per row, the row in registers. When C is a multiple of 4 (at most
 2048) and the arrays are 16-byte aligned, lanes move four floats per load (layernorm_forward<4, K>);
@@ -21,7 +25,7 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import WARP_SIZE, ceil_div, check, output, row_width
+from gpt2_cupy.ops.arrays import FLOAT32, WARP_SIZE, ceil_div, check, output, row_width, storage_c_type, storage_dtype
 
 WARPS_PER_BLOCK = 8            # forward: 256 threads, eight rows at a time per block
 GROUPS_PER_LANE = {4: (1, 2, 3, 4, 6, 8, 12, 16), 1: (1, 2, 4, 8, 16, 32)}   # K, by WIDTH
@@ -64,14 +68,22 @@ def require_gradient_buffers(operation, **buffers):
                             "gradient is added")
 
 
-def _kernel(name):
-    return kernels.function("layernorm", name, name_expressions=NAMES)
+def _kernel(name, dtype=FLOAT32):
+    """A kernel of kernels/layernorm.cu: one module holds the float32 versions; a bf16 version is a module
+    of its own, so that a run compiles only the few it uses."""
+    return kernels.function("layernorm", name, name_expressions=NAMES if dtype == FLOAT32 else (name,))
+
+
+def _storage(dtype):
+    """The template arguments' tail that picks the storage type: "" for float32, ", __nv_bfloat16"."""
+    return "" if dtype == FLOAT32 else f", {storage_c_type(dtype)}"
 
 
 def layernorm_forward(x, weight, bias, *, eps=1e-5, out=None):
-    """y = (x - mean) * rstd * weight + bias over the last axis; returns (y, mean, rstd)."""
-    sizes = check("layernorm_forward", x=(x, ("...", "C")), weight=(weight, ("C",)), bias=(bias, ("C",)))
-    out = output("layernorm_forward", out, x.shape)
+    """y = (x - mean) * rstd * weight + bias over the last axis; returns (y, mean, rstd). y has x's dtype."""
+    dtype = storage_dtype("layernorm_forward", "x", x)
+    sizes = check("layernorm_forward", x=(x, ("...", "C"), dtype), weight=(weight, ("C",)), bias=(bias, ("C",)))
+    out = output("layernorm_forward", out, x.shape, dtype=dtype)
     rows, columns = math.prod(sizes["..."]), sizes["C"]
     layout = row_layout("layernorm_forward", columns, (x, out, weight, bias))
     mean = backend.xp.empty(sizes["..."], dtype=np.float32)
@@ -84,9 +96,11 @@ def layernorm_forward(x, weight, bias, *, eps=1e-5, out=None):
 def layernorm_backward(dout, x, weight, mean, rstd, *, dweight, dbias=None, out=None):
     """dx of LayerNorm; dweight += sum(dout * xhat), dbias += sum(dout) over all rows. Returns dx."""
     require_gradient_buffers("layernorm_backward", dweight=dweight)
-    sizes = check("layernorm_backward", dout=(dout, ("...", "C")), x=(x, ("...", "C")), weight=(weight, ("C",)),
-                  mean=(mean, ("...",)), rstd=(rstd, ("...",)), dweight=(dweight, ("C",)), dbias=(dbias, ("C",)))
-    out = output("layernorm_backward", out, x.shape)
+    dtype = storage_dtype("layernorm_backward", "dout", dout)
+    sizes = check("layernorm_backward", dout=(dout, ("...", "C"), dtype), x=(x, ("...", "C"), dtype),
+                  weight=(weight, ("C",)), mean=(mean, ("...",)), rstd=(rstd, ("...",)), dweight=(dweight, ("C",)),
+                  dbias=(dbias, ("C",)))
+    out = output("layernorm_backward", out, x.shape, dtype=dtype)
     rows, columns = math.prod(sizes["..."]), sizes["C"]
     layout = row_layout("layernorm_backward", columns, (dout, x, out, weight))
     if rows and columns:
@@ -96,7 +110,7 @@ def layernorm_backward(dout, x, weight, mean, rstd, *, dweight, dbias=None, out=
 
 def _forward(layout, out, mean, rstd, x, weight, bias, rows, columns, eps):
     width, k = layout
-    kernel = _kernel(f"layernorm_forward<{width}, {k}>")
+    kernel = _kernel(f"layernorm_forward<{width}, {k}{_storage(x.dtype)}>", x.dtype)
     kernel((ceil_div(rows, WARPS_PER_BLOCK),), (WARPS_PER_BLOCK * WARP_SIZE,),
            (out, mean, rstd, x, weight, weight if bias is None else bias, np.int32(rows), np.int32(columns),
             np.float32(eps), np.int32(bias is not None)))
@@ -120,7 +134,8 @@ def shared_warps(columns):
 def _backward(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns):
     width, k = layout
     warps = shared_warps(columns)
-    launch_backward(_kernel(f"layernorm_backward_shared<{width}, {k}>"), warps * WARP_SIZE, 2 * warps * columns * 4,
+    launch_backward(_kernel(f"layernorm_backward_shared<{width}, {k}{_storage(x.dtype)}>", x.dtype),
+                    warps * WARP_SIZE, 2 * warps * columns * 4,
                     ROWS_PER_BLOCK, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns)
 
 

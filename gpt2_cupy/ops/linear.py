@@ -15,12 +15,18 @@ micro-batches), so those buffers are zeroed once per optimizer step, not by this
 The products are chapter 01's matmul (kernels/matmul.cu); the bias add and the bias gradient are
 chapter 02's kernels (kernels/bias_add.cu, kernels/bias_partial_sums.cu, kernels/bias_column_sum.cu).
 Arrays are the backend's (cupy on a GPU, numpy on the CPU), float32 and C-contiguous.
+
+bf16 (a model trained in bf16, gpt2_cupy.amp): x, weight and dout bf16, bias, dweight and dbias float32.
+The products run on tensor cores with float32 sums (gpt2_cupy.ops.tensor_core_matmul): y = x Wᵀ + b with
+the bias added to the float32 sum before y is rounded once to bf16; dx = dout W in bf16 (or in float32
+when `out` is a float32 array); dW += doutᵀ x added in float32; db += Σ dout summed in float32.
 """
 
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, output, row_width, rows
+from gpt2_cupy.ops.arrays import (BFLOAT16, FLOAT32, LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, output,
+                                  row_width, rows, storage_c_type, storage_dtype)
 from gpt2_cupy.ops.matmul import launch_matmul
 
 ROWS_PER_BLOCK = 512  # rows of dout summed by one block of bias_partial_sums (512 to 1024 measured best)
@@ -39,7 +45,8 @@ def bias_backward(dout, dbias, rows_per_block=ROWS_PER_BLOCK):
     Two launches: bias_partial_sums sums strips of 32 columns over `rows_per_block` rows per block,
     bias_column_sum adds those partial sums into dbias.
     """
-    check("bias_backward", dout=(dout, ("...", "C")), dbias=(dbias, ("C",)))
+    check("bias_backward", dout=(dout, ("...", "C"), storage_dtype("bias_backward", "dout", dout)),
+          dbias=(dbias, ("C",)))
     if not isinstance(rows_per_block, (int, numpy.integer)) or rows_per_block < 1:
         raise ValueError(f"bias_backward: rows_per_block must be a positive int, got {rows_per_block!r}")
     _bias_backward(rows(dout), dbias, rows_per_block)
@@ -49,11 +56,17 @@ def bias_backward(dout, dbias, rows_per_block=ROWS_PER_BLOCK):
 def linear_forward(x, weight, bias=None, out=None):
     """y = x Wᵀ + b. x: (..., C_in), weight: (C_out, C_in), bias: (C_out,) or None. Returns y: (..., C_out).
 
-    out: an optional C-contiguous float32 array of shape (..., C_out) to write y into.
+    x and weight float32, or both bf16 (y bf16); bias float32.
+    out: an optional C-contiguous array of x's dtype, of shape (..., C_out), to write y into.
     """
-    sizes = check("linear_forward", x=(x, ("...", "C_in")), weight=(weight, ("C_out", "C_in")),
+    dtype = storage_dtype("linear_forward", "x", x)
+    sizes = check("linear_forward", x=(x, ("...", "C_in"), dtype), weight=(weight, ("C_out", "C_in"), dtype),
                   bias=(bias, ("C_out",)))
-    out = output("linear_forward", out, sizes["..."] + (sizes["C_out"],))
+    out = output("linear_forward", out, sizes["..."] + (sizes["C_out"],), dtype=dtype)
+    if dtype == BFLOAT16:
+        from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
+        launch_bf16_product(rows(x), weight, rows(out), transpose_b=True, bias=bias)   # y = x Wᵀ + b, rounded once
+        return out
     launch_matmul(rows(x), weight, rows(out), transpose_b=True)               # y = x Wᵀ
     if bias is not None:
         _bias_add(rows(out), bias)                                             # y += b
@@ -66,11 +79,15 @@ def linear_backward(dout, x, weight, *, dweight, dbias=None, out=None):
     dout: (..., C_out), x: (..., C_in) as in the forward, weight: (C_out, C_in).
     dweight: (C_out, C_in), added into. dbias: (C_out,), added into, or None for a layer without bias.
     out: an optional array of x's shape to write dx into (its old contents are overwritten).
+    dout, x and weight float32, or all three bf16 (dx bf16, or float32 if out is a float32 array: the
+    tensor cores' sums unrounded); dweight and dbias float32 in both cases.
     """
-    sizes = check("linear_backward", dout=(dout, ("...", "C_out")), x=(x, ("...", "C_in")),
-                  weight=(weight, ("C_out", "C_in")), dweight=(dweight, ("C_out", "C_in")),
+    dtype = storage_dtype("linear_backward", "dout", dout)
+    sizes = check("linear_backward", dout=(dout, ("...", "C_out"), dtype), x=(x, ("...", "C_in"), dtype),
+                  weight=(weight, ("C_out", "C_in"), dtype), dweight=(dweight, ("C_out", "C_in")),
                   dbias=(dbias, ("C_out",)))
-    out = output("linear_backward", out, sizes["..."] + (sizes["C_in"],))
+    dx_dtype = FLOAT32 if out is not None and out.dtype == FLOAT32 else dtype
+    out = output("linear_backward", out, sizes["..."] + (sizes["C_in"],), dtype=dx_dtype)
     for name, array in (("x", x), ("dout", dout), ("weight", weight)):
         if backend.xp.may_share_memory(dweight, array):
             raise ValueError(f"linear_backward: dweight overlaps {name}; it is added into while {name} is read")
@@ -93,6 +110,16 @@ def _bias_add(y_rows, bias):
            (y_rows, bias, numpy.int32(y_rows.shape[0]), numpy.int32(y_rows.shape[1])))
 
 
+def _partial_sums_kernel(width, dtype):
+    """bias_partial_sums<width> for float32 rows (chapter 02's names), <width, __nv_bfloat16> for bf16 rows;
+    one module per dtype, so a float32 run compiles only the float32 versions."""
+    if dtype == FLOAT32:
+        names = ("bias_partial_sums<4>", "bias_partial_sums<1>")
+    else:
+        names = tuple(f"bias_partial_sums<{w}, {storage_c_type(dtype)}>" for w in (4, 1))
+    return kernels.function("bias_partial_sums", names[0 if width == 4 else 1], name_expressions=names)
+
+
 def _bias_backward(dout_rows, dbias, rows_per_block):
     row_count, columns = dout_rows.shape
     if row_count == 0 or columns == 0:
@@ -104,8 +131,7 @@ def _bias_backward(dout_rows, dbias, rows_per_block):
         raise ValueError(f"bias_backward: {row_count} rows need more than {LARGEST_GRID_Y} blocks of "
                          f"{rows_per_block} rows along y; raise rows_per_block")
     partial_sums = backend.xp.empty((row_ranges, columns), dtype=numpy.float32)
-    partial_kernel = kernels.function("bias_partial_sums", f"bias_partial_sums<{width}>",
-                                      name_expressions=("bias_partial_sums<4>", "bias_partial_sums<1>"))
+    partial_kernel = _partial_sums_kernel(width, dout_rows.dtype)
     partial_kernel((ceil_div(columns, 32), row_ranges), (THREADS_PER_BLOCK,),
                    (partial_sums, dout_rows, numpy.int32(row_count), numpy.int32(columns), numpy.int32(rows_per_block)))
     kernels.function("bias_column_sum")((ceil_div(columns, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),

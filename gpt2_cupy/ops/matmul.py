@@ -30,12 +30,17 @@ Every product of the package comes through launch_matmul (the Linear layer, the 
 attention's unfused path, these two ops), and that is where gpt2_cupy.set_float32_matmul_precision is
 read: at "highest" (the default) the float32 kernel above runs; at "high" and "medium" the product goes to
 gpt2_cupy.ops.tensor_core_matmul, in TF32 or with bf16 inputs, with float32 sums in both.
+
+bf16 arrays (gpt2_cupy.amp's products) are multiplied on tensor cores whatever the setting: a and b both
+bf16, out bf16 (the default: the sums rounded once) or float32 (the sums as they are, for a float32
+gradient such as dW += doutᵀ x, or a float32 input's dx).
 """
 
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output
+from gpt2_cupy.ops.arrays import (BFLOAT16, FLOAT32, LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, float4_aligned,
+                                  output, storage_dtype)
 from gpt2_cupy.precision import get_float32_matmul_precision
 
 TILE = 128        # a block computes a TILE x TILE tile of C (kernels/matmul.cu: TILE_M)
@@ -108,9 +113,10 @@ def _checked(operation, a, b, transpose_a, transpose_b, out, accumulate, batched
     a, transpose_a = _as_stored(a, transpose_a)
     b, transpose_b = _as_stored(b, transpose_b)
     batch = ("batch",) if batched else ()
+    dtype = storage_dtype(operation, "a", a)  # float32, or bf16 for both (out bf16 unless a float32 one is given)
     sizes = check(operation,
-                  a=(a, batch + (("K", "M") if transpose_a else ("M", "K"))),
-                  b=(b, batch + (("N", "K_of_b") if transpose_b else ("K_of_b", "N"))))
+                  a=(a, batch + (("K", "M") if transpose_a else ("M", "K")), dtype),
+                  b=(b, batch + (("N", "K_of_b") if transpose_b else ("K_of_b", "N")), dtype))
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     if K != sizes["K_of_b"]:
         raise ValueError(
@@ -122,7 +128,8 @@ def _checked(operation, a, b, transpose_a, transpose_b, out, accumulate, batched
                          f"(at most {LARGEST_GRID_Y * TILE} rows and {LARGEST_GRID_Y} matrices)")
     if out is None and accumulate:
         raise ValueError(f"{operation}: accumulate=True adds the product to `out`, so out must be given")
-    out = output(operation, out, tuple(sizes[name] for name in batch) + (M, N))
+    out_dtype = FLOAT32 if dtype == BFLOAT16 and out is not None and out.dtype == FLOAT32 else dtype
+    out = output(operation, out, tuple(sizes[name] for name in batch) + (M, N), dtype=out_dtype)
     if backend.xp.may_share_memory(out, a) or backend.xp.may_share_memory(out, b):
         raise ValueError(f"{operation}: out overlaps a or b; the kernel would read values it has already "
                          "overwritten")
@@ -132,7 +139,11 @@ def _checked(operation, a, b, transpose_a, transpose_b, out, accumulate, batched
 def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False):
     """out = op(a) @ op(b), or out += ... with accumulate; 2-D or batched 3-D. Unchecked: for ops that have
     checked their arguments already (a, b, out C-contiguous float32 of matching shapes, out apart from both).
-    On tensor cores when set_float32_matmul_precision has chosen "high" or "medium" (see the module's doc)."""
+    On tensor cores when set_float32_matmul_precision has chosen "high" or "medium" (see the module's doc),
+    and for bf16 a and b (out bf16 or float32)."""
+    if a.dtype == BFLOAT16:
+        from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
+        return launch_bf16_product(a, b, out, transpose_a, transpose_b, accumulate)
     M, N = out.shape[-2:]
     K = a.shape[-2] if transpose_a else a.shape[-1]
     batch = a.shape[0] if a.ndim == 3 else 1
@@ -172,7 +183,8 @@ def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=Fa
 
 
 def matmul(a, b, transpose_a=False, transpose_b=False, out=None, accumulate=False):
-    """op(a) @ op(b) for 2-D float32 arrays, into `out` (a new array if None), or added to it if accumulate.
+    """op(a) @ op(b) for 2-D float32 (or bf16) arrays, into `out` (a new array if None), or added to it if
+    accumulate.
 
     a: (M, K), or (K, M) if transpose_a.  b: (K, N), or (N, K) if transpose_b.  Returns out: (M, N).
     """

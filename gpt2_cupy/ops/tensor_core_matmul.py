@@ -23,12 +23,16 @@ per block of 256 threads, K in slices of 32 through a 3-stage cp.async pipeline.
 
 The package's products come here through gpt2_cupy.ops.matmul.launch_matmul at the "high" and "medium"
 settings; at "highest" they stay on chapter 01's float32 kernel (gpt2_cupy.precision says why).
+
+bf16 arrays (a model trained in bf16, gpt2_cupy.amp) are multiplied as they are, whatever the precision
+setting: launch_bf16_product takes bf16 a and b, a float32 or bf16 out (a bf16 out is rounded once, after
+the float32 sum and the optional float32 bias, bias_add's "+ b" fused into the product's store).
 """
 
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, float4_aligned
+from gpt2_cupy.ops.arrays import BFLOAT16, THREADS_PER_BLOCK, ceil_div, float4_aligned, storage_c_type
 from gpt2_cupy.ops.matmul import _checked, launch_matmul
 from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision
 
@@ -78,33 +82,68 @@ def to_bf16(x):
     return out, ld
 
 
-def _launch(kernel, shared, out, a, b, K, lda, ldb, a_rows, b_rows, accumulate):
-    """One launch over out's tiles (and its batch): a_rows, b_rows are one stored matrix's rows."""
+def _launch(kernel, shared, out, a, b, K, lda, ldb, a_rows, b_rows, accumulate, bias=()):
+    """One launch over out's tiles (and its batch): a_rows, b_rows are one stored matrix's rows. bias: () for
+    the TF32 kernels, which take none; the bf16 kernel's bias array, or 0 (a null pointer) for none."""
     M, N = out.shape[-2:]
     batch = out.shape[0] if out.ndim == 3 else 1
     strides = (a_rows * lda, b_rows * ldb, M * N) if batch > 1 else (0, 0, 0)
     grid = (ceil_div(N, TILE), ceil_div(M, TILE), batch)
-    kernel(grid, (THREADS,), (out, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K), numpy.int32(lda),
+    kernel(grid, (THREADS,), (out, a, b, *bias, numpy.int32(M), numpy.int32(N), numpy.int32(K), numpy.int32(lda),
                               numpy.int32(ldb), *(numpy.int64(s) for s in strides), numpy.int32(bool(accumulate))),
            shared_mem=shared)
     return out
 
 
-def launch_bf16_matmul(a_bits, b_bits, out, K, transpose_a=False, transpose_b=False, accumulate=False):
-    """out = op(A) @ op(B) (or out += ...) from bf16 copies as to_bf16 makes them: a_bits (rows, lda) holds A's
-    stored rows (all batches' rows one after the other), b_bits likewise; K is op(A)'s number of columns."""
+def launch_bf16_matmul(a_bits, b_bits, out, K, transpose_a=False, transpose_b=False, accumulate=False, bias=None):
+    """out = op(A) @ op(B) (+ bias), or out += ..., from bf16 rows as to_bf16 makes them: a_bits (rows, lda)
+    holds A's stored rows (all batches' rows one after the other), b_bits likewise, lda and ldb multiples of
+    8 elements, 16-byte aligned; K is op(A)'s number of columns. out: float32, or bf16 (rounded once);
+    bias: None or N float32s added to every row."""
     M, N = out.shape[-2:]
     batch = out.shape[0] if out.ndim == 3 else 1
-    name = f"bf16_matmul<{_flag(transpose_a)}, {_flag(transpose_b)}>"
+    name = f"bf16_matmul<{_flag(transpose_a)}, {_flag(transpose_b)}, {storage_c_type(out.dtype)}>"
     kernel, shared = _kernel(name, 2, transpose_a, transpose_b)
     return _launch(kernel, shared, out, a_bits, b_bits, K, a_bits.shape[-1], b_bits.shape[-1],
-                   a_bits.shape[0] // batch, b_bits.shape[0] // batch, accumulate)
+                   a_bits.shape[0] // batch, b_bits.shape[0] // batch, accumulate, (0 if bias is None else bias,))
+
+
+def bf16_rows(x):
+    """x (bf16, C-contiguous, 2-D or batched 3-D) as stored rows the bf16 kernel reads with 16-byte copies:
+    (rows, ld) itself when its rows are a multiple of 8 elements and it starts on 16 bytes, else a copy with
+    its rows padded by zeros (through float32, exactly: every bf16 is a float32)."""
+    columns = x.shape[-1]
+    if columns % BF16_ROW_MULTIPLE == 0 and float4_aligned(x):
+        return x.reshape(-1, columns)
+    from gpt2_cupy.elementwise import elementwise
+    padded, _ = to_bf16(elementwise("bf16_to_float", "a", [x], compute_dtype=numpy.float32))
+    return padded
+
+
+def launch_bf16_product(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, bias=None):
+    """out = op(a) @ op(b) (+ bias), or out += ..., for bf16 a and b: 2-D, or batched 3-D (a, b and out with
+    one leading batch axis). Unchecked: a, b, out C-contiguous of matching shapes, out float32 or bf16, apart
+    from both; bias None or out's N columns of float32."""
+    K = a.shape[-2] if transpose_a else a.shape[-1]
+    if out.size == 0:
+        return out
+    if K == 0:  # an empty sum: 0 (+ bias) into out, or out kept (+ bias)
+        from gpt2_cupy.elementwise import elementwise
+        if not accumulate:
+            out.fill(0)
+        if bias is not None:
+            elementwise("bias_add", "a + b", [out, bias], compute_dtype=out.dtype, out=out)
+        return out
+    return launch_bf16_matmul(bf16_rows(a), bf16_rows(b), out, K, transpose_a, transpose_b, accumulate, bias)
 
 
 def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False,
                               precision="highest"):
     """out = op(a) @ op(b), or out += ..., 2-D or batched 3-D. Unchecked: for callers that have checked their
-    arguments (a, b, out C-contiguous float32 of matching shapes, out apart from both, a known precision)."""
+    arguments (a, b, out C-contiguous float32 of matching shapes, out apart from both, a known precision).
+    bf16 a and b are multiplied as they are, whatever the precision."""
+    if a.dtype == BFLOAT16:
+        return launch_bf16_product(a, b, out, transpose_a, transpose_b, accumulate)
     K = a.shape[-2] if transpose_a else a.shape[-1]
     if out.size == 0 or K == 0:  # nothing to multiply: the float32 op fills or keeps out as it should
         return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)
