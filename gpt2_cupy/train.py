@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy
 
 from gpt2_cupy import backend, checkpoint, data
+from gpt2_cupy.amp import BFLOAT16, autocast
 from gpt2_cupy.autograd import dropout_rng_state, manual_seed, no_grad
 from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
 from gpt2_cupy.llama import Llama, LlamaConfig
@@ -42,6 +43,7 @@ from gpt2_cupy.ops.residual import residual_forward
 from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision, set_float32_matmul_precision
 
 RUNS_DIR = Path("runs")
+DTYPES = ("float32", "bf16")  # of the activations: bf16 runs the forward under gpt2_cupy.autocast
 
 # Model sizes and the training settings that go with them. tiny trains on the CPU executor in seconds;
 # course is the chapter's GPU model (10.7M parameters besides the embeddings); gpt2 is GPT-2 small, 124M.
@@ -84,6 +86,7 @@ class TrainConfig:
     norm: str = "layernorm"         # "layernorm" or "dyt"
     attention: str = "softmax"      # "softmax" or "relu"
     matmul_precision: str = "highest"  # set_float32_matmul_precision's: "highest", "high" (TF32), "medium" (bf16)
+    dtype: str = "float32"          # "bf16": the forward under autocast (bf16 activations, float32 masters and sums)
     cuda_graph: bool = True         # the step and the evaluation as CUDA graphs (also on the CPU executor, which
                                     # records and replays them); False: launch by launch, for debugging
     vocab_size: int = None          # None: the corpus's tokenizer's (or, without one, the largest id + 1)
@@ -117,6 +120,11 @@ def make_config(**options):
             setattr(config, name, value)
     if config.model not in ("gpt2", "llama"):
         raise ValueError(f"model={config.model!r}; use 'gpt2' or 'llama'")
+    if config.dtype not in DTYPES:
+        raise ValueError(f"dtype={config.dtype!r}; use one of {', '.join(DTYPES)}")
+    if config.dtype == "bf16" and (config.model == "llama" or config.norm == "dyt"):
+        raise ValueError(f"dtype='bf16' trains GPT-2 with LayerNorm: the kernels of "
+                         f"{'Llama' if config.model == 'llama' else 'DyT'} take float32 only; use dtype='float32'")
     if config.matmul_precision not in PRECISIONS:
         raise ValueError(f"matmul_precision={config.matmul_precision!r}; use one of {', '.join(PRECISIONS)}")
     if config.out_dir is None:
@@ -222,6 +230,7 @@ class Trainer:
                                           n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
                                           bias=config.bias, norm=config.norm, attention=config.attention)
         set_float32_matmul_precision(config.matmul_precision)
+        self.autocast = autocast(device_type="cuda", dtype=BFLOAT16 if config.dtype == "bf16" else None)
         manual_seed(config.seed)
         self.model = Llama(self.model_config) if config.model == "llama" else GPT(self.model_config)
         self.optimizer = self.model.configure_optimizers(config.weight_decay, config.learning_rate,
@@ -277,12 +286,18 @@ class Trainer:
         self.step += 1
         return loss_value, norm_value, lr
 
+    def loss(self, inputs, targets):
+        """The model's loss on one batch, its forward in the run's dtype (the backward follows the forward's)."""
+        with self.autocast:
+            _, loss = self.model(inputs, targets)
+        return loss
+
     def accumulate_eagerly(self):
         """grad_accum forwards and backwards, then clipping, launch by launch; (loss sum, norm) as host floats."""
         loss_sum = backend.xp.zeros((), dtype=numpy.float32)
         for _ in range(self.config.grad_accum):
             inputs, targets = self.train_batches.sample()
-            _, loss = self.model(inputs, targets)
+            loss = self.loss(inputs, targets)
             loss.backward(self.backward_seed)
             loss_sum += loss.data
         if self.config.grad_clip > 0:
@@ -346,7 +361,7 @@ class Trainer:
         total = backend.xp.zeros((), dtype=numpy.float32)
         with no_grad():
             for inputs, targets in self.validation_batches():
-                _, loss = self.model(inputs, targets)
+                loss = self.loss(inputs, targets)
                 total += loss.data
         return float(backend.asnumpy(total))
 
@@ -553,7 +568,7 @@ class TrainingGraphs:
         loss_sum, norm = self.report[0:1], self.report[1:2]
         self.micro_step_graph, self.clip_graph, self.update_graph = CUDAGraph(), None, CUDAGraph()
         with graph(self.micro_step_graph, pool=self.pool):
-            _, loss = model(self.inputs, self.targets)
+            loss = trainer.loss(self.inputs, self.targets)
             loss.backward(trainer.backward_seed)
             residual_forward(loss_sum, loss.data.reshape(1), out=loss_sum)
         del loss  # the graph's activations go back to the pool
@@ -599,7 +614,7 @@ class TrainingGraphs:
             self.val_inputs, self.val_targets = self.static_batch()
         self.evaluation_graph = CUDAGraph()
         with no_grad(), graph(self.evaluation_graph, pool=self.pool):
-            _, loss = self.trainer.model(self.val_inputs, self.val_targets)
+            loss = self.trainer.loss(self.val_inputs, self.val_targets)
             residual_forward(self.val_total, loss.data.reshape(1), out=self.val_total)
         del loss
         self.evaluation_signature = self.signature()
@@ -674,6 +689,8 @@ def parse_arguments(argv=None):
     option("--attention", choices=["softmax", "relu"], default="softmax")
     option("--matmul-precision", choices=list(PRECISIONS), default="highest", dest="matmul_precision",
            help="float32 products: highest (float32), high (TF32), medium (bf16 inputs)")
+    option("--dtype", choices=list(DTYPES), default="float32",
+           help="bf16: activations in bf16 under autocast, float32 master weights, AdamW state and sums")
     option("--cuda-graph", action=argparse.BooleanOptionalAction, default=True, dest="cuda_graph",
            help="run the step and the evaluation as CUDA graphs; --no-cuda-graph launches kernel by kernel")
     option("--vocab-size", type=int, dest="vocab_size")

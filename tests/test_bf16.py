@@ -153,9 +153,14 @@ def test_reductions_of_bf16_sum_in_float32_and_round_once(rng, dims):
 
 # ---- the ops of GPT-2 ------------------------------------------------------------------------------------------------
 
-def test_linear_in_bf16_on_tensor_cores(rng):
+@pytest.mark.parametrize("path", ["tensor cores", "float32 kernel for small products"])
+def test_linear_in_bf16_on_tensor_cores(rng, monkeypatch, path):
     """y = x Wᵀ + b: exact bf16 products summed in float32 on tensor cores (1 ulp per addition), the float32
-    bias added, one rounding to bf16. dx likewise; dW and db summed in float32 and kept in float32."""
+    bias added, one rounding to bf16. dx likewise; dW and db summed in float32 and kept in float32. Products
+    below SMALL_PRODUCT multiply-adds run on the float32 kernel instead, within the same bound."""
+    from gpt2_cupy.ops import tensor_core_matmul
+
+    monkeypatch.setattr(tensor_core_matmul, "SMALL_PRODUCT", 0 if path == "tensor cores" else 1 << 40)
     N, C_in, C_out = 12, 40, 24
     x, w, b = bf16_inputs(rng, 2, 6, C_in), bf16_inputs(rng, C_out, C_in, scale=0.2), rng.standard_normal(C_out)
     dout = bf16_inputs(rng, 2, 6, C_out)
@@ -399,3 +404,28 @@ def test_gpt2_tiny_under_autocast_matches_float32(rng):
     loss_again, gradient_again = _loss_and_gradients(model, optimizer, idx, targets)
     assert loss_again.item() == loss32.item()
     np.testing.assert_array_equal(gradient_again, gradient32)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_attention_in_bf16_takes_the_tensor_cores_above_its_size(rng, monkeypatch, heads):
+    """F.scaled_dot_product_attention on bf16 heads: the tensor-core kernels (chapter 16) from
+    TENSOR_CORE_ATTENTION_WORK multiply-adds on, chapter 08's float32 kernels below it; both against float64
+    softmax attention from the same bf16 inputs, within bf16's rounding of P and of the output."""
+    from gpt2_cupy.nn import functional
+
+    H, H_kv = heads
+    B, T, d = 1, 40, 32
+    q, k, v = (bf16_inputs(rng, B, h, T, d) for h in (H, H_kv, H_kv))
+    k64, v64 = (np.repeat(a.astype(np.float64), H // H_kv, axis=1) for a in (k, v))
+    scores = q.astype(np.float64) @ k64.transpose(0, 1, 3, 2) / np.sqrt(d)
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    reference = weights @ v64
+    for work, node in ((0, "TensorCoreAttentionBackward"), (1 << 40, "CastBackward")):
+        monkeypatch.setattr(functional, "TENSOR_CORE_ATTENTION_WORK", work)
+        y = F.scaled_dot_product_attention(tensor(q, requires_grad=True), tensor(k), tensor(v), is_causal=True,
+                                           enable_gqa=H != H_kv)
+        assert y.dtype == BF16 and y.grad_fn.name() == node
+        bound = 2 * 2.0 ** -8 * (weights @ np.abs(v64)) + 1e-6
+        assert np.all(np.abs(host(y).astype(np.float64) - reference) <= bound)

@@ -35,10 +35,14 @@ def test_learning_rate_warms_up_linearly_then_decays_by_a_cosine():
     assert rates[110:] == pytest.approx([0.1] * 10)
 
 
-@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
-def test_a_resumed_run_repeats_the_uninterrupted_losses_bit_for_bit(tmp_path, cuda_graph):
+RUN_KINDS = pytest.mark.parametrize("cuda_graph, dtype", [(True, "float32"), (False, "float32"), (True, "bf16")],
+                                    ids=["graphs", "eager", "bf16-graphs"])
+
+
+@RUN_KINDS
+def test_a_resumed_run_repeats_the_uninterrupted_losses_bit_for_bit(tmp_path, cuda_graph, dtype):
     # dropout on and two micro-batches per step: the dropout generator and the sampler must both resume
-    options = dict(dropout=0.1, grad_accum=2, cuda_graph=cuda_graph)
+    options = dict(dropout=0.1, grad_accum=2, cuda_graph=cuda_graph, dtype=dtype)
     uninterrupted = Trainer(small_config(tmp_path, "whole", **options)).run()
     first = Trainer(small_config(tmp_path, "parts", **options)).run(stop_after=4)
     second = Trainer(small_config(tmp_path, "parts", **options), resume=True).run()
@@ -133,9 +137,9 @@ def test_ctrl_c_inside_a_replayed_graph_undoes_the_step_and_the_resumed_run_is_e
     assert losses(first + rest) == losses(uninterrupted)
 
 
-@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "eager"])
-def test_a_nan_loss_stops_at_its_step_and_keeps_the_last_checkpoint(tmp_path, cuda_graph):
-    trainer = Trainer(small_config(tmp_path, checkpoint_interval=2, cuda_graph=cuda_graph))
+@RUN_KINDS
+def test_a_nan_loss_stops_at_its_step_and_keeps_the_last_checkpoint(tmp_path, cuda_graph, dtype):
+    trainer = Trainer(small_config(tmp_path, checkpoint_interval=2, cuda_graph=cuda_graph, dtype=dtype))
     trainer.run(stop_after=2)
     saved = trainer.checkpoint_path.read_bytes()
     trainer.model.transformer.ln_f.weight.data[0] = np.nan  # every logit, then the loss, becomes NaN

@@ -35,6 +35,9 @@ from gpt2_cupy.graphs import is_current_stream_capturing
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.reduction import normalize_dims
 from gpt2_cupy.ops.attention import attention_backward, attention_forward
+from gpt2_cupy.ops.tensor_core_attention import (HEAD_SIZES as TENSOR_CORE_HEAD_SIZES, SMALL_ATTENTION as
+                                                 TENSOR_CORE_ATTENTION_WORK, tensor_core_attention_backward,
+                                                 tensor_core_attention_forward)
 from gpt2_cupy.ops.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gpt2_cupy.ops.dropout import advance_rng_state, dropout_backward, dropout_forward
 from gpt2_cupy.ops.dyt import dyt_backward, dyt_forward
@@ -249,6 +252,37 @@ class Attention(Function):
         return dq, dk, dv, None, None
 
 
+class TensorCoreAttention(Function):
+    """bf16 attention on tensor cores (chapter 16): bf16 q, k, v, out and gradients, float32 softmax."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        out, lse = tensor_core_attention_forward(q, k, v, causal=causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = tensor_core_attention_backward(dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _on_tensor_cores(q, k, v, attn_mask, dropout_p, enable_gqa):
+    """Whether bf16 attention runs on the tensor-core kernels: (B, H, T, d) heads of a size they take, k and v
+    of one shape with as many keys as queries, H_kv = H or (enable_gqa) dividing it, no mask, no dropout,
+    and at least TENSOR_CORE_ATTENTION_WORK multiply-adds (below that the float32 kernels are as fast)."""
+    if attn_mask is not None or dropout_p != 0.0 or not (q.dtype == k.dtype == v.dtype == BFLOAT16):
+        return False
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        return False
+    B, H, T, d = q.shape
+    H_kv = k.shape[1]
+    grouped_fits = H_kv == H or (enable_gqa and H % H_kv == 0)
+    return d in TENSOR_CORE_HEAD_SIZES and grouped_fits and B * H * T * T * d >= TENSOR_CORE_ATTENTION_WORK
+
+
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """softmax(q kᵀ · scale + mask) v, q (B, H, T, d), k, v (B, H, S, d); is_causal: each query sees keys up to its
@@ -261,7 +295,9 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     without a copy. Anything else runs PyTorch's "math" path, written with Tensor operations (chapter 11b):
     attn_mask a bool tensor (True: take part) or a float one added to the scores, broadcast to (B, H, T, S).
     """
-    if BFLOAT16 in (q.dtype, k.dtype, v.dtype):  # until bf16 attention kernels: the float32 ones, converted around
+    if _on_tensor_cores(q, k, v, attn_mask, dropout_p, enable_gqa):
+        return TensorCoreAttention.apply(q, k, v, bool(is_causal), scale)
+    if BFLOAT16 in (q.dtype, k.dtype, v.dtype):  # other bf16 attention: the float32 kernels, converted around
         return in_float32(scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     d = q.shape[-1]
     default_scale = scale is None or math.isclose(scale, 1 / math.sqrt(d), rel_tol=1e-6)

@@ -35,6 +35,9 @@ from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, ceil_div, check, float4_aligned, output
 
 HEAD_SIZES = (32, 64, 128)
+# Multiply-adds (B·H·T²·d) below which F.scaled_dot_product_attention keeps bf16 attention on chapter 08's
+# float32 kernels: that small, it is bound by its launches on a GPU, and the CPU executor runs it faster.
+SMALL_ATTENTION = 1 << 24
 ROW_PADDING = 8                 # bf16 after each row of a shared tile (ROW_PADDING in the kernel file)
 BF16, FLOAT = 2, 4              # bytes
 ROWS_PER_WARP = 16

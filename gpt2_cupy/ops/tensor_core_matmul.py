@@ -41,6 +41,9 @@ DEPTH = 32       # elements of K per slice (DEPTH)
 STAGES = 3       # slices in flight (STAGES)
 THREADS = 256
 TF32_PRODUCTS = {"highest": 3, "high": 1}   # mma products per tile: 3xTF32 or TF32
+# Multiply-adds below which a bf16 product runs on the float32 kernel instead: a product that small is
+# bound by its launch on a GPU, where tensor cores gain nothing, and the CPU executor runs it 40 times faster.
+SMALL_PRODUCT = 1 << 24
 BF16_ROW_MULTIPLE = 8                       # bf16 copies' rows are padded to 16 bytes, for 16-byte copies
 
 
@@ -134,7 +137,30 @@ def launch_bf16_product(a, b, out, transpose_a=False, transpose_b=False, accumul
         if bias is not None:
             elementwise("bias_add", "a + b", [out, bias], compute_dtype=out.dtype, out=out)
         return out
+    batch = out.shape[0] if out.ndim == 3 else 1
+    if batch * out.shape[-2] * out.shape[-1] * K < SMALL_PRODUCT:
+        return _small_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias)
     return launch_bf16_matmul(bf16_rows(a), bf16_rows(b), out, K, transpose_a, transpose_b, accumulate, bias)
+
+
+def _small_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias):
+    """A small bf16 product on chapter 01's float32 kernel: the bf16 values widened (exactly), their products
+    exact in float32 as on a tensor core, sums in float32, the bias added, then out rounded once."""
+    from gpt2_cupy.elementwise import elementwise
+
+    def widened(x):
+        return elementwise("bf16_to_float", "a", [x], compute_dtype=numpy.float32)
+
+    if out.dtype == numpy.float32:
+        result = out
+    else:
+        result = widened(out) if accumulate else backend.xp.empty(out.shape, dtype=numpy.float32)
+    launch_matmul(widened(a), widened(b), result, transpose_a, transpose_b, accumulate)
+    if bias is not None:
+        elementwise("bias_add", "a + b", [result, bias], compute_dtype=numpy.float32, out=result)
+    if result is not out:
+        elementwise("float_to_bf16", "a", [result], compute_dtype=numpy.float32, out_dtype=out.dtype, out=out)
+    return out
 
 
 def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False,
