@@ -28,6 +28,7 @@
 // are the same on every run; dk and dv of a key/value head are summed over the query heads of its group
 // one after the other by the same block.
 #include <cuda_bf16.h>
+#include <math_constants.h>   // CUDART_L2E_F = log2(e), CUDART_LN2_F = ln(2), as floats
 #include "mma.cuh"
 #include "special_values.cuh"
 #include "warp.cuh"
@@ -35,8 +36,7 @@
 typedef __nv_bfloat16 bfloat16;
 
 constexpr int ROW_PADDING = 8;     // bf16 after each row of a shared tile: 16 bytes
-constexpr float LOG2_E = 1.4426950408889634f;
-constexpr float LN_2 = 0.6931471805599453f;
+static_assert(ROW_PADDING * sizeof(bfloat16) % 16 == 0, "padded rows must keep cp.async's 16-byte copies aligned");
 
 // Two floats rounded to bf16 (to nearest, ties to even) in one register, the first in the low half: the
 // order of an mma operand's two neighbours along k.
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
     const int warp_query = first_query + 16 * warp;
     q += head * T * D; out += head * T * D; lse += head * T;
     k += kv_head * T * D; v += kv_head * T * D;
-    const float scale_log2 = scale * LOG2_E;
+    const float scale_log2 = scale * CUDART_L2E_F;
 
     float o[D / 8][4] = {};
     float row_max[2] = {NEGATIVE_INFINITY, NEGATIVE_INFINITY}, row_sum[2] = {0.0f, 0.0f};
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
         total += __shfl_xor_sync(FULL_MASK, total, 2);
         inverse_sum[half] = 1.0f / total;
         const int query = warp_query + g + 8 * half;
-        if (t == 0 && query < T) lse[query] = (row_max[half] + log2f(total)) * LN_2;
+        if (t == 0 && query < T) lse[query] = (row_max[half] + log2f(total)) * CUDART_LN2_F;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
             o[n][2 * half] *= inverse_sum[half];
@@ -389,7 +389,7 @@ __device__ __forceinline__ void dk_dv_tile(float (&dk_sum)[D / 8][4], float (&dv
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int column = 8 * j + 2 * t + e % 2, key = first_key + g + 8 * (e / 2);
-            float probability = exp2f(fmaf(p[j][e], scale_log2, -lse_tile[column] * LOG2_E));
+            float probability = exp2f(fmaf(p[j][e], scale_log2, -lse_tile[column] * CUDART_L2E_F));
             if (MASKED && (first_query + column >= T || (causal && key > first_query + column))) probability = 0.0f;
             p[j][e] = probability;
             ds[j][e] = probability * (ds[j][e] - dot_tile[column]);
@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
     const long long kv_head = blockIdx.x, group = heads / kv_heads;
     const long long first_head = kv_head / kv_heads * heads + kv_head % kv_heads * group;
     const int first_key = blockIdx.y * KEYS, warp_key = first_key + 16 * warp;
-    const float scale_log2 = scale * LOG2_E;
+    const float scale_log2 = scale * CUDART_L2E_F;
     // The query tiles that see these keys: causal, from the one holding the first key; in every head of the group.
     const int first_tile = causal ? first_key / QUERIES : 0;
     const int tiles_per_head = (T + QUERIES - 1) / QUERIES - first_tile, steps = group * tiles_per_head;
@@ -514,13 +514,13 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
     const int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS, warp_query = first_query + 16 * warp;
     q += head * T * D; dout += head * T * D; dq += head * T * D; lse += head * T; row_dot += head * T;
     k += kv_head * T * D; v += kv_head * T * D;
-    const float scale_log2 = scale * LOG2_E;
+    const float scale_log2 = scale * CUDART_L2E_F;
 
     float lse2[2], dot[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int query = warp_query + g + 8 * half;
-        lse2[half] = query < T ? lse[query] * LOG2_E : 0.0f;
+        lse2[half] = query < T ? lse[query] * CUDART_L2E_F : 0.0f;
         dot[half] = query < T ? row_dot[query] : 0.0f;
     }
     float dq_sum[D / 8][4] = {};
