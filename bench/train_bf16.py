@@ -42,9 +42,9 @@ def random_corpus():
 
 
 def trainer(options, **overrides):
-    config = make_config(**{**options, **overrides}, dtype="bf16", max_steps=overrides.get("max_steps", 10**6),
-                         checkpoint_interval=10**9, progress=False,
-                         out_dir=tempfile.mkdtemp(prefix="bench-train-bf16-"))
+    settings = dict(max_steps=10**6, checkpoint_interval=10**9, progress=False,
+                    out_dir=tempfile.mkdtemp(prefix="bench-train-bf16-"))
+    config = make_config(**{**settings, **options, **overrides}, dtype="bf16")
     return Trainer(config)
 
 

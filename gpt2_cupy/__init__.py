@@ -176,7 +176,7 @@ def _cuda_is_bf16_supported(including_emulation=True):
     from gpt2_cupy import backend
     if backend.name != "cuda":
         return False
-    return int(backend.xp.cuda.Device().compute_capability) >= 80
+    return _builtins.int(backend.xp.cuda.Device().compute_capability) >= 80  # (this module's int is torch.int)
 
 
 cuda = types.SimpleNamespace(
