@@ -89,6 +89,7 @@ class CUDAGraph:
             raise TypeError(f"pool must come from graph_pool_handle() or another graph's pool(), "
                             f"not {type(pool).__name__}")
         self._pool = GraphPool() if pool is None else pool
+        self._pool.may_grow = capture_error_mode == "relaxed"
         begin = _begin_cuda_capture if backend.name == "cuda" else _begin_cpu_capture
         self._capture = begin(self._pool, capture_error_mode, stream)
 
@@ -173,9 +174,12 @@ class GraphPool:
         else:
             self.sizes = set()
 
+    may_grow = False   # set by capture_begin: a "relaxed" capture may take new device memory into the pool
+
     def malloc(self, size):
-        """CuPy's allocator while the pool is in use: a block from the pool; inside capture, never a new one."""
-        if not backend._capturing:
+        """CuPy's allocator while the pool is in use: a block from the pool; inside a capture, a new one only
+        in "relaxed" mode (cudaMalloc is refused in the others). Either way the block stays the pool's."""
+        if not backend._capturing or self.may_grow:
             return self.memory.malloc(size)
         reserved = self.memory.total_bytes()
         try:
@@ -191,7 +195,7 @@ class GraphPool:
         if nbytes == 0:
             return
         rounded = -(-nbytes // POOL_ROUNDING) * POOL_ROUNDING
-        if backend._capturing and rounded not in self.sizes:
+        if backend._capturing and not self.may_grow and rounded not in self.sizes:
             raise _growth_error(nbytes, "the warm-up made no array of that size")
         self.sizes.add(rounded)
 
