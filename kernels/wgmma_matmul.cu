@@ -1,6 +1,8 @@
-// C = A Bᵀ on Hopper's tensor cores through wgmma: A is M x K and B is N x K, both bf16 and row-major with k
-// contiguous (the Linear layer's x Wᵀ, x: (B*T, C_in), W: (C_out, C_in)); C is M x N, row-major, float32 or
-// bf16. Sums are float32. Any M and N; K a multiple of 8, so that rows are whole 16-byte chunks.
+// C = A Bᵀ (+ bias) (+ C) on Hopper's tensor cores through wgmma: A is M x K and B is N x K, both bf16 and
+// row-major with k contiguous (the Linear layer's x Wᵀ, x: (B*T, C_in), W: (C_out, C_in)); C is M x N,
+// row-major, float32 or bf16. Sums are float32; bias (N float32s, or null) is added to each row and, with
+// accumulate, C's old values, before the one rounding to C's type. Any M and N; K a multiple of 8, so that
+// rows are whole 16-byte chunks.
 // Compiled for sm_90a: RawModule(code, options=("-arch=sm_90a",)).
 //
 // A block of 256 threads, two warpgroups, computes a 128 x 256 tile of C, walking along K 64 at a time:
@@ -57,6 +59,8 @@ __device__ __forceinline__ void copy_tile(unsigned tile, const __nv_bfloat16* ma
 
 // Stores into C, float32 or bf16 (rounded to nearest, ties to even). A pair of neighbours in a row is one
 // 8-byte (4-byte) store; it needs an even N, so that every row starts on a multiple of that size.
+__device__ __forceinline__ float load_one(const float* in) { return *in; }
+__device__ __forceinline__ float load_one(const __nv_bfloat16* in) { return __bfloat162float(*in); }
 __device__ __forceinline__ void store_one(float* out, float x) { *out = x; }
 __device__ __forceinline__ void store_one(__nv_bfloat16* out, float x) { *out = __float2bfloat16_rn(x); }
 
@@ -73,7 +77,7 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* out, float x, float y)
 // The whole product for one block, into a float32 or bf16 C.
 template <typename Output>
 __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat16* A, const __nv_bfloat16* B, int M,
-                                                    int N, int K)
+                                                    int N, int K, const float* bias, bool accumulate)
 {
     extern __shared__ __align__(1024) unsigned char shared[];
     // The swizzle acts on shared-memory address bits, so each stage starts on 1024 bytes of that address.
@@ -133,25 +137,36 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat
         const int row = first_row + 8 * (i / 2 % 2), column = first_column + 8 * (i / 4);
         if (row >= M || column >= N) continue;
         Output* out = C + (long long)row * N + column;
+        const bool second = column + 1 < N;
+        float x = d[i], y = d[i + 1];
+        if (bias != nullptr) {
+            x += bias[column];
+            if (second) y += bias[column + 1];
+        }
+        if (accumulate) {
+            x += load_one(out);
+            if (second) y += load_one(out + 1);
+        }
         if (N % 2 == 0) {
-            store_pair(out, d[i], d[i + 1]);   // column is even, so column + 1 < N too
+            store_pair(out, x, y);   // column is even, so column + 1 < N too
         } else {
-            store_one(out, d[i]);
-            if (column + 1 < N) store_one(out + 1, d[i + 1]);
+            store_one(out, x);
+            if (second) store_one(out + 1, y);
         }
     }
 }
 
 // Dynamic shared memory: SHARED_BYTES. Grid: one block per 128 x 256 tile of C, 1-D.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul_float32(
-    float* __restrict__ C, const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ B, int M, int N, int K)
+    float* __restrict__ C, const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ B, int M, int N, int K,
+    const float* __restrict__ bias, bool accumulate)
 {
-    wgmma_block_product(C, A, B, M, N, K);
+    wgmma_block_product(C, A, B, M, N, K, bias, accumulate);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul_bfloat16(
     __nv_bfloat16* __restrict__ C, const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ B, int M,
-    int N, int K)
+    int N, int K, const float* __restrict__ bias, bool accumulate)
 {
-    wgmma_block_product(C, A, B, M, N, K);
+    wgmma_block_product(C, A, B, M, N, K, bias, accumulate);
 }

@@ -153,14 +153,19 @@ def test_reductions_of_bf16_sum_in_float32_and_round_once(rng, dims):
 
 # ---- the ops of GPT-2 ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["tensor cores", "float32 kernel for small products"])
+@pytest.mark.parametrize("path", ["wgmma and mma.sync", "mma.sync", "float32 kernel for small products"])
 def test_linear_in_bf16_on_tensor_cores(rng, monkeypatch, path):
     """y = x Wᵀ + b: exact bf16 products summed in float32 on tensor cores (1 ulp per addition), the float32
-    bias added, one rounding to bf16. dx likewise; dW and db summed in float32 and kept in float32. Products
+    bias added, one rounding to bf16. dx likewise; dW and db summed in float32 and kept in float32. On an
+    H100 or H200 (and the executor) y and dx take wgmma, dW mma.sync; elsewhere all three mma.sync. Products
     below SMALL_PRODUCT multiply-adds run on the float32 kernel instead, within the same bound."""
     from gpt2_cupy.ops import tensor_core_matmul
 
-    monkeypatch.setattr(tensor_core_matmul, "SMALL_PRODUCT", 0 if path == "tensor cores" else 1 << 40)
+    monkeypatch.setattr(tensor_core_matmul, "SMALL_PRODUCT", 1 << 40 if path.startswith("float32") else 0)
+    if path == "mma.sync":
+        monkeypatch.setattr(tensor_core_matmul, "wgmma_runs", lambda: False)
+    elif path.startswith("wgmma") and not tensor_core_matmul.wgmma_runs():
+        pytest.skip("this GPU has no wgmma (compute capability 9.0 only)")
     N, C_in, C_out = 12, 40, 24
     x, w, b = bf16_inputs(rng, 2, 6, C_in), bf16_inputs(rng, C_out, C_in, scale=0.2), rng.standard_normal(C_out)
     dout = bf16_inputs(rng, 2, 6, C_out)

@@ -55,6 +55,22 @@ def test_float32_output_against_float64(M, N, K, rng):
 
 
 @hopper_or_cpu
+@pytest.mark.parametrize("N", [136, 37])
+def test_bias_and_accumulate_are_added_before_the_one_rounding(N, rng):
+    """out = a bᵀ + bias, then out += a bᵀ + bias: float32 additions of the bias (per column) and of the old
+    out to the float32 sums; a bf16 out is the float32 value rounded once."""
+    a, b, expected, tolerance = bf16_operands(rng, 70, N, 72)
+    bias = rng.standard_normal(N).astype(np.float32)
+    out = backend.xp.full((70, N), 0.5, dtype=np.float32)
+    wgmma_matmul(a, b, out=out, bias=backend.xp.asarray(bias), accumulate=True)
+    assert_within(out, expected + bias + 0.5, tolerance + 2.0 ** -22 * (np.abs(expected) + np.abs(bias) + 0.5))
+    rounded = wgmma_matmul(a, b, out_dtype="bfloat16", bias=backend.xp.asarray(bias))
+    float32 = backend.asnumpy(wgmma_matmul(a, b, bias=backend.xp.asarray(bias)))
+    np.testing.assert_array_equal(backend.asnumpy(rounded).view(np.uint16),
+                                  float32.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@hopper_or_cpu
 def test_odd_n_stores_one_element_at_a_time(rng):
     a, b, expected, tolerance = bf16_operands(rng, 70, 37, 24)
     assert_within(wgmma_matmul(a, b), expected, tolerance)

@@ -1,7 +1,8 @@
 """The Linear layer's product x Wᵀ on Hopper's tensor cores through wgmma, from bf16 inputs.
 
-    wgmma_matmul(a, b, out=None, out_dtype=numpy.float32)
+    wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=False)
         a: (M, K) bf16, b: (N, K) bf16 (the "TN" layout: both k-contiguous)   returns out: (M, N) = a bᵀ
+        bias: (N,) float32 added to every row; accumulate=True: out += a bᵀ (+ bias)
 
 Sums are float32; the output is float32, or bf16 (out_dtype="bfloat16", rounded to nearest once at the end).
 bf16 arrays are ml_dtypes' bfloat16 (numpy's, which CuPy shares); uint16 arrays holding bf16 bits (as
@@ -69,33 +70,43 @@ def _kernel(output_dtype):
     return kernel
 
 
-def launch_wgmma_matmul(a, b, out):
-    """out = a bᵀ. Unchecked: a (M, K), b (N, K) C-contiguous bf16, out (M, N) float32 or bf16, apart from both,
-    K a multiple of 8."""
+def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False):
+    """out = a bᵀ (+ bias), or out += ... Unchecked: a (M, K), b (N, K) C-contiguous bf16, out (M, N) float32 or
+    bf16, apart from both, bias None or N float32s, K a multiple of 8."""
     (M, K), N = a.shape, b.shape[0]
     if out.size == 0:
         return out
     blocks = ceil_div(M, BLOCK_M) * ceil_div(N, BLOCK_N)
-    _kernel(out.dtype)((blocks,), (THREADS,), (out, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K)),
+    _kernel(out.dtype)((blocks,), (THREADS,), (out, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K),
+                                               0 if bias is None else bias, numpy.bool_(accumulate)),
                        shared_mem=SHARED_BYTES)
     return out
 
 
-def wgmma_matmul(a, b, out=None, out_dtype=numpy.float32):
-    """a @ b.T for bf16 a: (M, K) and b: (N, K) on Hopper's tensor cores, float32 sums, into `out` (a new array
-    if None) of out_dtype: float32, or bfloat16 ("bfloat16" or ml_dtypes.bfloat16). K must be a multiple of 8.
-    Returns (M, N)."""
+def wgmma_runs():
+    """Whether this backend runs wgmma: a GPU of compute capability 9.0, or the CPU executor (which emulates it,
+    and stands for an H100 everywhere)."""
+    return backend.name != "cuda" or backend.xp.cuda.Device().compute_capability == "90"
+
+
+def wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=False):
+    """a @ b.T (+ bias) for bf16 a: (M, K) and b: (N, K) on Hopper's tensor cores, float32 sums, into `out` (a
+    new array if None) of out_dtype: float32, or bfloat16 ("bfloat16" or ml_dtypes.bfloat16); accumulate=True
+    adds into out instead. bias: None or (N,) float32. K must be a multiple of 8. Returns (M, N)."""
     operation = "wgmma_matmul"
     a_dtype, b_dtype = _check_bf16(operation, "a", a), _check_bf16(operation, "b", b)
-    sizes = check(operation, a=(a, ("M", "K"), a_dtype), b=(b, ("N", "K"), b_dtype))
+    sizes = check(operation, a=(a, ("M", "K"), a_dtype), b=(b, ("N", "K"), b_dtype), bias=(bias, ("N",)))
     M, N, K = sizes["M"], sizes["N"], sizes["K"]
     if K % K_MULTIPLE:
         raise ValueError(f"{operation}: K must be a multiple of {K_MULTIPLE} (the kernel moves rows of a and b in "
                          f"16-byte pieces of 8 bf16), got K={K}; pad a and b with zero columns")
     if ceil_div(M, BLOCK_M) * ceil_div(N, BLOCK_N) > LARGEST_INT:
         raise ValueError(f"{operation}: {M} x {N} needs more than {LARGEST_INT} blocks of {BLOCK_M} x {BLOCK_N}")
-    out = output(operation, out, (M, N), _output_dtype(operation, out_dtype))
+    if accumulate and out is None:
+        raise ValueError(f"{operation}: accumulate=True adds into out; pass the array to add into")
+    out = output(operation, out, (M, N), out.dtype if out is not None and accumulate else
+                 _output_dtype(operation, out_dtype))
     if backend.xp.may_share_memory(out, a) or backend.xp.may_share_memory(out, b):
         raise ValueError(f"{operation}: out overlaps a or b; the kernel would read values it has already overwritten")
     _require_hopper(operation)
-    return launch_wgmma_matmul(a, b, out)
+    return launch_wgmma_matmul(a, b, out, bias, accumulate)
