@@ -26,8 +26,8 @@ bf16 keeps float32's 8 exponent bits, so its gradients neither overflow nor unde
 training needs no loss scaling, and GradScaler stays a no-op that passes the loss through.
 
 Where this differs from PyTorch, and why:
-- PyTorch's LayerNorm and embedding give float32 under autocast; here they give bf16 (the brief of the whole
-  design: every activation between ops is bf16, for memory traffic).
+- PyTorch's LayerNorm and embedding give float32 under autocast; here they give bf16, so that every
+  activation between ops travels in bf16, half the bytes (llm.c keeps its residual stream so too).
 - dtype=None means float32 here (PyTorch's default for "cuda" is float16, which no kernel of the package
   takes): autocast(device_type="cuda") without a dtype changes nothing; dtype=float16 raises.
 - device_type="cpu" is always a no-op. device_type="cuda" runs the bf16 kernels on either backend: the
