@@ -42,9 +42,10 @@ DEPTH = 32       # elements of K per slice (DEPTH)
 STAGES = 3       # slices in flight (STAGES)
 THREADS = 256
 TF32_PRODUCTS = {"highest": 3, "high": 1}   # mma products per tile: 3xTF32 or TF32
-# Multiply-adds below which a bf16 product runs on the float32 kernel instead: a product that small is
-# bound by its launch on a GPU, where tensor cores gain nothing, and the CPU executor runs it 40 times faster.
-SMALL_PRODUCT = 1 << 24
+# Multiply-adds below which a bf16 product runs on the float32 kernel instead: 2^27 take about 5 µs on an
+# H100's float32 units, close to a launch, so tensor cores gain little there; the CPU executor, which
+# emulates the tensor cores lane by lane, runs such a product 40 times faster on the float32 kernel.
+SMALL_PRODUCT = 1 << 27
 BF16_ROW_MULTIPLE = 8                       # bf16 copies' rows are padded to 16 bytes, for 16-byte copies
 
 
