@@ -295,7 +295,7 @@ class Tensor:
         return _ops().add_(self, other, alpha)
 
     def sub_(self, other, alpha=1):
-        return _ops().add_(self, other, -alpha)
+        return _ops().add_(self, other, -alpha, name="sub_")
 
     def mul_(self, other):
         return _ops().binary_("mul", self, other)

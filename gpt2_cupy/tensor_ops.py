@@ -884,16 +884,15 @@ def _operand_shapes(*operands):
     return [o.shape for o in operands if isinstance(o, backend.xp.ndarray)]
 
 
-def add_(x, other, alpha=1):
+def add_(x, other, alpha=1, name="add_"):
     """x += alpha * other (sub_ passes -alpha)."""
     operand = as_operand(other)
     dtype = result_type(x.data, operand)
-    _check_target("add_", x, broadcast_shapes("add_", [x.shape] + _operand_shapes(operand), ["self", "other"]),
-                  dtype)
+    _check_target(name, x, broadcast_shapes(name, [x.shape] + _operand_shapes(operand), ["self", "other"]), dtype)
     if _records(x, other):
-        scaled = other if alpha == 1 else binary("mul", other, alpha)
+        scaled = other if alpha == 1 else (other * alpha if isinstance(other, Tensor) else operand * alpha)
         return _become(x, binary("add", x, scaled))
-    return _write("add_", "a + c * b", x, [operand, alpha], dtype)
+    return _write(name, "a + c * b", x, [operand, alpha], dtype)
 
 
 def binary_(name, x, other):
