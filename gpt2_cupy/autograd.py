@@ -681,11 +681,26 @@ def _modified_error(array, version, expected):
         f"the in-place operation, or do that operation out of place.")
 
 
+def _check_view_is_current(tensor):
+    """A view's grad_fn says how it was taken from its base. An in-place write into the base since then
+    changed the view's values without its grad_fn knowing (PyTorch would rebuild it): refused, not wrong."""
+    node = tensor.grad_fn
+    if node is not None and getattr(node.ctx, "is_view", False) and \
+            storage_version(tensor.data) != node.ctx.view_version:
+        raise NotImplementedError(
+            "a view used after an in-place operation changed the tensor it was taken from: its gradient would miss "
+            "that operation (PyTorch rebuilds the view's grad_fn; this library does not). Take the view again "
+            "after the in-place operation.")
+
+
 class Context:
     """What forward leaves for backward: saved arrays, the arguments' gradient needs and their buffers."""
 
     def __init__(self, inputs):
         self.needs_input_grad = tuple(t is not None and t.requires_grad for t in inputs)
+        for t in inputs:
+            if t is not None and t.requires_grad:
+                _check_view_is_current(t)
         # Leaves only (their .grad is the buffer an op adds into); never an intermediate tensor, whose
         # array would then stay alive as long as the graph even when the backward does not need it.
         self._leaves = [t if t is not None and t.is_leaf else None for t in inputs]

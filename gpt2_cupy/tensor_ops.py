@@ -32,7 +32,8 @@ import re
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import Function, Tensor, bump_version, init_generator, is_grad_enabled, storage_of
+from gpt2_cupy.autograd import (Function, Tensor, bump_version, init_generator, is_grad_enabled, storage_of,
+                                storage_version)
 from gpt2_cupy.elementwise import broadcast_shapes, copy, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.reduction import normalize_dims, reduce
@@ -617,7 +618,7 @@ class View(Function):
     def forward(ctx, x, name, make, undo):
         ctx.name, ctx.undo = name, undo
         out = make(x)
-        ctx.is_view = storage_of(out) is storage_of(x)
+        ctx.is_view, ctx.view_version = storage_of(out) is storage_of(x), storage_version(x)
         return out
 
     @staticmethod
@@ -788,6 +789,7 @@ class Index(Function):
     def forward(ctx, x, key, advanced):
         ctx.shape, ctx.key, ctx.advanced, ctx.dtype = x.shape, key, advanced, x.dtype
         ctx.is_view = not advanced  # a basic index (slices, integers) is a view; an advanced one a copy
+        ctx.view_version = storage_version(x)
         return x[key]
 
     @staticmethod
