@@ -227,6 +227,19 @@ def unary(name, x):
     return Unary.apply(x, name)
 
 
+CLAMP = "a < b ? b : (a > c ? c : a)"  # a clamped to [b, c]
+
+
+def clamp_bounds(x, low, high):
+    """The type clamp computes in, and its bounds as numbers of that type (None: no bound)."""
+    dtype = result_type(x, *[v for v in (low, high) if v is not None])
+    low = -math.inf if low is None else low
+    high = math.inf if high is None else high
+    if not is_floating(dtype):  # integer bounds: the widest a long long holds
+        low, high = max(low, -2**63), min(high, 2**63 - 1)
+    return dtype, low, high
+
+
 class Clamp(Function):
     accepts_strided = True
 
@@ -234,12 +247,8 @@ class Clamp(Function):
     def forward(ctx, x, low, high):
         ctx.save_for_backward(x)
         ctx.low, ctx.high = low, high
-        dtype = result_type(x, *[v for v in (low, high) if v is not None])
-        low = -math.inf if low is None else low
-        high = math.inf if high is None else high
-        if not is_floating(dtype):  # integer bounds: the widest a long long holds
-            low, high = max(low, -2**63), min(high, 2**63 - 1)
-        return elementwise("clamp", "a < b ? b : (a > c ? c : a)", [x, low, high], compute_dtype=dtype)
+        dtype, low, high = clamp_bounds(x, low, high)
+        return elementwise("clamp", CLAMP, [x, low, high], compute_dtype=dtype)
 
     @staticmethod
     def backward(ctx, dout):
@@ -936,15 +945,11 @@ def copy_(x, src):
 def clamp_(x, min=None, max=None):
     if min is None and max is None:
         raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
-    dtype = result_type(x.data, *[v for v in (min, max) if v is not None])
+    dtype, low, high = clamp_bounds(x.data, min, max)
     _check_target("clamp_", x, x.shape, dtype)
     if _records(x):
         return _become(x, Clamp.apply(clone(x), min, max))
-    low = -math.inf if min is None else min
-    high = math.inf if max is None else max
-    if not is_floating(dtype):  # integer bounds: the widest a long long holds
-        low, high = builtins.max(low, -2**63), builtins.min(high, 2**63 - 1)
-    return _write("clamp_", "a < b ? b : (a > c ? c : a)", x, [low, high], dtype)
+    return _write("clamp_", CLAMP, x, [low, high], dtype)
 
 
 def masked_fill_(x, mask, value):
