@@ -32,6 +32,7 @@ dtype ctx.grad_buffer hands out a float32 buffer, which the Node converts to the
 """
 
 import contextlib
+import weakref
 
 import numpy
 
@@ -287,6 +288,47 @@ class Tensor:
 
     def masked_fill(self, mask, value):
         return _ops().masked_fill(self, mask, value)
+
+    # In place, as PyTorch's methods ending in _: each writes into self's array (every view of it sees the
+    # change), bumps its storage's version and returns self.
+    def add_(self, other, alpha=1):
+        return _ops().add_(self, other, alpha)
+
+    def sub_(self, other, alpha=1):
+        return _ops().add_(self, other, -alpha, name="sub_")
+
+    def mul_(self, other):
+        return _ops().binary_("mul", self, other)
+
+    def div_(self, other):
+        return _ops().binary_("div", self, other)
+
+    def zero_(self):
+        return _ops().fill_(self, 0)
+
+    def fill_(self, value):
+        return _ops().fill_(self, value)
+
+    def copy_(self, src, non_blocking=False):
+        return _ops().copy_(self, src)
+
+    def clamp_(self, min=None, max=None):
+        return _ops().clamp_(self, min, max)
+
+    clip_ = clamp_
+
+    def masked_fill_(self, mask, value):
+        return _ops().masked_fill_(self, mask, value)
+
+    __iadd__ = add_   # x += y changes x itself, as in PyTorch (without them Python would rebind x to x + y)
+    __isub__ = sub_
+    __imul__ = mul_
+    __itruediv__ = div_
+
+    @property
+    def _version(self):
+        """How many in-place operations have written into this tensor's storage (PyTorch's x._version)."""
+        return storage_version(self.data)
 
     def tril(self, diagonal=0):
         return _ops().Triangle.apply(self, diagonal, False)
@@ -594,28 +636,96 @@ def _new_leaf_gradient(tensor, gradient=None):
     return backend.xp.zeros(tensor.shape, dtype=tensor.dtype)
 
 
+# ---- versions: what in-place operations wrote -------------------------------------------------------------
+
+_versions = {}  # id(storage) -> [weak reference to the storage, how many in-place writes it has had]
+
+
+def storage_of(array):
+    """The array that owns array's memory: a view (a slice, a reshape, a transpose) leads back to its base."""
+    while isinstance(getattr(array, "base", None), backend.xp.ndarray):
+        array = array.base
+    return array
+
+
+def storage_version(array):
+    """The version of array's storage: 0 until an in-place operation writes into it or into any view of it."""
+    storage = storage_of(array)
+    entry = _versions.get(id(storage))
+    return entry[1] if entry is not None and entry[0]() is storage else 0
+
+
+def bump_version(array):
+    """An in-place operation wrote into array: every tensor that shares its storage is one version further."""
+    storage = storage_of(array)
+    key = id(storage)
+    entry = _versions.get(key)
+    if entry is None or entry[0]() is not storage:
+        # the entry leaves with its storage (id() may then be given to another array)
+        entry = _versions[key] = [weakref.ref(storage, lambda _, key=key: _versions.pop(key, None)), 0]
+    entry[1] += 1
+
+
+_TENSOR_TYPES = {"float32": "FloatTensor", "float64": "DoubleTensor", "bfloat16": "BFloat16Tensor",
+                 "float16": "HalfTensor", "int64": "LongTensor", "int32": "IntTensor", "bool": "BoolTensor",
+                 "uint8": "ByteTensor"}
+
+
+def _modified_error(array, version, expected):
+    kind = _TENSOR_TYPES.get(array.dtype.name, array.dtype.name)
+    prefix = "torch.cuda." if backend.name == "cuda" else "torch."
+    return RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{prefix}{kind} {list(array.shape)}] is at version {version}; expected version {expected} instead. "
+        f"Hint: the operation that saved it ran before the in-place operation changed it; clone() it before "
+        f"the in-place operation, or do that operation out of place.")
+
+
+def _check_view_is_current(tensor):
+    """A view's grad_fn says how it was taken from its base. An in-place write into the base since then
+    changed the view's values without its grad_fn knowing (PyTorch would rebuild it): refused, not wrong."""
+    node = tensor.grad_fn
+    if node is not None and getattr(node.ctx, "is_view", False) and \
+            storage_version(tensor.data) != node.ctx.view_version:
+        raise NotImplementedError(
+            "a view used after an in-place operation changed the tensor it was taken from: its gradient would miss "
+            "that operation (PyTorch rebuilds the view's grad_fn; this library does not). Take the view again "
+            "after the in-place operation.")
+
+
 class Context:
     """What forward leaves for backward: saved arrays, the arguments' gradient needs and their buffers."""
 
     def __init__(self, inputs):
         self.needs_input_grad = tuple(t is not None and t.requires_grad for t in inputs)
+        for t in inputs:
+            if t is not None and t.requires_grad:
+                _check_view_is_current(t)
         # Leaves only (their .grad is the buffer an op adds into); never an intermediate tensor, whose
         # array would then stay alive as long as the graph even when the backward does not need it.
         self._leaves = [t if t is not None and t.is_leaf else None for t in inputs]
         self._input_shapes = [t.shape if t is not None else None for t in inputs]
         self._input_dtypes = [t.dtype if t is not None else None for t in inputs]
         self._saved = ()
+        self._saved_versions = ()       # each saved array's storage version when it was saved
         self._freed = False             # saved arrays were freed: reading them raises
         self.freed = False              # a backward without retain_graph has run through this call
         self.intermediate_buffers = {}  # grad_buffer()s of non-leaf arguments, added by the Node afterwards
 
     def save_for_backward(self, *arrays):
         self._saved = arrays
+        self._saved_versions = tuple(storage_version(a) if isinstance(a, backend.xp.ndarray) else None
+                                     for a in arrays)
 
     @property
     def saved_tensors(self):
+        """The saved arrays, as they were when saved: an in-place write into one since then raises, as in
+        PyTorch, rather than giving a gradient computed from the wrong values."""
         if self._freed:
             raise RuntimeError(SECOND_BACKWARD)
+        for array, expected in zip(self._saved, self._saved_versions):
+            if expected is not None and storage_version(array) != expected:
+                raise _modified_error(array, storage_version(array), expected)
         return self._saved
 
     def free_saved(self):

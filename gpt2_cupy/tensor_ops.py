@@ -7,6 +7,7 @@
     movement      view reshape permute transpose unsqueeze squeeze flatten expand contiguous, indexing,
                   cat stack
     sampling      topk multinomial
+    in place      add_ sub_ mul_ div_ zero_ fill_ copy_ clamp_ masked_fill_, x[key] = value
 
 Elementwise operations are one line each: an expression for the generated kernel (gpt2_cupy.elementwise)
 and one for each input's gradient. An input that was broadcast receives the sum of its gradient over the
@@ -31,7 +32,8 @@ import re
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import Function, Tensor, init_generator
+from gpt2_cupy.autograd import (Function, Tensor, bump_version, init_generator, is_grad_enabled, storage_of,
+                                storage_version)
 from gpt2_cupy.elementwise import broadcast_shapes, copy, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.reduction import normalize_dims, reduce
@@ -225,6 +227,19 @@ def unary(name, x):
     return Unary.apply(x, name)
 
 
+CLAMP = "a < b ? b : (a > c ? c : a)"  # a clamped to [b, c]
+
+
+def clamp_bounds(x, low, high):
+    """The type clamp computes in, and its bounds as numbers of that type (None: no bound)."""
+    dtype = result_type(x, *[v for v in (low, high) if v is not None])
+    low = -math.inf if low is None else low
+    high = math.inf if high is None else high
+    if not is_floating(dtype):  # integer bounds: the widest a long long holds
+        low, high = max(low, -2**63), min(high, 2**63 - 1)
+    return dtype, low, high
+
+
 class Clamp(Function):
     accepts_strided = True
 
@@ -232,12 +247,8 @@ class Clamp(Function):
     def forward(ctx, x, low, high):
         ctx.save_for_backward(x)
         ctx.low, ctx.high = low, high
-        dtype = result_type(x, *[v for v in (low, high) if v is not None])
-        low = -math.inf if low is None else low
-        high = math.inf if high is None else high
-        if not is_floating(dtype):  # integer bounds: the widest a long long holds
-            low, high = max(low, -2**63), min(high, 2**63 - 1)
-        return elementwise("clamp", "a < b ? b : (a > c ? c : a)", [x, low, high], compute_dtype=dtype)
+        dtype, low, high = clamp_bounds(x, low, high)
+        return elementwise("clamp", CLAMP, [x, low, high], compute_dtype=dtype)
 
     @staticmethod
     def backward(ctx, dout):
@@ -615,7 +626,9 @@ class View(Function):
     @staticmethod
     def forward(ctx, x, name, make, undo):
         ctx.name, ctx.undo = name, undo
-        return make(x)
+        out = make(x)
+        ctx.is_view, ctx.view_version = storage_of(out) is storage_of(x), storage_version(x)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -784,6 +797,8 @@ class Index(Function):
     @staticmethod
     def forward(ctx, x, key, advanced):
         ctx.shape, ctx.key, ctx.advanced, ctx.dtype = x.shape, key, advanced, x.dtype
+        ctx.is_view = not advanced  # a basic index (slices, integers) is a view; an advanced one a copy
+        ctx.view_version = storage_version(x)
         return x[key]
 
     @staticmethod
@@ -804,11 +819,157 @@ def index(x, key):
 
 def index_put(x, key, value):
     """x[key] = value in place: for tensors outside any graph (a mask of logits to -inf when sampling)."""
-    from gpt2_cupy.autograd import is_grad_enabled
     if x.requires_grad and is_grad_enabled():
-        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+        raise RuntimeError(LEAF_IN_PLACE)
     key, _ = _index_key(x, key)
     x.data[key] = value.data if isinstance(value, Tensor) else value
+    bump_version(x.data)
+
+
+# ---- in place ------------------------------------------------------------------------------------------------
+#
+# An in-place operation writes its result into self's own array, through the generated kernel's `out`, so
+# every reference and view sees it, and a CUDA graph capture records it as one more kernel. When nothing
+# asks for a gradient (no_grad, or no operand requires grad) that is all. Otherwise the operation is
+# recorded as its out-of-place twin, x.add_(y) as x + y, and self takes the result's place in the graph:
+# its values (written into its array) and its grad_fn. Saved arrays that the write changes are caught at
+# backward by their storage's version.
+
+LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation."
+_TYPE_NAMES = {"float32": "Float", "float64": "Double", "bfloat16": "BFloat16", "float16": "Half",
+               "int64": "Long", "int32": "Int", "bool": "Bool", "uint8": "Byte"}
+
+
+def _records(x, *operands):
+    """Whether the in-place operation on x joins a graph; PyTorch's errors where it may not."""
+    if not is_grad_enabled():
+        return False
+    if x.requires_grad and x.is_leaf:
+        raise RuntimeError(LEAF_IN_PLACE)
+    if not (x.requires_grad or builtins.any(isinstance(o, Tensor) and o.requires_grad for o in operands)):
+        return False
+    shares_memory = getattr(x.grad_fn.ctx, "is_view", False) if x.grad_fn is not None \
+        else storage_of(x.data) is not x.data
+    if shares_memory:
+        # PyTorch moves the view's base onto the in-place operation's node; this library does not, and the
+        # base's gradient would silently miss the operation.
+        raise NotImplementedError("in-place operation on a view, in a graph that requires grad: not supported "
+                                  "here; apply it to the tensor the view was taken from, or clone() the view")
+    return True
+
+
+def _check_target(operation, x, shape, result_dtype=None):
+    """x can hold the result: the operands broadcast to x's shape, the result's type casts to x's, and x's
+    array is one the kernels can write (C-contiguous)."""
+    if tuple(shape) != x.shape:
+        raise RuntimeError(f"{operation}: output with shape {list(x.shape)} doesn't match the broadcast shape "
+                           f"{list(shape)}")
+    if result_dtype is not None and _category(result_dtype) > _category(x.dtype):
+        raise RuntimeError(f"{operation}: result type {_TYPE_NAMES.get(numpy.dtype(result_dtype).name)} can't be "
+                           f"cast to the desired output type {_TYPE_NAMES.get(x.dtype.name, x.dtype.name)}")
+    if not x.data.flags.c_contiguous:
+        raise NotImplementedError(f"{operation}: in-place operations on non-contiguous tensors (a transpose, a "
+                                  f"strided slice) are not supported here; the generated kernels write "
+                                  f"C-contiguous outputs")
+
+
+def _write(operation, expression, x, operands, compute_dtype):
+    """x = expression(x's array and operands...) in place, by the generated kernel; x's version goes up."""
+    elementwise(operation, expression, [x.data, *operands], compute_dtype=compute_dtype, out_dtype=x.dtype,
+                out=x.data)
+    bump_version(x.data)
+    return x
+
+
+def _become(x, result):
+    """x takes result's values, in its own array, and result's place in the graph (x = result, in place)."""
+    if result.dtype != x.dtype:
+        result = result.to(x.dtype)
+    elementwise("copy_", "a", [result.data], compute_dtype=x.dtype, out=x.data)
+    bump_version(x.data)
+    x.grad_fn, x.output_nr, x._requires_grad = result.grad_fn, result.output_nr, result.requires_grad
+    return x
+
+
+def _operand_shapes(*operands):
+    return [o.shape for o in operands if isinstance(o, backend.xp.ndarray)]
+
+
+def add_(x, other, alpha=1, name="add_"):
+    """x += alpha * other (sub_ passes -alpha)."""
+    operand = as_operand(other)
+    dtype = result_type(x.data, operand)
+    _check_target(name, x, broadcast_shapes(name, [x.shape] + _operand_shapes(operand), ["self", "other"]), dtype)
+    if _records(x, other):
+        scaled = other if alpha == 1 else (other * alpha if isinstance(other, Tensor) else operand * alpha)
+        return _become(x, binary("add", x, scaled))
+    return _write(name, "a + c * b", x, [operand, alpha], dtype)
+
+
+def binary_(name, x, other):
+    """x *= other or x /= other."""
+    operand = as_operand(other)
+    dtype = result_type(x.data, operand)
+    if name == "div":
+        dtype = floating(dtype)
+    _check_target(f"{name}_", x, broadcast_shapes(f"{name}_", [x.shape] + _operand_shapes(operand),
+                                                  ["self", "other"]), dtype)
+    if _records(x, other):
+        # the product's gradient reads x's old values, which the write replaces: it gets a copy of them
+        return _become(x, binary(name, clone(x), other))
+    return _write(f"{name}_", BINARY[name][0], x, [operand], dtype)
+
+
+def fill_(x, value):
+    """Every element of x set to value (a number or a 0-d tensor), converted to x's dtype."""
+    operand = as_operand(value)
+    if isinstance(operand, backend.xp.ndarray) and operand.ndim != 0:
+        raise RuntimeError(f"fill_ only supports 0-dimension value tensor but got tensor with "
+                           f"{operand.ndim} dimensions.")
+    _check_target("fill_", x, x.shape)
+    if _records(x, value):
+        return _become(x, where(_all_true(), value, x))
+    return _write("fill_", "b", x, [operand], x.dtype)
+
+
+def copy_(x, src):
+    """x's elements set to src's, broadcast to x's shape and converted to x's dtype."""
+    if not isinstance(src, Tensor):
+        raise TypeError(f"copy_(): argument 'src' must be Tensor, not {type(src).__name__}")
+    _check_target("copy_", x, broadcast_shapes("copy_", [x.shape, src.shape], ["self", "src"]))
+    if _records(x, src):
+        return _become(x, where(_all_true(), src, x))
+    return _write("copy_", "b", x, [src.data], x.dtype)
+
+
+def clamp_(x, min=None, max=None):
+    if min is None and max is None:
+        raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
+    dtype, low, high = clamp_bounds(x.data, min, max)
+    _check_target("clamp_", x, x.shape, dtype)
+    if _records(x):
+        return _become(x, Clamp.apply(clone(x), min, max))
+    return _write("clamp_", CLAMP, x, [low, high], dtype)
+
+
+def masked_fill_(x, mask, value):
+    """value where mask (bool, broadcast to x's shape) is True; x elsewhere."""
+    mask_array = mask.data if isinstance(mask, Tensor) else mask
+    _check_bool("masked_fill_", "mask", mask_array)
+    operand = as_operand(value)
+    if isinstance(operand, backend.xp.ndarray) and operand.ndim != 0:
+        raise RuntimeError(f"masked_fill_ only supports a 0-dimensional value tensor, but got tensor with "
+                           f"{operand.ndim} dimension(s).")
+    _check_target("masked_fill_", x, broadcast_shapes("masked_fill_", [x.shape, mask_array.shape],
+                                                      ["self", "mask"]))
+    if _records(x, value):
+        return _become(x, where(mask, value, x))
+    return _write("masked_fill_", "b ? c : a", x, [mask_array, operand], x.dtype)
+
+
+def _all_true():
+    """A 0-d True mask: where(True, src, x) is src, with no gradient to x (x's old values are overwritten)."""
+    return backend.xp.ones((), dtype=BOOL)
 
 
 # ---- joining ---------------------------------------------------------------------------------------------------
