@@ -110,10 +110,8 @@ def autocast_dtype():
 
 def as_bf16(array):
     """A backend array in bf16: itself if it is bf16 already, else a rounded copy (a generated kernel)."""
-    if array.dtype == BFLOAT16:
-        return array
-    from gpt2_cupy.elementwise import elementwise
-    return elementwise("as_bf16", "a", [array], compute_dtype=BFLOAT16)
+    from gpt2_cupy.elementwise import converted
+    return converted(array, BFLOAT16)
 
 
 def product_input(tensor):

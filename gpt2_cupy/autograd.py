@@ -37,6 +37,7 @@ import weakref
 import numpy
 
 from gpt2_cupy import backend
+from gpt2_cupy.elementwise import converted as _as_dtype  # a float32 gradient buffer for a bf16 argument, say
 
 _grad_enabled = True    # switched off inside `with no_grad():`
 _dropout_state = {}     # "rng": dropout's (seed, offset) device array; "init": numpy's generator for weights
@@ -579,14 +580,6 @@ def _contiguous(array):
         return array
     from gpt2_cupy.elementwise import copy
     return copy("contiguous", array)
-
-
-def _as_dtype(array, dtype):
-    """array in dtype: itself, or a converted copy (a float32 gradient buffer for a bf16 argument)."""
-    if array.dtype == dtype:
-        return array
-    from gpt2_cupy.elementwise import elementwise
-    return elementwise("to", "a", [array], compute_dtype=dtype)
 
 
 def _add(a, b, out=None):

@@ -361,6 +361,13 @@ def elementwise(operation, expression, operands, compute_dtype=numpy.float32, ou
     return out
 
 
+def converted(array, dtype):
+    """array in dtype: itself if it has that dtype, else a C-contiguous converted copy (rounded once)."""
+    if array.dtype == dtype:
+        return array
+    return elementwise("to", "a", [array], compute_dtype=dtype)
+
+
 def copy(operation, array, out=None):
     """A C-contiguous copy of any view (a transpose, a slice, a broadcast): the expression "a"."""
     return elementwise(operation, "a", [array], compute_dtype=array.dtype, out=out)

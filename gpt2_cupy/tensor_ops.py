@@ -34,7 +34,7 @@ import numpy
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import (Function, Tensor, bump_version, init_generator, is_grad_enabled, storage_of,
                                 storage_version)
-from gpt2_cupy.elementwise import broadcast_shapes, copy, elementwise
+from gpt2_cupy.elementwise import broadcast_shapes, converted, copy, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.reduction import normalize_dims, reduce
 
@@ -150,13 +150,10 @@ class Binary(Function):
                 gradients.append(None)
                 continue
             gradient = elementwise(f"{ctx.name}_backward", rule, operands, compute_dtype=dout.dtype)
-            gradients.append(as_dtype(sum_to(gradient, shape), dtype))
+            gradients.append(converted(sum_to(gradient, shape), dtype))
         return gradients[0], gradients[1], None
 
 
-def as_dtype(gradient, dtype):
-    """gradient in dtype (an input's own), converted when an operation promoted it (bf16 + float32)."""
-    return gradient if gradient.dtype == dtype else elementwise("to", "a", [gradient], compute_dtype=dtype)
 
 
 def binary(name, a, b):
@@ -285,7 +282,7 @@ class Where(Function):
         for index, expression in enumerate(("a ? b : 0.0f", "a ? 0.0f : b")):
             if ctx.needs_input_grad[index + 1]:
                 gradient = elementwise("where_backward", expression, [condition, dout], compute_dtype=dout.dtype)
-                gradients[index] = as_dtype(sum_to(gradient, ctx.shapes[index]), ctx.dtypes[index])
+                gradients[index] = converted(sum_to(gradient, ctx.shapes[index]), ctx.dtypes[index])
         return None, *gradients
 
 
@@ -805,8 +802,8 @@ class Index(Function):
     def backward(ctx, dout):
         if ctx.advanced:  # an index may repeat: each of its uses adds its gradient, summed in float32 for bf16
             gradient = backend.xp.zeros(ctx.shape, dtype=FLOAT32 if dout.dtype == BFLOAT16 else dout.dtype)
-            backend.xp.add.at(gradient, ctx.key, as_dtype(dout, gradient.dtype))
-            return as_dtype(gradient, dout.dtype), None, None
+            backend.xp.add.at(gradient, ctx.key, converted(dout, gradient.dtype))
+            return converted(gradient, dout.dtype), None, None
         gradient = backend.xp.zeros(ctx.shape, dtype=dout.dtype)
         gradient[ctx.key] = dout
         return gradient, None, None
@@ -1021,11 +1018,11 @@ class Cast(Function):
     @staticmethod
     def forward(ctx, x, dtype):
         ctx.dtype = x.dtype
-        return elementwise("to", "a", [x], compute_dtype=dtype)
+        return converted(x, dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        return elementwise("to", "a", [dout], compute_dtype=ctx.dtype) if is_floating(ctx.dtype) else None, None
+        return converted(dout, ctx.dtype) if is_floating(ctx.dtype) else None, None
 
 
 def to_dtype(x, dtype):

@@ -30,7 +30,7 @@ import numpy
 
 from gpt2_cupy import amp, backend, tensor_ops
 from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state
-from gpt2_cupy.elementwise import elementwise
+from gpt2_cupy.elementwise import converted, elementwise
 from gpt2_cupy.graphs import is_current_stream_capturing
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.reduction import normalize_dims
@@ -462,7 +462,7 @@ def split(x, split_size, dim=-1):
 def _float32(parameter):
     """A parameter array as the float32 the kernels read (a bf16 one converted; its gradient, float32 in the
     op's buffer, is converted back by autograd)."""
-    return parameter if parameter.dtype == FLOAT32 else elementwise("to_float32", "a", [parameter])
+    return converted(parameter, FLOAT32)
 
 
 def _int32(ids, operation, name):

@@ -32,6 +32,7 @@ the float32 sum and the optional float32 bias, bias_add's "+ b" fused into the p
 import numpy
 
 from gpt2_cupy import backend, kernels
+from gpt2_cupy.elementwise import converted, copy, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, THREADS_PER_BLOCK, ceil_div, float4_aligned, storage_c_type
 from gpt2_cupy.ops.matmul import _checked, launch_matmul
 from gpt2_cupy.ops.wgmma_matmul import K_MULTIPLE, launch_wgmma_matmul, wgmma_runs
@@ -120,8 +121,7 @@ def bf16_rows(x):
     columns = x.shape[-1]
     if columns % BF16_ROW_MULTIPLE == 0 and float4_aligned(x):
         return x.reshape(-1, columns)
-    from gpt2_cupy.elementwise import elementwise
-    padded, _ = to_bf16(elementwise("bf16_to_float", "a", [x], compute_dtype=numpy.float32))
+    padded, _ = to_bf16(converted(x, numpy.float32))
     return padded
 
 
@@ -133,7 +133,6 @@ def launch_bf16_product(a, b, out, transpose_a=False, transpose_b=False, accumul
     if out.size == 0:
         return out
     if K == 0:  # an empty sum: 0 (+ bias) into out, or out kept (+ bias)
-        from gpt2_cupy.elementwise import elementwise
         if not accumulate:
             out.fill(0)
         if bias is not None:
@@ -146,7 +145,6 @@ def launch_bf16_product(a, b, out, transpose_a=False, transpose_b=False, accumul
         # Hopper's wgmma reads both operands k-contiguous: a as it is, b transposed into a copy unless the
         # product is already a bᵀ (the Linear forward x Wᵀ; its input gradient dy W copies the weight, a
         # small matrix). The weight gradient dyᵀ x stays on mma.sync: it would copy two large activations.
-        from gpt2_cupy.elementwise import copy
         b_rows = b if transpose_b else copy("transposed", b.T)
         return launch_wgmma_matmul(a, b_rows, out, bias, accumulate)
     return launch_bf16_matmul(bf16_rows(a), bf16_rows(b), out, K, transpose_a, transpose_b, accumulate, bias)
@@ -155,16 +153,12 @@ def launch_bf16_product(a, b, out, transpose_a=False, transpose_b=False, accumul
 def _small_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias):
     """A small bf16 product on chapter 01's float32 kernel: the bf16 values widened (exactly), their products
     exact in float32 as on a tensor core, sums in float32, the bias added, then out rounded once."""
-    from gpt2_cupy.elementwise import elementwise
-
-    def widened(x):
-        return elementwise("bf16_to_float", "a", [x], compute_dtype=numpy.float32)
-
     if out.dtype == numpy.float32:
         result = out
     else:
-        result = widened(out) if accumulate else backend.xp.empty(out.shape, dtype=numpy.float32)
-    launch_matmul(widened(a), widened(b), result, transpose_a, transpose_b, accumulate)
+        result = converted(out, numpy.float32) if accumulate else backend.xp.empty(out.shape, dtype=numpy.float32)
+    launch_matmul(converted(a, numpy.float32), converted(b, numpy.float32), result, transpose_a, transpose_b,
+                  accumulate)
     if bias is not None:
         elementwise("bias_add", "a + b", [result, bias], compute_dtype=numpy.float32, out=result)
     if result is not out:

@@ -17,6 +17,8 @@ capability 9.0 (H100, H200), and compiles only for sm_90a; on another GPU this o
 CPU executor emulates wgmma, so the op runs there too.
 """
 
+import functools
+
 import numpy
 
 from gpt2_cupy import backend, kernels
@@ -51,14 +53,13 @@ def _check_bf16(operation, name, array):
 
 
 def _require_hopper(operation):
-    if backend.name != "cuda":
-        return  # the CPU executor emulates wgmma
+    if wgmma_runs():
+        return
     device = backend.xp.cuda.Device()
-    if device.compute_capability != "90":
-        raise RuntimeError(f"{operation}: wgmma runs only on compute capability 9.0 (H100, H200); this GPU "
-                           f"({backend.device_name()}) is {device.compute_capability[:-1]}."
-                           f"{device.compute_capability[-1]}. gpt2_cupy.ops.tensor_core_matmul with "
-                           "precision='medium' multiplies bf16 on the tensor cores of any GPU since Ampere")
+    raise RuntimeError(f"{operation}: wgmma runs only on compute capability 9.0 (H100, H200); this GPU "
+                       f"({backend.device_name()}) is {device.compute_capability[:-1]}."
+                       f"{device.compute_capability[-1]}. gpt2_cupy.ops.tensor_core_matmul with "
+                       "precision='medium' multiplies bf16 on the tensor cores of any GPU since Ampere")
 
 
 def _kernel(output_dtype):
@@ -83,6 +84,7 @@ def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False):
     return out
 
 
+@functools.lru_cache(maxsize=None)  # the Linear layer asks at every bf16 product
 def wgmma_runs():
     """Whether this backend runs wgmma: a GPU of compute capability 9.0, or the CPU executor (which emulates it,
     and stands for an H100 everywhere)."""
