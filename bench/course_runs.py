@@ -2,6 +2,7 @@
 
     python -m bench.course_runs                      the preset's 1000 steps: bench/course_runs.json, .png
     python -m bench.course_runs --steps 5000 --seconds 400 --concurrent --name course_runs_long
+    python -m bench.course_runs --model llama        a Llama of the same size: bench/course_runs_llama.json, .png
 
 Trains gpt2_cupy.train's `course` preset (6 layers, 6 heads, 384 channels, T = 256, B = 64, dropout 0.2)
 on tinyshakespeare, then on aozora; --concurrent trains both at once, each in its own process on the one
@@ -10,6 +11,9 @@ writes text from its checkpoint with the lowest validation loss (best.npz).
 
 Both corpora are small (0.35M and 0.96M training tokens, against 16,384 tokens a step): the second command
 shows what training far past the preset's 1000 steps does, the model memorising its training text.
+
+--model llama trains the Llama of the preset's size (gpt2_cupy.train.llama_config: RMSNorm, RoPE, SwiGLU, no
+dropout, untied output head) on the same batches, for chapter 17's comparison with GPT-2.
 
 Writes bench/NAME.json (validation curves, the lowest validation loss and its step, bits per character,
 tokens per second, the samples) and bench/NAME.png.
@@ -46,9 +50,10 @@ def characters_per_token(corpus_files):
     return len(tokenizer.decode([int(i) for i in ids])) / len(ids)
 
 
-def train_one(corpus, steps, seconds, out_dir):
+def train_one(corpus, steps, seconds, out_dir, model="gpt2"):
     """Train one corpus (steps None: the preset's), sample from its best checkpoint; a JSON-able summary."""
-    config = make_config(corpus=corpus, preset="course", max_steps=steps, out_dir=out_dir, progress=False)
+    config = make_config(corpus=corpus, preset="course", max_steps=steps, out_dir=out_dir, progress=False,
+                         model=model)
     trainer = Trainer(config)
     # Past the time budget, the loop finishes its step, saves and stops, as after a Ctrl-C.
     deadline = threading.Timer(seconds, lambda: setattr(trainer, "stop_requested", True))
@@ -67,7 +72,7 @@ def train_one(corpus, steps, seconds, out_dir):
     model, tokenizer = load_model(trainer.best_path)
     samples = {prompt: sample_text(model, tokenizer, prompt, **SAMPLE) for prompt in PROMPTS[corpus]}
     return {
-        "steps": trainer.step, "planned_steps": config.max_steps, "wall_seconds": wall, "dropout": config.dropout,
+        "model": model, "steps": trainer.step, "planned_steps": config.max_steps, "wall_seconds": wall, "dropout": config.dropout,
         "parameters": trainer.model.get_num_params(), "vocab_size": trainer.model_config.vocab_size,
         "tokens_per_step": config.batch_size * config.block_size * config.grad_accum,
         "median_tokens_per_second": statistics.median(tokens_per_second) if tokens_per_second else None,
@@ -96,7 +101,7 @@ def plot(results, path):
 
 def table(results):
     at_once = ", both runs at once on one GPU" if results["concurrent"] else ""
-    lines = [f"{results['device']}, {results['date']}: the course preset{at_once}"]
+    lines = [f"{results['device']}, {results['date']}: the course preset, {results.get('model', 'gpt2')}{at_once}"]
     for corpus, run in results["runs"].items():
         lines.append(f"  {corpus:16s} {run['steps']} steps in {run['wall_seconds']:.0f} s "
                      f"({run['median_tokens_per_second']:,.0f} tokens/s), validation loss lowest "
@@ -112,15 +117,19 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, help="default: the preset's")
     parser.add_argument("--seconds", type=float, default=math.inf, help="each run's time budget")
     parser.add_argument("--concurrent", action="store_true", help="train both corpora at once")
-    parser.add_argument("--name", default="course_runs", help="writes bench/NAME.json and bench/NAME.png")
+    parser.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
+    parser.add_argument("--name", help="writes bench/NAME.json and bench/NAME.png (default: course_runs, with "
+                                       "_llama for --model llama)")
     parser.add_argument("--corpus", choices=CORPORA, help="train this one in this process (used internally)")
     parser.add_argument("--part", help="where --corpus writes its summary (used internally)")
     parser.add_argument("--out-dir", default="runs/course-runs")
     arguments = parser.parse_args(argv)
+    arguments.name = arguments.name or ("course_runs" + ("_llama" if arguments.model == "llama" else ""))
     benchmark.require_gpu("thousands of steps of the course preset take hours on the CPU executor")
 
     def train(corpus):
-        return train_one(corpus, arguments.steps, arguments.seconds, f"{arguments.out_dir}/{corpus}")
+        return train_one(corpus, arguments.steps, arguments.seconds, f"{arguments.out_dir}/{arguments.model}-{corpus}",
+                         arguments.model)
 
     if arguments.corpus:
         Path(arguments.part).write_text(json.dumps(train(arguments.corpus), ensure_ascii=False))
@@ -130,7 +139,7 @@ def main(argv=None):
     else:
         with tempfile.TemporaryDirectory() as scratch:
             parts = {corpus: Path(scratch) / f"{corpus}.json" for corpus in CORPORA}
-            options = ["--seconds", str(arguments.seconds), "--out-dir", arguments.out_dir]
+            options = ["--seconds", str(arguments.seconds), "--out-dir", arguments.out_dir, "--model", arguments.model]
             if arguments.steps is not None:
                 options += ["--steps", str(arguments.steps)]
             processes = [subprocess.Popen([sys.executable, "-m", "bench.course_runs", "--corpus", corpus,
@@ -139,7 +148,7 @@ def main(argv=None):
             if failed:
                 raise SystemExit(f"training failed for {', '.join(failed)}")
             runs = {corpus: json.loads(part.read_text()) for corpus, part in parts.items()}
-    results = {**benchmark.measured_on(), "concurrent": arguments.concurrent, "runs": runs}
+    results = {**benchmark.measured_on(), "model": arguments.model, "concurrent": arguments.concurrent, "runs": runs}
     plot(results, HERE / f"{arguments.name}.png")
     benchmark.report(arguments.name, results, table(results))
     return 0
