@@ -335,6 +335,9 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
         raise ValueError(f"scaled_dot_product_attention: dropout_p = {dropout_p}; it must be in [0, 1]")
     if attn_mask is not None and not isinstance(attn_mask, Tensor):
         attn_mask = Tensor(attn_mask)
+    if attn_mask is not None and attn_mask.dtype != numpy.bool_ and attn_mask.dtype.kind != "f":
+        raise TypeError("scaled_dot_product_attention: Expected attn_mask dtype to be bool or float or to match query "
+                        f"dtype, but got attn_mask.dtype: {attn_mask.dtype} and query.dtype: {q.dtype} instead.")
     mask_fits = attn_mask is None or (not attn_mask.requires_grad and attn_mask.dtype in (numpy.bool_, FLOAT32))
     if same_layout and mask_fits and d in FUSED_ATTENTION_HEAD_SIZES:
         return Attention.apply(q, k, v, bool(is_causal), "softmax", None if default_scale else float(scale),

@@ -173,6 +173,9 @@ class ScoreOptions:
             raise ValueError(f"{operation}: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
         self.dropout = dropout_p > 0.0
         if self.dropout:
+            if rng_state is None:
+                raise ValueError(f"{operation}: dropout_p = {dropout_p} needs an rng_state, the (seed, offset) "
+                                 "device array of ops.dropout.new_rng_state")
             check(operation, rng_state=(rng_state, (2,), np.uint64))
         self.mask, strides = _mask_and_strides(operation, attn_mask, sizes)
         mask_type = "void" if self.mask is None else "bool" if self.mask.dtype == np.bool_ else "float"
