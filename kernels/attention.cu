@@ -6,8 +6,8 @@
 //   softmax:  S = q kᵀ / √d, P = softmax(S) over the visible keys, out = P v;
 //   RELU:     S = q kᵀ / √d, P = max(S, 0) on the visible keys, no normalisation, out = P v.
 // causal = 1: query t sees keys 0..t. The _general kernels (softmax) also take PyTorch's scale, attn_mask and
-// dropout_p (see "What the general kernels add" below). S and P are never written to memory: a block holds a tile of them
-// in registers and shared memory, uses it, and moves on, so the extra memory is O(T) (lse, rowdot).
+// dropout_p (see "What the general kernels add" below). S and P are never written to memory: a block holds a
+// tile of them in registers and shared memory, uses it, and moves on, so the extra memory is O(T) (lse, rowdot).
 //
 // Head sizes. The tiles are D floats wide, D = 32, 64, 128 or 256, a template parameter: the loops over D
 // unroll and each thread's accumulators (D / 8 floats per row) live in registers. The head size d, a
