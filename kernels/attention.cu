@@ -5,8 +5,9 @@
 // Two variants, a template flag:
 //   softmax:  S = q kᵀ / √d, P = softmax(S) over the visible keys, out = P v;
 //   RELU:     S = q kᵀ / √d, P = max(S, 0) on the visible keys, no normalisation, out = P v.
-// causal = 1: query t sees keys 0..t. S and P are never written to memory: a block holds a tile of them
-// in registers and shared memory, uses it, and moves on, so the extra memory is O(T) (lse, rowdot).
+// causal = 1: query t sees keys 0..t. The _general kernels (softmax) also take PyTorch's scale, attn_mask and
+// dropout_p (see "What the general kernels add" below). S and P are never written to memory: a block holds a
+// tile of them in registers and shared memory, uses it, and moves on, so the extra memory is O(T) (lse, rowdot).
 //
 // Head sizes. The tiles are D floats wide, D = 32, 64, 128 or 256, a template parameter: the loops over D
 // unroll and each thread's accumulators (D / 8 floats per row) live in registers. The head size d, a
@@ -51,6 +52,7 @@
 #include "warp.cuh"
 #include "special_values.cuh"
 #include "float_groups.cuh"
+#include "philox.cuh"
 
 #define COLUMNS 64                 // columns (keys, or queries) per tile
 #define ROWS_PER_THREAD 4
@@ -292,14 +294,112 @@ __device__ void store_micro_tile_transposed(float* tile, float value[ROWS_PER_TH
             tile[(column_group + COLUMN_GROUPS * c) * (ROWS + PAD) + row_group + ROWS / ROWS_PER_THREAD * r] = value[r][c];
 }
 
+// ---- What the general kernels add: PyTorch's scale, attn_mask and dropout_p ----
+// The plain kernels (attention_forward, attention_backward_dk_dv, attention_backward_dq) compute softmax(q kᵀ / √d)
+// with the causal mask alone. Their _general versions take what scaled_dot_product_attention takes besides:
+//   scale:   S = scale q kᵀ, any float. The plain kernels keep scores unscaled and scale inside the exponent,
+//            which relies on 1/√d > 0 (the largest score stays the largest); the general ones compute
+//            S = scale q kᵀ + mask once per score (scale_and_mask) and then run the same code with a scale of 1.
+//   a mask:  Mask = float: added to S; Mask = bool: false removes the key (S = -inf); Mask = void: none. It is
+//            (B, H, T, T) seen through strides, 0 along an axis it broadcasts over: one (T, T) mask serves
+//            every head without a copy.
+//   dropout: each weight P_ij kept with probability 1 - p and then scaled by 1 / (1 - p), from the Philox
+//            number of element (b, h, i, j) of (B, H, T, T), flat index ((b H + h) T + i) T + j, of the stream
+//            (seed, offset) in rng_state (philox.cuh, chapter 07): the backward regenerates the same mask.
+// A row whose every key is masked attends to nothing: its output is 0 and its gradients are 0, as in
+// PyTorch's math backend (its _safe_softmax). The forward then saves lse = +inf, which makes every P of the
+// row 2^(S - inf) = 0 in the backward, whatever S is.
+// These are template flags (GENERAL, Mask, DROPOUT): the plain kernels' instantiations contain none of it.
+template <typename Mask>
+struct ScoreOptions {
+    float scale;                      // the plain kernels' 1/√d, or the caller's
+    const Mask* mask;                 // Mask = void: no mask
+    long long mask_stride[4];         // in elements: batch, head, query, key
+    int heads;                        // H: flat query head `head` is head head % H of sequence head / H
+    int T;
+    unsigned long long seed, offset;  // dropout's stream, read once from rng_state
+    float dropout_p, keep_scale;      // keep_scale = 1 / (1 - p)
+};
+
+__device__ __forceinline__ float mask_term(const void*, long long) { return 0.0f; }
+__device__ __forceinline__ float mask_term(const float* mask, long long at) { return mask[at]; }
+__device__ __forceinline__ float mask_term(const bool* mask, long long at) { return mask[at] ? 0.0f : NEGATIVE_INFINITY; }
+
+template <typename Mask>
+__device__ float mask_value(const ScoreOptions<Mask>& options, long long head, int query, int key)
+{
+    const long long* stride = options.mask_stride;
+    long long at = head / options.heads * stride[0] + head % options.heads * stride[1] + query * stride[2] +
+                   key * stride[3];
+    return mask_term(options.mask, at);
+}
+
+// Whether dropout keeps the weight of (query, key) of a flat query head.
+template <typename Mask>
+__device__ bool dropout_keeps(const ScoreOptions<Mask>& options, long long head, int query, int key)
+{
+    unsigned long long index = ((unsigned long long)head * options.T + query) * options.T + key;
+    return philox_uniform(options.seed, options.offset, index) >= options.dropout_p;
+}
+
+// The options of the plain kernels: 1/√d, nothing else.
+__device__ ScoreOptions<void> plain_options(int d)
+{
+    ScoreOptions<void> options = {};
+    options.scale = rsqrtf((float)d);
+    return options;
+}
+
+// The options of a general kernel, from its arguments; rng_state is read only where there is dropout.
+template <typename Mask, bool DROPOUT>
+__device__ ScoreOptions<Mask> general_options(float scale, const Mask* mask, long long batch_stride,
+                                              long long head_stride, long long query_stride, long long key_stride,
+                                              int heads, int T, const unsigned long long* rng_state, float dropout_p)
+{
+    ScoreOptions<Mask> options;
+    options.scale = scale;
+    options.mask = mask;
+    options.mask_stride[0] = batch_stride; options.mask_stride[1] = head_stride;
+    options.mask_stride[2] = query_stride; options.mask_stride[3] = key_stride;
+    options.heads = heads;
+    options.T = T;
+    options.seed = DROPOUT ? rng_state[0] : 0;
+    options.offset = DROPOUT ? rng_state[1] : 0;
+    options.dropout_p = dropout_p;
+    options.keep_scale = 1.0f / (1.0f - dropout_p);
+    return options;
+}
+
+// s = scale s + mask over a thread's micro-tile of unscaled scores q·k, in place; ROWS_ARE_QUERIES says which
+// of the tile's axes are the queries (the forward and dq: rows; dk, dv: columns). Positions past T (padding)
+// are left alone: the kernels mask them anyway, and the mask has no element there.
+template <int ROWS, bool ROWS_ARE_QUERIES, typename Mask>
+__device__ void scale_and_mask(float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD], const ScoreOptions<Mask>& options,
+                               long long head, int first_row, int first_column)
+{
+    int row_group = thread_row_group(), column_group = thread_column_group();
+    for (int r = 0; r < ROWS_PER_THREAD; r++) {
+        int row = first_row + row_group + ROWS / ROWS_PER_THREAD * r;
+        for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
+            int column = first_column + column_group + COLUMN_GROUPS * c;
+            int query = ROWS_ARE_QUERIES ? row : column, key = ROWS_ARE_QUERIES ? column : row;
+            float term = query < options.T && key < options.T ? mask_value(options, head, query, key) : 0.0f;
+            s[r][c] = fmaf(options.scale, s[r][c], term);
+        }
+    }
+}
+
 // The forward's online softmax (or ReLU) over one tile, in place: s holds q·k, unscaled; it becomes P.
 // The running maximum m is kept unscaled too (scaling by 1/√d > 0 keeps the order). When the maximum
 // grows, what was summed so far, l and the output, is rescaled by e^((m_old - m_new) / √d).
-template <bool RELU, bool MASKED, int ROWS, int D>
+// GENERAL (scores already scaled and masked, scale = 1): a row may have met only masked keys so far, its
+// maximum still -inf, where 2^(-inf - (-inf)) would be NaN: nothing is rescaled and its P stay 0.
+// DROPOUT: the sum l takes every P (the softmax is of all the weights); the output takes the kept ones, scaled.
+template <bool RELU, bool MASKED, int ROWS, int D, bool GENERAL, typename Mask, bool DROPOUT>
 __device__ void forward_probabilities(float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD],
                                       float o[ROWS_PER_THREAD][D / COLUMN_GROUPS], float running_max[ROWS_PER_THREAD],
                                       float running_sum[ROWS_PER_THREAD], int first_query, int first_key, int T,
-                                      int causal, float scale)
+                                      int causal, float scale, const ScoreOptions<Mask>& options, long long head)
 {
     const float exp2_scale = scale * LOG2E;
     int row_group = thread_row_group(), column_group = thread_column_group();
@@ -317,12 +417,17 @@ __device__ void forward_probabilities(float s[ROWS_PER_THREAD][COLUMNS_PER_THREA
         } else {
             // Key 0 is in the first tile and visible to every row, so the maximum is finite from then on.
             float new_max = fmaxf(running_max[r], row_max(tile_max));
-            float correction = exp2f((running_max[r] - new_max) * exp2_scale);  // 2^-inf = 0 on the first tile
-            float offset = new_max * exp2_scale;
+            bool nothing_seen = GENERAL && new_max == NEGATIVE_INFINITY;
+            float correction = nothing_seen ? 1.0f : exp2f((running_max[r] - new_max) * exp2_scale);  // 2^-inf = 0 on the first tile
+            float offset = nothing_seen ? 0.0f : new_max * exp2_scale;
             running_sum[r] *= correction;
             for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
                 s[r][c] = visible[c] ? exp2f(fmaf(s[r][c], exp2_scale, -offset)) : 0.0f;
                 running_sum[r] += s[r][c];
+                if (DROPOUT && visible[c]) {
+                    int key = first_key + column_group + COLUMN_GROUPS * c;
+                    s[r][c] = dropout_keeps(options, head, query, key) ? s[r][c] * options.keep_scale : 0.0f;
+                }
             }
             for (int c = 0; c < D / COLUMN_GROUPS; c++) o[r][c] *= correction;
             running_max[r] = new_max;
@@ -337,9 +442,10 @@ __device__ void forward_probabilities(float s[ROWS_PER_THREAD][COLUMNS_PER_THREA
 // element by element. Query tiles are taken last first: with the causal mask they have the most key tiles,
 // and starting them early keeps the GPU from ending on a few long blocks.
 // Shared memory: a q tile of ROWS x (D + 4) floats, k and v tiles of 64 x (D + 4), a ROWS x 72 tile of P.
-template <int D, bool RELU, int ROWS>
-__global__ void __launch_bounds__(THREADS_FOR(ROWS), FORWARD_BLOCKS(D, ROWS)) attention_forward(float* out,
-    float* lse, const float* q, const float* k, const float* v, int T, int causal, int d, int group)
+// The kernel's body, a device function that the plain and the general kernels both run.
+template <int D, bool RELU, int ROWS, bool GENERAL, typename Mask, bool DROPOUT>
+__device__ __forceinline__ void forward_block(float* out, float* lse, const float* q, const float* k, const float* v,
+                                              int T, int causal, int d, int group, const ScoreOptions<Mask>& options)
 {
     constexpr int THREADS = THREADS_FOR(ROWS);
     extern __shared__ __align__(16) float shared[];
@@ -347,7 +453,7 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), FORWARD_BLOCKS(D, ROWS)) at
     float* k_tile = q_tile + ROWS * (D + PAD);
     float* v_tile = k_tile + COLUMNS * (D + PAD);
     float* p_tile = v_tile + COLUMNS * (D + PAD);
-    const float scale = rsqrtf((float)d);
+    const float scale = GENERAL ? 1.0f : options.scale;  // the general kernels scale the scores themselves
     long long head = blockIdx.x, key_head = head / group;
     int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS;
     q += head * T * d; out += head * T * d; k += key_head * T * d; v += key_head * T * d;
@@ -368,9 +474,14 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), FORWARD_BLOCKS(D, ROWS)) at
         bool diagonal = ROWS == COLUMNS && causal && first_key == first_query;  // its upper right quadrant masked
         if (diagonal) tile_dots<D, ROWS, UPPER_RIGHT>(s, q_tile, k_tile);
         else tile_dots<D, ROWS>(s, q_tile, k_tile);
+        if (GENERAL) scale_and_mask<ROWS, true>(s, options, head, first_query, first_key);
         bool masked = (causal && first_key + COLUMNS - 1 > first_query) || first_key + COLUMNS > T;
-        if (masked) forward_probabilities<RELU, true, ROWS, D>(s, o, running_max, running_sum, first_query, first_key, T, causal, scale);
-        else forward_probabilities<RELU, false, ROWS, D>(s, o, running_max, running_sum, first_query, first_key, T, causal, scale);
+        if (masked)
+            forward_probabilities<RELU, true, ROWS, D, GENERAL, Mask, DROPOUT>(
+                s, o, running_max, running_sum, first_query, first_key, T, causal, scale, options, head);
+        else
+            forward_probabilities<RELU, false, ROWS, D, GENERAL, Mask, DROPOUT>(
+                s, o, running_max, running_sum, first_query, first_key, T, causal, scale, options, head);
         store_micro_tile<ROWS>(p_tile, s);
         __syncwarp();  // a thread reads back only rows of p_tile that its own warp wrote
         if (diagonal) tile_accumulate<D, ROWS, WEIGHTS_STRIDE, UPPER_RIGHT>(o, p_tile, v_tile);
@@ -382,11 +493,36 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), FORWARD_BLOCKS(D, ROWS)) at
         if (!RELU) {
             float sum = row_sum(running_sum[r]);
             factor = 1.0f / sum;
-            if (thread_column_group() == 0 && query < T) lse[query] = running_max[r] * scale + logf(sum);
+            float row_lse = running_max[r] * scale + logf(sum);
+            if (GENERAL && sum == 0.0f) {  // every key masked: out = 0, and lse = +inf gives P = 0 in the backward
+                factor = 0.0f;
+                row_lse = -NEGATIVE_INFINITY;
+            }
+            if (thread_column_group() == 0 && query < T) lse[query] = row_lse;
         }
         for (int c = 0; c < D / COLUMN_GROUPS; c++) o[r][c] *= factor;
     }
     store_rows<D, ROWS>(out, o, first_query, T, d, 1.0f);
+}
+
+template <int D, bool RELU, int ROWS>
+__global__ void __launch_bounds__(THREADS_FOR(ROWS), FORWARD_BLOCKS(D, ROWS)) attention_forward(float* out,
+    float* lse, const float* q, const float* k, const float* v, int T, int causal, int d, int group)
+{
+    forward_block<D, RELU, ROWS, false, void, false>(out, lse, q, k, v, T, causal, d, group, plain_options(d));
+}
+
+// The forward with a scale, a mask and dropout (softmax only): the mask's strides in elements, heads = H.
+template <int D, int ROWS, typename Mask, bool DROPOUT>
+__global__ void __launch_bounds__(THREADS_FOR(ROWS), FORWARD_BLOCKS(D, ROWS)) attention_forward_general(
+    float* out, float* lse, const float* q, const float* k, const float* v, int T, int causal, int d, int group,
+    float scale, const Mask* mask, long long mask_batch_stride, long long mask_head_stride,
+    long long mask_query_stride, long long mask_key_stride, int heads, const unsigned long long* rng_state,
+    float dropout_p)
+{
+    forward_block<D, false, ROWS, true, Mask, DROPOUT>(out, lse, q, k, v, T, causal, d, group,
+        general_options<Mask, DROPOUT>(scale, mask, mask_batch_stride, mask_head_stride, mask_query_stride,
+                                       mask_key_stride, heads, T, rng_state, dropout_p));
 }
 
 // rowdot[i] = Σ_c dout[i][c] * out[i][c], the softmax backward's row sum (D_i in FlashAttention-2):
@@ -458,12 +594,14 @@ __device__ void key_probabilities(float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD],
     }
 }
 
-// The dq kernel's tile of dS, in place of dP (rows = queries, columns = keys).
-template <bool RELU, bool MASKED, int ROWS>
+// The dq kernel's tile of dS, in place of dP (rows = queries, columns = keys). DROPOUT: out = (P ⊙ Z) v with
+// Z = mask / (1 - p), so the gradient of P is Z ⊙ dP, and dS = P ⊙ (Z ⊙ dP - rowdot): rowdot = <dout, out>
+// = Σ_j P_ij Z_ij dP_ij is still the row sum that the softmax backward subtracts.
+template <bool RELU, bool MASKED, int ROWS, typename Mask, bool DROPOUT>
 __device__ void query_gradients(const float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD],
                                 float ds[ROWS_PER_THREAD][COLUMNS_PER_THREAD], const float row_lse2[ROWS_PER_THREAD],
                                 const float row_rowdot[ROWS_PER_THREAD], int first_query, int first_key, int T,
-                                int causal, float scale)
+                                int causal, float scale, const ScoreOptions<Mask>& options, long long head)
 {
     int row_group = thread_row_group(), column_group = thread_column_group();
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
@@ -472,7 +610,9 @@ __device__ void query_gradients(const float s[ROWS_PER_THREAD][COLUMNS_PER_THREA
             int key = first_key + column_group + COLUMN_GROUPS * c;
             bool visible = !MASKED || backward_visible(query, key, T, causal);
             float p = visible ? probability<RELU>(s[r][c], scale, row_lse2[r]) : 0.0f;
-            ds[r][c] = score_gradient<RELU>(p, ds[r][c], row_rowdot[r]);
+            float dp = ds[r][c];
+            if (DROPOUT) dp = visible && dropout_keeps(options, head, query, key) ? dp * options.keep_scale : 0.0f;
+            ds[r][c] = score_gradient<RELU>(p, dp, row_rowdot[r]);
         }
     }
 }
@@ -491,10 +631,12 @@ __device__ void query_gradients(const float s[ROWS_PER_THREAD][COLUMNS_PER_THREA
 // query tile add into it in whatever order they run: dq's bits vary from run to run.
 // Shared memory: k, v tiles of ROWS x (D + 4) floats, q, dout tiles of 64 x (D + 4), a ROWS x 72 tile, and
 // with DQ_ATOMIC a 64 x (ROWS + 4) tile.
-template <int D, bool RELU, int ROWS, bool DQ_ATOMIC>
-__global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dk_dv(float* dk,
-    float* dv, float* dq, const float* dout, const float* q, const float* k, const float* v, const float* lse,
-    const float* rowdot, int T, int causal, int d, int group)
+// DROPOUT: dv takes P ⊙ Z (the weights the forward used), dS = P ⊙ (Z ⊙ dP - rowdot) (query_gradients): the
+// tile holds P ⊙ Z for dv while P stays in registers for dS, and the thread keeps its 32 bits of Z in a word.
+template <int D, bool RELU, int ROWS, bool DQ_ATOMIC, bool GENERAL, typename Mask, bool DROPOUT>
+__device__ __forceinline__ void backward_dk_dv_block(float* dk, float* dv, float* dq, const float* dout,
+    const float* q, const float* k, const float* v, const float* lse, const float* rowdot, int T, int causal, int d,
+    int group, const ScoreOptions<Mask>& options)
 {
     static_assert(!DQ_ATOMIC || ROWS == COLUMNS, "the one-pass dq takes tiles of 64 keys");
     constexpr int THREADS = THREADS_FOR(ROWS);
@@ -505,7 +647,8 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) a
     float* dout_tile = q_tile + COLUMNS * (D + PAD);
     float* weights_tile = dout_tile + COLUMNS * (D + PAD);  // P, then dS, transposed
     float* ds_by_query = weights_tile + ROWS * WEIGHTS_STRIDE;  // DQ_ATOMIC: dS, rows = queries
-    const float scale = rsqrtf((float)d);
+    const float scale = options.scale;                         // of the gradients
+    const float exponent_scale = GENERAL ? 1.0f : scale;       // of the scores in P (general: already scaled)
     int row_group = thread_row_group(), column_group = thread_column_group();
     long long key_head = blockIdx.x;
     int first_key = blockIdx.y * ROWS;
@@ -540,10 +683,26 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) a
             bool diagonal = !DQ_ATOMIC && ROWS == COLUMNS && causal && first_query == first_key;
             if (diagonal) tile_dots<D, ROWS, LOWER_LEFT>(s, k_tile, q_tile);  // row j = key, column i = query
             else tile_dots<D, ROWS>(s, k_tile, q_tile);
+            if (GENERAL) scale_and_mask<ROWS, false>(s, options, head, first_key, first_query);
             bool masked = (causal && first_query < first_key + ROWS - 1) || first_query + COLUMNS > T || first_key + ROWS > T;
-            if (masked) key_probabilities<RELU, true, ROWS>(s, query_lse2, first_key, first_query, T, causal, scale);
-            else key_probabilities<RELU, false, ROWS>(s, query_lse2, first_key, first_query, T, causal, scale);
-            store_micro_tile<ROWS>(weights_tile, s);
+            if (masked) key_probabilities<RELU, true, ROWS>(s, query_lse2, first_key, first_query, T, causal, exponent_scale);
+            else key_probabilities<RELU, false, ROWS>(s, query_lse2, first_key, first_query, T, causal, exponent_scale);
+            unsigned int kept = 0;  // DROPOUT: bit 8 r + c, whether Z of the thread's entry (r, c) is nonzero
+            if (DROPOUT) {
+                float dropped[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
+                for (int r = 0; r < ROWS_PER_THREAD; r++) {
+                    int key = first_key + row_group + ROWS / ROWS_PER_THREAD * r;
+                    for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
+                        int query = first_query + column_group + COLUMN_GROUPS * c;
+                        bool keep = query < T && key < T && dropout_keeps(options, head, query, key);
+                        kept |= (unsigned int)keep << (COLUMNS_PER_THREAD * r + c);
+                        dropped[r][c] = keep ? s[r][c] * options.keep_scale : 0.0f;
+                    }
+                }
+                store_micro_tile<ROWS>(weights_tile, dropped);
+            } else {
+                store_micro_tile<ROWS>(weights_tile, s);
+            }
             __syncwarp();  // a thread reads back only rows its own warp wrote
             float ds[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
             if (diagonal) {
@@ -558,7 +717,13 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) a
                 for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
                     float& place = weights_tile[(row_group + ROWS / ROWS_PER_THREAD * r) * WEIGHTS_STRIDE +
                                                 column_group + COLUMN_GROUPS * c];
-                    ds[r][c] = score_gradient<RELU>(place, ds[r][c], query_rowdot[c]);
+                    if (DROPOUT) {
+                        bool keep = (kept >> (COLUMNS_PER_THREAD * r + c)) & 1u;
+                        ds[r][c] = score_gradient<RELU>(s[r][c], keep ? ds[r][c] * options.keep_scale : 0.0f,
+                                                        query_rowdot[c]);
+                    } else {
+                        ds[r][c] = score_gradient<RELU>(place, ds[r][c], query_rowdot[c]);
+                    }
                     place = ds[r][c];
                 }
             }
@@ -578,6 +743,28 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) a
     store_rows<D, ROWS>(dv, dv_rows, first_key, T, d, 1.0f);
 }
 
+template <int D, bool RELU, int ROWS, bool DQ_ATOMIC>
+__global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dk_dv(float* dk,
+    float* dv, float* dq, const float* dout, const float* q, const float* k, const float* v, const float* lse,
+    const float* rowdot, int T, int causal, int d, int group)
+{
+    backward_dk_dv_block<D, RELU, ROWS, DQ_ATOMIC, false, void, false>(dk, dv, dq, dout, q, k, v, lse, rowdot, T,
+                                                                      causal, d, group, plain_options(d));
+}
+
+template <int D, int ROWS, bool DQ_ATOMIC, typename Mask, bool DROPOUT>
+__global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dk_dv_general(
+    float* dk, float* dv, float* dq, const float* dout, const float* q, const float* k, const float* v,
+    const float* lse, const float* rowdot, int T, int causal, int d, int group, float scale, const Mask* mask,
+    long long mask_batch_stride, long long mask_head_stride, long long mask_query_stride, long long mask_key_stride,
+    int heads, const unsigned long long* rng_state, float dropout_p)
+{
+    backward_dk_dv_block<D, false, ROWS, DQ_ATOMIC, true, Mask, DROPOUT>(dk, dv, dq, dout, q, k, v, lse, rowdot, T,
+        causal, d, group, general_options<Mask, DROPOUT>(scale, mask, mask_batch_stride, mask_head_stride,
+                                                         mask_query_stride, mask_key_stride, heads, T, rng_state,
+                                                         dropout_p));
+}
+
 // Backward, second pass: dq. grid = (heads, ⌈T/ROWS⌉): a block owns ROWS queries (rows; columns = keys)
 // and loops over the key tiles of its key-value head that they see, as the forward does:
 // dq_i = Σ_j dS_ij k_j / √d. A separate pass recomputes S and dP once more (7 T x T x d products in the
@@ -585,10 +772,10 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) a
 // is summed by one thread in a fixed order, where adding into dq with atomics from the dk, dv kernel
 // would sum in whatever order the blocks happen to run: this way training is bit-reproducible.
 // Shared memory: q, dout tiles of ROWS x (D + 4) floats, k, v tiles of 64 x (D + 4), a ROWS x 72 tile of dS.
-template <int D, bool RELU, int ROWS>
-__global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dq(float* dq,
-    const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* rowdot, int T,
-    int causal, int d, int group)
+template <int D, bool RELU, int ROWS, bool GENERAL, typename Mask, bool DROPOUT>
+__device__ __forceinline__ void backward_dq_block(float* dq, const float* dout, const float* q, const float* k,
+    const float* v, const float* lse, const float* rowdot, int T, int causal, int d, int group,
+    const ScoreOptions<Mask>& options)
 {
     constexpr int THREADS = THREADS_FOR(ROWS);
     extern __shared__ __align__(16) float shared[];
@@ -597,7 +784,8 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) a
     float* k_tile = dout_tile + ROWS * (D + PAD);
     float* v_tile = k_tile + COLUMNS * (D + PAD);
     float* ds_tile = v_tile + COLUMNS * (D + PAD);
-    const float scale = rsqrtf((float)d);
+    const float scale = options.scale;                         // of the gradients
+    const float exponent_scale = GENERAL ? 1.0f : scale;       // of the scores in P (general: already scaled)
     long long head = blockIdx.x, key_head = head / group;
     int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS;  // longest first, as in the forward
     q += head * T * d; dout += head * T * d; dq += head * T * d; k += key_head * T * d; v += key_head * T * d;
@@ -627,13 +815,39 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) a
             tile_dots<D, ROWS>(s, q_tile, k_tile);
             tile_dots<D, ROWS>(ds, dout_tile, v_tile);
         }
+        if (GENERAL) scale_and_mask<ROWS, true>(s, options, head, first_query, first_key);
         bool masked = (causal && first_key + COLUMNS - 1 > first_query) || first_key + COLUMNS > T || first_query + ROWS > T;
-        if (masked) query_gradients<RELU, true, ROWS>(s, ds, row_lse2, row_rowdot, first_query, first_key, T, causal, scale);
-        else query_gradients<RELU, false, ROWS>(s, ds, row_lse2, row_rowdot, first_query, first_key, T, causal, scale);
+        if (masked)
+            query_gradients<RELU, true, ROWS, Mask, DROPOUT>(s, ds, row_lse2, row_rowdot, first_query, first_key, T,
+                                                             causal, exponent_scale, options, head);
+        else
+            query_gradients<RELU, false, ROWS, Mask, DROPOUT>(s, ds, row_lse2, row_rowdot, first_query, first_key, T,
+                                                              causal, exponent_scale, options, head);
         store_micro_tile<ROWS>(ds_tile, ds);
         __syncwarp();
         if (diagonal) tile_accumulate<D, ROWS, WEIGHTS_STRIDE, UPPER_RIGHT>(dq_rows, ds_tile, k_tile);
         else tile_accumulate<D, ROWS>(dq_rows, ds_tile, k_tile);
     }
     store_rows<D, ROWS>(dq, dq_rows, first_query, T, d, scale);
+}
+
+template <int D, bool RELU, int ROWS>
+__global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dq(float* dq,
+    const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* rowdot, int T,
+    int causal, int d, int group)
+{
+    backward_dq_block<D, RELU, ROWS, false, void, false>(dq, dout, q, k, v, lse, rowdot, T, causal, d, group,
+                                                         plain_options(d));
+}
+
+template <int D, int ROWS, typename Mask, bool DROPOUT>
+__global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dq_general(
+    float* dq, const float* dout, const float* q, const float* k, const float* v, const float* lse,
+    const float* rowdot, int T, int causal, int d, int group, float scale, const Mask* mask,
+    long long mask_batch_stride, long long mask_head_stride, long long mask_query_stride, long long mask_key_stride,
+    int heads, const unsigned long long* rng_state, float dropout_p)
+{
+    backward_dq_block<D, false, ROWS, true, Mask, DROPOUT>(dq, dout, q, k, v, lse, rowdot, T, causal, d, group,
+        general_options<Mask, DROPOUT>(scale, mask, mask_batch_stride, mask_head_stride, mask_query_stride,
+                                       mask_key_stride, heads, T, rng_state, dropout_p));
 }

@@ -238,18 +238,31 @@ def log_softmax(x, dim=-1):
 
 
 class Attention(Function):
+    """Chapter 08's fused kernels. scale (None: 1/√d), attn_mask (an array, or None) and dropout_p take the
+    kernels' general versions; dropout draws from dropout's generator as F.dropout does: the forward uses a copy
+    of its (seed, offset), kept for the backward to regenerate the mask, and advances the offset on the device
+    past the B·H·T·T weights (no host copy: it works inside a CUDA graph capture)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, variant):
-        out, lse = attention_forward(q, k, v, causal=causal, variant=variant)
+    def forward(ctx, q, k, v, causal, variant, scale=None, attn_mask=None, dropout_p=0.0):
+        ctx.rng_state = None
+        if dropout_p > 0.0:
+            rng_state = dropout_rng_state()
+            ctx.rng_state = rng_state.copy()
+        options = dict(scale=scale, attn_mask=attn_mask, dropout_p=dropout_p, rng_state=ctx.rng_state)
+        out, lse = attention_forward(q, k, v, causal=causal, variant=variant, **options)
+        if dropout_p > 0.0:
+            advance_rng_state(rng_state, lse.size * q.shape[-2])   # one number per weight, (..., H, T, T)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.variant = causal, variant
+        ctx.causal, ctx.variant, ctx.options = causal, variant, options
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=ctx.causal, variant=ctx.variant)
-        return dq, dk, dv, None, None
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=ctx.causal, variant=ctx.variant,
+                                        **ctx.options)
+        return dq, dk, dv, None, None, None, None, None
 
 
 class TensorCoreAttention(Function):
@@ -290,10 +303,14 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     enable_gqa: k and v may have H_kv heads, H_kv dividing H: query head h reads key and value head
     h // (H / H_kv) (grouped-query attention, as PyTorch 2.5's argument; without it, other head counts are its error).
 
-    The fused kernels of chapter 08 run what they take: the default scale 1/√d, no mask but the causal one, no
-    dropout, head sizes FUSED_ATTENTION_HEAD_SIZES (1 to 256), as many keys as queries; grouped heads are read
-    without a copy. Anything else runs PyTorch's "math" path, written with Tensor operations (chapter 11b):
-    attn_mask a bool tensor (True: take part) or a float one added to the scores, broadcast to (B, H, T, S).
+    attn_mask: a bool tensor (True: take part) or a float one added to the scores, broadcastable to (B, H, T, S).
+    A query whose every key is masked gets 0 (and zero gradients), as in PyTorch's math backend (_safe_softmax).
+
+    The fused kernels of chapter 08 run head sizes FUSED_ATTENTION_HEAD_SIZES (1 to 256) with as many keys as
+    queries: any scale, a bool or float32 mask (read in place, broadcast through strides), dropout (its mask
+    regenerated in the backward from Philox, as F.dropout's), grouped heads read without a copy. Anything else
+    (T != S, a mask that requires grad, other head sizes) runs PyTorch's "math" path, written with Tensor
+    operations (chapter 11b). Both draw dropout's numbers for the same elements of (B, H, T, S) the same way.
     """
     if _on_tensor_cores(q, k, v, attn_mask, dropout_p, enable_gqa):
         return TensorCoreAttention.apply(q, k, v, bool(is_causal), scale)
@@ -314,11 +331,19 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
                                f"{value_heads} (enable_gqa=True: a key and value head serves several query heads)")
     same_layout = (k.shape == v.shape and k.ndim == q.ndim and q.shape[:-3] == k.shape[:-3]
                    and q.shape[-2] == k.shape[-2])  # the fused kernels' (B, H or H_kv, T, d)
-    if attn_mask is None and dropout_p == 0.0 and default_scale and same_layout:
-        if d in FUSED_ATTENTION_HEAD_SIZES:
-            return Attention.apply(q, k, v, bool(is_causal), "softmax")
-        if is_causal and key_heads == heads:
-            return MatmulAttention.apply(q, k, v)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"scaled_dot_product_attention: dropout_p = {dropout_p}; it must be in [0, 1]")
+    if attn_mask is not None and not isinstance(attn_mask, Tensor):
+        attn_mask = Tensor(attn_mask)
+    if attn_mask is not None and attn_mask.dtype != numpy.bool_ and attn_mask.dtype.kind != "f":
+        raise TypeError("scaled_dot_product_attention: Expected attn_mask dtype to be bool or float or to match query "
+                        f"dtype, but got attn_mask.dtype: {attn_mask.dtype} and query.dtype: {q.dtype} instead.")
+    mask_fits = attn_mask is None or (not attn_mask.requires_grad and attn_mask.dtype in (numpy.bool_, FLOAT32))
+    if same_layout and mask_fits and d in FUSED_ATTENTION_HEAD_SIZES:
+        return Attention.apply(q, k, v, bool(is_causal), "softmax", None if default_scale else float(scale),
+                               attn_mask, float(dropout_p))
+    if attn_mask is None and dropout_p == 0.0 and default_scale and same_layout and is_causal and key_heads == heads:
+        return MatmulAttention.apply(q, k, v)
     return _attention_from_operations(q, k, v, attn_mask, dropout_p, is_causal, 1 / math.sqrt(d) if scale is None else scale)
 
 
@@ -343,7 +368,12 @@ def _attention_from_operations(q, k, v, attn_mask, dropout_p, is_causal, scale):
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask
-    weights = softmax(scores, dim=-1)
+        # A row of -inf alone would give softmax NaN: such rows attend to nothing (PyTorch's _safe_softmax). They
+        # are set to 0 before the softmax, so that its backward sees finite weights, and their weights to 0 after.
+        nothing_visible = scores.max(dim=-1, keepdim=True)[0] == float("-inf")      # (B, H, T, 1)
+        weights = softmax(scores.masked_fill(nothing_visible, 0.0), dim=-1).masked_fill(nothing_visible, 0.0)
+    else:
+        weights = softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = dropout(weights, dropout_p)
     return weights @ v

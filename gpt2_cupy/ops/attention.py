@@ -2,6 +2,9 @@
 
     out, lse = attention_forward(q, k, v, causal=True, variant="softmax")
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=True, variant="softmax", deterministic=True)
+    out, lse = attention_forward(q, k, v, causal=False, scale=0.1, attn_mask=mask, dropout_p=0.1, rng_state=state)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=False, scale=0.1, attn_mask=mask,
+                                    dropout_p=0.1, rng_state=state)
 
 q: (..., H, T, d), any leading axes (GPT-2: (B, H, T, d)), or (T, d) for one head; k, v: the same shape, or,
 for grouped-query attention, (..., H_kv, T, d) with H_kv dividing H: query head h reads key and value head
@@ -11,6 +14,16 @@ keys 0..t.
     variant="softmax":  out = softmax(S) v; lse, the log-sum-exp of each row of S, (..., H, T), is saved for
                         the backward.
     variant="relu":     out = ReLU(S) v on the visible keys, no normalisation; lse is None.
+
+PyTorch's scaled_dot_product_attention options (softmax only), which run the kernels' _general versions:
+    scale:      S = scale q kᵀ, any float (None: 1/√d);
+    attn_mask:  a bool array (True: the key takes part) or a float32 one added to S, broadcastable to the
+                scores (..., H, T, T): read in place through strides, 0 along the axes it broadcasts over.
+                A row with every key masked gives 0 (out and gradients), as PyTorch's math backend does;
+    dropout_p:  each weight P_ij dropped with probability p, the others scaled by 1/(1-p), from the Philox
+                number of element (..., h, i, j) of the scores, flattened, of the stream rng_state = (seed,
+                offset) (ops.dropout, chapter 07). The backward regenerates the mask from the same rng_state;
+                the caller advances it (advance_rng_state) after the forward.
 
 These are the fused kernels (kernels/attention.cu): S and P = softmax(S) are never written to memory, so
 the only memory beyond the inputs and outputs is lse and the backward's row sums, O(T) per head. The
@@ -87,11 +100,15 @@ def _rows(name, width, rows):
     return rows if _fits(name, width, rows) else NARROW_ROWS
 
 
-def _kernel(name, width, variant, rows, dq_atomic=None):
+def _kernel(name, width, variant, rows, dq_atomic=None, options=None):
     """(kernel, bytes of shared memory it needs): one module per instantiation, so that a run compiles
-    only the versions it uses. dq_atomic: the dk, dv kernel's fourth template parameter."""
-    full_name = f"{name}<{width}, {'true' if variant == 'relu' else 'false'}, {rows}"
-    full_name += ">" if dq_atomic is None else f", {'true' if dq_atomic else 'false'}>"
+    only the versions it uses. dq_atomic: the dk, dv kernel's fourth template parameter. options (a
+    ScoreOptions): the kernel's _general version, its mask type and dropout flag as template parameters."""
+    atomic = "" if dq_atomic is None else f", {'true' if dq_atomic else 'false'}"
+    if options is None:
+        full_name = f"{name}<{width}, {'true' if variant == 'relu' else 'false'}, {rows}{atomic}>"
+    else:
+        full_name = f"{name}_general<{width}, {rows}{atomic}, {options.template_arguments}>"
     kernel = kernels.function("attention", full_name, name_expressions=(full_name,))
     shared = _shared_bytes(name, width, rows, bool(dq_atomic))
     if kernel.max_dynamic_shared_size_bytes < shared:
@@ -132,6 +149,67 @@ def _check_sizes(operation, q, k, v, like_q=None, per_row=None):
     return sizes
 
 
+class ScoreOptions:
+    """What the general kernels take beyond the plain ones (kernels/attention.cu's ScoreOptions): the scale, the
+    mask and its strides, dropout's p and rng_state. ScoreOptions.of(...) is None where there is nothing."""
+
+    @classmethod
+    def of(cls, operation, sizes, variant, scale, attn_mask, dropout_p, rng_state):
+        if scale is None and attn_mask is None and dropout_p == 0.0:
+            return None
+        if variant != "softmax":
+            raise ValueError(f"{operation}: scale, attn_mask and dropout_p are for the softmax variant, got "
+                             f"variant={variant!r}")
+        return cls(operation, sizes, scale, attn_mask, dropout_p, rng_state)
+
+    def __init__(self, operation, sizes, scale, attn_mask, dropout_p, rng_state):
+        d = sizes["d"]
+        if scale is None:
+            scale = 1.0 / math.sqrt(d)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{operation}: scale must be a float or None, got {scale!r}")
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.integer, np.floating)) \
+                or not 0.0 <= dropout_p <= 1.0:
+            raise ValueError(f"{operation}: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+        self.dropout = dropout_p > 0.0
+        if self.dropout:
+            if rng_state is None:
+                raise ValueError(f"{operation}: dropout_p = {dropout_p} needs an rng_state, the (seed, offset) "
+                                 "device array of ops.dropout.new_rng_state")
+            check(operation, rng_state=(rng_state, (2,), np.uint64))
+        self.mask, strides = _mask_and_strides(operation, attn_mask, sizes)
+        mask_type = "void" if self.mask is None else "bool" if self.mask.dtype == np.bool_ else "float"
+        self.template_arguments = f"{mask_type}, {'true' if self.dropout else 'false'}"
+        self.arguments = (np.float32(scale), 0 if self.mask is None else self.mask, *(np.int64(s) for s in strides),
+                          np.int32(sizes["H"]), rng_state if self.dropout else 0, np.float32(dropout_p))
+
+
+def _mask_and_strides(operation, mask, sizes):
+    """(mask, its strides in elements along (batch, H, T, T)): mask C-contiguous in its own shape, broadcastable
+    to the scores (..., H, T, T); a stride is 0 along an axis the mask broadcasts over. Leading axes of the
+    mask that are neither all 1 nor all q's (partial broadcasting over several batch axes) are copied out."""
+    if mask is None:
+        return None, (0, 0, 0, 0)
+    if mask.dtype != np.bool_ and mask.dtype != np.float32:
+        raise TypeError(f"{operation}: attn_mask must be bool (True: take part) or float32 (added to the "
+                        f"scores), got {mask.dtype}")
+    T = sizes["T"]
+    scores = (*sizes["..."], sizes["H"], T, T)     # _check_sizes gives (T, d) heads H = 1 and no leading axes
+    if mask.ndim > len(scores) or any(m not in (1, n) for m, n in zip(mask.shape[::-1], scores[::-1])):
+        raise ValueError(f"{operation}: attn_mask of shape {tuple(mask.shape)} does not broadcast to the "
+                         f"scores' shape {scores} (queries, keys last)")
+    mask = backend.xp.ascontiguousarray(mask).reshape((1,) * (len(scores) - mask.ndim) + tuple(mask.shape))
+    if len(scores) == 3:                                                    # (H, T, T): one batch
+        mask, scores = mask[None], (1, *scores)
+    leading, mask_leading = scores[:-3], mask.shape[:-3]
+    if any(m != 1 for m in mask_leading) and mask_leading != leading:
+        mask = backend.xp.ascontiguousarray(backend.xp.broadcast_to(mask, (*leading, *mask.shape[-3:])))
+    element_strides = [stride // mask.itemsize for stride in mask.strides]
+    batch = element_strides[-4] if any(m != 1 for m in mask.shape[:-3]) else 0
+    strides = (batch, *(stride if size != 1 else 0 for stride, size in zip(element_strides[-3:], mask.shape[-3:])))
+    return mask, strides
+
+
 class LaunchShape:
     """What every launch needs: query heads (all leading axes and H), T, d, and query heads per key head.
     LaunchShape.of(q, k, v) for the kernels launched directly (bench/attention.py, the tests)."""
@@ -152,41 +230,49 @@ class LaunchShape:
         return np.int32(self.T), np.int32(bool(causal)), np.int32(self.d), np.int32(self.group)
 
 
-def attention_forward(q, k, v, *, causal=True, variant="softmax", out=None):
+def attention_forward(q, k, v, *, causal=True, variant="softmax", scale=None, attn_mask=None, dropout_p=0.0,
+                      rng_state=None, out=None):
     """(out, lse): attention of queries q (..., H, T, d) over keys k and values v (..., H_kv, T, d);
-    lse is None for "relu"."""
+    lse is None for "relu". scale, attn_mask, dropout_p and rng_state: see the module's docstring."""
     name = "attention_forward"
     _check_variant(name, variant)
-    shape = LaunchShape(_check_sizes(name, q, k, v))
+    sizes = _check_sizes(name, q, k, v)
+    options = ScoreOptions.of(name, sizes, variant, scale, attn_mask, dropout_p, rng_state)
+    shape = LaunchShape(sizes)
     out = output(name, out, q.shape)
     lse = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
-    _forward(out, lse, q, k, v, shape, causal, variant)
+    _forward(out, lse, q, k, v, shape, causal, variant, options=options)
     return out, lse
 
 
-def _forward(out, lse, q, k, v, shape, causal, variant, rows=FORWARD_ROWS):
+def _forward(out, lse, q, k, v, shape, causal, variant, rows=FORWARD_ROWS, options=None):
     if shape.heads * shape.T == 0:
         return
     # The ReLU variant has no lse: the kernel never touches that pointer, so out stands in for it.
     rows = _rows("attention_forward", shape.width, rows)
-    kernel, shared = _kernel("attention_forward", shape.width, variant, rows)
+    kernel, shared = _kernel("attention_forward", shape.width, variant, rows, options=options)
+    general = () if options is None else options.arguments
     kernel((shape.heads, ceil_div(shape.T, rows)), (threads(rows),),
-           (out, lse if lse is not None else out, q, k, v, *shape.arguments(causal)), shared_mem=shared)
+           (out, lse if lse is not None else out, q, k, v, *shape.arguments(causal), *general), shared_mem=shared)
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax", deterministic=True):
-    """(dq, dk, dv): the gradients of q, k, v, given dout = dL/dout and the forward's out and lse.
+def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax", scale=None, attn_mask=None,
+                       dropout_p=0.0, rng_state=None, deterministic=True):
+    """(dq, dk, dv): the gradients of q, k, v, given dout = dL/dout and the forward's out and lse; scale,
+    attn_mask, dropout_p and rng_state as the forward had them (rng_state before it was advanced).
 
     deterministic=False takes the one-pass backward (dq added with atomics): faster, not bit-reproducible."""
     name = "attention_backward"
     _check_variant(name, variant)
-    shape = LaunchShape(_check_sizes(name, q, k, v, like_q=dict(dout=dout, out=out), per_row=dict(lse=lse)))
+    sizes = _check_sizes(name, q, k, v, like_q=dict(dout=dout, out=out), per_row=dict(lse=lse))
+    options = ScoreOptions.of(name, sizes, variant, scale, attn_mask, dropout_p, rng_state)
+    shape = LaunchShape(sizes)
     if variant == "softmax" and lse is None:
         raise ValueError(f"{name}: the softmax variant needs the lse that attention_forward returned")
     dq = backend.xp.empty(q.shape, dtype=np.float32)
     dk, dv = (backend.xp.empty(k.shape, dtype=np.float32) for _ in range(2))
     rowdot = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
-    _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, shape, causal, variant, deterministic)
+    _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, shape, causal, variant, deterministic, options)
     return dq, dk, dv
 
 
@@ -195,7 +281,7 @@ def one_pass_fits(width):
     return _fits("attention_backward_dk_dv", width, TILE, dq_atomic=True)
 
 
-def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, shape, causal, variant, deterministic=True):
+def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, shape, causal, variant, deterministic=True, options=None):
     if shape.heads * shape.T == 0:
         return
     if variant == "softmax":
@@ -203,14 +289,14 @@ def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, shape, causal, varian
     else:  # the ReLU kernels never read lse or rowdot: dout stands in for both pointers
         lse = rowdot = dout
     if deterministic or not one_pass_fits(shape.width):
-        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant)
-        _dq(dq, dout, q, k, v, lse, rowdot, shape, causal, variant)
+        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, options=options)
+        _dq(dq, dout, q, k, v, lse, rowdot, shape, causal, variant, options=options)
     else:
         # The one-pass kernel adds into dq, which starts from zeros. They are written after rowdot, just
         # before that kernel: the zeros then wait in the L2 for its atomics, where written before rowdot they
         # are pushed out to memory while rowdot reads dout and out.
         dq.fill(0)
-        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=TILE, dq=dq)
+        _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=TILE, dq=dq, options=options)
 
 
 # The backward's three launches, each its own function so that bench/attention.py can time them apart
@@ -222,21 +308,25 @@ def _rowdot(rowdot, dout, out, rows, d):
         (rowdot, dout, out, np.int32(rows), np.int32(d)))
 
 
-def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=BACKWARD_DK_DV_ROWS, dq=None):
+def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=BACKWARD_DK_DV_ROWS, dq=None,
+           options=None):
     """dk, dv; given dq (zeros, and rows = TILE), also dq, added into it with atomics (the one-pass backward)."""
     if dq is None:
         rows = _rows("attention_backward_dk_dv", shape.width, rows)
-    kernel, shared = _kernel("attention_backward_dk_dv", shape.width, variant, rows, dq_atomic=dq is not None)
+    kernel, shared = _kernel("attention_backward_dk_dv", shape.width, variant, rows, dq_atomic=dq is not None,
+                             options=options)
+    general = () if options is None else options.arguments
     kernel((shape.key_heads, ceil_div(shape.T, rows)), (threads(rows),),
-           (dk, dv, dk if dq is None else dq, dout, q, k, v, lse, rowdot, *shape.arguments(causal)),
+           (dk, dv, dk if dq is None else dq, dout, q, k, v, lse, rowdot, *shape.arguments(causal), *general),
            shared_mem=shared)
 
 
-def _dq(dq, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=BACKWARD_DQ_ROWS):
+def _dq(dq, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=BACKWARD_DQ_ROWS, options=None):
     rows = _rows("attention_backward_dq", shape.width, rows)
-    kernel, shared = _kernel("attention_backward_dq", shape.width, variant, rows)
+    kernel, shared = _kernel("attention_backward_dq", shape.width, variant, rows, options=options)
+    general = () if options is None else options.arguments
     kernel((shape.heads, ceil_div(shape.T, rows)), (threads(rows),),
-           (dq, dout, q, k, v, lse, rowdot, *shape.arguments(causal)), shared_mem=shared)
+           (dq, dout, q, k, v, lse, rowdot, *shape.arguments(causal), *general), shared_mem=shared)
 
 
 # ---- The naive version: scores and probabilities written out, (..., T, T) each ----
