@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import numpy
 
-from gpt2_cupy import backend, checkpoint, data, distributed
+from gpt2_cupy import backend, checkpoint, data, distributed, launch
 from gpt2_cupy.amp import BFLOAT16, autocast
 from gpt2_cupy.autograd import dropout_rng_state, manual_seed, no_grad
 from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
@@ -754,22 +755,51 @@ def parse_arguments(argv=None):
     option("--out-dir", dest="out_dir", help="default: runs/<corpus>-<preset>")
     option("--resume", action="store_true", help="continue from <out-dir>/checkpoint.npz")
     option("--no-progress", action="store_false", dest="progress")
+    option("--zero", action="store_true", help="with several ranks: ZeRO-1, AdamW's state sharded over the ranks")
+    option("--nproc", type=int, help="train on this many GPUs of this machine, one process each (gpt2_cupy.launch)")
     arguments = vars(parser.parse_args(argv))
     resume = arguments.pop("resume")
+    arguments.pop("nproc")  # main() starts the ranks
     return make_config(**arguments), resume
 
 
+def launch_ranks(argv):
+    """With --nproc N (and not already a rank): start N ranks of this command; None when there is none to start."""
+    nproc_parser = argparse.ArgumentParser(add_help=False)
+    nproc_parser.add_argument("--nproc", type=int)
+    known, rank_argv = nproc_parser.parse_known_args(argv)
+    if known.nproc is None or "WORLD_SIZE" in os.environ:
+        return None
+    try:
+        launch.launch([sys.executable, "-m", "gpt2_cupy.train", *rank_argv], known.nproc)
+    except (launch.ChildFailedError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    launched = launch_ranks(argv)
+    if launched is not None:
+        return launched
     config, resume = parse_arguments(argv)
+    if "WORLD_SIZE" in os.environ:  # a rank of --nproc or of torchrun
+        distributed.init_process_group("nccl")
     try:
         trainer = Trainer(config, resume=resume)
-        print(f"{backend.name}: {trainer.model.get_num_params() / 1e6:.2f}M parameters, "
-              f"{config.batch_size * config.block_size * config.grad_accum} tokens per step, "
-              f"writing {trainer.out_dir}/", file=sys.stderr)
+        if trainer.is_main:
+            print(f"{backend.name}: {trainer.model.get_num_params() / 1e6:.2f}M parameters, "
+                  f"{config.batch_size * config.block_size * config.grad_accum * trainer.world_size} tokens per "
+                  f"step on {trainer.world_size} rank(s), writing {trainer.out_dir}/", file=sys.stderr)
         trainer.run()
     except (TrainingDiverged, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    finally:
+        distributed.destroy_process_group()
+    if not trainer.is_main:
+        return 0
     evaluations = [(r["step"], r["val_loss"]) for r in read_log(trainer.log_path) if "val_loss" in r]
     step, val_loss = evaluations[-1]
     best_step, best_loss = min(evaluations, key=lambda evaluation: evaluation[1])
