@@ -34,12 +34,16 @@ def losses(records):
     return np.array([r.get("loss", r.get("val_loss")) for r in records])
 
 
+def gradient_norms(records):
+    return np.array([r["grad_norm"] for r in records if "grad_norm" in r])
+
+
 @lru_cache(maxsize=None)
 def one_process(out_dir, batch_size, grad_accum):
-    """Losses and flat parameters of one process (the reference), cached across the tests that share it."""
+    """Losses, gradient norms and flat parameters of one process (the reference), cached across the tests."""
     trainer = Trainer(make_config(**SMALL, batch_size=batch_size, grad_accum=grad_accum, out_dir=out_dir))
     records = trainer.run()
-    return losses(records), as_numpy(trainer.optimizer.flat_params)
+    return losses(records), gradient_norms(records), as_numpy(trainer.optimizer.flat_params)
 
 
 def simulated_run(world_size, out_dir, zero=False, grad_accum=1, stop_after=None, **options):
@@ -102,9 +106,12 @@ def test_the_simulated_sum_is_taken_in_rank_order():
 def test_n_ranks_take_the_steps_of_one_process_with_n_times_the_batch(tmp_path_factory, world_size, zero):
     # two micro-batches per step: the gradients add up locally (no_sync) and are averaged once
     records, parameters = simulated_run(world_size, str(tmp_path_factory.mktemp("ranks")), zero=zero, grad_accum=2)
-    expected_losses, expected_parameters = one_process(str(tmp_path_factory.mktemp("one")), world_size * ROWS, 2)
+    expected_losses, expected_norms, expected_parameters = one_process(str(tmp_path_factory.mktemp("one")),
+                                                                       world_size * ROWS, 2)
     for rank in range(world_size):
         np.testing.assert_allclose(losses(records[rank]), expected_losses, rtol=RTOL)
+        # AdamW does not see a constant factor in the gradients; the norm before clipping does
+        np.testing.assert_allclose(gradient_norms(records[rank]), expected_norms, rtol=RTOL)
         np.testing.assert_allclose(parameters[rank][:expected_parameters.size], expected_parameters, rtol=0,
                                    atol=RTOL * np.abs(expected_parameters).max())
         np.testing.assert_array_equal(parameters[rank], parameters[0])  # every rank holds the same model
@@ -112,7 +119,7 @@ def test_n_ranks_take_the_steps_of_one_process_with_n_times_the_batch(tmp_path_f
 
 def test_n_ranks_equal_one_process_accumulating_n_micro_batches(tmp_path_factory):
     records, parameters = simulated_run(2, str(tmp_path_factory.mktemp("ranks")))
-    expected_losses, expected_parameters = one_process(str(tmp_path_factory.mktemp("one")), ROWS, 2)
+    expected_losses, _, expected_parameters = one_process(str(tmp_path_factory.mktemp("one")), ROWS, 2)
     training_steps = slice(1, -1)  # the first and last records are evaluations, of 2·ROWS rows here and ROWS there
     np.testing.assert_allclose(losses(records[0])[training_steps], expected_losses[training_steps], rtol=RTOL)
     np.testing.assert_allclose(parameters[0], expected_parameters, rtol=0, atol=RTOL * np.abs(expected_parameters).max())
