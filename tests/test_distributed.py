@@ -23,6 +23,7 @@ from gpt2_cupy.zero import ZeroRedundancyOptimizer, shard_optimizer
 SMALL = dict(corpus="tinyshakespeare", preset="tiny", n_layer=1, n_head=2, n_embd=32, block_size=16, max_steps=3,
              warmup_steps=1, eval_interval=3, eval_batches=1, checkpoint_interval=3, progress=False)
 ROWS = 2  # rows per rank: even, so that numpy draws N·ROWS window starts as it draws N times ROWS
+xp = backend.xp
 RTOL = 1e-5  # float32 rounding, grown through three AdamW steps (whose m/√v divides small numbers)
 
 
@@ -63,19 +64,20 @@ def test_collectives_match_float64_numpy():
     total = np.sum([x.astype(np.float64) for x in inputs], axis=0)
 
     def rank_main(rank):
-        summed, averaged = inputs[rank].copy(), inputs[rank].copy()
+        mine = xp.asarray(inputs[rank])
+        summed, averaged, scattered = mine.copy(), mine.copy(), mine.copy()
         distributed.all_reduce(summed)
         distributed.all_reduce(averaged, op=distributed.ReduceOp.AVG)
-        scattered = inputs[rank].copy()
         distributed.reduce_scatter_tensor(scattered[rank * n:(rank + 1) * n], scattered)  # in place, as ZeRO does
-        gathered = np.zeros(N * n, np.float32)
-        gathered[rank * n:(rank + 1) * n] = inputs[rank][:n]
+        gathered = xp.zeros(N * n, np.float32)
+        gathered[rank * n:(rank + 1) * n] = mine[:n]
         distributed.all_gather_into_tensor(gathered, gathered[rank * n:(rank + 1) * n])
-        pieces = [np.zeros(n, np.float32) for _ in range(N)]
-        distributed.all_gather(pieces, inputs[rank][:n])
-        received = inputs[rank][:n].copy()
+        pieces = [xp.zeros(n, np.float32) for _ in range(N)]
+        distributed.all_gather(pieces, mine[:n])
+        received = mine[:n].copy()
         distributed.broadcast(received, src=1)
-        return summed, averaged, scattered[rank * n:(rank + 1) * n], gathered, np.concatenate(pieces), received
+        return [as_numpy(a) for a in (summed, averaged, scattered[rank * n:(rank + 1) * n], gathered,
+                                      xp.concatenate(pieces), received)]
 
     for rank, (summed, averaged, scattered, gathered, pieces, received) in enumerate(distributed.run_simulated(N, rank_main)):
         np.testing.assert_allclose(summed, total, rtol=1e-6, atol=1e-6)
@@ -92,9 +94,9 @@ def test_the_simulated_sum_is_taken_in_rank_order():
     values = [np.float32(1e8), np.float32(1.0), np.float32(-1e8)]
 
     def rank_main(rank):
-        array = np.array([values[rank]], dtype=np.float32)
+        array = xp.asarray(np.array([values[rank]], dtype=np.float32))
         distributed.all_reduce(array)
-        return array[0]
+        return float(as_numpy(array)[0])
 
     assert distributed.run_simulated(3, rank_main) == [0.0, 0.0, 0.0]
 
@@ -165,7 +167,8 @@ def test_buckets_cover_every_gradient_exactly_once():
 def test_buckets_are_all_reduced_during_the_backward_and_averaged(monkeypatch):
     """Two ranks, small buckets: the averaged gradients against float64 numpy's mean of each rank's alone,
     and the first bucket's all-reduce launched before the backward's last Node ran."""
-    batches = [np.random.default_rng(rank).integers(0, 64, size=(2, 17)).astype(np.int32) for rank in range(2)]
+    batches = [xp.asarray(np.random.default_rng(rank).integers(0, 64, size=(2, 17)).astype(np.int32))
+               for rank in range(2)]
 
     def gradients_of(rank):
         model, optimizer = small_model()
@@ -262,6 +265,8 @@ def test_bad_input_gives_clear_errors():
         distributed.run_simulated(0, lambda rank: None)
     with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
         distributed.init_process_group("nccl", world_size=0, rank=0)
+    with pytest.raises(RuntimeError, match="rank 0 failed: TypeError: all_reduce: expected a Tensor or a"):
+        distributed.run_simulated(1, lambda rank: distributed.all_reduce([1.0, 2.0]))
     with pytest.raises(ValueError, match=r"rank must be in \[0, 1\] for world_size 2, got 2"):
         distributed.init_process_group("nccl", world_size=2, rank=2)
     with pytest.raises(ValueError, match="backend 'gloo' is not supported"):
@@ -275,11 +280,37 @@ def test_bad_input_gives_clear_errors():
 
     def rank_main(rank):
         with pytest.raises(ValueError, match="world_size \\(2\\) times the slice"):
-            distributed.reduce_scatter_tensor(np.zeros(3, np.float32), np.zeros(7, np.float32))
+            distributed.reduce_scatter_tensor(xp.zeros(3, np.float32), xp.zeros(7, np.float32))
         with pytest.raises(TypeError, match="dtype int8 is not supported"):
-            distributed.all_reduce(np.zeros(3, np.int8))
+            distributed.all_reduce(xp.zeros(3, np.int8))
         with pytest.raises(RuntimeError, match="create one optimizer"):
             DistributedDataParallel(GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=8)))(
-                np.zeros((1, 8), np.int32))
+                xp.zeros((1, 8), np.int32))
 
     distributed.run_simulated(2, rank_main)
+
+
+@pytest.mark.skipif(backend.name != "cuda", reason="NCCL needs a GPU")
+def test_nccl_with_one_rank_matches_the_plain_run(tmp_path):
+    """The real NCCL path at world size 1: collectives are identities (or copies), and a run through
+    DistributedDataParallel and ZeRO-1 takes the plain run's steps."""
+    expected_losses, expected_norms, expected_parameters = one_process(str(tmp_path / "one"), ROWS, 1)
+    distributed.init_process_group("nccl", world_size=1, rank=0)
+    try:
+        values = xp.asarray(np.arange(8, dtype=np.float32))
+        distributed.all_reduce(values, op=distributed.ReduceOp.AVG)
+        shard = xp.zeros(8, np.float32)
+        distributed.reduce_scatter_tensor(shard, values)
+        distributed.all_gather_into_tensor(values, shard)
+        distributed.broadcast(values, src=0)
+        distributed.barrier()
+        np.testing.assert_array_equal(as_numpy(values), np.arange(8))
+        for zero in (False, True):
+            trainer = Trainer(make_config(**SMALL, batch_size=ROWS, zero=zero, out_dir=str(tmp_path / f"nccl{zero}")))
+            records = trainer.run()
+            np.testing.assert_allclose(losses(records), expected_losses, rtol=RTOL)
+            np.testing.assert_allclose(gradient_norms(records), expected_norms, rtol=RTOL)
+            flat = as_numpy(trainer.optimizer.flat_params)[:expected_parameters.size]
+            np.testing.assert_allclose(flat, expected_parameters, rtol=0, atol=RTOL * np.abs(expected_parameters).max())
+    finally:
+        distributed.destroy_process_group()
