@@ -94,7 +94,7 @@ def _from_environment(name, value):
     return int(os.environ[name])
 
 
-def init_process_group(backend_name="nccl", init_method=None, world_size=-1, rank=-1):
+def init_process_group(backend="nccl", init_method=None, world_size=-1, rank=-1):
     """Join the process group; rank and world_size default to RANK and WORLD_SIZE from the environment.
 
     Only "nccl" exists here, on a GPU: the CPU executor has no NCCL; there, run_simulated(N, function)
@@ -102,18 +102,25 @@ def init_process_group(backend_name="nccl", init_method=None, world_size=-1, ran
     comes from the launcher (see the module's docstring).
     """
     global _default_group
-    if backend_name != "nccl":
-        raise ValueError(f"init_process_group: backend {backend_name!r} is not supported; use 'nccl'")
+    if backend != "nccl":
+        raise ValueError(f"init_process_group: backend {backend!r} is not supported; use 'nccl'")
     if is_initialized():
         raise RuntimeError("trying to initialize the default process group twice!")
     world_size, rank = _from_environment("WORLD_SIZE", world_size), _from_environment("RANK", rank)
     _check_rank(rank, world_size)
-    if backend.name != "cuda":
+    if not _on_gpu():
         raise RuntimeError("init_process_group('nccl') needs a GPU and CuPy; on the CPU executor use "
                            "gpt2_cupy.distributed.run_simulated(world_size, function)")
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    backend.xp.cuda.Device(local_rank).use()
+    _use_device(int(os.environ.get("LOCAL_RANK", rank)))
     _default_group = NcclGroup(rank, world_size, _unique_id(rank, world_size))
+
+
+def _on_gpu():  # (init_process_group's argument `backend`, torch's name, hides the module of that name there)
+    return backend.name == "cuda"
+
+
+def _use_device(index):
+    backend.xp.cuda.Device(index).use()
 
 
 def destroy_process_group():
@@ -165,16 +172,17 @@ def all_gather_into_tensor(output, input, async_op=False):
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, async_op=False):
-    """torch's list form: output ← op over every rank's input_list[rank]."""
+    """torch's list form: output ← op over every rank's input_list[rank]. The list forms copy through one
+    flat buffer and are done when they return (on a GPU: queued on the current stream), whatever async_op."""
     flat = backend.xp.concatenate([_array(t, "reduce_scatter").reshape(-1) for t in input_list])
     out = _array(output, "reduce_scatter")
     reduced = backend.xp.empty(out.size, dtype=out.dtype)
-    reduce_scatter_tensor(reduced, flat, op).wait() if async_op else reduce_scatter_tensor(reduced, flat, op)
+    reduce_scatter_tensor(reduced, flat, op)
     backend.copy_into(out, reduced.reshape(out.shape))
 
 
 def all_gather(tensor_list, tensor, async_op=False):
-    """torch's list form: tensor_list[r] ← rank r's tensor, on every rank."""
+    """torch's list form: tensor_list[r] ← rank r's tensor, on every rank (done when it returns)."""
     array = _array(tensor, "all_gather")
     if len(tensor_list) != get_world_size():
         raise ValueError(f"all_gather: tensor_list has {len(tensor_list)} entries for world_size {get_world_size()}")

@@ -2,6 +2,8 @@
 process with N times the batch; the collectives against float64 numpy; buckets, ZeRO-1's shards, the
 launcher's failures, bad input."""
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -252,6 +254,24 @@ def test_the_launcher_stops_every_rank_when_one_fails():
     assert failure.value.rank == 1 and time.monotonic() - started < 20  # the sleeping ranks were stopped
 
 
+def test_ctrl_c_in_the_launcher_stops_every_rank(tmp_path):
+    rank_code = ("import os, pathlib, time; pathlib.Path(os.environ['PIDS'], os.environ['RANK']).write_text(str(os.getpid())); "
+                 "time.sleep(60)")
+    launcher_code = f"import sys; from gpt2_cupy.launch import launch; launch([sys.executable, '-c', {rank_code!r}], 2)"
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], env={**os.environ, "PIDS": str(tmp_path)},
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len([path for path in tmp_path.iterdir() if path.read_text()]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(path.read_text()) for path in tmp_path.iterdir()]
+    assert len(pids) == 2
+    launcher.send_signal(signal.SIGINT)
+    assert launcher.wait(timeout=20) != 0 and "KeyboardInterrupt" in launcher.stderr.read()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 @pytest.mark.skipif(backend.name != "cpu", reason="on the CPU executor NCCL is missing: each rank fails")
 def test_the_cli_names_the_rank_that_failed(tmp_path):
     result = subprocess.run([sys.executable, "-m", "gpt2_cupy.train", "--nproc", "2", "--out-dir", str(tmp_path)],
@@ -268,7 +288,7 @@ def test_bad_input_gives_clear_errors():
     with pytest.raises(RuntimeError, match="rank 0 failed: TypeError: all_reduce: expected a Tensor or a"):
         distributed.run_simulated(1, lambda rank: distributed.all_reduce([1.0, 2.0]))
     with pytest.raises(ValueError, match=r"rank must be in \[0, 1\] for world_size 2, got 2"):
-        distributed.init_process_group("nccl", world_size=2, rank=2)
+        distributed.init_process_group(backend="nccl", world_size=2, rank=2)
     with pytest.raises(ValueError, match="backend 'gloo' is not supported"):
         distributed.init_process_group("gloo", world_size=1, rank=0)
     with pytest.raises(ValueError, match="nproc must be a positive int"):
