@@ -25,8 +25,8 @@ global batch is N·B windows, drawn by the same generator on every rank, and ran
 DistributedDataParallel (gpt2_cupy.nn.parallel), which averages the gradients; with --zero, AdamW's state
 is sharded (ZeRO-1, gpt2_cupy.zero). The logged loss and the validation loss are averaged over the ranks;
 rank 0 alone writes the log, the plot and the checkpoints, which resume with any N. A distributed step
-runs eagerly: the CUDA graphs are not captured around NCCL's calls. Ctrl-C stops every rank at once, with
-no checkpoint of its own (the launcher's), and --resume continues from the last one written.
+runs eagerly: the CUDA graphs are not captured around NCCL's calls. Ctrl-C reaches the launcher, which
+stops every rank at once without saving; --resume continues from the last checkpoint written.
 """
 
 import argparse

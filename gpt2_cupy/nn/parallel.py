@@ -117,11 +117,12 @@ class GradientReducer:
         gradients have been added, marks them arrived."""
         for p in parameters:
             self.bucket_of[id(p)].pending += 1
-        context, free_saved = weakref.ref(ctx), ctx.free_saved  # a weak reference: no cycle keeps ctx alive
+        context = weakref.ref(ctx)  # a weak reference: no cycle keeps ctx (and what it saved) alive
 
         def free_saved_then_mark_arrived():
-            free_saved()
-            del context().free_saved  # back to Context.free_saved
+            ctx = context()
+            del ctx.free_saved  # this instance's hook: ctx.free_saved is Context's own again
+            ctx.free_saved()
             for p in parameters:
                 self.bucket_of[id(p)].pending -= 1
             self._launch_ready_buckets()
