@@ -261,7 +261,7 @@ class Trainer:
                                                          (config.beta1, config.beta2))
         if config.zero:
             self.optimizer = shard_optimizer(self.optimizer)
-        # every rank's model and the one in the process: the same, but a distributed one averages the gradients
+        # what the forward runs through: on several ranks the model wrapped so that its gradients are averaged
         self.forward_model = DistributedDataParallel(self.model) if self.distributed else self.model
         # The global batch: every rank draws all N·B windows (the same generator) and trains on its own B.
         B, T = config.batch_size * self.world_size, config.block_size
