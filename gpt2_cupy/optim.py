@@ -60,7 +60,7 @@ class Optimizer:
         self.param_groups = [self._group(number, group) for number, group in enumerate(_as_groups(self.name, params_or_groups))]
         self._pack()
         xp = backend.xp
-        self.state = {name: xp.zeros_like(self.flat_params) for name in self.state_names}
+        self.state = {name: xp.zeros(self._state_length(), dtype=np.float32) for name in self.state_names}
         self._hyperparameters = xp.zeros((len(self.param_groups), kernels_of.HYPERPARAMETERS), dtype=np.float64)
         self._uploaded = None
         self._norm = xp.zeros((), dtype=np.float32)
@@ -94,8 +94,8 @@ class Optimizer:
             group["_end"] = end
         if end > LARGEST_INT:
             raise ValueError(f"{self.name}: {end} parameters; the kernels index with int, at most {LARGEST_INT}")
-        self.flat_params = xp.zeros(end, dtype=np.float32)
-        self.flat_grads = xp.zeros(end, dtype=np.float32)
+        self.flat_params = xp.zeros(self._buffer_length(end), dtype=np.float32)
+        self.flat_grads = xp.zeros(self._buffer_length(end), dtype=np.float32)
         self._packed = []  # (parameter, its stretch of the buffers, its view of flat_params, its GradientSlot)
         for p, offset in offsets:
             shape, size = p.data.shape, p.data.size
@@ -109,6 +109,14 @@ class Optimizer:
             p._grad_slot = slot
             self._packed.append((p, slice(offset, offset + size), p.data, slot))
         self._group_ends = xp.asarray(np.array([group.pop("_end") for group in self.param_groups], dtype=np.int32))
+
+    def _buffer_length(self, packed_length):
+        """How long the flat buffers are: the packed parameters' length (ZeroRedundancyOptimizer pads it)."""
+        return packed_length
+
+    def _state_length(self):
+        """How long each state buffer is: the whole flat buffer (ZeroRedundancyOptimizer keeps one slice)."""
+        return self.flat_params.size
 
     def _gather(self):
         """Bring every parameter's .data and .grad into the flat buffers; return the packed entries to skip.

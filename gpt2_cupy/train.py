@@ -18,11 +18,22 @@ TrainingGraphs. Everything a run writes goes to out_dir (default runs/<corpus>-<
 
 A run resumed from its checkpoint (--resume) continues bit for bit: its losses equal those of a run that
 was never interrupted. Ctrl-C finishes the current step, saves a checkpoint and stops.
+
+On several GPUs (`--nproc N`, or torchrun's RANK, WORLD_SIZE, LOCAL_RANK; gpt2_cupy.launch): a step's
+global batch is N·B windows, drawn by the same generator on every rank, and rank r trains on rows r·B to
+(r+1)·B - 1, so N ranks of B rows take the step one process of N·B rows takes. The model is wrapped in
+DistributedDataParallel (gpt2_cupy.nn.parallel), which averages the gradients; with --zero, AdamW's state
+is sharded (ZeRO-1, gpt2_cupy.zero). The logged loss and the validation loss are averaged over the ranks;
+rank 0 alone writes the log, the plot and the checkpoints, which resume with any N. A distributed step
+runs eagerly: the CUDA graphs are not captured around NCCL's calls. Ctrl-C reaches the launcher, which
+stops every rank at once without saving; --resume continues from the last checkpoint written.
 """
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -32,15 +43,17 @@ from pathlib import Path
 
 import numpy
 
-from gpt2_cupy import backend, checkpoint, data
+from gpt2_cupy import backend, checkpoint, data, distributed, launch
 from gpt2_cupy.amp import BFLOAT16, autocast
 from gpt2_cupy.autograd import dropout_rng_state, manual_seed, no_grad
 from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
 from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.model import GPT, GPTConfig
+from gpt2_cupy.nn.parallel import DistributedDataParallel
 from gpt2_cupy.ops.arrays import ceil_div
 from gpt2_cupy.ops.residual import residual_forward
 from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision, set_float32_matmul_precision
+from gpt2_cupy.zero import shard_optimizer
 
 RUNS_DIR = Path("runs")
 # The trainer's graphs may take new memory into their pool while capturing: the warm-up leaves every block
@@ -100,6 +113,7 @@ class TrainConfig:
     seed: int = 1337                # initial weights, dropout, and the order of the training windows
     out_dir: str = None             # None: runs/<corpus>-<preset>
     progress: bool = True           # the tqdm progress bar
+    zero: bool = False              # with several ranks: ZeRO-1, each rank keeps AdamW's state for 1/N of the parameters
 
 
 def llama_config(config, vocab_size):
@@ -213,6 +227,12 @@ class Trainer:
         self.log_path = self.out_dir / "log.jsonl"
         self.plot_path = self.out_dir / "loss.png"
 
+        self.distributed = distributed.is_initialized()
+        self.rank, self.world_size = (distributed.get_rank(), distributed.get_world_size()) if self.distributed else (0, 1)
+        self.is_main = self.rank == 0  # writes the log, the plot and the checkpoints
+        if config.zero and not self.distributed:
+            raise ValueError("zero=True shards the optimizer over the ranks of a process group: start the run with "
+                             "--nproc N (or torchrun), or leave zero off")
         self.corpus = open_corpus(config.corpus, progress=config.progress, data_dir=config.data_dir)
         self.tokenizer_bytes = self.corpus.tokenizer.read_bytes() if self.corpus.tokenizer else b""
         train_tokens, val_tokens = data.read_tokens(self.corpus.train), data.read_tokens(self.corpus.val)
@@ -239,7 +259,12 @@ class Trainer:
         self.model = Llama(self.model_config) if config.model == "llama" else GPT(self.model_config)
         self.optimizer = self.model.configure_optimizers(config.weight_decay, config.learning_rate,
                                                          (config.beta1, config.beta2))
-        B, T = config.batch_size, config.block_size
+        if config.zero:
+            self.optimizer = shard_optimizer(self.optimizer)
+        # what the forward runs through: on several ranks the model wrapped so that its gradients are averaged
+        self.forward_model = DistributedDataParallel(self.model) if self.distributed else self.model
+        # The global batch: every rank draws all N·B windows (the same generator) and trains on its own B.
+        B, T = config.batch_size * self.world_size, config.block_size
         self.train_batches = data.Batches(train_tokens, B, T, seed=config.seed)
         self.val_batches = data.Batches(val_tokens, B, T)
         # A small validation split (tinyshakespeare's holds 2 batches of the course preset) is used whole.
@@ -259,7 +284,7 @@ class Trainer:
         """One optimizer step; returns (mean loss, gradient norm before clipping, learning rate), host floats."""
         self.model.train()
         self.set_backward_seed()
-        if not self.config.cuda_graph:
+        if not self.config.cuda_graph or self.distributed:
             return self.step_with(self.accumulate_eagerly, self.update_eagerly)
         if self.graphs.training_is_current():
             return self.step_with(self.graphs.accumulate, self.graphs.update)
@@ -293,17 +318,32 @@ class Trainer:
     def loss(self, inputs, targets):
         """The model's loss on one batch, its forward in the run's dtype (the backward follows the forward's)."""
         with self.autocast:
-            _, loss = self.model(inputs, targets)
+            _, loss = self.forward_model(inputs, targets)
         return loss
+
+    def own_rows(self, batch):
+        """This rank's rows of a global batch (inputs, targets): r·B to (r+1)·B - 1."""
+        B = self.config.batch_size
+        return tuple(array[self.rank * B:(self.rank + 1) * B] for array in batch)
+
+    def average_over_ranks(self, value):
+        """A device scalar replaced by its mean over the ranks (in place; nothing to do in one process)."""
+        if self.distributed:
+            distributed.all_reduce(value.reshape(1), op=distributed.ReduceOp.AVG)
+        return value
 
     def accumulate_eagerly(self):
         """grad_accum forwards and backwards, then clipping, launch by launch; (loss sum, norm) as host floats."""
         loss_sum = backend.xp.zeros((), dtype=numpy.float32)
-        for _ in range(self.config.grad_accum):
-            inputs, targets = self.train_batches.sample()
-            loss = self.loss(inputs, targets)
-            loss.backward(self.backward_seed)
+        for micro_step in range(self.config.grad_accum):
+            inputs, targets = self.own_rows(self.train_batches.sample())
+            last = micro_step == self.config.grad_accum - 1
+            # the gradients are averaged over the ranks once per step: in the backward of the last micro-batch
+            with self.forward_model.no_sync() if self.distributed and not last else contextlib.nullcontext():
+                loss = self.loss(inputs, targets)
+                loss.backward(self.backward_seed)
             loss_sum += loss.data
+        self.average_over_ranks(loss_sum)
         if self.config.grad_clip > 0:
             norm = self.optimizer.clip_grad_norm_(self.config.grad_clip)
         else:
@@ -345,7 +385,7 @@ class Trainer:
         """The mean loss over the first eval_batches validation batches (the same ones every time)."""
         self.model.eval()
         try:
-            if not self.config.cuda_graph:
+            if not self.config.cuda_graph or self.distributed:
                 total = self.evaluate_eagerly()
             elif self.graphs.evaluation_is_current():
                 total = self.graphs.evaluate(self.validation_batches())
@@ -358,7 +398,7 @@ class Trainer:
         return total / self.eval_batches
 
     def validation_batches(self):
-        return (batch for _, batch in zip(range(self.eval_batches), self.val_batches.sequential()))
+        return (self.own_rows(batch) for _, batch in zip(range(self.eval_batches), self.val_batches.sequential()))
 
     def evaluate_eagerly(self):
         """The sum of the validation batches' losses, a host float."""
@@ -367,7 +407,7 @@ class Trainer:
             for inputs, targets in self.validation_batches():
                 loss = self.loss(inputs, targets)
                 total += loss.data
-        return float(backend.asnumpy(total))
+        return float(backend.asnumpy(self.average_over_ranks(total)))
 
     # ---- checkpoints --------------------------------------------------------------------------------------
 
@@ -377,6 +417,8 @@ class Trainer:
                   if name != "lm_head.weight"}  # tied to transformer.wte.weight: stored once
         optimizer_state = self.optimizer.state_dict()
         arrays.update({f"optimizer/{name}": value for name, value in optimizer_state["state"].items()})
+        if not self.is_main:  # every rank has gathered the state above (with ZeRO a collective); rank 0 writes
+            return
         arrays["tokenizer"] = numpy.frombuffer(self.tokenizer_bytes, dtype=numpy.uint8)
         meta = dict(
             step=self.step,
@@ -418,16 +460,19 @@ class Trainer:
         records = []
         last = config.max_steps if stop_after is None else min(config.max_steps, self.step + stop_after)
         tokens_per_step = config.batch_size * config.block_size * config.grad_accum
-        previous_handler = self.catch_ctrl_c()
-        bar = tqdm(total=config.max_steps, initial=self.step, disable=not config.progress, desc="train",
-                   dynamic_ncols=True)
+        tokens_per_step *= self.world_size
+        # Under the launcher, Ctrl-C reaches the launcher only, which stops every rank at once.
+        previous_handler = None if self.distributed else self.catch_ctrl_c()
+        bar = tqdm(total=config.max_steps, initial=self.step, disable=not (config.progress and self.is_main),
+                   desc="train", dynamic_ncols=True)
         try:
-            with open(self.log_path, "a") as log:
+            with open(self.log_path, "a") if self.is_main else contextlib.nullcontext() as log:
                 def write(record):
                     records.append(record)
                     history.append(record)
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
+                    if self.is_main:
+                        log.write(json.dumps(record) + "\n")
+                        log.flush()
 
                 def evaluate_and_keep_the_best():
                     earlier = [r["val_loss"] for r in history if "val_loss" in r]
@@ -458,14 +503,16 @@ class Trainer:
                     bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_step / seconds:,.0f}")
                     if self.step % config.eval_interval == 0 or self.step == config.max_steps:
                         evaluate_and_keep_the_best()
-                        plot_losses(history, self.plot_path)
+                        if self.is_main:
+                            plot_losses(history, self.plot_path)
                     if self.step % config.checkpoint_interval == 0:
                         self.save()
         finally:
             bar.close()
             self.restore_ctrl_c(previous_handler)
         self.save()
-        plot_losses(history, self.plot_path)
+        if self.is_main:
+            plot_losses(history, self.plot_path)
         if self.stop_requested:
             print(f"interrupted: saved {self.checkpoint_path} at step {self.step}; continue with --resume",
                   file=sys.stderr)
@@ -477,7 +524,10 @@ class Trainer:
             return []
         records = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
         kept = [record for record in records if record["step"] <= self.step] if self.step > 0 else []
-        self.log_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if self.is_main:  # the other ranks only read it; the file is replaced whole, never seen half written
+            partial = self.log_path.with_suffix(".partial")
+            partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            partial.replace(self.log_path)
         return kept
 
     def catch_ctrl_c(self):
@@ -705,22 +755,51 @@ def parse_arguments(argv=None):
     option("--out-dir", dest="out_dir", help="default: runs/<corpus>-<preset>")
     option("--resume", action="store_true", help="continue from <out-dir>/checkpoint.npz")
     option("--no-progress", action="store_false", dest="progress")
+    option("--zero", action="store_true", help="with several ranks: ZeRO-1, AdamW's state sharded over the ranks")
+    option("--nproc", type=int, help="train on this many GPUs of this machine, one process each (gpt2_cupy.launch)")
     arguments = vars(parser.parse_args(argv))
     resume = arguments.pop("resume")
+    arguments.pop("nproc")  # main() starts the ranks
     return make_config(**arguments), resume
 
 
+def launch_ranks(argv):
+    """With --nproc N (and not already a rank): start N ranks of this command; None when there is none to start."""
+    nproc_parser = argparse.ArgumentParser(add_help=False)
+    nproc_parser.add_argument("--nproc", type=int)
+    known, rank_argv = nproc_parser.parse_known_args(argv)
+    if known.nproc is None or "WORLD_SIZE" in os.environ:
+        return None
+    try:
+        launch.launch([sys.executable, "-m", "gpt2_cupy.train", *rank_argv], known.nproc)
+    except (launch.ChildFailedError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    launched = launch_ranks(argv)
+    if launched is not None:
+        return launched
     config, resume = parse_arguments(argv)
+    if "WORLD_SIZE" in os.environ:  # a rank of --nproc or of torchrun
+        distributed.init_process_group("nccl")
     try:
         trainer = Trainer(config, resume=resume)
-        print(f"{backend.name}: {trainer.model.get_num_params() / 1e6:.2f}M parameters, "
-              f"{config.batch_size * config.block_size * config.grad_accum} tokens per step, "
-              f"writing {trainer.out_dir}/", file=sys.stderr)
+        if trainer.is_main:
+            print(f"{backend.name}: {trainer.model.get_num_params() / 1e6:.2f}M parameters, "
+                  f"{config.batch_size * config.block_size * config.grad_accum * trainer.world_size} tokens per "
+                  f"step on {trainer.world_size} rank(s), writing {trainer.out_dir}/", file=sys.stderr)
         trainer.run()
     except (TrainingDiverged, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    finally:
+        distributed.destroy_process_group()
+    if not trainer.is_main:
+        return 0
     evaluations = [(r["step"], r["val_loss"]) for r in read_log(trainer.log_path) if "val_loss" in r]
     step, val_loss = evaluations[-1]
     best_step, best_loss = min(evaluations, key=lambda evaluation: evaluation[1])
