@@ -16,6 +16,18 @@ row, none per element), and each thread then computes 4 columns of it, blockDim.
 reads neighbours, all 4 loads issued before the first is used. Each operand's element is its row start plus
 column x its last stride. Transposed and sliced views are read the same way, through their own strides.
 
+The common broadcast, x * weight + bias (every operand either runs along the rows, last stride 1, or is
+broadcast along them, stride 0), has a kernel of its own when a row's length is a multiple of 4: it walks
+the output as the contiguous path does, in groups of 4 neighbouring elements (one division per group finds
+its row), and reads each operand that runs along the row 4 columns at a time, in one 16-byte load. Read
+one column at a time, as the general kernel does, that broadcast reaches about 81 % of the copy bandwidth
+of an H200; 4 at a time, 89 %.
+
+An output may be a view too (an in-place write into a transpose or a slice, x.T.add_(1)): it is written
+through its own offset and strides, so that every other view of the same memory sees the change. Its
+elements must not share memory (an expanded tensor's do), and an operand must either be the output itself,
+element for element, or not overlap it: PyTorch's errors otherwise.
+
 Few kernels. Shapes and strides are kernel arguments, not part of the source, so one compiled kernel
 serves every shape of the same rank. Before launching, axes that every operand walks through as one run
 of memory are merged ("coalesced", TensorIterator's word): a contiguous (8, 1024, 768) tensor plus a
@@ -161,6 +173,9 @@ def storage_and_offset(operation, name, array, writable=False):
 
 ELEMENTS_PER_THREAD = 4   # the strided kernel: each thread computes 4 elements of a row, loads first
 BLOCKS_PER_MULTIPROCESSOR = 8  # 8 blocks of 256 threads: 2048 threads, as many as a multiprocessor holds
+# The rows kernel launches 4 times as many blocks as fit at once: measured on an H200 for x * w + b over
+# (4096, 4096) and (21845, 768), 86.5 % of copy bandwidth with one round of blocks, 88 % with two, 89 % with four.
+ROWS_ROUNDS_OF_BLOCKS = 4
 
 # W neighbouring elements moved by one load or store. alignas tells the compiler that the address is a
 # multiple of the vector's size, so 4 floats travel as one 16-byte instruction (ld.global.v4.f32) instead
@@ -218,10 +233,10 @@ def _contiguous_source(name, expression, operand_types, compute_type, out_type, 
     return "\n".join(lines) + "\n"
 
 
-def _strided_source(name, expression, operand_types, compute_type, out_type, ndim, strided_out=False):
-    # strided_out: out is a view (a transpose, a slice), written at its own offset and strides like an operand
-    parameters = [f"{out_type}* out, int out_offset" if strided_out else f"{out_type}* out"]
-    arrays = ["out"] if strided_out else []
+def _operand_parameters(operand_types, compute_type):
+    """The kernel's parameters for the operands, (a pointer and an offset per array, a value per number), and
+    the letters of the arrays."""
+    parameters, arrays = [], []
     for index, kind in enumerate(operand_types):
         letter = OPERAND_NAMES[index]
         if isinstance(kind, tuple):
@@ -229,6 +244,31 @@ def _strided_source(name, expression, operand_types, compute_type, out_type, ndi
         else:
             parameters.append(f"const {kind}* {letter}_data, int {letter}_offset")
             arrays.append(letter)
+    return parameters, arrays
+
+
+def _row_start_lines(letters, ndim):
+    """C that splits `row` into coordinates of the axes before the last and sets each array's LETTER_row,
+    its offset plus coordinate x stride on each of those axes."""
+    last = ndim - 1
+    lines = ["        int rest = row;"] if ndim > 1 else []
+    for letter in letters:
+        lines.append(f"        int {letter}_row = {letter}_offset;")
+    for axis in reversed(range(last)):
+        lines.append(f"        int coordinate{axis} = rest % size{axis};" if axis else
+                     f"        int coordinate{axis} = rest;")
+        if axis:
+            lines.append(f"        rest /= size{axis};")
+        for letter in letters:
+            lines.append(f"        {letter}_row += coordinate{axis} * {letter}_stride{axis};")
+    return lines
+
+
+def _strided_source(name, expression, operand_types, compute_type, out_type, ndim, strided_out=False):
+    # strided_out: out is a view (a transpose, a slice), written at its own offset and strides like an operand
+    operand_parameters, operands = _operand_parameters(operand_types, compute_type)
+    parameters = [f"{out_type}* out, int out_offset" if strided_out else f"{out_type}* out"] + operand_parameters
+    arrays = ["out"] + operands if strided_out else operands
     # Shapes and strides follow n: size0..size{ndim-1}, then per array operand its strides.
     parameters.append("int n")
     parameters.extend(f"int size{axis}" for axis in range(ndim))
@@ -245,20 +285,9 @@ def _strided_source(name, expression, operand_types, compute_type, out_type, ndi
              "    int rows = n / columns;",
              "    int first = blockIdx.x * blockDim.x * ELEMENTS + threadIdx.x;",
              "    for (int row = blockIdx.y; row < rows; row += gridDim.y) {"]
-    if ndim > 1:
-        lines.append("        int rest = row;")
-    for letter in arrays:
-        lines.append(f"        int {letter}_row = {letter}_offset;")
-    for axis in reversed(range(last)):
-        lines.append(f"        int coordinate{axis} = rest % size{axis};" if axis else
-                     f"        int coordinate{axis} = rest;")
-        if axis:
-            lines.append(f"        rest /= size{axis};")
-        for letter in arrays:
-            lines.append(f"        {letter}_row += coordinate{axis} * {letter}_stride{axis};")
+    lines.extend(_row_start_lines(arrays, ndim))
     lines.append("        // ELEMENTS columns per thread, blockDim.x apart (a warp reads neighbours): all loaded")
     lines.append("        // before the first is used, so that they are in flight together")
-    operands = [letter for letter in arrays if letter != "out"]
     for letter in operands:
         lines.append(f"        {compute_type} {letter}_values[ELEMENTS];")
     lines.extend(["#pragma unroll", "        for (int k = 0; k < ELEMENTS; k++) {",
@@ -286,18 +315,13 @@ def _rows_source(name, expression, operand_types, compute_type, out_type, ndim, 
 
     along_rows: per array operand, True for last stride 1 (read W at a time), False for 0 (one element per row).
     """
-    parameters, arrays = [f"{out_type}* out"], []
-    for index, kind in enumerate(operand_types):
-        letter = OPERAND_NAMES[index]
-        if isinstance(kind, tuple):
-            parameters.append(f"{compute_type} {letter}")
-        else:
-            parameters.append(f"const {kind}* {letter}_data, int {letter}_offset")
-            arrays.append((letter, kind, along_rows[len(arrays)]))
-    parameters.append("int n")
+    operand_parameters, letters = _operand_parameters(operand_types, compute_type)
+    parameters = [f"{out_type}* out"] + operand_parameters + ["int n"]
     parameters.extend(f"int size{axis}" for axis in range(ndim))
-    for letter, _, _ in arrays:
+    for letter in letters:
         parameters.extend(f"int {letter}_stride{axis}" for axis in range(ndim - 1))
+    kinds = [kind for kind in operand_types if not isinstance(kind, tuple)]
+    arrays = list(zip(letters, kinds, along_rows))
     last = ndim - 1
     lines = storage_include(list(operand_types) + [out_type]) + [f"#define W {width}", "", VECTOR_TYPE,
              f'extern "C" __global__ void {name}({", ".join(parameters)})', "{",
@@ -313,17 +337,7 @@ def _rows_source(name, expression, operand_types, compute_type, out_type, ndim, 
              " group += step) {",
              "        int row = (int)group * W / columns;",
              "        int column = (int)group * W - row * columns;"]
-    if ndim > 1:
-        lines.append("        int rest = row;")
-    for letter, _, _ in arrays:
-        lines.append(f"        int {letter}_row = {letter}_offset;")
-    for axis in reversed(range(last)):
-        lines.append(f"        int coordinate{axis} = rest % size{axis};" if axis else
-                     f"        int coordinate{axis} = rest;")
-        if axis:
-            lines.append(f"        rest /= size{axis};")
-        for letter, _, _ in arrays:
-            lines.append(f"        {letter}_row += coordinate{axis} * {letter}_stride{axis};")
+    lines.extend(_row_start_lines(letters, ndim))
     lines.append("        // every operand's load is issued before the first use: they are in flight together")
     reads = []
     for letter, kind, along in arrays:
@@ -388,7 +402,8 @@ def _scalar(value, dtype):
 
 def elementwise(operation, expression, operands, compute_dtype=numpy.float32, out_dtype=None, out=None,
                 names=None):
-    """out = expression(operands...) elementwise, with broadcasting; out a new C-contiguous array unless given.
+    """out = expression(operands...) elementwise, with broadcasting; out a new C-contiguous array unless given
+    (any strides: a view is written through them).
 
     operands: backend arrays of any strides, or Python numbers (passed to the kernel as compute_dtype).
     compute_dtype: the type every operand is converted to before the expression (bfloat16: float, see the
@@ -455,7 +470,7 @@ def elementwise(operation, expression, operands, compute_dtype=numpy.float32, ou
         along_rows = [s[-1] == 1 for s in operand_strides]
         shape_arguments += [numpy.int32(stride) for s in operand_strides for stride in s[:-1]]
         kernel = _kernel(operation, expression, operand_types, compute, c_type(out_dtype), ndim, width, along_rows)
-        blocks = min(ceil_div(ceil_div(n, width), THREADS_PER_BLOCK), resident_blocks())
+        blocks = min(ceil_div(ceil_div(n, width), THREADS_PER_BLOCK), ROWS_ROUNDS_OF_BLOCKS * resident_blocks())
         kernel((blocks,), (THREADS_PER_BLOCK,), (*arguments, numpy.int32(n), *shape_arguments))
         return out
     shape_arguments += [numpy.int32(stride) for s in merged_strides for stride in s]
@@ -512,8 +527,9 @@ def check_writable(operation, out, operands):
     for operand in operands:
         if operand.size == 0 or root_of(operand) is not root:
             continue
-        same_elements = backend.address(operand) == backend.address(out) and \
-            broadcast_strides(operand, out.shape) == element_strides(out)
+        walked = [(a, b) for a, b, size in zip(broadcast_strides(operand, out.shape), element_strides(out), out.shape)
+                  if size > 1]  # (a stride along an axis of size 1 is never used)
+        same_elements = backend.address(operand) == backend.address(out) and all(a == b for a, b in walked)
         operand_first, operand_last = _memory_span(operand)
         if not same_elements and operand_first <= last and first <= operand_last:
             raise RuntimeError(f"{operation}: {OVERLAPPING_INPUT}")
