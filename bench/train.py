@@ -101,7 +101,7 @@ def torch_gpt(torch, config):
 def torch_copy_of(torch, model):
     """A PyTorch GPT holding our model's current weights."""
     twin = torch_gpt(torch, model.config)
-    state = {name: torch.from_numpy(value) for name, value in model.state_dict().items()}
+    state = {name: torch.from_numpy(value.numpy()) for name, value in model.state_dict().items()}
     twin.load_state_dict(state, strict=True)
     return twin
 

@@ -675,11 +675,15 @@ def _modified_error(array, version, expected):
 
 
 def _check_view_is_current(tensor):
-    """A view's grad_fn says how it was taken from its base. An in-place write into the base since then
-    changed the view's values without its grad_fn knowing (PyTorch would rebuild it): refused, not wrong."""
+    """A view's grad_fn says how it was taken from its base. After an in-place write into the base (or into
+    another view of it) the view's values changed without its grad_fn knowing: as PyTorch, the grad_fn is
+    taken again from the base's current place in the graph. A view that does not know its base is refused."""
     node = tensor.grad_fn
     if node is not None and getattr(node.ctx, "is_view", False) and \
             storage_version(tensor.data) != node.ctx.view_version:
+        if getattr(tensor, "_base", None) is not None:
+            _ops().regenerate_view(tensor)
+            return
         raise NotImplementedError(
             "a view used after an in-place operation changed the tensor it was taken from: its gradient would miss "
             "that operation (PyTorch rebuilds the view's grad_fn; this library does not). Take the view again "

@@ -6,6 +6,8 @@ Everything else imports the names below and never asks which backend is active:
     xp            the array module: cupy or numpy
     asnumpy(a)    a numpy copy of an array from either module
     synchronize() wait for launched kernels to finish (a no-op on the CPU, whose launches are synchronous)
+                  Both are synchronisation points: a range check launched before them (gpt2_cupy.device_checks,
+                  a target or an id out of range) raises its error there.
     address(a)    where an array's data starts (device memory on a GPU, host memory on the CPU)
     multiprocessor_count()   the GPU's streaming multiprocessors; on the CPU an H100's 132, so that ops
                   that size their grid by it take the same path (and give the same results) on both
@@ -29,6 +31,7 @@ On cuda the arrays and kernels are CuPy's own objects, so there is no wrapper in
 
 import contextlib
 import os
+import sys
 from functools import lru_cache
 
 import numpy
@@ -97,19 +100,33 @@ def refuse_under_capture(call):
             "value to read; read results after g.replay(), outside the block.")
 
 
+def _report_device_checks():
+    """Raise the error of a range check that failed on the device (gpt2_cupy.device_checks), if any ran."""
+    checks = sys.modules.get("gpt2_cupy.device_checks")  # not imported: no check has run
+    if checks is not None:
+        checks.report()
+
+
 if _cupy is not None:
     name = "cuda"
     xp = _cupy
     _RawKernel = _cupy.RawKernel
     _RawModule = _cupy.RawModule
 
+    def unchecked_asnumpy(a):
+        """A numpy copy, without reporting the range checks (device_checks reads its own flags with it)."""
+        return _cupy.asnumpy(a)
+
     def asnumpy(a):
         refuse_under_capture("backend.asnumpy (a host copy, as .item(), .tolist(), float() and print make)")
-        return _cupy.asnumpy(a)
+        result = _cupy.asnumpy(a)
+        _report_device_checks()
+        return result
 
     def synchronize():
         refuse_under_capture("backend.synchronize()")
         _cupy.cuda.get_current_stream().synchronize()
+        _report_device_checks()
 
     def fill_zero(array):
         """array[...] = 0: a memset on the current stream (inside capture, the capturing stream records it)."""
@@ -145,13 +162,19 @@ else:
     xp = numpy
     from .cpu import RawKernel as _RawKernel, RawModule as _RawModule  # (only the CPU backend needs the executor)
 
+    def unchecked_asnumpy(a):
+        """The array itself, without reporting the range checks (device_checks reads its own flags with it)."""
+        return numpy.asarray(a)
+
     def asnumpy(a):
         refuse_under_capture("backend.asnumpy (a host copy, as .item(), .tolist(), float() and print make)")
+        _report_device_checks()
         return numpy.asarray(a)
 
     def synchronize():
         """Launches on the CPU executor return when the kernel has finished."""
         refuse_under_capture("backend.synchronize()")
+        _report_device_checks()
 
     def fill_zero(array):
         """array[...] = 0 (recorded, not run, inside a graph's capture)."""

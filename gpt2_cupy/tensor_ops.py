@@ -34,7 +34,7 @@ import numpy
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import (Function, Tensor, bump_version, init_generator, is_grad_enabled, storage_of,
                                 storage_version)
-from gpt2_cupy.elementwise import broadcast_shapes, converted, copy, elementwise
+from gpt2_cupy.elementwise import broadcast_shapes, check_writable, converted, copy, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.reduction import normalize_dims, reduce
 
@@ -633,7 +633,25 @@ class View(Function):
 
 
 def _view(name, x, make, undo):
-    return View.apply(x, name, make, undo)
+    out = View.apply(x, name, make, undo)
+    _remember_base(out, x, make, undo)
+    return out
+
+
+def _remember_base(view, x, make, undo):
+    """A view keeps the tensor whose memory it shares (PyTorch's ._base: the first one, never a view) and
+    how to take it from that tensor again (_view_of_base) and send a gradient back to it (_grad_to_base):
+    an in-place write into the view must change the base's place in the graph too."""
+    if storage_of(view.data) is not storage_of(x.data):
+        return  # a copy (clone, contiguous, a reshape that could not be a view), not a view
+    base = getattr(x, "_base", None)
+    if base is None:
+        view._base, view._view_of_base, view._grad_to_base = x, make, undo
+    else:
+        outer_make, outer_undo = x._view_of_base, x._grad_to_base
+        view._base = base
+        view._view_of_base = lambda a: make(outer_make(a))
+        view._grad_to_base = lambda d: outer_undo(undo(d))
 
 
 def view(x, shape):
@@ -811,7 +829,21 @@ class Index(Function):
 
 def index(x, key):
     key, advanced = _index_key(x, key)
-    return Index.apply(x, key, advanced)
+    if not advanced:  # a trailing ... keeps a one-element result a view (numpy would give a copied scalar)
+        key = key + (Ellipsis,)
+    out = Index.apply(x, key, advanced)
+    if not advanced:
+        _remember_base(out, x, lambda a: a[key], _scatter_into(x.shape, key))
+    return out
+
+
+def _scatter_into(shape, key):
+    """The gradient of x[key] (a basic index) sent back to x: zeros of x's shape, dout at x[key]."""
+    def undo(dout):
+        gradient = backend.xp.zeros(shape, dtype=dout.dtype)
+        gradient[key] = dout
+        return gradient
+    return undo
 
 
 def index_put(x, key, value):
@@ -833,6 +865,7 @@ def index_put(x, key, value):
 # backward by their storage's version.
 
 LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation."
+VIEW_OF_LEAF_IN_PLACE = "a view of a leaf Variable that requires grad is being used in an in-place operation."
 _TYPE_NAMES = {"float32": "Float", "float64": "Double", "bfloat16": "BFloat16", "float16": "Half",
                "int64": "Long", "int32": "Int", "bool": "Bool", "uint8": "Byte"}
 
@@ -843,31 +876,22 @@ def _records(x, *operands):
         return False
     if x.requires_grad and x.is_leaf:
         raise RuntimeError(LEAF_IN_PLACE)
-    if not (x.requires_grad or builtins.any(isinstance(o, Tensor) and o.requires_grad for o in operands)):
-        return False
-    shares_memory = getattr(x.grad_fn.ctx, "is_view", False) if x.grad_fn is not None \
-        else storage_of(x.data) is not x.data
-    if shares_memory:
-        # PyTorch moves the view's base onto the in-place operation's node; this library does not, and the
-        # base's gradient would silently miss the operation.
-        raise NotImplementedError("in-place operation on a view, in a graph that requires grad: not supported "
-                                  "here; apply it to the tensor the view was taken from, or clone() the view")
-    return True
+    base = getattr(x, "_base", None)
+    if base is not None and base.is_leaf and base.requires_grad:
+        raise RuntimeError(VIEW_OF_LEAF_IN_PLACE)
+    return x.requires_grad or builtins.any(isinstance(o, Tensor) and o.requires_grad for o in operands)
 
 
 def _check_target(operation, x, shape, result_dtype=None):
-    """x can hold the result: the operands broadcast to x's shape, the result's type casts to x's, and x's
-    array is one the kernels can write (C-contiguous)."""
+    """x can hold the result: the operands broadcast to x's shape, the result's type casts to x's, and no two
+    of x's elements share memory (an expanded tensor's do). x may be a view: the kernel writes by strides."""
     if tuple(shape) != x.shape:
         raise RuntimeError(f"{operation}: output with shape {list(x.shape)} doesn't match the broadcast shape "
                            f"{list(shape)}")
     if result_dtype is not None and _category(result_dtype) > _category(x.dtype):
         raise RuntimeError(f"{operation}: result type {_TYPE_NAMES.get(numpy.dtype(result_dtype).name)} can't be "
                            f"cast to the desired output type {_TYPE_NAMES.get(x.dtype.name, x.dtype.name)}")
-    if not x.data.flags.c_contiguous:
-        raise NotImplementedError(f"{operation}: in-place operations on non-contiguous tensors (a transpose, a "
-                                  f"strided slice) are not supported here; the generated kernels write "
-                                  f"C-contiguous outputs")
+    check_writable(operation, x.data, [])
 
 
 def _write(operation, expression, x, operands, compute_dtype):
@@ -879,13 +903,51 @@ def _write(operation, expression, x, operands, compute_dtype):
 
 
 def _become(x, result):
-    """x takes result's values, in its own array, and result's place in the graph (x = result, in place)."""
+    """x takes result's values, in its own array, and result's place in the graph (x = result, in place).
+
+    When x is a view, its base changed too: as PyTorch's CopySlices, the base's place in the graph moves
+    on to "the base as it was, with result written where x is", and x becomes a view of that again."""
     if result.dtype != x.dtype:
         result = result.to(x.dtype)
     elementwise("copy_", "a", [result.data], compute_dtype=x.dtype, out=x.data)
     bump_version(x.data)
-    x.grad_fn, x.output_nr, x._requires_grad = result.grad_fn, result.output_nr, result.requires_grad
+    base = getattr(x, "_base", None)
+    if base is None:
+        _take_place(x, result)
+        return x
+    _take_place(base, CopySlices.apply(base, result, x._view_of_base))
+    regenerate_view(x)
     return x
+
+
+def _take_place(x, result):
+    """x stands for result in the graph from now on (its own array unchanged)."""
+    x.grad_fn, x.output_nr, x._requires_grad = result.grad_fn, result.output_nr, result.requires_grad
+
+
+def regenerate_view(view):
+    """view's grad_fn made again from its base's current place in the graph: after an in-place write into
+    the base (or into any view of it), the old grad_fn would miss that write."""
+    _take_place(view, View.apply(view._base, "view", view._view_of_base, view._grad_to_base))
+
+
+class CopySlices(Function):
+    """The base of a view after an in-place write into the view (PyTorch's CopySlices): the base as it was,
+    with result where the view is. The base's array already holds it; the backward splits the gradient:
+    the view's part goes to result, the rest to the base as it was."""
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, base, result, view_of_base):
+        ctx.view_of_base = view_of_base
+        return base
+
+    @staticmethod
+    def backward(ctx, dout):
+        to_result = copy("copy_slices_backward", ctx.view_of_base(dout))
+        to_base = copy("copy_slices_backward", dout)
+        ctx.view_of_base(to_base)[...] = 0  # the view's elements were overwritten: the old base gets none
+        return to_base, to_result, None
 
 
 def _operand_shapes(*operands):

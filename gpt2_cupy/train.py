@@ -413,7 +413,7 @@ class Trainer:
 
     def save(self, path=None):
         path = self.checkpoint_path if path is None else Path(path)
-        arrays = {f"model/{name}": value for name, value in self.model.state_dict().items()
+        arrays = {f"model/{name}": value.numpy() for name, value in self.model.state_dict().items()
                   if name != "lm_head.weight"}  # tied to transformer.wte.weight: stored once
         optimizer_state = self.optimizer.state_dict()
         arrays.update({f"optimizer/{name}": value for name, value in optimizer_state["state"].items()})

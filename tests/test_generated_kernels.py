@@ -188,3 +188,22 @@ def test_split_max_lets_nan_win(to_device, to_host):
     values, where = reduction.reduce("max", "max", to_device(x), (0,))
     assert np.isnan(to_host(values)[2]) and to_host(where)[2] == 400 and to_host(where)[3] == 100
     assert to_host(where)[0] == 0  # all equal: the first index
+
+
+@pytest.mark.parametrize("shape, w_shape, b_shape, axes", [((5, 8), (8,), (5, 1), 2),    # a column broadcast along rows
+                                                           ((3, 5, 12), (5, 1), (12,), 3),  # the middle one broadcast
+                                                           ((2, 4), (1,), (2, 4), 1)])   # a single element
+def test_the_rows_kernel_reads_four_columns_per_load(rng, to_device, to_host, shape, w_shape, b_shape, axes):
+    # rows whose length is a multiple of 4, every operand along them or broadcast: the rows kernel
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in (shape, w_shape, b_shape))
+    product = x.astype(np.float64) * w
+    bound = 2 ** -23 * (np.abs(product) + np.abs(b))  # a float32 unit of each term (a GPU fuses a * b + c)
+    elementwise._kernels.clear()
+    got = elementwise.elementwise("scale_shift", "a * b + c", [to_device(x), to_device(w), to_device(b)])
+    assert [(key[4], key[5] is not None) for key in elementwise._kernels] == [(axes, True)]
+    assert np.all(np.abs(to_host(got) - (product + b)) <= bound)
+    # x one element past a 16-byte boundary: the general kernel, one column per load
+    shifted = to_device(np.concatenate([[0.0], x.reshape(-1)]).astype(np.float32))[1:].reshape(shape)
+    again = elementwise.elementwise("scale_shift", "a * b + c", [shifted, to_device(w), to_device(b)])
+    assert [key[5] for key in elementwise._kernels][-1] is None
+    assert np.all(np.abs(to_host(again) - (product + b)) <= bound)

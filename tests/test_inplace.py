@@ -136,8 +136,13 @@ def test_shapes_and_types_that_do_not_fit_raise(to_device):
         torch.tensor([1, 2]).mul_(2.5)
     with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
         torch.tensor([1, 2]).div_(2)
-    with pytest.raises(NotImplementedError, match="non-contiguous"):
-        tensor(X, to_device).T.add_(1.0)
+    with pytest.raises(RuntimeError, match="add_: unsupported operation: more than one element of the written-to "
+                                           "tensor refers to a single memory location"):
+        tensor(ROW, to_device).expand(3, 4).add_(1.0)
+    square = tensor(normal(4, 4), to_device)
+    with pytest.raises(RuntimeError, match="some elements of the input tensor and the written-to tensor refer to a "
+                                           "single memory location"):
+        square.add_(square.T)
     with pytest.raises(RuntimeError, match="expected mask to be a bool tensor"):
         tensor(X, to_device).masked_fill_(tensor(MASK, to_device), 0.0)
     with pytest.raises(RuntimeError, match="At least one of 'min' or 'max'"):
@@ -220,11 +225,83 @@ def test_in_place_with_an_operand_that_requires_grad_joins_the_graph(to_device, 
     assert relative_error(to_host(w.grad), 12 * ROW) < 1e-5
 
 
-def test_in_place_on_a_view_in_a_graph_is_refused_rather_than_wrong(to_device):
+def test_gradients_through_in_place_operations_on_views(to_device, to_host):
+    # Writes into a row, a transposed column block and a strided slice of h: the base's gradient (PyTorch's
+    # CopySlices) and the views' own, against central differences of the same function in float64
+    def function(a, b, c):
+        h = a * 1.0
+        h[1].mul_(b)                 # a row: b (4,)
+        h.T[1:3].add_(c.T)           # columns 1 and 2, through a transpose: c (3, 2)
+        h[:, ::2].clamp_(max=0.5)    # every other column
+        return h * a
+
+    def reference(a, b, c):
+        h = a.copy()
+        h[1] = h[1] * b
+        h[:, 1:3] = h[:, 1:3] + c
+        h[:, ::2] = np.minimum(h[:, ::2], 0.5)
+        return h * a
+
+    a, b, c = normal(3, 4, seed=13), normal(4, seed=14), normal(3, 2, seed=15)
+    check_op(function, reference, [a, b, c], to_device, to_host)
+
+
+def test_in_place_into_a_view_of_a_tensor_outside_the_graph_joins_it(to_device, to_host):
+    total = torch.zeros(3, 4)
+    w = tensor(ROW, to_device, requires_grad=True)
+    total[1:].add_(w)               # rows 1 and 2 now depend on w
+    assert total.requires_grad and total.grad_fn.name() == "CopySlicesBackward"
+    (total * total).sum().backward()  # Σ over 2 rows of w²: d/dw = 4 w
+    assert relative_error(to_host(w.grad), 4 * ROW) < 1e-6
+    expected = np.zeros((3, 4))
+    expected[1:] = ROW
+    assert relative_error(to_host(total.data), expected) < 1e-6
+
+
+def test_in_place_on_a_view_of_a_leaf_that_requires_grad_raises(to_device, to_host):
     a = tensor(X, to_device, requires_grad=True)
-    h = a * 1.0
-    with pytest.raises(NotImplementedError, match="in-place operation on a view"):
-        h[0].mul_(2.0)
+    with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad is being used in an "
+                                           "in-place operation"):
+        a[0].mul_(2.0)
+    with torch.no_grad():   # outside the graph it is a plain write
+        a.T[0].mul_(2.0)
+    expected = X.astype(np.float32).copy()
+    expected[:, 0] *= 2
+    assert np.array_equal(to_host(a.data), expected)
+
+
+# ---- non-contiguous tensors: writes by strides ------------------------------------------------------------------
+
+VIEWS = {  # the view of a (3, 4) Tensor, and the same view of a numpy array
+    "transpose": (lambda x: x.T, lambda x: x.T),
+    "row": (lambda x: x[1], lambda x: x[1]),
+    "column": (lambda x: x[:, 2], lambda x: x[:, 2]),
+    "strided slice": (lambda x: x[::2, 1::2], lambda x: x[::2, 1::2]),
+    "permuted 3-d": (lambda x: x.view(3, 2, 2).permute(2, 0, 1), lambda x: x.reshape(3, 2, 2).transpose(2, 0, 1)),
+}
+
+
+@pytest.mark.parametrize("view", list(VIEWS))
+@pytest.mark.parametrize("case", ["mul_ number", "add_ tensor", "copy_", "clamp_", "masked_fill_"])
+def test_in_place_on_a_view_writes_through_to_every_alias(view, case, rng, to_device, to_host):
+    x = tensor(X, to_device)
+    alias = x.view(12)
+    v = VIEWS[view][0](x)
+    expected = X.astype(np.float32).astype(np.float64)
+    target = VIEWS[view][1](expected)  # the same view of the reference
+    other = rng.normal(size=v.shape)
+    mask = rng.normal(size=v.shape) > 0
+    result = {"mul_ number": lambda: v.mul_(-3.0), "add_ tensor": lambda: v.add_(tensor(other, to_device)),
+              "copy_": lambda: v.copy_(tensor(other, to_device)), "clamp_": lambda: v.clamp_(-0.3, 0.4),
+              "masked_fill_": lambda: v.masked_fill_(torch.tensor(mask), 7.0)}[case]()
+    target[...] = {"mul_ number": lambda: target * -3.0, "add_ tensor": lambda: target + other.astype(np.float32),
+                   "copy_": lambda: other.astype(np.float32), "clamp_": lambda: np.clip(target, -0.3, 0.4),
+                   "masked_fill_": lambda: np.where(mask, 7.0, target)}[case]()
+    assert result is v and not v.is_contiguous() or view == "row"
+    assert relative_error(to_host(x.data), expected) < TOLERANCE
+    assert relative_error(to_host(alias.data), expected.reshape(12)) < TOLERANCE
+    assert relative_error(to_host(v.data), target) < TOLERANCE
+    assert x._version == 1 and v._version == 1
 
 
 # ---- CUDA graphs ---------------------------------------------------------------------------------------------
@@ -245,14 +322,13 @@ def test_in_place_operations_are_captured_and_run_at_each_replay(to_device, to_h
         assert relative_error(to_host(x.data), expected) < 1e-6
 
 
-def test_a_view_taken_before_an_in_place_write_into_its_base_is_refused(to_device, to_host):
+def test_a_view_taken_before_an_in_place_write_into_its_base_follows_the_write(to_device, to_host):
     a = tensor(X, to_device, requires_grad=True)
     h = a * 1.0
-    row = h[0]  # its grad_fn reads h as it was
+    row, column = h[0], h.T[3]  # their grad_fns were taken from h as it was
     h.mul_(2.0)
-    with pytest.raises(NotImplementedError, match="view used after an in-place operation"):
-        row * 3.0
-    (h[0] * 3.0).sum().backward()  # a view taken afterwards is fine: d/da = 6 on row 0
+    (row * 3.0 + column[0]).sum().backward()  # row 0 is 2a now: d/da = 6 on row 0, and 2 · 4 at a[0, 3]
     expected = np.zeros((3, 4))
     expected[0] = 6.0
+    expected[0, 3] += 8.0
     assert np.array_equal(to_host(a.grad), expected)

@@ -45,6 +45,11 @@ def random_model(config, seed=0):
 
 # ---- the float64 reference -------------------------------------------------------------------------------
 
+def host_state(model):
+    """The model's state_dict as numpy copies (its Tensors share the parameters' device arrays)."""
+    return {name: value.numpy() for name, value in model.state_dict().items()}
+
+
 def reference_logits(state, config, idx):
     """Logits (B, T, V) in float64 from a state_dict of numpy arrays."""
     w = {name: np.asarray(value, dtype=np.float64) for name, value in state.items()}
@@ -107,7 +112,7 @@ def test_logits_match_the_float64_reference(rng, to_device, to_host, name):
     idx = tokens(rng, config)
     logits, loss = model(to_device(idx))
     assert loss is None
-    assert relative_error(to_host(logits.data), reference_logits(model.state_dict(), config, idx)) < 1e-5
+    assert relative_error(to_host(logits.data), reference_logits(host_state(model), config, idx)) < 1e-5
 
 
 def test_tied_embeddings_share_one_matrix(rng, to_device, to_host):
@@ -116,7 +121,7 @@ def test_tied_embeddings_share_one_matrix(rng, to_device, to_host):
     assert model.lm_head.weight is model.model.embed_tokens.weight
     idx = tokens(rng, config)
     logits, _ = model(to_device(idx))
-    assert relative_error(to_host(logits.data), reference_logits(model.state_dict(), config, idx)) < 1e-5
+    assert relative_error(to_host(logits.data), reference_logits(host_state(model), config, idx)) < 1e-5
 
 
 def test_loss_ignores_minus_100_and_minus_1(rng, to_device):
@@ -125,7 +130,7 @@ def test_loss_ignores_minus_100_and_minus_1(rng, to_device):
     idx, targets = tokens(rng, config), tokens(rng, config)
     targets[0, :3], targets[1, -2:] = -100, -1
     _, loss = model(to_device(idx), to_device(targets))
-    expected = reference_loss(model.state_dict(), config, idx, targets)
+    expected = reference_loss(host_state(model), config, idx, targets)
     assert abs(loss.item() - expected) < 1e-5 * abs(expected)
 
 
@@ -138,7 +143,7 @@ def test_every_parameter_gradient_matches_a_central_difference_of_the_reference(
     targets[0, 0] = -100
     _, loss = model(to_device(idx), to_device(targets))
     loss.backward()
-    state = {name: value.astype(np.float64) for name, value in model.state_dict().items()}
+    state = {name: value.astype(np.float64) for name, value in host_state(model).items()}
     step = 1e-5
     for name, parameter in model.named_parameters():
         direction = rng.normal(size=parameter.shape)
@@ -175,7 +180,7 @@ def test_head_size_between_the_tile_widths_matches_the_reference(rng, to_device,
     model = random_model(config)
     idx = tokens(rng, config)
     logits, _ = model(to_device(idx))
-    assert relative_error(to_host(logits.data), reference_logits(model.state_dict(), config, idx)) < 1e-5
+    assert relative_error(to_host(logits.data), reference_logits(host_state(model), config, idx)) < 1e-5
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 1, 128), (4, 2, 80)])
@@ -247,13 +252,13 @@ def test_save_and_load_round_trip(tmp_path, rng, to_device, to_host, dtype, shar
         assert files == ["config.json", "model.safetensors"]
     loaded = Llama.from_pretrained(tmp_path)
     assert loaded.config == config
-    for (name, original), (_, restored) in zip(model.state_dict().items(), loaded.state_dict().items()):
+    for (name, original), (_, restored) in zip(host_state(model).items(), host_state(loaded).items()):
         expected = {"float32": lambda a: a, "float16": lambda a: a.astype(np.float16).astype(np.float32),
                     "bfloat16": bfloat16_reference}[dtype](original)
         assert np.array_equal(restored, expected), name
     idx = tokens(rng, config)
     logits, _ = loaded(to_device(idx))
-    assert relative_error(to_host(logits.data), reference_logits(loaded.state_dict(), config, idx)) < 1e-5
+    assert relative_error(to_host(logits.data), reference_logits(host_state(loaded), config, idx)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -321,8 +321,7 @@ class Trainer:
 
 
 def host(value):
-    """A tensor's values as a float64 numpy array. state_dict() gives numpy copies here (PyTorch's gives
-    tensors sharing storage), which nanoGPT's train.py only saves and loads, so either is taken."""
+    """A tensor's (or an array's) values as a float64 numpy array."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     return np.asarray(value, dtype=np.float64)

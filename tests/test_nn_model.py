@@ -165,7 +165,7 @@ def test_state_dict_has_nanogpts_names_and_shapes():
     state = GPT(config).state_dict()
     assert {name: value.shape for name, value in state.items()} == _shapes(config)
     assert list(state) == list(_shapes(config))   # and nanoGPT's order
-    assert all(value.dtype == np.float32 and isinstance(value, np.ndarray) for value in state.values())
+    assert all(value.dtype == np.float32 and isinstance(value, Tensor) for value in state.values())
 
 
 def test_weights_are_tied_and_counted_once():
@@ -181,14 +181,14 @@ def test_weights_are_tied_and_counted_once():
 def test_initialisation_is_gpt2s():
     gpt2_cupy.manual_seed(0)
     config = GPTConfig(block_size=64, vocab_size=512, n_layer=3, n_head=4, n_embd=128)
-    state = GPT(config).state_dict()
+    state = {name: value.numpy() for name, value in GPT(config).state_dict().items()}
     # 16384 to 65536 draws per matrix: the sample std is within 2 % of the intended one.
     assert abs(state["transformer.h.0.mlp.c_proj.weight"].std() / (0.02 / math.sqrt(6)) - 1) < 0.02
     assert abs(state["transformer.h.2.attn.c_attn.weight"].std() / 0.02 - 1) < 0.02
     assert abs(state["transformer.wte.weight"].std() / 0.02 - 1) < 0.02
     assert np.all(state["transformer.h.1.attn.c_attn.bias"] == 0) and np.all(state["transformer.ln_f.weight"] == 1)
     gpt2_cupy.manual_seed(0)
-    again = GPT(config).state_dict()
+    again = {name: value.numpy() for name, value in GPT(config).state_dict().items()}
     assert all(np.array_equal(state[name], again[name]) for name in state)   # the seed fixes the weights
 
 
@@ -332,7 +332,8 @@ def test_save_and_load_round_trip(tmp_path, rng, to_device, to_host):
     model.save_pretrained(tmp_path)
     loaded = GPT.from_pretrained(tmp_path)
     assert loaded.config == config
-    assert all(np.array_equal(value, loaded.state_dict()[name]) for name, value in model.state_dict().items())
+    assert all(np.array_equal(value.numpy(), loaded.state_dict()[name].numpy())
+               for name, value in model.state_dict().items())
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     idx = to_device(rng.integers(0, 37, size=(1, 5)))
     with no_grad():
@@ -371,7 +372,7 @@ def test_loss_and_gradients_match_pytorch(rng, to_device, to_host):
     config = GPTConfig(block_size=64, vocab_size=512, n_layer=2, n_head=4, n_embd=128)
     gpt2_cupy.manual_seed(3)
     model = GPT(config)
-    state = model.state_dict()
+    state = {name: value.numpy() for name, value in model.state_dict().items()}
     idx, targets = tiny_batch(rng, config, B=4, T=64)
     _, loss = model(to_device(idx), to_device(targets))
     loss.backward()

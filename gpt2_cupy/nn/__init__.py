@@ -7,9 +7,13 @@
 
 A Module finds its parameters and sub-modules by looking at its own attributes, in the order they were
 set (as torch.nn.Module does), so `named_parameters()` gives names like "transformer.h.0.attn.c_attn.weight".
-`state_dict()` returns numpy copies (for checkpoints), where PyTorch's shares storage with the parameters;
-`load_state_dict()` copies values (arrays or Tensors) into the existing arrays, so views the optimizer made
-into its flat buffer stay valid.
+`state_dict()` shares storage with the parameters, as PyTorch's does: each entry is a detached Tensor over
+the parameter's own array, so `state_dict()[name].copy_(src)` writes the parameter, and a checkpoint taken
+from it should be saved (gpt2_cupy.save) or copied before training goes on. Where this differs from
+PyTorch: an optimizer moves the parameters into its flat buffer when it is built, so a state_dict taken
+before that keeps the arrays the parameters had then. `load_state_dict()` copies
+values (arrays or Tensors) into the existing arrays, so views the optimizer made into its flat buffer stay
+valid.
 
 Initial weights are drawn with numpy from the generator gpt2_cupy.manual_seed seeds, then copied to the
 backend: the same seed gives the same model on a GPU and on the CPU.
@@ -121,9 +125,11 @@ class Module:
         return module
 
     def state_dict(self):
-        """{name: numpy copy}: parameters, tied ones under each of their names (as PyTorch's), then buffers."""
+        """OrderedDict {name: Tensor}: parameters, tied ones under each of their names (as PyTorch's), then
+        buffers. Each Tensor is detached (requires_grad=False) and shares its parameter's array: a write into
+        it is a write into the model."""
         tensors = dict(self.named_parameters(remove_duplicate=False)) | self._persistent_buffers()
-        return {name: backend.asnumpy(tensor.data).copy() for name, tensor in tensors.items()}
+        return OrderedDict((name, tensor.detach()) for name, tensor in tensors.items())
 
     def load_state_dict(self, state_dict, strict=True):
         """Copy values (numpy or backend arrays, or Tensors) into the parameters and buffers in place.

@@ -28,10 +28,9 @@ import math
 
 import numpy
 
-from gpt2_cupy import amp, backend, tensor_ops
+from gpt2_cupy import amp, backend, device_checks, tensor_ops
 from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state
 from gpt2_cupy.elementwise import converted, elementwise
-from gpt2_cupy.graphs import is_current_stream_capturing
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.reduction import normalize_dims
 from gpt2_cupy.ops.attention import attention_backward, attention_forward
@@ -166,21 +165,33 @@ class Embedding(Function):
     @staticmethod
     def forward(ctx, ids, weight, dtype):
         ctx.save_for_backward(ids)
-        return embedding_forward(ids, _float32(weight), dtype=dtype)
+        # embedding() launched the ids' range check on the device; the kernels skip a bad id (a NaN row)
+        return embedding_forward(ids, _float32(weight), dtype=dtype, check_ids=False)
 
     @staticmethod
     def backward(ctx, dout):
         (ids,) = ctx.saved_tensors
-        # The forward checked these ids already; checking again would cost a second wait for the GPU.
         embedding_backward(dout, ids, dweight=ctx.grad_buffer(1), check_ids=False)
         return None, None, None
 
 
 def embedding(idx, weight):
     """The rows weight[idx]; idx an integer backend array (any shape), converted to int32 if needed. The rows
-    have the table's dtype; inside gpt2_cupy.autocast they are bf16 (rounded once from a float32 table)."""
+    have the table's dtype; inside gpt2_cupy.autocast they are bf16 (rounded once from a float32 table).
+
+    An id outside [0, rows) raises IndexError at the next synchronisation (the check runs on the device,
+    gpt2_cupy.device_checks: no wait here, and it works inside a CUDA graph's capture)."""
     dtype = BFLOAT16 if amp.autocast_dtype() is not None or weight.dtype == BFLOAT16 else FLOAT32
-    return Embedding.apply(_int32(idx, "embedding", "idx"), weight, dtype)
+    ids = _int32(idx, "embedding", "idx")
+    rows, shape = weight.shape[0], tuple(ids.shape)
+
+    def out_of_range(position, value):
+        where = list(numpy.unravel_index(position, shape)) if shape else []
+        return IndexError(f"embedding: index out of range in self: idx{[int(i) for i in where]} = {value}, but "
+                          f"weight has {rows} rows (ids must be in [0, {rows}))")
+
+    device_checks.check_range("embedding", ids, 0, rows, out_of_range)
+    return Embedding.apply(ids, weight, dtype)
 
 
 class Dropout(Function):
@@ -402,7 +413,11 @@ class CrossEntropy(Function):
         ctx.ignore_index, ctx.reduction = ignore_index, reduction
         if reduction == "mean":
             return loss
-        row_losses = _row_losses(logits, targets, lse, ignore_index)
+        # a target out of range (reported at the next synchronisation) gives its row a NaN loss, as the kernel
+        xp = backend.xp
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= logits.shape[1]))
+        row_losses = xp.where(bad, numpy.float32(numpy.nan),
+                              _row_losses(logits, xp.where(bad, 0, targets), lse, ignore_index))
         return row_losses if reduction == "none" else row_losses.sum()
 
     @staticmethod
@@ -438,9 +453,10 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     """-log softmax(input)[target] for each row whose target is not ignore_index: input (N, C) logits,
     target (N,) class indices; reduced by reduction: "mean" over the counted rows, "sum", or "none" (N,).
 
-    A target outside [0, C) other than ignore_index raises an error, as PyTorch's does (here the check
-    reads the targets back from the device: one synchronisation per call, as embedding's id check).
-    weight and label_smoothing are not supported yet.
+    A target outside [0, C) other than ignore_index raises IndexError, as PyTorch's does, at the next
+    synchronisation (.item(), float(), .numpy(), print, backend.synchronize()): the check runs on the device
+    (gpt2_cupy.device_checks), so the call never waits for it, and inside a CUDA graph it runs at each
+    replay. Until then the loss of a bad row is NaN. weight and label_smoothing are not supported yet.
     """
     if weight is not None or label_smoothing != 0.0:
         raise NotImplementedError("cross_entropy: weight and label_smoothing are not supported yet")
@@ -459,14 +475,12 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
 
 
 def _check_targets(target, classes, ignore_index):
-    if is_current_stream_capturing():  # a capture cannot read the targets back (a bad one gives a NaN loss)
-        return
-    bad = (target != ignore_index) & ((target < 0) | (target >= classes))
-    if bool(bad.any()):
-        row = int(backend.asnumpy(bad).argmax())
-        value = int(backend.asnumpy(target[row]))
-        raise IndexError(f"cross_entropy: Target {value} is out of bounds: target[{row}] = {value}, but input has "
-                         f"{classes} classes (targets must be in [0, {classes}) or ignore_index = {ignore_index})")
+    """Launch the targets' range check on the device; its error is raised at the next synchronisation."""
+    def out_of_range(row, value):
+        return IndexError(f"cross_entropy: Target {value} is out of bounds: target[{row}] = {value}, but input has "
+                          f"{classes} classes (targets must be in [0, {classes}) or ignore_index = {ignore_index})")
+
+    device_checks.check_range("cross_entropy", target, 0, classes, out_of_range, skip=ignore_index)
 
 
 # ---- data movement ---------------------------------------------------------------------------------------
