@@ -2,6 +2,8 @@
 
     save(path, arrays, meta)      arrays: {name: numpy array}; meta: anything json can write
     arrays, meta = load(path)
+    model_arrays(model)           the model's state as {name: numpy array}, a tied matrix once
+    model_state(model, arrays)    model_arrays' names back to a full state_dict, each tied name filled in
 
 The file is written next to its final name and then renamed over it (os.replace, atomic on one file
 system): a crash or a Ctrl-C in the middle of a write leaves the previous checkpoint as it was.
@@ -44,3 +46,25 @@ def load(path):
         raise ValueError(f"{path} is not a gpt2_cupy checkpoint (no {META!r} entry)")
     meta = json.loads(arrays.pop(META).tobytes().decode("utf-8"))
     return arrays, meta
+
+
+def tied_names(model):
+    """{name: the name it is tied to}: a parameter registered under several names (GPT-2's lm_head.weight is
+    transformer.wte.weight; Llama's when tie_word_embeddings) maps each later name to its first one."""
+    first_name, tied = {}, {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        tied_to = first_name.setdefault(id(parameter), name)
+        if tied_to != name:
+            tied[name] = tied_to
+    return tied
+
+
+def model_arrays(model):
+    """The model's state_dict as host arrays, each tied matrix stored once, under its first name."""
+    tied = tied_names(model)
+    return {name: value.numpy() for name, value in model.state_dict().items() if name not in tied}
+
+
+def model_state(model, arrays):
+    """model_arrays' output (as loaded) back to a state_dict for model.load_state_dict, tied names filled in."""
+    return {**arrays, **{name: arrays[first] for name, first in tied_names(model).items() if first in arrays}}

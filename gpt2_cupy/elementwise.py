@@ -50,7 +50,7 @@ import math
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.ops.arrays import BFLOAT16, LARGEST_INT, THREADS_PER_BLOCK, ceil_div
+from gpt2_cupy.ops.arrays import BFLOAT16, LARGEST_INT, THREADS_PER_BLOCK, WARP_SIZE, ceil_div
 
 OPERAND_NAMES = "abcdefgh"
 
@@ -277,14 +277,15 @@ def _strided_source(name, expression, operand_types, compute_type, out_type, ndi
     last = ndim - 1
     lines = storage_include(list(operand_types) + [out_type]) + [f"#define ELEMENTS {ELEMENTS_PER_THREAD}", "",
              f'extern "C" __global__ void {name}({", ".join(parameters)})', "{",
-             "    // The output as rows of its last axis: blockIdx.x and threadIdx.x pick columns, blockIdx.y",
-             "    // rows (grid-stride). A column index then needs no division: only the row is split into",
-             "    // coordinates, once per row, and each operand's row start is its offset plus coordinate x",
-             "    // stride on every other axis (stride 0: broadcast).",
+             "    // The output as rows of its last axis: blockIdx.x and threadIdx.x pick columns, blockIdx.y and",
+             "    // threadIdx.y rows (grid-stride; a block spans several short rows, so that none of its threads",
+             "    // idles). A column index then needs no division: only the row is split into coordinates, once",
+             "    // per row, and each operand's row start is its offset plus coordinate x stride on every other",
+             "    // axis (stride 0: broadcast).",
              f"    int columns = size{last};",
              "    int rows = n / columns;",
              "    int first = blockIdx.x * blockDim.x * ELEMENTS + threadIdx.x;",
-             "    for (int row = blockIdx.y; row < rows; row += gridDim.y) {"]
+             "    for (int row = blockIdx.y * blockDim.y + threadIdx.y; row < rows; row += gridDim.y * blockDim.y) {"]
     lines.extend(_row_start_lines(arrays, ndim))
     lines.append("        // ELEMENTS columns per thread, blockDim.x apart (a warp reads neighbours): all loaded")
     lines.append("        // before the first is used, so that they are in flight together")
@@ -478,10 +479,21 @@ def elementwise(operation, expression, operands, compute_dtype=numpy.float32, ou
                      strided_out=strided_out)
     columns = merged_shape[-1]
     rows = n // columns
-    column_blocks = ceil_div(columns, THREADS_PER_BLOCK * ELEMENTS_PER_THREAD)
-    row_blocks = min(rows, ceil_div(resident_blocks(), column_blocks), 65535)
-    kernel((column_blocks, row_blocks), (THREADS_PER_BLOCK,), (*arguments, numpy.int32(n), *shape_arguments))
+    block = strided_block(columns)
+    column_blocks = ceil_div(columns, block[0] * ELEMENTS_PER_THREAD)
+    row_blocks = min(ceil_div(rows, block[1]), ceil_div(resident_blocks(), column_blocks), 65535)
+    kernel((column_blocks, row_blocks), block, (*arguments, numpy.int32(n), *shape_arguments))
     return out
+
+
+def strided_block(columns):
+    """(threads along a row, rows) of the strided kernel's blocks of THREADS_PER_BLOCK threads: as few threads
+    along a row as cover it (a warp at least, so that a warp reads neighbours), the rest on further rows.
+    A head of 64 floats is then 8 rows of 32 threads, where one row of 256 threads would leave 240 idle."""
+    along = WARP_SIZE
+    while along < THREADS_PER_BLOCK and along * ELEMENTS_PER_THREAD < columns:
+        along *= 2
+    return along, THREADS_PER_BLOCK // along
 
 
 def rows_vectorize(shape, operand_strides, placed, out, width):

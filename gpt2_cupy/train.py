@@ -413,8 +413,7 @@ class Trainer:
 
     def save(self, path=None):
         path = self.checkpoint_path if path is None else Path(path)
-        arrays = {f"model/{name}": value.numpy() for name, value in self.model.state_dict().items()
-                  if name != "lm_head.weight"}  # tied to transformer.wte.weight: stored once
+        arrays = {f"model/{name}": value for name, value in checkpoint.model_arrays(self.model).items()}
         optimizer_state = self.optimizer.state_dict()
         arrays.update({f"optimizer/{name}": value for name, value in optimizer_state["state"].items()})
         if not self.is_main:  # every rank has gathered the state above (with ZeRO a collective); rank 0 writes
@@ -440,8 +439,8 @@ class Trainer:
         if arrays["tokenizer"].tobytes() != self.tokenizer_bytes:
             raise ValueError(f"{path} was trained with another tokenizer than {self.corpus.tokenizer}: "
                              "the same ids would mean other text")
-        self.model.load_state_dict({name[len("model/"):]: value for name, value in arrays.items()
-                                    if name.startswith("model/")} | {"lm_head.weight": arrays["model/transformer.wte.weight"]})
+        weights = {name[len("model/"):]: value for name, value in arrays.items() if name.startswith("model/")}
+        self.model.load_state_dict(checkpoint.model_state(self.model, weights))
         state = {name[len("optimizer/"):]: value for name, value in arrays.items() if name.startswith("optimizer/")}
         self.optimizer.load_state_dict({**meta["optimizer"], "state": state})
         self.train_batches.random_generator.bit_generator.state = meta["batches_state"]

@@ -4,6 +4,7 @@ import json
 import math
 import shutil
 import signal
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -50,6 +51,26 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_bit_for_bit(tmp_path, cu
     logged = [json.loads(line) for line in (tmp_path / "parts" / "log.jsonl").read_text().splitlines()]
     assert losses(logged) == losses(uninterrupted)
     assert (tmp_path / "parts" / "loss.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["own-head", "tied-head"])
+def test_a_llama_run_resumes_bit_for_bit_and_its_checkpoint_keeps_each_matrix_once(tmp_path, monkeypatch, tie):
+    if tie:   # the trainer's Llama has its own output head; a tied one must be stored once and restored to both
+        original = training.llama_config
+        monkeypatch.setattr(training, "llama_config", lambda config, vocab_size: replace(
+            original(config, vocab_size), tie_word_embeddings=True))
+    options = dict(model="llama", cuda_graph=False)
+    uninterrupted = Trainer(small_config(tmp_path, "whole", **options)).run()
+    first = Trainer(small_config(tmp_path, "parts", **options)).run(stop_after=4)
+    resumed = Trainer(small_config(tmp_path, "parts", **options), resume=True)
+    second = resumed.run()
+    assert losses(first + second) == losses(uninterrupted)
+    arrays, _ = checkpoint.load(resumed.checkpoint_path)
+    stored = sorted(name[len("model/"):] for name in arrays if name.startswith("model/"))
+    matrices = {id(p): name for name, p in reversed(list(resumed.model.named_parameters(remove_duplicate=False)))}
+    assert stored == sorted(matrices.values())     # every matrix once, under its first name
+    head, embedding = resumed.model.lm_head.weight, resumed.model.model.embed_tokens.weight
+    assert ("lm_head.weight" in stored) != tie and (head is embedding) == tie
 
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
