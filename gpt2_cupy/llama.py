@@ -283,9 +283,9 @@ class Llama(nn.Module):
                     logits, _ = self(token, kv_cache=cache)
                     token = choose(logits.data[:, -1])
                 else:
-                    step.run(first=i == 0)
+                    logits = step.run(first=i == 0)
                     if temperature != 0:
-                        backend.copy_into(step.token, choose(step.logits.data[:, -1]))
+                        backend.copy_into(step.token, choose(logits.data[:, -1]))
                     token = step.token
         return xp.concatenate([idx.astype(numpy.int64), generated], axis=1)
 
@@ -369,7 +369,7 @@ class DecodeGraph:
         cache.device_lengths = backend.xp.asarray(numpy.array([position, position + 1], dtype=numpy.int32))
         pool = graph_pool_handle()
         with use_pool(pool):
-            self.logits = self._step()                                           # the warm-up: step `position`
+            self.first_logits = self._step()                                     # the warm-up: step `position`
         self.graph = CUDAGraph()
         with graph(self.graph, pool=pool):
             self.logits = self._step()                                           # recorded, not run
@@ -384,7 +384,10 @@ class DecodeGraph:
         return logits
 
     def run(self, first=False):
-        """The next step: the warm-up already ran the first one; every later one is a replay."""
-        if not first:
-            self.graph.replay()
-            self.cache.length += 1
+        """The next step, returning its logits (B, 1, V): the warm-up already ran the first one; every later
+        one is a replay, into the logits array the capture made."""
+        if first:
+            return self.first_logits
+        self.graph.replay()
+        self.cache.length += 1
+        return self.logits
