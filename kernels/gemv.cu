@@ -6,7 +6,7 @@
 // reuse to win, and the tile's rows past R are wasted loads and multiplies. The whole cost is reading W once:
 // 2 N K bytes in bf16, 13.5 GB per token for a 7B model. So the kernel is built around the weight's bytes:
 // - each weight row is read once, by WARPS_PER_OUTPUT warps, in 16-byte loads (8 bf16 or 4 floats per lane);
-// - a lane loads UNROLL such groups before it multiplies any, so that many bytes are on their way at once
+// - a lane loads LOADS_IN_FLIGHT such groups before it multiplies any, so that many bytes are on their way at once
 //   (a kernel that only streams memory needs about 40 KB in flight per multiprocessor to keep up with HBM);
 // - the R rows of x are read at the same columns as the weight group: small, they stay in L1 and L2, and
 //   every weight element read is multiplied by all R rows (R products for 2 or 4 bytes of weight);
@@ -18,7 +18,7 @@
 #include "warp.cuh"
 
 #define GEMV_WARPS 8
-#define UNROLL 4
+#define LOADS_IN_FLIGHT 4
 
 // WIDTH elements of a row into floats; float rows in float4 groups where WIDTH allows, bf16 rows in one load.
 template <int WIDTH, typename T>
@@ -48,15 +48,15 @@ __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv(floatX* y, const 
 #pragma unroll
     for (int r = 0; r < ROWS; r++) sums[r] = 0.0f;
 
-    for (int first = part * WARP_SIZE + lane; first < groups; first += UNROLL * stride) {
-        float w[UNROLL][WIDTH];
+    for (int first = part * WARP_SIZE + lane; first < groups; first += LOADS_IN_FLIGHT * stride) {
+        float w[LOADS_IN_FLIGHT][WIDTH];
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {         // only loads: UNROLL x 16 bytes in flight per lane
+        for (int u = 0; u < LOADS_IN_FLIGHT; u++) {         // only loads: LOADS_IN_FLIGHT x 16 bytes in flight per lane
             int group = first + u * stride;
             if (group < groups) load_elements<WIDTH>(w[u], weight_row + (long long)group * WIDTH);
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
+        for (int u = 0; u < LOADS_IN_FLIGHT; u++) {
             int group = first + u * stride;
             if (group >= groups) break;
 #pragma unroll
