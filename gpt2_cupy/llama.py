@@ -369,7 +369,11 @@ class DecodeGraph:
         cache.device_lengths = backend.xp.asarray(numpy.array([position, position + 1], dtype=numpy.int32))
         pool = graph_pool_handle()
         with use_pool(pool):
-            self.first_logits = self._step()                                     # the warm-up: step `position`
+            warm_up_logits = self._step()                                        # the warm-up: step `position`
+        # Its logits copied out of the pool: a block the warm-up still held would be missing at the capture,
+        # which needs as many free blocks of each size as the warm-up used.
+        self.first_logits = Tensor(warm_up_logits.data.copy())
+        del warm_up_logits
         self.graph = CUDAGraph()
         with graph(self.graph, pool=pool):
             self.logits = self._step()                                           # recorded, not run
