@@ -31,6 +31,7 @@ from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
 from gpt2_cupy.model import KVCache
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.ops.decode_attention import decode_attention_forward, decode_attention_store
+from gpt2_cupy.ops.linear import linear_forward
 from gpt2_cupy.ops.rope import rope_forward
 
 
@@ -106,13 +107,16 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        self.projections = SharedRows([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x, layer_cache=None):
         B, T, _ = x.shape
         start = 0 if layer_cache is None else layer_cache.start
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)          # (B, T, H, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)       # (B, T, Hkv, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)       # (B, T, Hkv, hd)
+        q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if self.projections.weight is None else \
+            self.projections(x)                                             # bf16: one product for the three
+        q = q.view(B, T, self.n_heads, self.head_dim)                       # (B, T, H, hd)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)                    # (B, T, Hkv, hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)                    # (B, T, Hkv, hd)
         if layer_cache is not None and layer_cache.cache.device_lengths is not None:
             return self.o_proj(self._decode_at_device_position(q, k, v, layer_cache))
         q = F.rope(q, self.rope_theta, start, self.rope_interleaved)        # positions start..start+T-1
@@ -146,9 +150,45 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)   # Meta's w1
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)     # Meta's w3
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)   # Meta's w2
+        self.projections = SharedRows([self.gate_proj, self.up_proj])
 
     def forward(self, x):
+        if self.projections.weight is not None:                             # bf16: one product for both
+            return self.down_proj(F.swiglu(*self.projections(x)))
         return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class SharedRows:
+    """Linear layers of one input whose weights are consecutive rows of one array, after share(): one product
+    x [W1; W2; ...]ᵀ gives [x W1ᵀ, x W2ᵀ, ...] side by side, and at batch 1 one GEMV launch reads all the
+    weights (q, k and v; gate and up). The parameters stay the layers' own (views into the array), so
+    state_dict, load_state_dict and checkpoints see no difference. For inference: a plain array, no gradient."""
+
+    def __init__(self, linears):
+        self.linears, self.weight, self.views = linears, None, None
+
+    def share(self):
+        """Move the weights into one new array (each layer's weight then a view of its rows)."""
+        self.weight = backend.xp.concatenate([linear.weight.data for linear in self.linears], axis=0)
+        start, self.views = 0, []
+        for linear in self.linears:
+            rows = linear.out_features
+            linear.weight.data = self.weight[start:start + rows]
+            self.views.append(linear.weight.data)
+            start += rows
+
+    def __call__(self, x):
+        """The layers' outputs (..., out_features) for x (..., in_features), as Tensors."""
+        if any(linear.weight.data is not view for linear, view in zip(self.linears, self.views)):
+            raise RuntimeError("Llama: a projection's weight was replaced after its rows were shared; call "
+                               "model.to(dtype) again")
+        together = linear_forward(backend.xp.ascontiguousarray(x.data), self.weight)  # (..., Σ out_features)
+        outputs, start = [], 0
+        for linear in self.linears:
+            rows = linear.out_features
+            outputs.append(Tensor(backend.xp.ascontiguousarray(together[..., start:start + rows])))
+            start += rows
+        return outputs
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -214,6 +254,18 @@ class Llama(nn.Module):
             targets = backend.xp.where(targets == -1, -100, targets).reshape(B * T)  # -1 (our GPT's) as -100
             loss = F.cross_entropy(logits.view(B * T, self.config.vocab_size), targets, ignore_index=-100)
         return logits, loss
+
+    def to(self, *arguments, **options):
+        """nn.Module.to; in bf16 (inference), the weights of q, k, v and of gate, up also become rows of one
+        array per layer (SharedRows), read by one product each."""
+        super().to(*arguments, **options)
+        for layer in self.model.layers:
+            for shared in (layer.self_attn.projections, layer.mlp.projections):
+                if self.dtype == numpy.float32:
+                    shared.weight = shared.views = None
+                elif shared.weight is None or shared.weight.dtype != self.dtype:
+                    shared.share()
+        return self
 
     @property
     def dtype(self):

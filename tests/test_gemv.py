@@ -14,7 +14,7 @@ import pytest
 from gpt2_cupy import backend
 from gpt2_cupy.ops import gemv as gemv_ops
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
-from gpt2_cupy.ops.gemv import MAX_ROWS, gemv_forward
+from gpt2_cupy.ops.gemv import LINEAR_ROWS, MAX_ROWS, gemv_forward
 from gpt2_cupy.ops.linear import linear_forward
 from gpt2_cupy.testing import summation_bound
 
@@ -71,12 +71,14 @@ def test_gemv_writes_into_out(rng):
 def test_linear_sends_few_rows_of_a_bf16_weight_to_gemv(rng):
     weight = backend.xp.asarray(rng.normal(size=(21, 40)).astype(BFLOAT16))
     bias = backend.xp.asarray(rng.normal(size=21).astype(np.float32))
-    x = backend.xp.asarray(rng.normal(size=(1, 3, 40)).astype(np.float32))
+    x = backend.xp.asarray(rng.normal(size=(1, LINEAR_ROWS, 40)).astype(np.float32))
     y = linear_forward(x, weight, bias)                     # float32 x, bf16 weight: only the GEMV takes both
-    assert y.dtype == FLOAT32 and y.shape == (1, 3, 21)
+    assert y.dtype == FLOAT32 and y.shape == (1, LINEAR_ROWS, 21)
     assert np.array_equal(host(y), host(gemv_forward(x, weight, bias)))
-    many = backend.xp.asarray(rng.normal(size=(MAX_ROWS + 1, 40)).astype(BFLOAT16))
-    assert_product(linear_forward(many, weight, bias), many, weight, bias)   # the tiled product, bf16 sums
+    many = backend.xp.asarray(rng.normal(size=(LINEAR_ROWS + 1, 40)).astype(BFLOAT16))
+    assert_product(linear_forward(many, weight, bias), many, weight, bias)   # the tiled product, float32 sums
+    with pytest.raises(TypeError, match="linear_forward: weight has dtype bfloat16; it must be float32"):
+        linear_forward(many.astype(np.float32), weight)     # the tiled product takes one dtype for both
 
 
 def test_gemv_refuses_what_it_does_not_take(rng):

@@ -18,7 +18,11 @@ from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import (BFLOAT16, WARP_SIZE, ceil_div, check, float4_aligned, output,
                                   storage_c_type, storage_dtype)
 
-MAX_ROWS = 8                      # more rows than this reuse each weight enough for the tiled GEMM to win
+MAX_ROWS = 8                      # the kernel's limit: its ROWS template instances
+# linear_forward sends products of at most this many rows here. Measured on an H200 (bench/llama_generation.py
+# --gemv, GB/s of bf16 weights): one row, 2900-3800 against the tiled GEMM's 230-3500; four rows, 1400-2300,
+# 7 times the tiled GEMM's at N = 4096 and at most 1.7 times slower at N >= 11008; eight rows lose up to 3 times.
+LINEAR_ROWS = 4
 ROW_CHOICES = (1, 2, 4, 8)        # the kernel's ROWS template instances: the smallest that holds the rows
 WARPS_PER_BLOCK = 8               # kernels/gemv.cu's GEMV_WARPS
 WARPS_PER_OUTPUT = (1, 2, 4, 8)
