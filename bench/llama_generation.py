@@ -1,30 +1,49 @@
-"""Llama generation on a GPU: prefill and decode against Hugging Face transformers, at Llama 3.2 1B's shape.
+"""Llama generation at batch 1 on a GPU: bf16 decode against the memory-bandwidth bound and transformers.
 
-    python -m bench.llama_generation [--prompt 512] [--new-tokens 128]
+    python -m bench.llama_generation [--shape 1b 7b] [--prompt 512] [--new-tokens 128] [--prefill 2048]
 
-A model of Llama 3.2 1B's sizes (16 layers, 2048 channels, 32 query and 8 key-value heads of 128, MLP 8192,
-vocabulary 128256, tied embeddings) with random weights: the speed does not depend on them. Greedy decoding
-from a random prompt, batch 1, the next token chosen on the device (argmax), so that a step waits for nothing:
-- prefill: the prompt through the model into an empty KV cache, milliseconds;
-- decode: new_tokens steps of one token over the cache, tokens per second, and the bytes of weights each
-  token reads (all of them once) as GB/s against the copy bandwidth: decoding at batch 1 is bound by it.
-Ours runs float32 (Llama's kernels take float32); transformers' LlamaForCausalLM runs float32 and bfloat16.
+Two shapes, random weights (the speed does not depend on them), built in bf16 on the device:
+    1b  Llama 3.2 1B: 16 layers, 2048 channels, 32 query and 8 key-value heads of 128, MLP 8192, vocabulary
+        128256, tied embeddings;
+    7b  Llama 2 7B: 32 layers, 4096 channels, 32 heads of 128, MLP 11008, vocabulary 32000 (13.5 GB in bf16).
+Greedy decoding from a random prompt, batch 1, the next token chosen on the device (argmax):
+- decode tokens/s, ours eager (a Python call per op) and ours with the step captured as a CUDA graph
+  (Llama.generate(..., cuda_graph=True)'s DecodeGraph), and transformers' LlamaForCausalLM in bf16 with
+  generate(cache_implementation="static") in the same run (its decode rate: (tokens of a long run - 1) over
+  the long run's time minus a one-token run's);
+- the bound: every weight read once per token at the measured copy bandwidth, tokens/s = bandwidth / bytes;
+- prefill: the prompt (and, for 7b, a 2048-token prompt) through the model into an empty cache, ms, against
+  transformers' forward of the same prompt.
+- gemv: the one-row (and few-row) products alone, GB/s of weights for R = 1, 2, 4, 8, 16 rows, our GEMV kernel
+  against the tiled tensor-core GEMM the product would take otherwise and against torch.matmul (cuBLAS).
 
-Writes bench/llama_generation.json, prints a table.
+Writes bench/llama_generation.json (a run of one shape keeps the other shape's stored results), prints a table.
 """
 
 import argparse
+import contextlib
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 
-from gpt2_cupy import backend, benchmark, testing
+from gpt2_cupy import backend, benchmark, nn, testing
 from gpt2_cupy.autograd import manual_seed, no_grad
-from gpt2_cupy.llama import Llama, LlamaConfig
+from gpt2_cupy.elementwise import converted
+from gpt2_cupy.llama import DecodeGraph, Llama, LlamaConfig
+from gpt2_cupy.ops.arrays import BFLOAT16
 
-ONE_B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, rope_theta=500000.0,
-             tie_word_embeddings=True)
+SHAPES = {
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0,
+               tie_word_embeddings=True),
+    "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rope_theta=10000.0,
+               tie_word_embeddings=False),
+}
+NAMES = {"1b": "Llama 3.2 1B", "7b": "Llama 2 7B"}
+RESULTS = Path(__file__).resolve().parent / "llama_generation.json"
 
 
 def seconds(run, synchronize):
@@ -35,108 +54,190 @@ def seconds(run, synchronize):
     return time.perf_counter() - started
 
 
-def ours(prompt, new_tokens):
+@contextlib.contextmanager
+def random_bf16_weights_on_device():
+    """Layers built with bf16 parameters drawn on the device: the model holds one bf16 copy, and 6.7 billion
+    numbers are not drawn by numpy on the host (minutes). Only for timing: the values are N(0, 0.02)."""
+    xp = backend.xp
+    original_normal, original_uniform, original_init = nn._normal, nn._uniform, Llama._init_weights
+
+    def empty_parameter(shape, scale):
+        parameter = nn.Parameter()
+        parameter.data = xp.empty(shape, dtype=BFLOAT16)
+        return parameter
+
+    def device_normal(model):
+        for parameter in model.parameters():
+            if parameter.ndim == 2:
+                parameter.data[...] = converted(xp.random.standard_normal(parameter.shape, dtype=np.float32)
+                                                * np.float32(0.02), BFLOAT16)
+        model.to(BFLOAT16)                                     # the norms' float32 ones
+
+    nn._normal, nn._uniform, Llama._init_weights = empty_parameter, empty_parameter, device_normal
+    try:
+        yield
+    finally:
+        nn._normal, nn._uniform, Llama._init_weights = original_normal, original_uniform, original_init
+
+
+def ours(shape, prompts, new_tokens):
     manual_seed(0)
-    model = Llama(LlamaConfig(**ONE_B))
+    with random_bf16_weights_on_device():
+        model = Llama(LlamaConfig(**SHAPES[shape]))
     model.eval()
     xp = backend.xp
-    ids = xp.asarray(prompt[None, :].astype(np.int32))
     parameters = sum(p.data.size for p in model.parameters())
-
-    def prefill():
-        cache = model.new_kv_cache(1, len(prompt) + new_tokens + 1)
-        logits, _ = model(ids, kv_cache=cache)
-        return cache, logits
-
-    def decode(cache, logits):
-        for _ in range(new_tokens):
-            token = logits.data[:, -1].argmax(axis=-1).astype(np.int32).reshape(1, 1)
-            logits, _ = model(token, kv_cache=cache)
-
+    run = {"dtype": "bfloat16", "parameters": parameters, "weight_bytes": 2 * parameters, "prefill_ms": {}}
     with no_grad():
-        prefill()                                                # compiles every kernel
-        prefill_seconds = seconds(prefill, backend.synchronize)
-        decode(*prefill())                                       # the decode shapes once
-        cache, logits = prefill()
-        decode_seconds = seconds(lambda: decode(cache, logits), backend.synchronize)
-    del model, cache, logits
+        for length, prompt in prompts.items():
+            ids = xp.asarray(prompt[None, :].astype(np.int32))
+
+            def prefill():
+                cache = model.new_kv_cache(1, length + new_tokens + 2)
+                logits, _ = model(ids, kv_cache=cache)
+                return cache, logits
+
+            prefill()                                                        # compiles every kernel
+            run["prefill_ms"][str(length)] = 1e3 * seconds(prefill, backend.synchronize)
+        ids = xp.asarray(prompts[min(prompts)][None, :].astype(np.int32))
+        length = min(prompts)
+
+        def eager_decode(cache, logits):
+            for _ in range(new_tokens):
+                token = xp.argmax(converted(logits.data[:, -1], np.float32), axis=-1, keepdims=True)
+                logits, _ = model(token, kv_cache=cache)
+
+        for _ in range(2):                                                   # the second is timed
+            cache = model.new_kv_cache(1, length + new_tokens + 2)
+            logits, _ = model(ids, kv_cache=cache)
+            run["eager_tokens_per_second"] = new_tokens / seconds(lambda: eager_decode(cache, logits),
+                                                                  backend.synchronize)
+        cache = model.new_kv_cache(1, length + new_tokens + 2)
+        logits, _ = model(ids, kv_cache=cache)
+        token = xp.argmax(converted(logits.data[:, -1], np.float32), axis=-1, keepdims=True)
+        started = time.perf_counter()
+        step = DecodeGraph(model, cache, token, greedy=True)
+        backend.synchronize()
+        run["graph_capture_ms"] = 1e3 * (time.perf_counter() - started)
+        step.graph.replay()                                                  # the first replay uploads the graph
+        replays = new_tokens - 2
+        run["graph_tokens_per_second"] = replays / seconds(lambda: [step.run() for _ in range(replays)],
+                                                           backend.synchronize)
+        eager_tokens = model.generate(ids, 8, temperature=0)
+        graph_tokens = model.generate(ids, 8, temperature=0, cuda_graph=True)
+        run["graph_equals_eager_tokens"] = bool((eager_tokens == graph_tokens).all())
+    del model, cache, logits, step
     xp.get_default_memory_pool().free_all_blocks()
-    return {"dtype": "float32", "parameters": parameters, "weight_bytes": 4 * parameters,
-            "prefill_ms": 1e3 * prefill_seconds, "decode_tokens_per_second": new_tokens / decode_seconds}
+    return run
 
 
-def transformers_run(torch, prompt, new_tokens, dtype_name):
+def transformers_run(torch, shape, prompts, new_tokens):
     import transformers
 
-    config = transformers.LlamaConfig(**ONE_B, head_dim=128)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+    config = transformers.LlamaConfig(**SHAPES[shape], head_dim=128)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(dtype).eval()
-    ids = torch.as_tensor(prompt[None, :], device="cuda", dtype=torch.long)
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     parameters = sum(p.numel() for p in model.parameters())
-
-    def prefill():
-        cache = transformers.DynamicCache()
-        output = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return output.past_key_values, output.logits
-
-    def decode(cache, logits):
-        for _ in range(new_tokens):
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)
-            output = model(input_ids=token, past_key_values=cache, use_cache=True)
-            cache, logits = output.past_key_values, output.logits
-
+    run = {"dtype": "bfloat16", "parameters": parameters, "weight_bytes": 2 * parameters, "prefill_ms": {},
+           "transformers_version": transformers.__version__, "torch_version": torch.__version__}
+    sync = torch.cuda.synchronize
     with torch.no_grad():
-        prefill()
-        prefill_seconds = seconds(prefill, torch.cuda.synchronize)
-        decode(*prefill())
-        cache, logits = prefill()
-        decode_seconds = seconds(lambda: decode(cache, logits), torch.cuda.synchronize)
-    del model, cache, logits
+        for length, prompt in prompts.items():
+            ids = torch.as_tensor(prompt[None, :], device="cuda", dtype=torch.long)
+            model(input_ids=ids, use_cache=True)
+            run["prefill_ms"][str(length)] = 1e3 * seconds(lambda: model(input_ids=ids, use_cache=True), sync)
+        ids = torch.as_tensor(prompts[min(prompts)][None, :], device="cuda", dtype=torch.long)
+
+        def generate(tokens):
+            model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                           cache_implementation="static", pad_token_id=0)
+
+        generate(new_tokens)                                                 # warm-up (and any compilation)
+        long_run, one_token = seconds(lambda: generate(new_tokens), sync), seconds(lambda: generate(1), sync)
+        run["static_cache_tokens_per_second"] = (new_tokens - 1) / (long_run - one_token)
+    del model
     torch.cuda.empty_cache()
-    return {"dtype": dtype_name, "parameters": parameters, "weight_bytes": parameters * (4 if dtype_name == "float32" else 2),
-            "prefill_ms": 1e3 * prefill_seconds, "decode_tokens_per_second": new_tokens / decode_seconds}
+    return run
+
+
+def gemv_products(torch):
+    """GB/s of weights for few-row products at the decode's matrix shapes: GEMV, the tiled GEMM, cuBLAS."""
+    from gpt2_cupy.ops.gemv import gemv_forward
+    from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
+
+    xp, rows_tried, results = backend.xp, (1, 2, 4, 8, 16), []
+    for N, K in ((4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096), (128256, 2048), (512, 2048)):
+        weight = converted(xp.random.standard_normal((N, K), dtype=np.float32), BFLOAT16)
+        for R in rows_tried:
+            x = converted(xp.random.standard_normal((R, K), dtype=np.float32), BFLOAT16)
+            y = xp.empty((R, N), dtype=BFLOAT16)
+            entry = {"N": N, "K": K, "rows": R}
+            if R <= 8:
+                entry["gemv_gb_per_s"] = 2 * N * K / benchmark.seconds_per_call(lambda: gemv_forward(x, weight, out=y)) / 1e9
+            entry["tiled_gemm_gb_per_s"] = 2 * N * K / benchmark.seconds_per_call(
+                lambda: launch_bf16_product(x, weight, y, transpose_b=True)) / 1e9
+            if torch is not None:
+                tw, tx = torch.randn(N, K, device="cuda").bfloat16(), torch.randn(R, K, device="cuda").bfloat16()
+                entry["cublas_gb_per_s"] = 2 * N * K / benchmark.seconds_per_call(lambda: torch.matmul(tx, tw.T)) / 1e9
+            results.append(entry)
+    return results
 
 
 def measure(arguments):
     benchmark.require_gpu()
-    results = {**benchmark.measured_on(), "copy_bandwidth_gb_per_s": benchmark.copy_bandwidth() / 1e9,
-               "shape": "Llama 3.2 1B", "prompt_tokens": arguments.prompt, "new_tokens": arguments.new_tokens,
-               "runs": {}}
-    prompt = np.random.default_rng(0).integers(0, ONE_B["vocab_size"], arguments.prompt)
-    results["runs"]["gpt2_cupy float32"] = ours(prompt, arguments.new_tokens)
+    bandwidth = benchmark.copy_bandwidth()
+    stored = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results = {"copy_bandwidth_gb_per_s": bandwidth / 1e9, "batch": 1, "shapes": stored.get("shapes", {})}
     torch = testing.torch_or_none()
-    if torch is not None:
-        for dtype_name in ("float32", "bfloat16"):
+    for shape in arguments.shape:
+        rng = np.random.default_rng(0)
+        lengths = sorted({arguments.prompt} | ({arguments.prefill} if shape == "7b" else set()))
+        prompts = {length: rng.integers(0, SHAPES[shape]["vocab_size"], length) for length in lengths}
+        entry = {"name": NAMES[shape], "prompt_tokens": arguments.prompt, "new_tokens": arguments.new_tokens,
+                 "measured_on": benchmark.measured_on(), "runs": {"gpt2_cupy bf16": ours(shape, prompts,
+                                                                                         arguments.new_tokens)}}
+        if torch is not None:
             try:
-                results["runs"][f"transformers {dtype_name}"] = transformers_run(torch, prompt, arguments.new_tokens,
-                                                                                 dtype_name)
+                entry["runs"]["transformers bf16"] = transformers_run(torch, shape, prompts, arguments.new_tokens)
             except Exception as error:  # noqa: BLE001  (a transformers version without these names: say so)
-                results["runs"][f"transformers {dtype_name}"] = {"error": f"{type(error).__name__}: {error}"}
-    for run in results["runs"].values():
-        if "decode_tokens_per_second" in run:
-            run["decode_gb_per_s"] = run["weight_bytes"] * run["decode_tokens_per_second"] / 1e9
+                entry["runs"]["transformers bf16"] = {"error": f"{type(error).__name__}: {error}"}
+        bound_bytes = entry["runs"]["gpt2_cupy bf16"]["weight_bytes"]
+        entry["bound_tokens_per_second"] = bandwidth / bound_bytes
+        results["shapes"][shape] = entry
+    if arguments.gemv:
+        results["gemv"] = gemv_products(torch)
     return results
 
 
 def table(results):
-    lines = [f"{results['device']}, {results['date']}: {results['shape']}, prompt {results['prompt_tokens']}, "
-             f"{results['new_tokens']} new tokens, batch 1 (copy: {results['copy_bandwidth_gb_per_s']:.0f} GB/s)"]
-    for name, run in results["runs"].items():
-        if "error" in run:
-            lines.append(f"  {name:22} not run: {run['error']}")
-            continue
-        lines.append(f"  {name:22} prefill {run['prefill_ms']:8.2f} ms   decode {run['decode_tokens_per_second']:7.1f} "
-                     f"tokens/s  {run['decode_gb_per_s']:6.0f} GB/s of weights "
-                     f"({run['decode_gb_per_s'] / results['copy_bandwidth_gb_per_s']:.0%} of copy)")
+    lines = [f"batch 1, bf16 (copy: {results['copy_bandwidth_gb_per_s']:.0f} GB/s)"]
+    for shape, entry in results["shapes"].items():
+        bound = entry["bound_tokens_per_second"]
+        lines.append(f"{entry['name']} ({entry['measured_on']['device']}, {entry['measured_on']['date']}): "
+                     f"bound {bound:.0f} tokens/s")
+        for name, run in entry["runs"].items():
+            if "error" in run:
+                lines.append(f"  {name:20} not run: {run['error']}")
+                continue
+            rates = {k: v for k, v in run.items() if k.endswith("tokens_per_second")}
+            for kind, rate in rates.items():
+                lines.append(f"  {name:20} {kind:34} {rate:8.1f} ({rate / bound:.0%} of the bound)")
+            prefill = ", ".join(f"{length} tokens {ms:.1f} ms" for length, ms in run["prefill_ms"].items())
+            lines.append(f"  {name:20} prefill: {prefill}")
+    for entry in results.get("gemv", []):
+        lines.append("  gemv N={N:6} K={K:5} R={rows:2}: ".format(**entry) + "  ".join(
+            f"{k[:-9]} {v:6.0f} GB/s" for k, v in entry.items() if k.endswith("_gb_per_s")))
     return lines
 
 
 def main():
     parser = argparse.ArgumentParser(prog="python -m bench.llama_generation", description=__doc__.split("\n")[0])
-    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=["1b", "7b"])
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens before decoding")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prefill", type=int, default=2048, help="a longer prompt timed for 7b's prefill")
+    parser.add_argument("--gemv", action="store_true", help="also time the few-row products alone")
     results = measure(parser.parse_args())
     benchmark.report("llama_generation", results, table(results))
 

@@ -25,9 +25,14 @@ from dataclasses import asdict, dataclass, fields
 import numpy
 
 from gpt2_cupy import backend, nn, safetensors_files
-from gpt2_cupy.autograd import Tensor, init_generator, is_grad_enabled
+from gpt2_cupy.autograd import Tensor, init_generator, is_grad_enabled, no_grad
+from gpt2_cupy.elementwise import converted
+from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
 from gpt2_cupy.model import KVCache
 from gpt2_cupy.nn import functional as F
+from gpt2_cupy.ops.decode_attention import decode_attention_forward, decode_attention_store
+from gpt2_cupy.ops.linear import linear_forward
+from gpt2_cupy.ops.rope import rope_forward
 
 
 @dataclass
@@ -102,13 +107,18 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        self.projections = SharedRows([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x, layer_cache=None):
         B, T, _ = x.shape
         start = 0 if layer_cache is None else layer_cache.start
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)          # (B, T, H, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)       # (B, T, Hkv, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)       # (B, T, Hkv, hd)
+        q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if self.projections.weight is None else \
+            self.projections(x)                                             # bf16: one product for the three
+        q = q.view(B, T, self.n_heads, self.head_dim)                       # (B, T, H, hd)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)                    # (B, T, Hkv, hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)                    # (B, T, Hkv, hd)
+        if layer_cache is not None and layer_cache.cache.device_lengths is not None:
+            return self.o_proj(self._decode_at_device_position(q, k, v, layer_cache))
         q = F.rope(q, self.rope_theta, start, self.rope_interleaved)        # positions start..start+T-1
         k = F.rope(k, self.rope_theta, start, self.rope_interleaved)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, T, hd)
@@ -121,15 +131,64 @@ class LlamaAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * self.head_dim)  # heads side by side again
         return self.o_proj(y)
 
+    def _decode_at_device_position(self, q, k, v, layer_cache):
+        """The attention of new positions whose first position and the cache's length after them are read
+        from device memory (cache.device_lengths), so that one captured CUDA graph serves every step."""
+        B, T = q.shape[:2]
+        first_position, length = layer_cache.cache.device_lengths[0:1], layer_cache.cache.device_lengths[1:2]
+        q, k = (Tensor(rope_forward(a.data, theta=self.rope_theta, start=first_position,
+                                    interleaved=self.rope_interleaved)) for a in (q, k))
+        q, k, v = (a.transpose(1, 2).contiguous().data for a in (q, k, v))  # (B, H or Hkv, T, hd)
+        keys, values = layer_cache.cache.keys[layer_cache.index], layer_cache.cache.values[layer_cache.index]
+        decode_attention_store(keys, values, k, v, length)
+        y = Tensor(decode_attention_forward(q, keys, values, length))       # (B, H, T, hd)
+        return y.transpose(1, 2).contiguous().view(B, T, self.n_heads * self.head_dim)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)   # Meta's w1
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)     # Meta's w3
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)   # Meta's w2
+        self.projections = SharedRows([self.gate_proj, self.up_proj])
 
     def forward(self, x):
+        if self.projections.weight is not None:                             # bf16: one product for both
+            return self.down_proj(F.swiglu(*self.projections(x)))
         return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class SharedRows:
+    """Linear layers of one input whose weights are consecutive rows of one array, after share(): one product
+    x [W1; W2; ...]ᵀ gives [x W1ᵀ, x W2ᵀ, ...] side by side, and at batch 1 one GEMV launch reads all the
+    weights (q, k and v; gate and up). The parameters stay the layers' own (views into the array), so
+    state_dict, load_state_dict and checkpoints see no difference. For inference: a plain array, no gradient."""
+
+    def __init__(self, linears):
+        self.linears, self.weight, self.views = linears, None, None
+
+    def share(self):
+        """Move the weights into one new array (each layer's weight then a view of its rows)."""
+        self.weight = backend.xp.concatenate([linear.weight.data for linear in self.linears], axis=0)
+        start, self.views = 0, []
+        for linear in self.linears:
+            rows = linear.out_features
+            linear.weight.data = self.weight[start:start + rows]
+            self.views.append(linear.weight.data)
+            start += rows
+
+    def __call__(self, x):
+        """The layers' outputs (..., out_features) for x (..., in_features), as Tensors."""
+        if any(linear.weight.data is not view for linear, view in zip(self.linears, self.views)):
+            raise RuntimeError("Llama: a projection's weight was replaced after its rows were shared; call "
+                               "model.to(dtype) again")
+        together = linear_forward(backend.xp.ascontiguousarray(x.data), self.weight)  # (..., Σ out_features)
+        outputs, start = [], 0
+        for linear in self.linears:
+            rows = linear.out_features
+            outputs.append(Tensor(backend.xp.ascontiguousarray(together[..., start:start + rows])))
+            start += rows
+        return outputs
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -180,7 +239,10 @@ class Llama(nn.Module):
         B, T = idx.shape
         if kv_cache is not None and is_grad_enabled():
             raise RuntimeError("Llama: a kv_cache is for generation; run the model under gpt2_cupy.no_grad()")
-        x = self.model.embed_tokens(idx)                                       # (B, T, C)
+        if self.dtype != numpy.float32 and is_grad_enabled():
+            raise RuntimeError(f"Llama: weights in {self.dtype} are for inference; run the model under "
+                               "gpt2_cupy.no_grad(), or train in float32 (with gpt2_cupy.autocast for bf16)")
+        x = self._embed(idx)                                                   # (B, T, C)
         for number, layer in enumerate(self.model.layers):
             x = layer(x, None if kv_cache is None else kv_cache.layer(number))
         logits = self.lm_head(self.model.norm(x))                              # (B, T, V)
@@ -193,6 +255,32 @@ class Llama(nn.Module):
             loss = F.cross_entropy(logits.view(B * T, self.config.vocab_size), targets, ignore_index=-100)
         return logits, loss
 
+    def to(self, *arguments, **options):
+        """nn.Module.to; in bf16 (inference), the weights of q, k, v and of gate, up also become rows of one
+        array per layer (SharedRows), read by one product each."""
+        super().to(*arguments, **options)
+        for layer in self.model.layers:
+            for shared in (layer.self_attn.projections, layer.mlp.projections):
+                if self.dtype == numpy.float32:
+                    shared.weight = shared.views = None
+                elif shared.weight is None or shared.weight.dtype != self.dtype:
+                    shared.share()
+        return self
+
+    @property
+    def dtype(self):
+        """The parameters' dtype (PyTorch's model.dtype): float32, or bfloat16 after model.to(bfloat16)."""
+        return self.lm_head.weight.dtype
+
+    def _embed(self, idx):
+        """The rows of embed_tokens for idx. A bf16 table (a model converted for generation) is gathered as
+        it is stored, 2-byte words, by the array module's take: no rounding, and nothing to convert."""
+        weight = self.model.embed_tokens.weight
+        if weight.dtype == numpy.float32:
+            return self.model.embed_tokens(idx)
+        words = backend.xp.take(weight.data.view(numpy.uint16), idx, axis=0)    # (B, T, C) of bf16 bits
+        return Tensor(words.view(weight.dtype))
+
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type=None):
         """AdamW with two groups: matrices decay, norm weights do not."""
         from gpt2_cupy import optim
@@ -203,18 +291,69 @@ class Llama(nn.Module):
         return optim.AdamW(groups, lr=learning_rate, betas=betas)
 
     def new_kv_cache(self, batch_size, max_length):
-        """Room for the keys and values of max_length positions in every layer, for generation."""
-        return LlamaKVCache(self.config, batch_size, max_length)
+        """Room for the keys and values of max_length positions in every layer, for generation, in the
+        weights' dtype (a bf16 model keeps a bf16 cache)."""
+        return LlamaKVCache(self.config, batch_size, max_length, dtype=self.dtype)
+
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, seed=0, cuda_graph=False):
+        """idx (B, T) of token ids continued by max_new_tokens tokens: (B, T + max_new_tokens), as nanoGPT's
+        generate. temperature=0 is greedy, chosen on the device; otherwise the tokens are drawn on the host
+        from softmax(logits / temperature), among the top_k most likely if given (numpy's generator, seed).
+
+        A static KV cache of T + max_new_tokens positions, filled by one forward of the prompt; then one
+        forward per new token. cuda_graph=True captures that decode step once as a CUDA graph (the token,
+        the position and the cache length in device memory) and replays it for every token: no Python and
+        no launch cost per kernel, one replay per token (gpt2_cupy.graphs; the CPU executor replays too)."""
+        from gpt2_cupy.sample import next_token
+
+        idx = idx.data if isinstance(idx, Tensor) else idx
+        B, T = idx.shape
+        if T + max_new_tokens > self.config.max_position_embeddings:
+            raise ValueError(f"generate: {T} + {max_new_tokens} positions; the model holds "
+                             f"max_position_embeddings = {self.config.max_position_embeddings}")
+        if temperature < 0:
+            raise ValueError(f"generate: temperature = {temperature}; it must be >= 0")
+        xp, generator = backend.xp, numpy.random.default_rng(seed)
+
+        def choose(logits):                                   # (B, V) -> (B, 1) int64 token ids on the device
+            if temperature == 0:
+                return xp.argmax(converted(logits, numpy.float32), axis=-1, keepdims=True)
+            rows = backend.asnumpy(converted(logits, numpy.float32))
+            return xp.asarray(numpy.array([[next_token(row, temperature, top_k, generator)] for row in rows]))
+
+        generated = xp.empty((B, max_new_tokens), dtype=numpy.int64)
+        with no_grad():
+            cache = self.new_kv_cache(B, T + max_new_tokens)
+            logits, _ = self(idx, kv_cache=cache)                                   # the prompt: prefill
+            token = choose(logits.data[:, -1])
+            step = DecodeGraph(self, cache, token, greedy=temperature == 0) if cuda_graph and max_new_tokens > 1 else None
+            for i in range(max_new_tokens):
+                backend.copy_into(generated[:, i:i + 1], token)
+                if i == max_new_tokens - 1:
+                    break
+                if step is None:
+                    logits, _ = self(token, kv_cache=cache)
+                    token = choose(logits.data[:, -1])
+                else:
+                    logits = step.run(first=i == 0)
+                    if temperature != 0:
+                        backend.copy_into(step.token, choose(logits.data[:, -1]))
+                    token = step.token
+        return xp.concatenate([idx.astype(numpy.int64), generated], axis=1)
 
     # ---- Hugging Face checkpoints ---------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, directory):
+    def from_pretrained(cls, directory, torch_dtype=None):
         """A model from a local Hugging Face Llama directory: config.json and model.safetensors, or shards with
-        model.safetensors.index.json; weights in float32, float16 or bfloat16, read one tensor at a time."""
+        model.safetensors.index.json; weights in float32, float16 or bfloat16, read one tensor at a time.
+        torch_dtype (transformers' name): None or float32 keeps float32 parameters; bfloat16 stores them in
+        bf16 for generation (a bf16 checkpoint exactly)."""
         with open(os.path.join(directory, "config.json")) as file:
             config = LlamaConfig.from_hf(json.load(file))
         model = cls(config)
+        if torch_dtype is not None:
+            model.to(torch_dtype)
         parameters = dict(model.named_parameters(remove_duplicate=False))
         loaded = set()
         for name, array in safetensors_files.read_tensors(directory):
@@ -225,7 +364,7 @@ class Llama(nn.Module):
             if array.shape != parameters[name].shape:
                 raise ValueError(f"{name}: shape {array.shape} in the checkpoint, {parameters[name].shape} in the "
                                  "model its config.json describes")
-            parameters[name].data[...] = backend.xp.asarray(array)
+            parameters[name].data[...] = converted(backend.xp.asarray(array), parameters[name].dtype)
             loaded.add(name)
         tied = {"lm_head.weight", "model.embed_tokens.weight"}
         if config.tie_word_embeddings and loaded & tied:
@@ -253,12 +392,61 @@ class LlamaKVCache(KVCache):
     one copy per key-value head, not per query head. Storing and attending are GPT-2's cache's (gpt2_cupy.model):
     the decode kernel lets each group of query heads read its key-value head."""
 
-    def __init__(self, config, batch_size, max_length):
+    def __init__(self, config, batch_size, max_length, dtype=numpy.float32):
         if max_length > config.max_position_embeddings:
             raise ValueError(f"new_kv_cache: max_length {max_length} > max_position_embeddings "
                              f"{config.max_position_embeddings}")
         shape = (batch_size, config.num_key_value_heads, max_length, config.head_dim)
-        self.keys = [backend.xp.zeros(shape, numpy.float32) for _ in range(config.num_hidden_layers)]
-        self.values = [backend.xp.zeros(shape, numpy.float32) for _ in range(config.num_hidden_layers)]
+        self.keys = [backend.xp.zeros(shape, dtype) for _ in range(config.num_hidden_layers)]
+        self.values = [backend.xp.zeros(shape, dtype) for _ in range(config.num_hidden_layers)]
         self.length = 0          # positions stored; the model advances it after each forward
         self.max_length = max_length
+        # None, or int32 [first new position, length after the new positions] in device memory: then the
+        # layers read the positions from there (a captured decode step, DecodeGraph), not from `length`.
+        self.device_lengths = None
+
+
+class DecodeGraph:
+    """One decode step of a Llama (one new token per sequence) captured as a CUDA graph and replayed per token.
+
+    The step reads its token from `token` (B, 1) int64 and the positions from cache.device_lengths, and ends
+    by adding 1 to both positions (and, greedy, by writing the argmax of its logits into `token`), so that
+    replaying it again is the next step. Built at the cache's current length: the warm-up before the capture
+    is the step at that position, run eagerly; run(first=True) counts it, later run() calls replay."""
+
+    def __init__(self, model, cache, token, greedy):
+        self.model, self.cache, self.greedy = model, cache, greedy
+        self.token = backend.xp.array(token, dtype=numpy.int64)               # the graph's own input buffer
+        position = cache.length
+        cache.device_lengths = backend.xp.asarray(numpy.array([position, position + 1], dtype=numpy.int32))
+        pool = graph_pool_handle()
+        with use_pool(pool):
+            warm_up_logits = self._step()                                        # the warm-up: step `position`
+        # Its logits copied out of the pool: a block the warm-up still held would be missing at the capture,
+        # which needs as many free blocks of each size as the warm-up used.
+        self.first_logits = Tensor(warm_up_logits.data.copy())
+        del warm_up_logits
+        self.graph = CUDAGraph()
+        with graph(self.graph, pool=pool):
+            self.logits = self._step()                                           # recorded, not run
+        # The positions of the next step, set again: the CPU executor runs the array module's calls during a
+        # capture as well as recording them, so the capture may have added 1 once more.
+        backend.copy_into(cache.device_lengths, numpy.array([position + 1, position + 2], dtype=numpy.int32))
+        cache.length = position + 1
+
+    def _step(self):
+        logits, _ = self.model(self.token, kv_cache=self.cache)
+        backend.xp.add(self.cache.device_lengths, 1, out=self.cache.device_lengths)
+        if self.greedy:
+            backend.copy_into(self.token, backend.xp.argmax(converted(logits.data[:, -1], numpy.float32),
+                                                            axis=-1, keepdims=True))
+        return logits
+
+    def run(self, first=False):
+        """The next step, returning its logits (B, 1, V): the warm-up already ran the first one; every later
+        one is a replay, into the logits array the capture made."""
+        if first:
+            return self.first_logits
+        self.graph.replay()
+        self.cache.length += 1
+        return self.logits

@@ -1,4 +1,6 @@
-// Attention of a few new queries over a KV cache, in float32, split along the keys (flash-decoding).
+// Attention of a few new queries over a KV cache, split along the keys (flash-decoding). q, the cache and out
+// are float32 or bf16 (floatX, storage.cuh: a model generating in bf16 keeps a bf16 cache, half the bytes to
+// read); scores, the softmax and the partial results are float32 either way.
 //   q, out:          (key-value heads, rows, d): the rows of one key-value head are the queries that read it,
 //                    row r = g n + i for query head g of its group and new position i < n;
 //   keys, values:    (key-value heads, capacity, d), the cache; positions 0 .. length - 1 are filled;
@@ -31,24 +33,24 @@
 // with it. At the end, the block's warps merge their (m, l, o) through shared memory, as the chunks do.
 #include "warp.cuh"
 #include "special_values.cuh"
-#include "float_groups.cuh"
+#include "storage.cuh"
 
 #define WARPS 4
 #define KEYS_AT_ONCE 4
 
-// The lane's D / 32 neighbouring floats of a row of d floats (zeros past d). Rows of d = D floats start on
-// 16 bytes from D = 128, where a lane's 4 or 8 floats are whole float4s.
-template <int D>
-__device__ __forceinline__ void load_lane_part(float part[D / WARP_SIZE], const float* row, int d)
+// The lane's D / 32 neighbouring elements of a row of d, as floats (zeros past d). Rows of d = D elements
+// start on 16 bytes (float) or 8 bytes (bf16) from D = 128, where a lane's 4 or 8 are whole groups of 4.
+template <int D, typename floatX>
+__device__ __forceinline__ void load_lane_part(float part[D / WARP_SIZE], const floatX* row, int d)
 {
     constexpr int PER_LANE = D / WARP_SIZE, WIDTH = PER_LANE >= 4 ? 4 : 1;
     int first = (threadIdx.x % WARP_SIZE) * PER_LANE;
     if (d == D) {
 #pragma unroll
-        for (int e = 0; e < PER_LANE; e += WIDTH) load_group<WIDTH>(part + e, row + first + e, true);
+        for (int e = 0; e < PER_LANE; e += WIDTH) load_as_float<WIDTH>(part + e, row + first + e, true);
     } else {
 #pragma unroll
-        for (int e = 0; e < PER_LANE; e++) load_group<1>(part + e, row + first + e, first + e < d);
+        for (int e = 0; e < PER_LANE; e++) load_as_float<1>(part + e, row + first + e, first + e < d);
     }
 }
 
@@ -56,9 +58,9 @@ __device__ __forceinline__ void load_lane_part(float part[D / WARP_SIZE], const 
 // rows z ROWS .. z ROWS + ROWS - 1 of the head against keys s chunk .. s chunk + chunk - 1 (those below length).
 // length: device_length[0] when device_length is not null (a CUDA graph replays the launch as the cache
 // grows), else host_length. A chunk past the end, or keys no row sees, leave m = -inf, l = 0, o = 0.
-template <int D, int ROWS>
+template <int D, int ROWS, typename floatX = float>
 __global__ void __launch_bounds__(WARPS * WARP_SIZE) decode_attention_partial(float* partial_out,
-    float* partial_max, float* partial_sum, const float* q, const float* keys, const float* values,
+    float* partial_max, float* partial_sum, const floatX* q, const floatX* keys, const floatX* values,
     const int* device_length, int host_length, int rows, int new_positions, int capacity, int chunk, int d)
 {
     constexpr int PER_LANE = D / WARP_SIZE;
@@ -149,8 +151,9 @@ __global__ void __launch_bounds__(WARPS * WARP_SIZE) decode_attention_partial(fl
 
 // Second kernel: a warp per output row (head, r) merges the row's `splits` partial results. grid = ⌈heads x
 // rows / WARPS⌉ blocks of WARPS warps. Split 0 holds key 0, which every row sees, so M is finite.
-extern "C" __global__ void decode_attention_combine(float* out, const float* partial_out, const float* partial_max,
-                                                    const float* partial_sum, int outputs, int rows, int splits, int d)
+template <typename floatX = float>
+__global__ void decode_attention_combine(floatX* out, const float* partial_out, const float* partial_max,
+                                         const float* partial_sum, int outputs, int rows, int splits, int d)
 {
     int output = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     if (output >= outputs) return;  // the whole warp leaves together: the shuffles below see all 32 lanes
@@ -169,6 +172,28 @@ extern "C" __global__ void decode_attention_combine(float* out, const float* par
             long long partial_row = (head * splits + s) * rows + r;
             result += partial_out[partial_row * d + column] * __expf(maxima[(long long)s * rows] - largest);
         }
-        out[(head * rows + r) * d + column] = result * normaliser;
+        out[(head * rows + r) * d + column] = from_float<floatX>(result * normaliser);
     }
+}
+
+// The new positions' keys and values, k and v (key-value heads, n, d), written into the cache (key-value
+// heads, capacity, d) at positions length - n .. length - 1, length read from device memory: a CUDA graph
+// replays this launch at every step of generation. One thread per element.
+template <typename floatX>
+__global__ void decode_attention_store(floatX* keys, floatX* values, const floatX* k, const floatX* v,
+                                       const int* device_length, int heads, int new_positions, int capacity, int d)
+{
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // the element (head, t, e) of k and v
+    if (i >= (long long)heads * new_positions * d) {
+        return;
+    }
+    int e = (int)(i % d);
+    long long head = i / d / new_positions;
+    int t = (int)(i / d % new_positions);
+    long long position = device_length[0] - new_positions + t;
+    if (position < 0 || position >= capacity) {
+        return;  // a length the cache cannot hold writes nothing (the op checks it where it can: a host length)
+    }
+    keys[(head * capacity + position) * d + e] = k[i];
+    values[(head * capacity + position) * d + e] = v[i];
 }

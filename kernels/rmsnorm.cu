@@ -11,6 +11,7 @@
 // bench/llama.py times both at Llama 7B's width, C = 4096.
 
 #include "float_groups.cuh"
+#include "storage.cuh"
 #include "warp.cuh"
 
 // A warp per row, lane l on columns l, l + 32, ...: one row sum of squares, then the output.
@@ -101,8 +102,10 @@ __device__ __forceinline__ float row_threads_sum(float value)
     return WARPS_PER_ROW == 1 ? warp_sum(value) : block_sum(value);
 }
 
-template <int WIDTH, int K, int WARPS_PER_ROW>
-__global__ void rmsnorm_forward_registers(float* y, float* rstd, const float* x, const float* weight, int rows,
+// x and y float32 or bf16 (floatX), weight float32 or bf16 (weightT, a model converted to bf16 for generation):
+// read into floats, the sum of squares and rstd in float32, y rounded once.
+template <int WIDTH, int K, int WARPS_PER_ROW, typename floatX = float, typename weightT = float>
+__global__ void rmsnorm_forward_registers(floatX* y, float* rstd, const floatX* x, const weightT* weight, int rows,
                                           int columns, float eps)
 {
     constexpr int ROW_THREADS = WARPS_PER_ROW * WARP_SIZE;
@@ -111,14 +114,14 @@ __global__ void rmsnorm_forward_registers(float* y, float* rstd, const float* x,
     if (row >= rows) {
         return;  // only where a warp is a row (a block of several rows): its lanes leave together
     }
-    const float* x_row = x + (long long)row * columns;
-    float* y_row = y + (long long)row * columns;
+    const floatX* x_row = x + (long long)row * columns;
+    floatX* y_row = y + (long long)row * columns;
     float values[K * WIDTH];
     float squares = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         int column = (thread + k * ROW_THREADS) * WIDTH;
-        load_group<WIDTH>(values + k * WIDTH, x_row + column, column < columns);  // all K loads in flight at once
+        load_as_float<WIDTH>(values + k * WIDTH, x_row + column, column < columns);  // all K loads in flight at once
     }
 #pragma unroll
     for (int i = 0; i < K * WIDTH; ++i) {
@@ -130,12 +133,12 @@ __global__ void rmsnorm_forward_registers(float* y, float* rstd, const float* x,
         int column = (thread + k * ROW_THREADS) * WIDTH;
         if (column < columns) {
             float scale[WIDTH], result[WIDTH];
-            load_group<WIDTH>(scale, weight + column, true);
+            load_as_float<WIDTH>(scale, weight + column, true);
 #pragma unroll
             for (int w = 0; w < WIDTH; ++w) {
                 result[w] = values[k * WIDTH + w] * row_rstd * scale[w];
             }
-            store_group<WIDTH>(y_row + column, result);
+            store_from_float<WIDTH>(y_row + column, result);
         }
     }
     if (thread == 0) {

@@ -9,8 +9,12 @@
 // Hugging Face's is (in float16 the angle of position 1000 would be wrong by about 0.5 radians).
 // A rotation is orthogonal: its backward is the rotation by minus the angle, the same kernel with sign -1.
 // One thread per pair; start shifts the positions for a KV cache (new tokens at start, start + 1, ...).
+// x and y float32, or bf16 (floatX, storage.cuh) for generation in bf16: the pair is rotated in float32 and
+// rounded once; the angle is float32 either way.
+#include "storage.cuh"
 
-__device__ __forceinline__ void rotate_pair(float* y, const float* x, const float* inv_freq, int pairs, int T,
+template <typename floatX>
+__device__ __forceinline__ void rotate_pair(floatX* y, const floatX* x, const float* inv_freq, int pairs, int T,
                                             int H, int D, int start, int interleaved, float sign)
 {
     int pair = blockIdx.x * blockDim.x + threadIdx.x;
@@ -25,19 +29,29 @@ __device__ __forceinline__ void rotate_pair(float* y, const float* x, const floa
     float sine = sign * sinf(angle), cosine = cosf(angle);
     long long first = row * D + (interleaved ? 2 * i : i);
     long long second = first + (interleaved ? 1 : half);
-    float a = x[first], b = x[second];
-    y[first] = a * cosine - b * sine;
-    y[second] = a * sine + b * cosine;
+    float a = to_float(x[first]), b = to_float(x[second]);
+    y[first] = from_float<floatX>(a * cosine - b * sine);
+    y[second] = from_float<floatX>(a * sine + b * cosine);
 }
 
 extern "C" __global__ void rope_forward(float* y, const float* x, const float* inv_freq, int pairs, int T, int H,
                                         int D, int start, int interleaved)
 {
-    rotate_pair(y, x, inv_freq, pairs, T, H, D, start, interleaved, 1.0f);
+    rotate_pair<float>(y, x, inv_freq, pairs, T, H, D, start, interleaved, 1.0f);
 }
 
 extern "C" __global__ void rope_backward(float* dx, const float* dout, const float* inv_freq, int pairs, int T,
                                          int H, int D, int start, int interleaved)
 {
-    rotate_pair(dx, dout, inv_freq, pairs, T, H, D, start, interleaved, -1.0f);
+    rotate_pair<float>(dx, dout, inv_freq, pairs, T, H, D, start, interleaved, -1.0f);
+}
+
+// The forward in either storage type, the first position read from device memory when device_start is not
+// null: a CUDA graph captures the launch once and replays it at every new position of generation.
+template <typename floatX>
+__global__ void rope_forward_stored(floatX* y, const floatX* x, const float* inv_freq, const int* device_start,
+                                    int host_start, int pairs, int T, int H, int D, int interleaved)
+{
+    int start = device_start != nullptr ? device_start[0] : host_start;
+    rotate_pair<floatX>(y, x, inv_freq, pairs, T, H, D, start, interleaved, 1.0f);
 }

@@ -4,6 +4,8 @@
 //             dgate = dout * up * s * (1 + gate * (1 - s)),   dup = dout * gate * s.
 // Fused: one read of gate and up, one write of y, where silu then a multiply would write and read silu(gate)
 // once more. The _float4 versions move four elements per load (arrays 16-byte aligned); n counts floats.
+// swiglu_forward_stored<floatX> takes bf16 too (generation in bf16): computed in float32, rounded once.
+#include "storage.cuh"
 
 __device__ __forceinline__ float sigmoid(float g)
 {
@@ -40,6 +42,15 @@ extern "C" __global__ void swiglu_forward_float4(float* y, const float* gate, co
         for (; i < n; ++i) {  // the last, incomplete group of four
             y[i] = swiglu(gate[i], up[i]);
         }
+    }
+}
+
+template <typename floatX>
+__global__ void swiglu_forward_stored(floatX* y, const floatX* gate, const floatX* up, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        y[i] = from_float<floatX>(swiglu(to_float(gate[i]), to_float(up[i])));
     }
 }
 

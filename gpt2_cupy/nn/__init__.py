@@ -22,12 +22,15 @@ backend: the same seed gives the same model on a GPU and on the CPU.
 import math
 from collections import OrderedDict
 
+import ml_dtypes
 import numpy
 
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import Tensor, init_generator
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.nn import init, utils
+
+BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)
 
 
 class Parameter(Tensor):
@@ -163,17 +166,28 @@ class Module:
         return self
 
     def to(self, *arguments, **options):
-        """Accepted as PyTorch's: a device ("cpu", "cuda") maps to the active backend, where every array
-        already is; float32 is the only dtype of the parameters (they are the float32 masters of bf16
-        training under gpt2_cupy.autocast). Returns self."""
+        """As PyTorch's: a device ("cpu", "cuda") maps to the active backend, where every array already is;
+        a dtype (float32 or bfloat16) converts every parameter in place, each converted once (a tied matrix
+        stays one matrix). bf16 parameters are for inference (generation); training keeps float32 masters
+        and runs bf16 under gpt2_cupy.autocast. Returns self."""
         from gpt2_cupy import dtype_of
+        from gpt2_cupy.elementwise import converted
         for argument in (*arguments, *options.values()):
             if argument is None or isinstance(argument, str) or type(argument).__name__ == "device":
                 continue
-            if dtype_of(argument) != numpy.float32:
+            dtype = dtype_of(argument)
+            if dtype not in (numpy.float32, BFLOAT16):
                 raise NotImplementedError(f"{type(self).__name__}.to: dtype {argument} is not supported yet; "
-                                          "parameters are float32 (for bf16 training use gpt2_cupy.autocast)")
+                                          "parameters are float32 or bfloat16")
+            for parameter in self.parameters():
+                parameter.data = converted(parameter.data, dtype)
         return self
+
+    def bfloat16(self):
+        return self.to(BFLOAT16)
+
+    def float(self):
+        return self.to(numpy.float32)
 
     def cuda(self, device=None):
         return self

@@ -1,13 +1,15 @@
-"""Attention of the newest positions over a KV cache, for generation (flash-decoding), float32, forward only.
+"""Attention of the newest positions over a KV cache, for generation (flash-decoding), forward only.
 
     out = decode_attention_forward(q, keys, values, length)
+    decode_attention_store(keys, values, k, v, length)      the new positions' k and v into the cache
 
 q: (B, H, n, d), the queries of the n newest positions, which sit at positions length - n .. length - 1;
 keys, values: (B, H_kv, capacity, d), a KV cache whose first `length` positions are filled (the n new ones
 included); H_kv divides H, and query head h reads key-value head h // (H / H_kv), with no copy per query head;
 length: an int, or an int32 device array of one element, read by the kernel (what a captured CUDA graph
 replays while the cache grows). d: any head size from 1 to 256. New position i sees keys 0 .. length - n + i:
-out = softmax(q kᵀ / √d) v over those keys, (B, H, n, d).
+out = softmax(q kᵀ / √d) v over those keys, (B, H, n, d). q, keys, values and out are float32, or all bf16
+(a model generating in bf16): scores, softmax and sums are float32 either way, out rounded once.
 
 Kernels (kernels/decode_attention.cu): decode_attention_partial cuts the keys into chunks, one block per
 (key-value head, chunk), each writing its rows' partial maximum, sum and unnormalised output;
@@ -20,7 +22,8 @@ does not change from step to step.
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, WARP_SIZE, ceil_div, check, output
+from gpt2_cupy.ops.arrays import (FLOAT32, LARGEST_GRID_Y, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check, output,
+                                  storage_c_type, storage_dtype)
 from gpt2_cupy.ops.attention import HEAD_SIZES, tile_width  # the fused attention's tiles: D = 32, 64, 128, 256
 
 ROW_CHOICES = (1, 2, 4, 8)         # rows (query heads of a group x new positions) per block, a template parameter
@@ -47,8 +50,9 @@ def key_chunks(keys_bound, blocks_per_chunk):
 def decode_attention_forward(q, keys, values, length, *, out=None):
     """out (B, H, n, d): the n newest positions' queries over the first `length` positions of the cache."""
     name = "decode_attention_forward"
-    sizes = check(name, q=(q, ("B", "H", "n", "d")), keys=(keys, ("B", "H_kv", "capacity", "d")),
-                  values=(values, ("B", "H_kv", "capacity", "d")))
+    dtype = storage_dtype(name, "q", q)
+    sizes = check(name, q=(q, ("B", "H", "n", "d"), dtype), keys=(keys, ("B", "H_kv", "capacity", "d"), dtype),
+                  values=(values, ("B", "H_kv", "capacity", "d"), dtype))
     B, H, n, d, key_heads, capacity = (sizes[k] for k in ("B", "H", "n", "d", "H_kv", "capacity"))
     if H % key_heads:
         raise ValueError(f"{name}: keys and values have {key_heads} heads, which does not divide q's {H}: in "
@@ -57,7 +61,7 @@ def decode_attention_forward(q, keys, values, length, *, out=None):
         raise ValueError(f"{name}: the head size d (the last axis of q, keys, values) must be from 1 to "
                          f"{HEAD_SIZES[-1]}, got {d}")
     device_length, host_length = _length(name, length, n, capacity)
-    out = output(name, out, q.shape)
+    out = output(name, out, q.shape, dtype=dtype)
     if out.size == 0:
         return out
     rows = H // key_heads * n                         # a key-value head's queries: its group's heads x n positions
@@ -70,17 +74,40 @@ def decode_attention_forward(q, keys, values, length, *, out=None):
     splits, chunk = key_chunks(capacity if device_length is not None else host_length, heads * batches)
     partial_out = backend.xp.empty((heads, splits, rows, d), dtype=np.float32)
     partial_max, partial_sum = (backend.xp.empty((heads, splits, rows), dtype=np.float32) for _ in range(2))
-    kernel_name = f"decode_attention_partial<{width}, {block_rows}>"
+    storage = "" if dtype == FLOAT32 else f", {storage_c_type(dtype)}"
+    kernel_name = f"decode_attention_partial<{width}, {block_rows}{storage}>"
     kernels.function("decode_attention", kernel_name, name_expressions=(kernel_name,))(
         (heads, splits, batches), (WARPS * WARP_SIZE,),
         (partial_out, partial_max, partial_sum, q, keys, values, 0 if device_length is None else device_length,
          np.int32(host_length), np.int32(rows), np.int32(n), np.int32(capacity), np.int32(chunk), np.int32(d)))
     outputs = heads * rows
-    kernels.function("decode_attention", "decode_attention_combine")(
+    combine_name = f"decode_attention_combine<{storage_c_type(dtype)}>"
+    kernels.function("decode_attention", combine_name, name_expressions=(combine_name,))(
         (ceil_div(outputs, WARPS),), (WARPS * WARP_SIZE,),
         (out, partial_out, partial_max, partial_sum, np.int32(outputs), np.int32(rows), np.int32(splits),
          np.int32(d)))
     return out
+
+
+def decode_attention_store(keys, values, k, v, length):
+    """Copy the n new positions' k and v (B, H_kv, n, d) into the cache keys, values (B, H_kv, capacity, d) at
+    positions length - n .. length - 1; length an int or an int32 device array of one element (a CUDA graph
+    replays the copy as the cache grows; a device length past the capacity writes nothing)."""
+    name = "decode_attention_store"
+    dtype = storage_dtype(name, "keys", keys)
+    sizes = check(name, keys=(keys, ("B", "H_kv", "capacity", "d"), dtype),
+                  values=(values, ("B", "H_kv", "capacity", "d"), dtype), k=(k, ("B", "H_kv", "n", "d"), dtype),
+                  v=(v, ("B", "H_kv", "n", "d"), dtype))
+    B, key_heads, n, capacity, d = (sizes[name] for name in ("B", "H_kv", "n", "capacity", "d"))
+    device_length, host_length = _length(name, length, n, capacity)
+    if device_length is None:
+        device_length = backend.xp.asarray(np.array([host_length], dtype=np.int32))
+    if k.size:
+        kernel_name = f"decode_attention_store<{storage_c_type(dtype)}>"
+        kernels.function("decode_attention", kernel_name, name_expressions=(kernel_name,))(
+            (ceil_div(k.size, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+            (keys, values, k, v, device_length, np.int32(B * key_heads), np.int32(n), np.int32(capacity),
+             np.int32(d)))
 
 
 def _length(operation, length, new_positions, capacity):

@@ -22,11 +22,14 @@ the bias added to the float32 sum before y is rounded once to bf16; dx = dout W 
 when `out` is a float32 array); dW += doutᵀ x added in float32; db += Σ dout summed in float32.
 """
 
+import math
+
 import numpy
 
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import (BFLOAT16, FLOAT32, LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, output,
                                   row_width, rows, storage_c_type, storage_dtype)
+from gpt2_cupy.ops.gemv import LINEAR_ROWS as GEMV_ROWS, gemv_forward
 from gpt2_cupy.ops.matmul import launch_matmul
 
 ROWS_PER_BLOCK = 512  # rows of dout summed by one block of bias_partial_sums (512 to 1024 measured best)
@@ -56,10 +59,13 @@ def bias_backward(dout, dbias, rows_per_block=ROWS_PER_BLOCK):
 def linear_forward(x, weight, bias=None, out=None):
     """y = x Wᵀ + b. x: (..., C_in), weight: (C_out, C_in), bias: (C_out,) or None. Returns y: (..., C_out).
 
-    x and weight float32, or both bf16 (y bf16); bias float32.
+    x and weight float32, or both bf16 (y bf16); bias float32. A bf16 weight times at most gemv.LINEAR_ROWS rows
+    (generation) goes to the GEMV kernel, which also takes a float32 x (y float32 then).
     out: an optional C-contiguous array of x's dtype, of shape (..., C_out), to write y into.
     """
     dtype = storage_dtype("linear_forward", "x", x)
+    if _few_rows_times_bf16(x, weight):
+        return gemv_forward(x, weight, bias, out=out)                         # y = x Wᵀ + b, the weight read once
     sizes = check("linear_forward", x=(x, ("...", "C_in"), dtype), weight=(weight, ("C_out", "C_in"), dtype),
                   bias=(bias, ("C_out",)))
     out = output("linear_forward", out, sizes["..."] + (sizes["C_out"],), dtype=dtype)
@@ -97,6 +103,13 @@ def linear_backward(dout, x, weight, *, dweight, dbias=None, out=None):
     if dbias is not None:
         _bias_backward(dout_rows, dbias, ROWS_PER_BLOCK)                           # db += Σ_n dout    (add)
     return out
+
+
+def _few_rows_times_bf16(x, weight):
+    """Whether y = x Wᵀ is a GEMV's work: a bf16 weight and at most gemv.LINEAR_ROWS rows of x. float32 weights
+    keep the tiled matmul at any row count, and with it the order of its sums."""
+    return (isinstance(weight, backend.xp.ndarray) and weight.dtype == BFLOAT16 and x.ndim >= 1
+            and math.prod(x.shape[:-1]) <= GEMV_ROWS)
 
 
 # ---- unchecked launches: the public functions above have checked their arguments ----------------------------

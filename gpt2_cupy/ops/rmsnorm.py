@@ -1,4 +1,5 @@
-"""RMSNorm over the last axis, forward and backward, on float32 arrays (chapter 17, Llama's norm).
+"""RMSNorm over the last axis, forward and backward, on float32 arrays (chapter 17, Llama's norm); the forward
+also on bf16 rows with a float32 or bf16 weight (a model converted to bf16 for generation).
 
     y, rstd = rmsnorm_forward(x, weight, eps=1e-6)
     dx = rmsnorm_backward(dout, x, weight, rstd, dweight=dweight)
@@ -20,7 +21,8 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import WARP_SIZE, ceil_div, check, output, row_width
+from gpt2_cupy.ops.arrays import (FLOAT32, WARP_SIZE, ceil_div, check, output, row_width, storage_c_type,
+                                  storage_dtype)
 from gpt2_cupy.ops.layernorm import add_column_sums
 
 WARPS_PER_BLOCK = 8      # the first layout, and the register layout with a warp per row: eight rows per block
@@ -46,15 +48,22 @@ def row_layout(operation, columns, arrays):
                      f"{most}, or {most // 4} when C is not a multiple of 4)")
 
 
-def _kernel(name, layout):
-    full_name = f"{name}<{layout[0]}, {layout[1]}, {layout[2]}>"
+def _kernel(name, layout, storage_types=()):
+    """name<WIDTH, K, WARPS_PER_ROW[, floatX, weightT]>: the storage types only where one is bf16."""
+    template_arguments = [str(n) for n in layout]
+    if any(dtype != FLOAT32 for dtype in storage_types):
+        template_arguments += [storage_c_type(dtype) for dtype in storage_types]
+    full_name = f"{name}<{', '.join(template_arguments)}>"
     return kernels.function("rmsnorm", full_name, name_expressions=(full_name,))
 
 
 def rmsnorm_forward(x, weight, *, eps=1e-6, out=None):
-    """y = x / sqrt(mean(x^2) + eps) * weight over the last axis; returns (y, rstd)."""
-    sizes = check("rmsnorm_forward", x=(x, ("...", "C")), weight=(weight, ("C",)))
-    out = output("rmsnorm_forward", out, x.shape)
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last axis; returns (y, rstd). x float32 or bf16 (y in
+    x's dtype), weight float32 or bf16 (a model converted for generation); rstd float32."""
+    x_dtype = storage_dtype("rmsnorm_forward", "x", x)
+    weight_dtype = storage_dtype("rmsnorm_forward", "weight", weight)
+    sizes = check("rmsnorm_forward", x=(x, ("...", "C"), x_dtype), weight=(weight, ("C",), weight_dtype))
+    out = output("rmsnorm_forward", out, x.shape, dtype=x_dtype)
     rows, columns = math.prod(sizes["..."]), sizes["C"]
     rstd = backend.xp.empty(sizes["..."], dtype=np.float32)
     if rows and columns:
@@ -62,7 +71,7 @@ def rmsnorm_forward(x, weight, *, eps=1e-6, out=None):
         warps = layout[2]
         blocks, threads = (ceil_div(rows, WARPS_PER_BLOCK), WARPS_PER_BLOCK * WARP_SIZE) if warps == 1 else \
             (rows, warps * WARP_SIZE)
-        _kernel("rmsnorm_forward_registers", layout)(
+        _kernel("rmsnorm_forward_registers", layout, (x_dtype, weight_dtype))(
             (blocks,), (threads,), (out, rstd, x, weight, np.int32(rows), np.int32(columns), np.float32(eps)))
     return out, rstd
 

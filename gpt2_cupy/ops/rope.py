@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoPE) of queries and keys, forward and backward, on float32 arrays (chapter 17).
+"""Rotary position embedding (RoPE) of queries and keys, forward and backward, on float32 arrays (chapter 17);
+the forward also on bf16 arrays and from a first position held in device memory (generation).
 
     y = rope_forward(x, theta=10000.0, start=0, interleaved=False)
     dx = rope_backward(dout, theta=10000.0, start=0, interleaved=False)
@@ -22,7 +23,8 @@ from functools import lru_cache
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check, output
+from gpt2_cupy.ops.arrays import (FLOAT32, THREADS_PER_BLOCK, ceil_div, check, output, storage_c_type,
+                                  storage_dtype)
 
 
 def inverse_frequencies_host(head_dim, theta):
@@ -37,8 +39,12 @@ def _inverse_frequencies(head_dim, theta):
 
 
 def rope_forward(x, *, theta=10000.0, start=0, interleaved=False, out=None):
-    """x (B, T, H, D) with each pair of channels rotated by its position's angle; returns y (or out)."""
-    return _rotate("rope_forward", x, theta, start, interleaved, out)
+    """x (B, T, H, D) with each pair of channels rotated by its position's angle; returns y (or out).
+    x float32 or bf16 (y in x's dtype, the angle and the rotation in float32). start: an int, or an int32
+    device array of one element (generation in a CUDA graph: the position changes between replays)."""
+    if x.dtype == FLOAT32 and not isinstance(start, backend.xp.ndarray):
+        return _rotate("rope_forward", x, theta, start, interleaved, out)
+    return _rotate_stored("rope_forward", x, theta, start, interleaved, out)
 
 
 def rope_backward(dout, *, theta=10000.0, start=0, interleaved=False, out=None):
@@ -63,6 +69,38 @@ def _rotate(operation, x, theta, start, interleaved, out):
             (out, x, _inverse_frequencies(D, float(theta)), np.int32(pairs), np.int32(T), np.int32(H),
              np.int32(D), np.int32(start), np.int32(bool(interleaved))))
     return out
+
+
+def _rotate_stored(operation, x, theta, start, interleaved, out):
+    """rope_forward_stored<floatX>: bf16 arrays, or a start in device memory."""
+    dtype = storage_dtype(operation, "x", x)
+    sizes = check(operation, x=(x, ("B", "T", "H", "D"), dtype))
+    B, T, H, D = (sizes[name] for name in "BTHD")
+    if D % 2:
+        raise ValueError(f"{operation}: the head size D = {D} must be even: channels are rotated in pairs")
+    device_start, host_start = _start(operation, start)
+    if theta <= 0:
+        raise ValueError(f"{operation}: theta = {theta}; the base of the frequencies must be positive")
+    out = output(operation, out, x.shape, dtype=dtype)
+    pairs = B * T * H * D // 2
+    if pairs:
+        name = f"rope_forward_stored<{storage_c_type(dtype)}>"
+        kernels.function("rope", name, name_expressions=(name,))(
+            (ceil_div(pairs, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+            (out, x, _inverse_frequencies(D, float(theta)), 0 if device_start is None else device_start,
+             np.int32(host_start), np.int32(pairs), np.int32(T), np.int32(H), np.int32(D),
+             np.int32(bool(interleaved))))
+    return out
+
+
+def _start(operation, start):
+    """(device array or None, int): the first position as the kernel takes it."""
+    if isinstance(start, backend.xp.ndarray):
+        check(operation, start=(start.reshape(-1), (1,), np.int32))
+        return start, 0
+    if start < 0:
+        raise ValueError(f"{operation}: start = {start}; positions start at 0 or later")
+    return None, int(start)
 
 
 def permute_for_interleaved(weight, n_heads):

@@ -4,19 +4,32 @@
     dgate, dup = swiglu_backward(dout, gate, up)
 
 gate and up are the two projections of the MLP's input (gate_proj(x), up_proj(x)), of one shape, any shape
-(in Llama (B, T, intermediate_size)); y, dout, dgate and dup have that shape too. The kernels are
+(in Llama (B, T, intermediate_size)); y, dout, dgate and dup have that shape too. The forward also takes bf16
+gate and up (generation in bf16). The kernels are
 kernels/swiglu.cu, taught in chapters/17_llama.ipynb; arrays that start at a 16-byte aligned address go
 through the float4 kernels.
 """
 
-from .arrays import check, launch_elementwise, output
+import numpy as np
+
+from gpt2_cupy import kernels
+
+from .arrays import (FLOAT32, THREADS_PER_BLOCK, ceil_div, check, launch_elementwise, output, storage_c_type,
+                     storage_dtype)
 
 
 def swiglu_forward(gate, up, out=None):
-    """silu(gate) * up, elementwise. Returns y (or out) of gate's shape."""
-    check("swiglu_forward", gate=(gate, ("...",)), up=(up, ("...",)))
-    out = output("swiglu_forward", out, gate.shape)
-    launch_elementwise("swiglu", "swiglu_forward", (out, gate, up), gate.size)
+    """silu(gate) * up, elementwise. Returns y (or out) of gate's shape. gate and up float32, or both bf16
+    (y bf16, computed in float32 and rounded once: generation in bf16)."""
+    dtype = storage_dtype("swiglu_forward", "gate", gate)
+    check("swiglu_forward", gate=(gate, ("...",), dtype), up=(up, ("...",), dtype))
+    out = output("swiglu_forward", out, gate.shape, dtype=dtype)
+    if dtype == FLOAT32:
+        launch_elementwise("swiglu", "swiglu_forward", (out, gate, up), gate.size)
+    elif gate.size:
+        name = f"swiglu_forward_stored<{storage_c_type(dtype)}>"
+        kernels.function("swiglu", name, name_expressions=(name,))(
+            (ceil_div(gate.size, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,), (out, gate, up, np.int32(gate.size)))
     return out
 
 

@@ -1,0 +1,71 @@
+"""Products of a few rows with a Linear layer's weight, y = x Wᵀ (+ b), read at the memory's speed (generation).
+
+    y = gemv_forward(x, weight, bias=None, out=None)
+
+x (..., K) with at most MAX_ROWS rows in all (the leading axes flattened), float32 or bf16; weight (N, K),
+float32 or bf16, either with either; bias (N,) float32 or None; y (..., N) in x's dtype (a bf16 y rounded once
+from its float32 sum). Generating a token at batch 1 multiplies one row by every matrix of the model: the
+whole cost is reading the weights once, which this kernel does with 16-byte loads and enough of them in
+flight to keep the memory busy (kernels/gemv.cu). gpt2_cupy.ops.linear routes few-row products with a bf16
+weight here.
+"""
+
+import math
+
+import numpy as np
+
+from gpt2_cupy import backend, kernels
+from gpt2_cupy.ops.arrays import (BFLOAT16, WARP_SIZE, ceil_div, check, float4_aligned, output,
+                                  storage_c_type, storage_dtype)
+
+MAX_ROWS = 8                      # the kernel's limit: its ROWS template instances
+# linear_forward sends products of at most this many rows here. Measured on an H200 (bench/llama_generation.py
+# --gemv, GB/s of bf16 weights): one row, 2900-3800 against the tiled GEMM's 230-3500; four rows, 1400-2300,
+# 7 times the tiled GEMM's at N = 4096 and at most 1.7 times slower at N >= 11008; eight rows lose up to 3 times.
+LINEAR_ROWS = 4
+ROW_CHOICES = (1, 2, 4, 8)        # the kernel's ROWS template instances: the smallest that holds the rows
+WARPS_PER_BLOCK = 8               # kernels/gemv.cu's GEMV_WARPS
+WARPS_PER_OUTPUT = (1, 2, 4, 8)
+WARPS_PER_MULTIPROCESSOR = 64     # fewer outputs than this many warps in all: several warps share each row
+
+
+def gemv_forward(x, weight, bias=None, out=None):
+    """y = x Wᵀ + b for x of at most MAX_ROWS rows. Returns y (..., N), or out."""
+    name = "gemv_forward"
+    x_dtype, weight_dtype = storage_dtype(name, "x", x), storage_dtype(name, "weight", weight)
+    sizes = check(name, x=(x, ("...", "K"), x_dtype), weight=(weight, ("N", "K"), weight_dtype),
+                  bias=(bias, ("N",)))
+    row_count, N, K = math.prod(sizes["..."]), sizes["N"], sizes["K"]
+    if row_count > MAX_ROWS:
+        raise ValueError(f"{name}: x has {row_count} rows; the kernel takes at most {MAX_ROWS} (more rows are "
+                         "the tiled matmul's work: gpt2_cupy.ops.linear.linear_forward)")
+    out = output(name, out, sizes["..."] + (N,), dtype=x_dtype)
+    if out.size == 0:
+        return out
+    if K == 0:
+        out[...] = 0 if bias is None else bias.astype(x_dtype)   # an empty sum: the bias alone
+        return out
+    width = _elements_per_load(weight_dtype, K, x, weight)
+    warps_per_output = _warps_per_output(N)
+    rows_template = next(r for r in ROW_CHOICES if r >= row_count)
+    kernel_name = (f"gemv<{rows_template}, {width}, {storage_c_type(weight_dtype)}, "
+                   f"{storage_c_type(x_dtype)}>")
+    outputs_per_block = WARPS_PER_BLOCK // warps_per_output
+    kernels.function("gemv", kernel_name, name_expressions=(kernel_name,))(
+        (ceil_div(N, outputs_per_block),), (WARPS_PER_BLOCK * WARP_SIZE,),
+        (out, x, weight, 0 if bias is None else bias, np.int32(row_count), np.int32(N), np.int32(K), np.int32(warps_per_output)))
+    return out
+
+
+def _elements_per_load(weight_dtype, K, *arrays):
+    """16 bytes of weight per load (8 bf16 or 4 floats) when every row of every array starts on 16 bytes
+    (K a multiple of the group, arrays 16-byte aligned); one element otherwise."""
+    wide = 8 if weight_dtype == BFLOAT16 else 4
+    return wide if K % wide == 0 and float4_aligned(*arrays) else 1
+
+
+def _warps_per_output(N):
+    """The fewest warps per output row that give WARPS_PER_MULTIPROCESSOR warps per multiprocessor in all."""
+    wanted_warps = WARPS_PER_MULTIPROCESSOR * backend.multiprocessor_count()
+    return next((w for w in WARPS_PER_OUTPUT if N * w >= wanted_warps), WARPS_PER_OUTPUT[-1])
+

@@ -1,0 +1,89 @@
+// Products of a few rows with a large matrix: y (R, N) = x (R, K) Wᵀ (+ bias), R <= 8 (generation at batch 1
+// has R = 1). W (N, K) is a Linear layer's weight, k-contiguous, in bf16 or float32; x and y are float32 or
+// bf16 (y in x's storage type, rounded once); bias float32 or absent; every sum float32.
+//
+// Why not the tiled GEMM. A GEMM tile reuses each weight for 64 or 128 rows of x; with one row there is no
+// reuse to win, and the tile's rows past R are wasted loads and multiplies. The whole cost is reading W once:
+// 2 N K bytes in bf16, 13.5 GB per token for a 7B model. So the kernel is built around the weight's bytes:
+// - each weight row is read once, by WARPS_PER_OUTPUT warps, in 16-byte loads (8 bf16 or 4 floats per lane);
+// - a lane loads LOADS_IN_FLIGHT such groups before it multiplies any, so that many bytes are on their way at once
+//   (a kernel that only streams memory needs about 40 KB in flight per multiprocessor to keep up with HBM);
+// - the R rows of x are read at the same columns as the weight group: small, they stay in L1 and L2, and
+//   every weight element read is multiplied by all R rows (R products for 2 or 4 bytes of weight);
+// - the lanes' partial sums meet by warp_sum, the warps of one output by shared memory.
+// grid = ⌈N / outputs per block⌉ blocks of 8 warps; WARPS_PER_OUTPUT (1, 2, 4 or 8) warps share an output
+// when N is small (a 512-row k_proj would otherwise give too few blocks to fill the GPU).
+// WIDTH elements per load: 8 (bf16) or 4 (float) when K and both arrays allow 16-byte loads, else 1.
+#include "storage.cuh"
+#include "warp.cuh"
+
+#define GEMV_WARPS 8
+#define LOADS_IN_FLIGHT 4
+
+// WIDTH elements of a row into floats; float rows in float4 groups where WIDTH allows, bf16 rows in one load.
+template <int WIDTH, typename T>
+__device__ __forceinline__ void load_elements(float* destination, const T* source)
+{
+    constexpr int GROUP = sizeof(T) == 4 ? (WIDTH % 4 == 0 ? 4 : 1) : WIDTH;
+#pragma unroll
+    for (int g = 0; g < WIDTH; g += GROUP) {
+        load_as_float<GROUP>(destination + g, source + g, true);
+    }
+}
+
+template <int ROWS, int WIDTH, typename weightT, typename floatX>
+__global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv(floatX* y, const floatX* x, const weightT* weight,
+    const float* bias, int rows, int N, int K, int warps_per_output)
+{
+    __shared__ float warp_sums[GEMV_WARPS][ROWS];
+    int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    int outputs_per_block = GEMV_WARPS / warps_per_output;
+    int output = blockIdx.x * outputs_per_block + warp / warps_per_output;
+    int part = warp % warps_per_output;            // which of the output's warps this is
+    const weightT* weight_row = weight + (long long)min(output, N - 1) * K;
+    int groups = K / WIDTH;                        // WIDTH-element groups of a row
+    int stride = warps_per_output * WARP_SIZE;     // the output's lanes, side by side along the row
+
+    float sums[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) sums[r] = 0.0f;
+
+    for (int first = part * WARP_SIZE + lane; first < groups; first += LOADS_IN_FLIGHT * stride) {
+        float w[LOADS_IN_FLIGHT][WIDTH];
+#pragma unroll
+        for (int u = 0; u < LOADS_IN_FLIGHT; u++) {         // only loads: LOADS_IN_FLIGHT x 16 bytes in flight per lane
+            int group = first + u * stride;
+            if (group < groups) load_elements<WIDTH>(w[u], weight_row + (long long)group * WIDTH);
+        }
+#pragma unroll
+        for (int u = 0; u < LOADS_IN_FLIGHT; u++) {
+            int group = first + u * stride;
+            if (group >= groups) break;
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r < rows) {
+                    float xs[WIDTH];
+                    load_elements<WIDTH>(xs, x + (long long)r * K + (long long)group * WIDTH);
+#pragma unroll
+                    for (int e = 0; e < WIDTH; e++) sums[r] += w[u][e] * xs[e];
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        float total = warp_sum(sums[r]);
+        if (lane == 0) warp_sums[warp][r] = total;
+    }
+    __syncthreads();
+    // The first warp of each output adds its warps' sums in a fixed order, then the bias, and rounds once.
+    if (part == 0 && output < N) {
+        for (int r = lane; r < rows && r < ROWS; r += WARP_SIZE) {
+            float total = 0.0f;
+            for (int p = 0; p < warps_per_output; p++) total += warp_sums[warp + p][r];
+            if (bias != nullptr) total += bias[output];
+            y[(long long)r * N + output] = from_float<floatX>(total);
+        }
+    }
+}
