@@ -72,7 +72,8 @@ def train_one(corpus, steps, seconds, out_dir, model="gpt2"):
     model, tokenizer = load_model(trainer.best_path)
     samples = {prompt: sample_text(model, tokenizer, prompt, **SAMPLE) for prompt in PROMPTS[corpus]}
     return {
-        "model": model, "steps": trainer.step, "planned_steps": config.max_steps, "wall_seconds": wall, "dropout": config.dropout,
+        "model": config.model, "steps": trainer.step, "planned_steps": config.max_steps, "wall_seconds": wall,
+        "dropout": getattr(trainer.model_config, "dropout", 0.0),   # Llama has none
         "parameters": trainer.model.get_num_params(), "vocab_size": trainer.model_config.vocab_size,
         "tokens_per_step": config.batch_size * config.block_size * config.grad_accum,
         "median_tokens_per_second": statistics.median(tokens_per_second) if tokens_per_second else None,

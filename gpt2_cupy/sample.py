@@ -27,7 +27,7 @@ import numpy
 from gpt2_cupy import backend, checkpoint, data
 from gpt2_cupy.autograd import no_grad
 from gpt2_cupy.checkpoint_tokenizer import load_tokenizer
-from gpt2_cupy.llama import Llama
+from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.model import GPT, GPTConfig
 
 DEFAULT_CHECKPOINT = Path("runs") / "tinyshakespeare-tiny" / "checkpoint.npz"
@@ -39,10 +39,9 @@ def load_model(path):
     if Path(path).is_dir():
         return load_pretrained(path)
     arrays, meta = checkpoint.load(path)
-    model = GPT(GPTConfig(**meta["model_config"]))
+    model = TRAINED_MODELS[meta["train_config"].get("model", "gpt2")](meta["model_config"])
     weights = {name[len("model/"):]: value for name, value in arrays.items() if name.startswith("model/")}
-    weights["lm_head.weight"] = weights["transformer.wte.weight"]  # tied: stored once
-    model.load_state_dict(weights)
+    model.load_state_dict(checkpoint.model_state(model, weights))
     model.eval()
     tokenizer = None
     if arrays["tokenizer"].size:
@@ -53,6 +52,9 @@ def load_model(path):
             tokenizer = data.Tokenizer(model_file)
     return model, tokenizer
 
+
+# gpt2_cupy.train's --model: the model a checkpoint's model_config builds.
+TRAINED_MODELS = {"gpt2": lambda config: GPT(GPTConfig(**config)), "llama": lambda config: Llama(LlamaConfig(**config))}
 
 # config.json says which model a directory holds: model_type, or the class names in architectures.
 PRETRAINED_MODELS = {"gpt2": (GPT, "GPT2LMHeadModel"), "llama": (Llama, "LlamaForCausalLM")}

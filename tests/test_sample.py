@@ -267,3 +267,17 @@ def test_the_command_line_names_what_it_looked_for(tmp_path, capsys):
     (tmp_path / "tokenizer.json").unlink()
     status, _, err = run_main(["--checkpoint", str(tmp_path)], capsys)
     assert status == 1 and "tokenizer.json" in err and "tokenizer.model" in err and "train one first" not in err
+
+
+def test_a_trained_llama_checkpoint_samples(tmp_path):
+    # gpt2_cupy.train --model llama writes the Llama's own config and output head; the sampler rebuilds that model
+    from gpt2_cupy.train import Trainer, make_config
+
+    trainer = Trainer(make_config(corpus="tinyshakespeare", preset="tiny", model="llama", n_layer=1, n_embd=32,
+                                  n_head=2, block_size=16, batch_size=2, max_steps=1, eval_interval=1, eval_batches=1,
+                                  checkpoint_interval=1, cuda_graph=False, progress=False, out_dir=str(tmp_path)))
+    trainer.run()
+    model, tokenizer = sampling.load_model(trainer.checkpoint_path)
+    assert type(model) is type(trainer.model) and tokenizer is not None
+    for name, value in trainer.model.state_dict().items():
+        assert np.array_equal(model.state_dict()[name].numpy(), value.numpy()), name
