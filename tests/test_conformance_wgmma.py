@@ -91,6 +91,18 @@ def test_fragment_indices_cover_the_tile_once():
 # One m64nNk16 product from shared-memory images the test lays out
 # ---------------------------------------------------------------------------------------------------------
 
+# Kernel lines that copy the two images into dynamic shared memory at `base` (1024-byte aligned) and
+# b_offset bytes after it, then make them visible to the tensor cores.
+IMAGES_TO_SHARED = """    extern __shared__ __align__(1024) unsigned char shared[];
+    const unsigned base = (shared_address(shared) + 1023) & ~1023u;
+    unsigned short* tiles = reinterpret_cast<unsigned short*>(shared + (base - shared_address(shared)));
+    for (int i = threadIdx.x; i < a_halves; i += blockDim.x) tiles[i] = a_image[i];
+    for (int i = threadIdx.x; i < b_halves; i += blockDim.x) tiles[b_offset / 2 + i] = b_image[i];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+"""
+
+
 def tile_kernel(n, scale_a=1, scale_b=1, fence=True):
     """One warpgroup, one wgmma.mma_async m64n{n}k16: D = (scale_a A)(scale_b B) + C, or without C when scale_d is
     0. A (64 x 16) and B (n x 16: row j holds column j of B) are copied from the images into shared memory at
@@ -105,14 +117,7 @@ extern "C" __global__ void wgmma_tile(float* D, const float* C, const unsigned s
                                       const unsigned short* b_image, int b_halves, unsigned long long a_fields,
                                       unsigned long long b_fields, int b_offset, int scale_d)
 {{
-    extern __shared__ __align__(1024) unsigned char shared[];
-    const unsigned base = (shared_address(shared) + 1023) & ~1023u;
-    unsigned short* tiles = reinterpret_cast<unsigned short*>(shared + (base - shared_address(shared)));
-    for (int i = threadIdx.x; i < a_halves; i += blockDim.x) tiles[i] = a_image[i];
-    for (int i = threadIdx.x; i < b_halves; i += blockDim.x) tiles[b_offset / 2 + i] = b_image[i];
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    const unsigned long long a_descriptor = ((base & 0x3FFFF) >> 4) | a_fields;
+{IMAGES_TO_SHARED}    const unsigned long long a_descriptor = ((base & 0x3FFFF) >> 4) | a_fields;
     const unsigned long long b_descriptor = (((base + b_offset) & 0x3FFFF) >> 4) | b_fields;
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     float d[{n // 2}];
@@ -249,14 +254,7 @@ extern "C" __global__ void two_steps(float* D, const unsigned short* a_image, in
                                      int b_halves, unsigned long long a_fields, unsigned long long b_fields, int b_offset,
                                      int a_step, int b_step)
 {{
-    extern __shared__ __align__(1024) unsigned char shared[];
-    const unsigned base = (shared_address(shared) + 1023) & ~1023u;
-    unsigned short* tiles = reinterpret_cast<unsigned short*>(shared + (base - shared_address(shared)));
-    for (int i = threadIdx.x; i < a_halves; i += blockDim.x) tiles[i] = a_image[i];
-    for (int i = threadIdx.x; i < b_halves; i += blockDim.x) tiles[b_offset / 2 + i] = b_image[i];
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    float d[{n // 2}];
+{IMAGES_TO_SHARED}    float d[{n // 2}];
     for (int i = 0; i < {n // 2}; ++i) d[i] = 0.0f;
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     for (int step = 0; step < 2; ++step) {{
