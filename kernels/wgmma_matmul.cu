@@ -34,8 +34,12 @@ constexpr int THREADS = 128 * WARPGROUPS;
 constexpr int STAGES = 4;                   // slices in shared memory
 static_assert(STAGES >= 3, "a slice being multiplied, one whose products may still run, and one on its way");
 constexpr int GROUP_M = 8;                  // rows of tiles per group of blocks
+constexpr int STORE_BATCH = 8;              // pairs of results per thread whose old values load together
 constexpr int ROW_BYTES = 128;              // one swizzled row: 64 bf16
 constexpr int ATOM_BYTES = 8 * ROW_BYTES;         // an MN-major swizzle atom: 64 values of m (n) by 8 of k
+static_assert(ATOM_BYTES == 1024, "an atom is one repeat of the 128-byte swizzle: tiles of atoms stay aligned to it");
+static_assert(128 / 4 % STORE_BATCH == 0, "a thread's BLOCK_N / 4 pairs of results make whole batches, for both widths");
+static_assert(GROUP_M >= 1, "a group of blocks holds at least one row of tiles");
 
 // Bytes of one slice of a tile of ROWS rows of A (or of B's columns) by BLOCK_K: the same in both layouts.
 __host__ __device__ constexpr int tile_bytes(int rows) { return rows * BLOCK_K * 2; }
@@ -90,7 +94,7 @@ __device__ __forceinline__ void copy_tile_mn_major(unsigned tile, const __nv_bfl
 
 // One operand's slice: ROWS rows of A (m), or of B's columns (n), starting at `first`, in its layout.
 template <int ROWS, bool MN_MAJOR>
-__device__ __forceinline__ void copy_slice(unsigned tile, const __nv_bfloat16* matrix, int extent, int K, int first,
+__device__ __forceinline__ void copy_operand_slice(unsigned tile, const __nv_bfloat16* matrix, int extent, int K, int first,
                                            int k0, int k_end)
 {
     if (MN_MAJOR) copy_tile_mn_major<ROWS>(tile, matrix, extent, first, k0, k_end);
@@ -129,11 +133,21 @@ __device__ __forceinline__ float load_one(const __nv_bfloat16* in) { return __bf
 __device__ __forceinline__ void store_one(float* out, float x) { *out = x; }
 __device__ __forceinline__ void store_one(__nv_bfloat16* out, float x) { *out = __float2bfloat16_rn(x); }
 
-// A split-K stretch's partial sum, added into a float32 C that other stretches add to as well. The launch
-// splits K only for a float32 C (a bf16 C would be rounded once per stretch); the bf16 version exists so that
-// the kernel compiles for both, and is the plain read-add-write of a C that one block alone writes.
+// A split-K stretch's partial sums, added into a float32 C that other stretches add to as well (a pair: one
+// 8-byte atomic, which compute capability 9.0 has). The launch splits K only for a float32 C (a bf16 C would be
+// rounded once per stretch); the bf16 versions exist so that the kernel compiles for both, and are the plain
+// read-add-write of a C that one block alone writes.
 __device__ __forceinline__ void add_one(float* out, float x) { atomicAdd(out, x); }
 __device__ __forceinline__ void add_one(__nv_bfloat16* out, float x) { *out = __float2bfloat16_rn(load_one(out) + x); }
+__device__ __forceinline__ void add_pair(float* out, float x, float y)
+{
+    atomicAdd(reinterpret_cast<float2*>(out), make_float2(x, y));
+}
+__device__ __forceinline__ void add_pair(__nv_bfloat16* out, float x, float y)
+{
+    add_one(out, x);
+    add_one(out + 1, y);
+}
 
 __device__ __forceinline__ void store_pair(float* out, float x, float y)
 {
@@ -170,8 +184,8 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat
     auto b_tile = [&](int stage) { return stages + stage * STAGE_BYTES + A_TILE_BYTES; };
     auto start_slice = [&](int s) {
         const int k0 = k_begin + s * BLOCK_K;
-        copy_slice<BLOCK_M, A_MN_MAJOR>(a_tile(s % STAGES), A, M, K, m0, k0, k_end);
-        copy_slice<BLOCK_N, B_MN_MAJOR>(b_tile(s % STAGES), B, N, K, n0, k0, k_end);
+        copy_operand_slice<BLOCK_M, A_MN_MAJOR>(a_tile(s % STAGES), A, M, K, m0, k0, k_end);
+        copy_operand_slice<BLOCK_N, B_MN_MAJOR>(b_tile(s % STAGES), B, N, K, n0, k0, k_end);
     };
 
     float d[BLOCK_N / 2];
@@ -206,35 +220,52 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat
     wgmma_wait_group<0>();
     fence_accumulators(d);
 
-    // d[i] of warp w (of this warpgroup), lane 4g + t: row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2t + i % 2
+    // d[i] of warp w (of this warpgroup), lane 4g + t: row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2t + i % 2.
+    // They go out STORE_BATCH pairs at a time: with accumulate, the batch's old values of C are all loaded before
+    // any is stored, so that the loads wait for memory together rather than one after another (a store to C
+    // might, as far as the compiler knows, change what a later load reads).
     const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
     const int first_row = m0 + warpgroup * 64 + warp * 16 + lane / 4, first_column = n0 + 2 * (lane % 4);
     const bool split = gridDim.y > 1, with_bias = bias != nullptr && blockIdx.y == 0;
+    const bool load_old = accumulate && !split;
 #pragma unroll
-    for (int i = 0; i < BLOCK_N / 2; i += 2) {
-        const int row = first_row + 8 * (i / 2 % 2), column = first_column + 8 * (i / 4);
-        if (row >= M || column >= N) continue;
-        Output* out = C + (long long)row * N + column;
-        const bool second = column + 1 < N;
-        float x = d[i], y = d[i + 1];
-        if (with_bias) {
-            x += bias[column];
-            if (second) y += bias[column + 1];
+    for (int batch = 0; batch < BLOCK_N / 2; batch += 2 * STORE_BATCH) {
+        float old[2 * STORE_BATCH];
+#pragma unroll
+        for (int j = 0; j < 2 * STORE_BATCH; j += 2) {
+            const int row = first_row + 8 * ((batch + j) / 2 % 2), column = first_column + 8 * ((batch + j) / 4);
+            const Output* out = C + (long long)row * N + column;
+            const bool inside = load_old && row < M && column < N;
+            old[j] = inside ? load_one(out) : 0.0f;
+            old[j + 1] = inside && column + 1 < N ? load_one(out + 1) : 0.0f;
         }
-        if (split) {   // a float32 C (the launch sees to it), zeroed first unless accumulating
-            add_one(out, x);
-            if (second) add_one(out + 1, y);
-            continue;
-        }
-        if (accumulate) {
-            x += load_one(out);
-            if (second) y += load_one(out + 1);
-        }
-        if (N % 2 == 0) {
-            store_pair(out, x, y);   // column is even, so column + 1 < N too
-        } else {
-            store_one(out, x);
-            if (second) store_one(out + 1, y);
+#pragma unroll
+        for (int j = 0; j < 2 * STORE_BATCH; j += 2) {
+            const int i = batch + j;
+            const int row = first_row + 8 * (i / 2 % 2), column = first_column + 8 * (i / 4);
+            if (row >= M || column >= N) continue;
+            Output* out = C + (long long)row * N + column;
+            const bool second = column + 1 < N;
+            float x = d[i], y = d[i + 1];
+            if (with_bias) {
+                x += bias[column];
+                if (second) y += bias[column + 1];
+            }
+            x += old[j];
+            y += old[j + 1];
+            if (split) {   // a float32 C (the launch sees to it), zeroed first unless accumulating
+                if (N % 2 == 0) {
+                    add_pair(out, x, y);
+                } else {
+                    add_one(out, x);
+                    if (second) add_one(out + 1, y);
+                }
+            } else if (N % 2 == 0) {
+                store_pair(out, x, y);   // column is even, so column + 1 < N too
+            } else {
+                store_one(out, x);
+                if (second) store_one(out + 1, y);
+            }
         }
     }
 }
