@@ -38,14 +38,17 @@ constexpr int STORE_BATCH = 8;              // pairs of results per thread whose
 constexpr int ROW_BYTES = 128;              // one swizzled row: 64 bf16
 constexpr int ATOM_BYTES = 8 * ROW_BYTES;         // an MN-major swizzle atom: 64 values of m (n) by 8 of k
 static_assert(ATOM_BYTES == 1024, "an atom is one repeat of the 128-byte swizzle: tiles of atoms stay aligned to it");
-static_assert(128 / 4 % STORE_BATCH == 0, "a thread's BLOCK_N / 4 pairs of results make whole batches, for both widths");
+static_assert(128 / 4 % STORE_BATCH == 0, "a thread's BLOCK_N / 4 pairs of results make whole batches");
 static_assert(GROUP_M >= 1, "a group of blocks holds at least one row of tiles");
 
 // Bytes of one slice of a tile of ROWS rows of A (or of B's columns) by BLOCK_K: the same in both layouts.
 __host__ __device__ constexpr int tile_bytes(int rows) { return rows * BLOCK_K * 2; }
 // Dynamic shared memory per block: the stages, and room to start them on 1024 bytes (193 KB for BLOCK_N 256,
 // 129 KB for 128). Every tile is a multiple of 1024 bytes, where the swizzle pattern repeats.
-__host__ __device__ constexpr int shared_bytes(int block_n) { return STAGES * (tile_bytes(BLOCK_M) + tile_bytes(block_n)) + 1024; }
+__host__ __device__ constexpr int shared_bytes(int block_n)
+{
+    return STAGES * (tile_bytes(BLOCK_M) + tile_bytes(block_n)) + 1024;
+}
 static_assert(shared_bytes(256) <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
 
 // Start copying rows first_row .. first_row + ROWS - 1, k = k0 .. k0 + 63 of a K-major `matrix` (rows x K,
@@ -87,15 +90,16 @@ __device__ __forceinline__ void copy_tile_mn_major(unsigned tile, const __nv_bfl
         const int matrix_column = first_column + 8 * piece, matrix_row = k0 + k;
         const bool inside = matrix_column < columns && matrix_row < k_end;
         const __nv_bfloat16* source = inside ? matrix + (long long)matrix_row * columns + matrix_column : matrix;
-        const unsigned place = (k / 8 * (COLUMNS / 64) + atom) * ATOM_BYTES + k % 8 * ROW_BYTES + (column ^ (k % 8)) * 16;
+        const unsigned atom_place = (k / 8 * (COLUMNS / 64) + atom) * ATOM_BYTES;
+        const unsigned place = atom_place + k % 8 * ROW_BYTES + (column ^ (k % 8)) * 16;
         cp_async_16(tile + place, source, inside ? 16 : 0);
     }
 }
 
 // One operand's slice: ROWS rows of A (m), or of B's columns (n), starting at `first`, in its layout.
 template <int ROWS, bool MN_MAJOR>
-__device__ __forceinline__ void copy_operand_slice(unsigned tile, const __nv_bfloat16* matrix, int extent, int K, int first,
-                                           int k0, int k_end)
+__device__ __forceinline__ void copy_operand_slice(unsigned tile, const __nv_bfloat16* matrix, int extent, int K,
+                                                   int first, int k0, int k_end)
 {
     if (MN_MAJOR) copy_tile_mn_major<ROWS>(tile, matrix, extent, first, k0, k_end);
     else copy_tile_k_major<ROWS>(tile, matrix, extent, K, first, k0, k_end);
@@ -208,8 +212,9 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < BLOCK_K / 16; ++k) {
-            wgmma_step<A_MN_MAJOR, B_MN_MAJOR>(d, slice_descriptor<BLOCK_M, A_MN_MAJOR>(a_tile(stage), 64 * warpgroup, k),
-                                               slice_descriptor<BLOCK_N, B_MN_MAJOR>(b_tile(stage), 0, k));
+            const unsigned long long a = slice_descriptor<BLOCK_M, A_MN_MAJOR>(a_tile(stage), 64 * warpgroup, k);
+            const unsigned long long b = slice_descriptor<BLOCK_N, B_MN_MAJOR>(b_tile(stage), 0, k);
+            wgmma_step<A_MN_MAJOR, B_MN_MAJOR>(d, a, b);
         }
         wgmma_commit_group();
         // While they run: slice s + STAGES - 2 into the stage slice s - 2 had.

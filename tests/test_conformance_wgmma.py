@@ -3,9 +3,9 @@
 wgmma.mma_async m64nNk16 with bf16 A and B read from shared memory through matrix descriptors (every swizzle
 mode, K-major and, with imm-trans-a / imm-trans-b 1, MN-major), D in the accumulator fragment layout of the
 PTX ISA; wgmma.fence, commit_group, wait_group; and the wrappers of kernels/include/wgmma.cuh as
-kernels/wgmma_matmul.cu uses them (a 64-wide swizzled tile, four steps of k along it, in both majors). On a GPU (an H100 or H200: wgmma needs compute capability 9.0, and the kernels
-compile for sm_90a) these check our reading of the PTX ISA; on the CPU, that the executor reads shared memory
-and places results as the GPU does.
+kernels/wgmma_matmul.cu uses them (a 64-wide swizzled tile, four steps of k along it, in both majors). On a
+GPU (an H100 or H200: wgmma needs compute capability 9.0, and the kernels compile for sm_90a) these check our
+reading of the PTX ISA; on the CPU, that the executor reads shared memory and places results as the GPU does.
 
 The test lays out each matrix in shared memory itself, from its own reading of the ISA's canonical layouts
 (layout_offsets below), in an image whose unused bytes hold bf16 NaNs: a descriptor read the wrong way picks

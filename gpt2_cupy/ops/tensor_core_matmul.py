@@ -32,7 +32,7 @@ the float32 sum and the optional float32 bias, bias_add's "+ b" fused into the p
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.elementwise import converted, copy, elementwise
+from gpt2_cupy.elementwise import converted, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, THREADS_PER_BLOCK, ceil_div, float4_aligned, storage_c_type
 from gpt2_cupy.ops.matmul import _checked, launch_matmul
 from gpt2_cupy.ops.wgmma_matmul import launch_wgmma_matmul, wgmma_fits, wgmma_runs

@@ -176,7 +176,7 @@ def wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=
     a_dtype, b_dtype = _check_bf16(operation, "a", a), _check_bf16(operation, "b", b)
     sizes = check(operation, a=(a, ("K", "M") if transpose_a else ("M", "K"), a_dtype),
                   b=(b, ("N", "K") if transpose_b else ("K", "N"), b_dtype), bias=(bias, ("N",)))
-    M, N, K = sizes["M"], sizes["N"], sizes["K"]
+    M, N = sizes["M"], sizes["N"]
     for name, array in (("a", a), ("b", b)):
         if array.shape[-1] % ROW_MULTIPLE:
             raise ValueError(f"{operation}: the rows of {name} {array.shape} must be a multiple of {ROW_MULTIPLE} "
