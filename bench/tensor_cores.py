@@ -9,7 +9,7 @@ each precision (and, on an H100 or H200, the wgmma kernel of section 4.8 on bf16
 the same run: float32 through cupy.matmul (CUPY_TF32=0), TF32 and bf16
 through PyTorch (torch.matmul with allow_tf32, and on bf16 tensors) when it is installed. Then GPT-2 small's
 Linear products (8192 rows: forward x Wᵀ, input gradient dy W, weight gradient dW += dyᵀ x) at each precision
-against cuBLAS at the same precision, and the forward product through wgmma where it runs. Each result is checked against cuBLAS float32 before it is timed, and the
+against cuBLAS at the same precision, and each product through wgmma (its operands as they lie) where it runs. Each result is checked against cuBLAS float32 before it is timed, and the
 error of each precision against float64 is measured at 4096³. chapters/15_tensor_cores.ipynb imports this file.
 """
 
@@ -29,7 +29,8 @@ from gpt2_cupy.testing import relative_error, torch_or_none  # noqa: E402
 SQUARE = 4096
 GPT2_ROWS = 8192
 GPT2_LINEARS = {"attention qkv": (768, 2304), "attention projection": (768, 768),   # (C_in, C_out), as
-                "MLP up": (768, 3072), "MLP down": (3072, 768)}                       # bench/matmul.py
+                "MLP up": (768, 3072), "MLP down": (3072, 768),                       # bench/matmul.py,
+                "output layer": (768, 50304)}                                         # and the vocabulary
 TOLERANCE = {"float32": 1e-4, "highest": 1e-4, "high": 1e-2, "medium": 5e-2}   # against cuBLAS float32
 PRECISION_NAMES = {"highest": "3xTF32", "high": "TF32", "medium": "bf16"}
 
@@ -125,6 +126,16 @@ def square(size):
     return results
 
 
+def wgmma_product(product, x, w, dy, dw):
+    """A run of one Linear product through wgmma_matmul on bf16 copies of its operands, none transposed."""
+    x16, w16, dy16 = (to_bf16(v)[0] for v in (x, w, dy))
+    if product.startswith("x Wᵀ"):
+        return lambda: wgmma_matmul(x16, w16)
+    if product.startswith("dy W"):
+        return lambda: wgmma_matmul(dy16, w16, transpose_b=False)
+    return lambda: wgmma_matmul(dy16, x16, out=dw, accumulate=True, transpose_a=True, transpose_b=False)
+
+
 def linear_products(C_in, C_out, rows=GPT2_ROWS):
     """The three products of one Linear layer at each precision, and cuBLAS at the same precision."""
     xp = backend.xp
@@ -150,12 +161,14 @@ def linear_products(C_in, C_out, rows=GPT2_ROWS):
             if not error < TOLERANCE[precision]:
                 raise AssertionError(f"{product} {M}x{N}x{K} at {precision}: relative error {error:.2e}")
             row[PRECISION_NAMES[precision]] = flop / seconds(lambda: ours(precision)) / 1e12  # noqa: B023
-        if product.startswith("x Wᵀ") and _has_wgmma():   # the layout wgmma_matmul takes, on bf16 copies
-            x16, w16 = to_bf16(x)[0], to_bf16(w)[0]
-            error = relative_error(wgmma_matmul(x16, w16), cublas())
+        if _has_wgmma():   # wgmma_matmul on bf16 copies, each operand read as it lies (float32 out)
+            wgmma_run = wgmma_product(product, x, w, dy, dw)
+            if product.startswith("dW"):
+                dw.fill(0)
+            error = relative_error(wgmma_run(), cublas())
             if not error < TOLERANCE["medium"]:
                 raise AssertionError(f"{product} {M}x{N}x{K} through wgmma: relative error {error:.2e}")
-            row["bf16 wgmma"] = flop / seconds(lambda: wgmma_matmul(x16, w16)) / 1e12  # noqa: B023
+            row["bf16 wgmma"] = flop / seconds(wgmma_run) / 1e12
         if backend.name == "cuda":
             row["cuBLAS float32"] = flop / seconds(cublas) / 1e12
         if torch is not None:

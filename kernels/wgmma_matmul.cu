@@ -1,48 +1,63 @@
-// C = A Bᵀ (+ bias) (+ C) on Hopper's tensor cores through wgmma: A is M x K and B is N x K, both bf16 and
-// row-major with k contiguous (the Linear layer's x Wᵀ, x: (B*T, C_in), W: (C_out, C_in)); C is M x N,
-// row-major, float32 or bf16. Sums are float32; bias (N float32s, or null) is added to each row and, with
-// accumulate, C's old values, before the one rounding to C's type. Any M and N; K a multiple of 8, so that
-// rows are whole 16-byte chunks.
+// C = op(A) op(B) (+ bias) (+ C) on Hopper's tensor cores through wgmma, for bf16 A and B, row-major as they
+// lie in memory, in every layout of the Linear layer's three products (x: (B*T, C_in), W: (C_out, C_in)):
+//   forward      y  = x Wᵀ    A = x  (M x K, k contiguous: K-major), B = W (N x K, K-major)
+//   input grad   dx = dy W    A = dy (K-major),                       B = W (K x N, n contiguous: N-major)
+//   weight grad  dW = dyᵀ x   A = dy (K x M, m contiguous: M-major),  B = x (K x N, N-major)
+// An MN-major operand is not transposed in memory: wgmma reads it so (imm-trans 1). C is M x N, row-major,
+// float32 or bf16. Sums are float32; bias (N float32s, or null) is added to each row and, with accumulate,
+// C's old values, before the one rounding to C's type. Any M, N, K; each operand's rows (its contiguous
+// dimension) a multiple of 8 elements, so that rows are whole 16-byte chunks.
 // Compiled for sm_90a: RawModule(code, options=("-arch=sm_90a",)).
 //
-// A block of 256 threads, two warpgroups, computes a 128 x 256 tile of C, walking along K 64 at a time:
-//  - each slice of 64 along K travels to shared memory by cp.async, 16 bytes per copy: A's 128 x 64 tile and
-//    B's 256 x 64 tile, as rows of 128 bytes in the 128-byte swizzle (chunk c of row r lands at chunk
-//    c ^ (r % 8) of the row), the layout the wgmma descriptors name; copies past an edge write zeros;
+// A block of 256 threads, two warpgroups, computes a 128 x BLOCK_N tile of C (BLOCK_N 256, or 128 where
+// 256-wide tiles would leave multiprocessors idle), walking along K 64 at a time:
+//  - each slice of 64 along K travels to shared memory by cp.async, 16 bytes per copy, in the 128-byte
+//    swizzle the wgmma descriptors name: a K-major tile as rows of 64 values of k (chunk c of row r lands
+//    at chunk c ^ (r % 8) of the row), an MN-major tile as rows of 64 values of m or n, one row per k
+//    (chunk c of row k at chunk c ^ (k % 8)), in atoms of 64 x 8; copies past an edge write zeros;
 //  - STAGES slices live in shared memory: while the tensor cores multiply slice s, slices s + 1 and s + 2 are
 //    on their way;
-//  - warpgroup w multiplies rows 64w .. 64w + 63 of the tile by all 256 columns: per slice four wgmma
-//    m64n256k16 (k = 0, 16, 32, 48), issued together and left running while the threads start the next
-//    copies; 128 float32 accumulators per thread;
+//  - warpgroup w multiplies rows 64w .. 64w + 63 of the tile by all BLOCK_N columns: per slice four wgmma
+//    m64nBLOCK_Nk16 (k = 0, 16, 32, 48), issued together and left running while the threads start the next
+//    copies; BLOCK_N / 2 float32 accumulators per thread;
 //  - blocks take their tiles down the columns of groups of GROUP_M rows of tiles, so that blocks running
-//    at the same time share tiles of A and B in the L2 cache.
+//    at the same time share tiles of A and B in the L2 cache;
+//  - split K (a grid of gridDim.y stretches of K, for a product with few tiles and a long K, the weight
+//    gradient's sum over B*T rows): each stretch adds its partial sum into a float32 C with atomicAdd.
 #include <cuda_bf16.h>
 #include "wgmma.cuh"
 
 constexpr int BLOCK_M = 128;                // rows of C per block: one warpgroup per 64
-constexpr int BLOCK_N = 256;                // columns of C per block: one m64n256k16 per warpgroup and k-step
 constexpr int BLOCK_K = 64;                 // elements of K per slice: 128 bytes, one swizzled row
 constexpr int WARPGROUPS = BLOCK_M / 64;
 constexpr int THREADS = 128 * WARPGROUPS;
 constexpr int STAGES = 4;                   // slices in shared memory
 static_assert(STAGES >= 3, "a slice being multiplied, one whose products may still run, and one on its way");
 constexpr int GROUP_M = 8;                  // rows of tiles per group of blocks
-constexpr int ROW_BYTES = BLOCK_K * 2;
-constexpr int A_TILE_BYTES = BLOCK_M * ROW_BYTES;   // 16 KB
-constexpr int B_TILE_BYTES = BLOCK_N * ROW_BYTES;   // 32 KB
-constexpr int STAGE_BYTES = A_TILE_BYTES + B_TILE_BYTES;
-static_assert(STAGE_BYTES % 1024 == 0, "every tile starts on 1024 bytes, where the swizzle pattern repeats");
-// Dynamic shared memory per block: the stages, and room to start them on 1024 bytes (193 KB).
-constexpr int SHARED_BYTES = STAGES * STAGE_BYTES + 1024;
-static_assert(SHARED_BYTES <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
+constexpr int STORE_BATCH = 8;              // pairs of results per thread whose old values load together
+constexpr int ROW_BYTES = 128;              // one swizzled row: 64 bf16
+constexpr int ATOM_BYTES = 8 * ROW_BYTES;         // an MN-major swizzle atom: 64 values of m (n) by 8 of k
+static_assert(ATOM_BYTES == 1024, "an atom is one repeat of the 128-byte swizzle: tiles of atoms stay aligned to it");
+static_assert(128 / 4 % STORE_BATCH == 0, "a thread's BLOCK_N / 4 pairs of results make whole batches");
+static_assert(GROUP_M >= 1, "a group of blocks holds at least one row of tiles");
 
-// Start copying rows first_row .. first_row + ROWS - 1, k = k0 .. k0 + 63 of `matrix` (rows x K, k contiguous)
-// into the tile at shared address `tile`, swizzled. Eight threads copy one row's 128 bytes: consecutive
-// threads read consecutive global memory. A chunk outside the matrix is zero-filled (K is a multiple of 8,
-// so a chunk is all inside or all outside).
+// Bytes of one slice of a tile of ROWS rows of A (or of B's columns) by BLOCK_K: the same in both layouts.
+__host__ __device__ constexpr int tile_bytes(int rows) { return rows * BLOCK_K * 2; }
+// Dynamic shared memory per block: the stages, and room to start them on 1024 bytes (193 KB for BLOCK_N 256,
+// 129 KB for 128). Every tile is a multiple of 1024 bytes, where the swizzle pattern repeats.
+__host__ __device__ constexpr int shared_bytes(int block_n)
+{
+    return STAGES * (tile_bytes(BLOCK_M) + tile_bytes(block_n)) + 1024;
+}
+static_assert(shared_bytes(256) <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
+
+// Start copying rows first_row .. first_row + ROWS - 1, k = k0 .. k0 + 63 of a K-major `matrix` (rows x K,
+// k contiguous) into the tile at shared address `tile`, swizzled. Eight threads copy one row's 128 bytes:
+// consecutive threads read consecutive global memory. A chunk outside the matrix, or at or past k_end (the
+// end of this block's stretch of K), is zero-filled (K is a multiple of 8: a chunk is all in or all out).
 template <int ROWS>
-__device__ __forceinline__ void copy_tile(unsigned tile, const __nv_bfloat16* matrix, int rows, int K,
-                                          int first_row, int k0)
+__device__ __forceinline__ void copy_tile_k_major(unsigned tile, const __nv_bfloat16* matrix, int rows, int K,
+                                                  int first_row, int k0, int k_end)
 {
     constexpr int CHUNKS = ROWS * ROW_BYTES / 16;
     static_assert(CHUNKS % THREADS == 0, "every thread copies the same number of chunks");
@@ -51,10 +66,68 @@ __device__ __forceinline__ void copy_tile(unsigned tile, const __nv_bfloat16* ma
         const int chunk = threadIdx.x + i * THREADS;
         const int row = chunk / 8, column = chunk % 8;   // column: which 16 bytes (8 elements) of the row
         const int matrix_row = first_row + row, k = k0 + 8 * column;
-        const bool inside = matrix_row < rows && k < K;
+        const bool inside = matrix_row < rows && k < k_end;
         const __nv_bfloat16* source = inside ? matrix + (long long)matrix_row * K + k : matrix;
         cp_async_16(tile + row * ROW_BYTES + (column ^ (row % 8)) * 16, source, inside ? 16 : 0);
     }
+}
+
+// The same for an MN-major `matrix` (K x columns, each k's row of m or n contiguous): columns first_column ..
+// first_column + COLUMNS - 1 of rows k0 .. k0 + 63 into the tile, as swizzle atoms of 64 columns by 8 rows of
+// k (8 rows of 128 bytes): the COLUMNS / 64 atoms of rows k .. k + 7 side by side, then those of the next 8.
+// Consecutive threads copy consecutive 16 bytes of one row of the matrix.
+template <int COLUMNS>
+__device__ __forceinline__ void copy_tile_mn_major(unsigned tile, const __nv_bfloat16* matrix, int columns,
+                                                   int first_column, int k0, int k_end)
+{
+    constexpr int CHUNKS_PER_K = COLUMNS / 8, CHUNKS = BLOCK_K * CHUNKS_PER_K;
+    static_assert(CHUNKS % THREADS == 0, "every thread copies the same number of chunks");
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+        const int chunk = threadIdx.x + i * THREADS;
+        const int k = chunk / CHUNKS_PER_K, piece = chunk % CHUNKS_PER_K;   // piece: 8 values of m (n)
+        const int atom = piece / 8, column = piece % 8;
+        const int matrix_column = first_column + 8 * piece, matrix_row = k0 + k;
+        const bool inside = matrix_column < columns && matrix_row < k_end;
+        const __nv_bfloat16* source = inside ? matrix + (long long)matrix_row * columns + matrix_column : matrix;
+        const unsigned atom_place = (k / 8 * (COLUMNS / 64) + atom) * ATOM_BYTES;
+        const unsigned place = atom_place + k % 8 * ROW_BYTES + (column ^ (k % 8)) * 16;
+        cp_async_16(tile + place, source, inside ? 16 : 0);
+    }
+}
+
+// One operand's slice: ROWS rows of A (m), or of B's columns (n), starting at `first`, in its layout.
+template <int ROWS, bool MN_MAJOR>
+__device__ __forceinline__ void copy_operand_slice(unsigned tile, const __nv_bfloat16* matrix, int extent, int K,
+                                                   int first, int k0, int k_end)
+{
+    if (MN_MAJOR) copy_tile_mn_major<ROWS>(tile, matrix, extent, first, k0, k_end);
+    else copy_tile_k_major<ROWS>(tile, matrix, extent, K, first, k0, k_end);
+}
+
+// The descriptor of step `k_step` (16 values of k) of a slice's tile of ROWS rows (or columns), for its rows
+// `first_row` .. + 63 (A's warpgroup rows) or all of them (B). K-major: 32 bytes along each swizzled row per
+// step. MN-major: atoms ATOM_BYTES apart along m (n), ROWS / 64 atoms apart along k; a step is two atoms of k.
+template <int ROWS, bool MN_MAJOR>
+__device__ __forceinline__ unsigned long long slice_descriptor(unsigned tile, int first_row, int k_step)
+{
+    constexpr int K_GROUP_BYTES = ROWS / 64 * ATOM_BYTES;   // from 8 values of k to the next
+    if (MN_MAJOR) return matrix_descriptor_128b_mn(tile + first_row / 64 * ATOM_BYTES + 2 * K_GROUP_BYTES * k_step,
+                                                   ATOM_BYTES, K_GROUP_BYTES);
+    return matrix_descriptor_128b(tile + first_row * ROW_BYTES + 32 * k_step);
+}
+
+// One wgmma of the block's width: m64n256k16 for 128 accumulators per thread, m64n128k16 for 64.
+template <bool A_MN_MAJOR, bool B_MN_MAJOR>
+__device__ __forceinline__ void wgmma_step(float (&d)[128], unsigned long long a, unsigned long long b)
+{
+    wgmma_m64n256k16_bf16<A_MN_MAJOR, B_MN_MAJOR>(d, a, b);
+}
+
+template <bool A_MN_MAJOR, bool B_MN_MAJOR>
+__device__ __forceinline__ void wgmma_step(float (&d)[64], unsigned long long a, unsigned long long b)
+{
+    wgmma_m64n128k16_bf16<A_MN_MAJOR, B_MN_MAJOR>(d, a, b);
 }
 
 // Stores into C, float32 or bf16 (rounded to nearest, ties to even). A pair of neighbours in a row is one
@@ -63,6 +136,22 @@ __device__ __forceinline__ float load_one(const float* in) { return *in; }
 __device__ __forceinline__ float load_one(const __nv_bfloat16* in) { return __bfloat162float(*in); }
 __device__ __forceinline__ void store_one(float* out, float x) { *out = x; }
 __device__ __forceinline__ void store_one(__nv_bfloat16* out, float x) { *out = __float2bfloat16_rn(x); }
+
+// A split-K stretch's partial sums, added into a float32 C that other stretches add to as well (a pair: one
+// 8-byte atomic, which compute capability 9.0 has). The launch splits K only for a float32 C (a bf16 C would be
+// rounded once per stretch); the bf16 versions exist so that the kernel compiles for both, and are the plain
+// read-add-write of a C that one block alone writes.
+__device__ __forceinline__ void add_one(float* out, float x) { atomicAdd(out, x); }
+__device__ __forceinline__ void add_one(__nv_bfloat16* out, float x) { *out = __float2bfloat16_rn(load_one(out) + x); }
+__device__ __forceinline__ void add_pair(float* out, float x, float y)
+{
+    atomicAdd(reinterpret_cast<float2*>(out), make_float2(x, y));
+}
+__device__ __forceinline__ void add_pair(__nv_bfloat16* out, float x, float y)
+{
+    add_one(out, x);
+    add_one(out + 1, y);
+}
 
 __device__ __forceinline__ void store_pair(float* out, float x, float y)
 {
@@ -74,11 +163,14 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* out, float x, float y)
     *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
 }
 
-// The whole product for one block, into a float32 or bf16 C.
-template <typename Output>
+// The whole product for one block (one tile of C, one stretch of K), into a float32 or bf16 C.
+// A_MN_MAJOR: A stored K x M (the weight gradient's dyᵀ), else M x K. B_MN_MAJOR: B stored K x N (dy W, dyᵀ x),
+// else N x K (x Wᵀ).
+template <int BLOCK_N, bool A_MN_MAJOR, bool B_MN_MAJOR, typename Output>
 __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat16* A, const __nv_bfloat16* B, int M,
-                                                    int N, int K, const float* bias, bool accumulate)
+                                                    int N, int K, int k_per_split, const float* bias, bool accumulate)
 {
+    constexpr int A_TILE_BYTES = tile_bytes(BLOCK_M), STAGE_BYTES = A_TILE_BYTES + tile_bytes(BLOCK_N);
     extern __shared__ __align__(1024) unsigned char shared[];
     // The swizzle acts on shared-memory address bits, so each stage starts on 1024 bytes of that address.
     const unsigned stages = (shared_address(shared) + 1023) & ~1023u;
@@ -89,12 +181,15 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat
     const int first_tile_m = group * GROUP_M, group_rows = min(tiles_m - first_tile_m, GROUP_M);
     const int m0 = (first_tile_m + in_group % group_rows) * BLOCK_M, n0 = in_group / group_rows * BLOCK_N;
     const int warpgroup = threadIdx.x / 128;
+    // This block's stretch of K: all of it, or stretch blockIdx.y of k_per_split (a multiple of BLOCK_K).
+    const int k_begin = blockIdx.y * k_per_split, k_end = min(K, k_begin + k_per_split);
 
     auto a_tile = [&](int stage) { return stages + stage * STAGE_BYTES; };
     auto b_tile = [&](int stage) { return stages + stage * STAGE_BYTES + A_TILE_BYTES; };
     auto start_slice = [&](int s) {
-        copy_tile<BLOCK_M>(a_tile(s % STAGES), A, M, K, m0, s * BLOCK_K);
-        copy_tile<BLOCK_N>(b_tile(s % STAGES), B, N, K, n0, s * BLOCK_K);
+        const int k0 = k_begin + s * BLOCK_K;
+        copy_operand_slice<BLOCK_M, A_MN_MAJOR>(a_tile(s % STAGES), A, M, K, m0, k0, k_end);
+        copy_operand_slice<BLOCK_N, B_MN_MAJOR>(b_tile(s % STAGES), B, N, K, n0, k0, k_end);
     };
 
     float d[BLOCK_N / 2];
@@ -104,7 +199,7 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat
 
     // Fill the pipeline: STAGES - 2 slices on their way. Every thread commits one group of copies per slice,
     // even an empty one past the end, so that "all but the newest STAGES - 3 groups" means "up to slice s".
-    const int slices = (K + BLOCK_K - 1) / BLOCK_K;
+    const int slices = (k_end - k_begin + BLOCK_K - 1) / BLOCK_K;
     for (int s = 0; s < STAGES - 2; ++s) {
         if (s < slices) start_slice(s);
         cp_async_commit();
@@ -116,9 +211,10 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat
         const int stage = s % STAGES;
         wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < BLOCK_K / 16; ++k) {   // 32 bytes further along each swizzled row per step of 16
-            wgmma_m64n256k16_bf16(d, matrix_descriptor_128b(a_tile(stage) + warpgroup * 64 * ROW_BYTES + 32 * k),
-                                  matrix_descriptor_128b(b_tile(stage) + 32 * k));
+        for (int k = 0; k < BLOCK_K / 16; ++k) {
+            const unsigned long long a = slice_descriptor<BLOCK_M, A_MN_MAJOR>(a_tile(stage), 64 * warpgroup, k);
+            const unsigned long long b = slice_descriptor<BLOCK_N, B_MN_MAJOR>(b_tile(stage), 0, k);
+            wgmma_step<A_MN_MAJOR, B_MN_MAJOR>(d, a, b);
         }
         wgmma_commit_group();
         // While they run: slice s + STAGES - 2 into the stage slice s - 2 had.
@@ -129,44 +225,62 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat
     wgmma_wait_group<0>();
     fence_accumulators(d);
 
-    // d[i] of warp w (of this warpgroup), lane 4g + t: row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2t + i % 2
+    // d[i] of warp w (of this warpgroup), lane 4g + t: row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2t + i % 2.
+    // They go out STORE_BATCH pairs at a time: with accumulate, the batch's old values of C are all loaded before
+    // any is stored, so that the loads wait for memory together rather than one after another (a store to C
+    // might, as far as the compiler knows, change what a later load reads).
     const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
     const int first_row = m0 + warpgroup * 64 + warp * 16 + lane / 4, first_column = n0 + 2 * (lane % 4);
+    const bool split = gridDim.y > 1, with_bias = bias != nullptr && blockIdx.y == 0;
+    const bool load_old = accumulate && !split;
 #pragma unroll
-    for (int i = 0; i < BLOCK_N / 2; i += 2) {
-        const int row = first_row + 8 * (i / 2 % 2), column = first_column + 8 * (i / 4);
-        if (row >= M || column >= N) continue;
-        Output* out = C + (long long)row * N + column;
-        const bool second = column + 1 < N;
-        float x = d[i], y = d[i + 1];
-        if (bias != nullptr) {
-            x += bias[column];
-            if (second) y += bias[column + 1];
+    for (int batch = 0; batch < BLOCK_N / 2; batch += 2 * STORE_BATCH) {
+        float old[2 * STORE_BATCH];
+#pragma unroll
+        for (int j = 0; j < 2 * STORE_BATCH; j += 2) {
+            const int row = first_row + 8 * ((batch + j) / 2 % 2), column = first_column + 8 * ((batch + j) / 4);
+            const Output* out = C + (long long)row * N + column;
+            const bool inside = load_old && row < M && column < N;
+            old[j] = inside ? load_one(out) : 0.0f;
+            old[j + 1] = inside && column + 1 < N ? load_one(out + 1) : 0.0f;
         }
-        if (accumulate) {
-            x += load_one(out);
-            if (second) y += load_one(out + 1);
-        }
-        if (N % 2 == 0) {
-            store_pair(out, x, y);   // column is even, so column + 1 < N too
-        } else {
-            store_one(out, x);
-            if (second) store_one(out + 1, y);
+#pragma unroll
+        for (int j = 0; j < 2 * STORE_BATCH; j += 2) {
+            const int i = batch + j;
+            const int row = first_row + 8 * (i / 2 % 2), column = first_column + 8 * (i / 4);
+            if (row >= M || column >= N) continue;
+            Output* out = C + (long long)row * N + column;
+            const bool second = column + 1 < N;
+            float x = d[i], y = d[i + 1];
+            if (with_bias) {
+                x += bias[column];
+                if (second) y += bias[column + 1];
+            }
+            x += old[j];
+            y += old[j + 1];
+            if (split) {   // a float32 C (the launch sees to it), zeroed first unless accumulating
+                if (N % 2 == 0) {
+                    add_pair(out, x, y);
+                } else {
+                    add_one(out, x);
+                    if (second) add_one(out + 1, y);
+                }
+            } else if (N % 2 == 0) {
+                store_pair(out, x, y);   // column is even, so column + 1 < N too
+            } else {
+                store_one(out, x);
+                if (second) store_one(out + 1, y);
+            }
         }
     }
 }
 
-// Dynamic shared memory: SHARED_BYTES. Grid: one block per 128 x 256 tile of C, 1-D.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul_float32(
-    float* __restrict__ C, const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ B, int M, int N, int K,
-    const float* __restrict__ bias, bool accumulate)
+// Dynamic shared memory: shared_bytes(BLOCK_N). Grid: (one block per 128 x BLOCK_N tile of C, stretches of K).
+// Launched by name: wgmma_matmul<256, false, false, float> is the Linear forward x Wᵀ into float32.
+template <int BLOCK_N, bool A_MN_MAJOR, bool B_MN_MAJOR, typename Output>
+__global__ void __launch_bounds__(THREADS, 1) wgmma_matmul(
+    Output* __restrict__ C, const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ B, int M, int N,
+    int K, int k_per_split, const float* __restrict__ bias, bool accumulate)
 {
-    wgmma_block_product(C, A, B, M, N, K, bias, accumulate);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul_bfloat16(
-    __nv_bfloat16* __restrict__ C, const __nv_bfloat16* __restrict__ A, const __nv_bfloat16* __restrict__ B, int M,
-    int N, int K, const float* __restrict__ bias, bool accumulate)
-{
-    wgmma_block_product(C, A, B, M, N, K, bias, accumulate);
+    wgmma_block_product<BLOCK_N, A_MN_MAJOR, B_MN_MAJOR>(C, A, B, M, N, K, k_per_split, bias, accumulate);
 }

@@ -1,11 +1,11 @@
 """Conformance: Hopper's wgmma through inline PTX, in small kernels of one warpgroup, checked against float64.
 
 wgmma.mma_async m64nNk16 with bf16 A and B read from shared memory through matrix descriptors (every swizzle
-mode, K-major), D in the accumulator fragment layout of the PTX ISA; wgmma.fence, commit_group, wait_group;
-and the wrappers of kernels/include/wgmma.cuh as kernels/wgmma_matmul.cu uses them (a 64-wide swizzled tile,
-four steps of k along it). On a GPU (an H100 or H200: wgmma needs compute capability 9.0, and the kernels
-compile for sm_90a) these check our reading of the PTX ISA; on the CPU, that the executor reads shared memory
-and places results as the GPU does.
+mode, K-major and, with imm-trans-a / imm-trans-b 1, MN-major), D in the accumulator fragment layout of the
+PTX ISA; wgmma.fence, commit_group, wait_group; and the wrappers of kernels/include/wgmma.cuh as
+kernels/wgmma_matmul.cu uses them (a 64-wide swizzled tile, four steps of k along it, in both majors). On a
+GPU (an H100 or H200: wgmma needs compute capability 9.0, and the kernels compile for sm_90a) these check our
+reading of the PTX ISA; on the CPU, that the executor reads shared memory and places results as the GPU does.
 
 The test lays out each matrix in shared memory itself, from its own reading of the ISA's canonical layouts
 (layout_offsets below), in an image whose unused bytes hold bf16 NaNs: a descriptor read the wrong way picks
@@ -91,6 +91,18 @@ def test_fragment_indices_cover_the_tile_once():
 # One m64nNk16 product from shared-memory images the test lays out
 # ---------------------------------------------------------------------------------------------------------
 
+# Kernel lines that copy the two images into dynamic shared memory at `base` (1024-byte aligned) and
+# b_offset bytes after it, then make them visible to the tensor cores.
+IMAGES_TO_SHARED = """    extern __shared__ __align__(1024) unsigned char shared[];
+    const unsigned base = (shared_address(shared) + 1023) & ~1023u;
+    unsigned short* tiles = reinterpret_cast<unsigned short*>(shared + (base - shared_address(shared)));
+    for (int i = threadIdx.x; i < a_halves; i += blockDim.x) tiles[i] = a_image[i];
+    for (int i = threadIdx.x; i < b_halves; i += blockDim.x) tiles[b_offset / 2 + i] = b_image[i];
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+"""
+
+
 def tile_kernel(n, scale_a=1, scale_b=1, fence=True):
     """One warpgroup, one wgmma.mma_async m64n{n}k16: D = (scale_a A)(scale_b B) + C, or without C when scale_d is
     0. A (64 x 16) and B (n x 16: row j holds column j of B) are copied from the images into shared memory at
@@ -105,14 +117,7 @@ extern "C" __global__ void wgmma_tile(float* D, const float* C, const unsigned s
                                       const unsigned short* b_image, int b_halves, unsigned long long a_fields,
                                       unsigned long long b_fields, int b_offset, int scale_d)
 {{
-    extern __shared__ __align__(1024) unsigned char shared[];
-    const unsigned base = (shared_address(shared) + 1023) & ~1023u;
-    unsigned short* tiles = reinterpret_cast<unsigned short*>(shared + (base - shared_address(shared)));
-    for (int i = threadIdx.x; i < a_halves; i += blockDim.x) tiles[i] = a_image[i];
-    for (int i = threadIdx.x; i < b_halves; i += blockDim.x) tiles[b_offset / 2 + i] = b_image[i];
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    const unsigned long long a_descriptor = ((base & 0x3FFFF) >> 4) | a_fields;
+{IMAGES_TO_SHARED}    const unsigned long long a_descriptor = ((base & 0x3FFFF) >> 4) | a_fields;
     const unsigned long long b_descriptor = (((base + b_offset) & 0x3FFFF) >> 4) | b_fields;
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     float d[{n // 2}];
@@ -200,6 +205,137 @@ def test_scale_d_false_ignores_the_accumulator_and_minus_one_negates(rng):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# MN-major operands (imm-trans 1): two steps of k accumulating, each operand in its own layout
+# ---------------------------------------------------------------------------------------------------------
+
+def mn_major_offsets(rows, depth, swizzle, leading, stride):
+    """Byte offset of element (row, k) of an MN-major bf16 matrix, row being m of A or n of B (PTX ISA, "Shared
+    Memory Matrix Layout", "Leading / Stride Dimension Byte Offset" for MN-major): for each k, 8 consecutive
+    rows fill 16 bytes. Without swizzle (interleave), core matrices of 8 rows by 8 of k (each k's 16 bytes
+    one after the other) lie `stride` bytes apart down the rows and `leading` bytes apart along k. With a
+    swizzle of W bytes, W / 2 rows fill one swizzled row of W bytes per k, 8 values of k make one atom; atoms
+    lie `leading` bytes apart down the rows and `stride` bytes apart along k; bits 4.. XOR-ed as for K-major."""
+    row, k = np.arange(rows)[:, None], np.arange(depth)[None, :]
+    within = 2 * (row % 8)
+    width = SWIZZLE_WIDTH[swizzle]
+    if width == 0:
+        return (row // 8) * stride + (k // 8) * leading + (k % 8) * 16 + within
+    atom = width // 2
+    offset = (row // atom) * leading + (k // 8) * stride + (k % 8) * width + (row % atom) // 8 * 16 + within
+    return offset ^ (((offset >> 7) & (width // 16 - 1)) << 4)
+
+
+def layout_image(matrix, major, swizzle, leading, stride):
+    """The shared-memory bytes of a bf16 matrix (rows x depth) in either major, as uint16, padded to 1024 bytes."""
+    place = mn_major_offsets if major == "MN" else layout_offsets
+    offsets = place(*matrix.shape, swizzle, leading, stride)
+    size = -(-(offsets.max() + 2) // 1024) * 1024
+    halves = np.full(size // 2, NAN_BITS, dtype=np.uint16)
+    halves[offsets // 2] = bf16(matrix).view(np.uint16)
+    return halves
+
+
+def second_step_bytes(major, swizzle, leading, stride):
+    """How far the descriptor's start moves for k = 16..31: the unswizzled offset of element (0, 16)."""
+    if major == "MN":
+        return 2 * (leading if swizzle == "none" else stride)
+    return 2 * leading if swizzle == "none" else 32
+
+
+def two_step_kernel(n, transpose_a, transpose_b):
+    """One warpgroup, two wgmma.mma_async m64n{n}k16 (k = 0..15, then 16..31 with each start moved by its step),
+    both accumulating into D from zero, with the given imm-trans-a and imm-trans-b."""
+    registers = ", ".join(f"%{i}" for i in range(n // 2))
+    operands = ", ".join(f'"+f"(d[{i}])' for i in range(n // 2))
+    return rf"""
+#include "mma.cuh"
+
+extern "C" __global__ void two_steps(float* D, const unsigned short* a_image, int a_halves, const unsigned short* b_image,
+                                     int b_halves, unsigned long long a_fields, unsigned long long b_fields, int b_offset,
+                                     int a_step, int b_step)
+{{
+{IMAGES_TO_SHARED}    float d[{n // 2}];
+    for (int i = 0; i < {n // 2}; ++i) d[i] = 0.0f;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    for (int step = 0; step < 2; ++step) {{
+        const unsigned long long a_descriptor = (((base + step * a_step) & 0x3FFFF) >> 4) | a_fields;
+        const unsigned long long b_descriptor = (((base + b_offset + step * b_step) & 0x3FFFF) >> 4) | b_fields;
+        asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{registers}}}, %{n // 2}, %{n // 2 + 1}, "
+                     "1, 1, 1, {transpose_a}, {transpose_b};"
+                     : {operands}
+                     : "l"(a_descriptor), "l"(b_descriptor));
+    }}
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    for (int i = 0; i < {n // 2}; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    for (int i = 0; i < {n // 2}; ++i) D[(16 * warp + g + 8 * (i / 2 % 2)) * {n} + 8 * (i / 4) + 2 * t + i % 2] = d[i];
+}}
+"""
+
+
+def packed_layout(major, swizzle, rows, depth=32):
+    """(swizzle, leading, stride) of a matrix packed without gaps. MN-major swizzled: atoms of 8 values of k one
+    after the other along k, then the next W / 2 rows; interleaved: core matrices down the rows first. A
+    K-major partner takes the 128-byte swizzle, whose rows hold all 32 values of k."""
+    width = SWIZZLE_WIDTH[swizzle]
+    if major == "K":
+        return "128B", 16, 1024
+    if width == 0:
+        return swizzle, rows // 8 * 128, 128
+    return swizzle, depth // 8 * 8 * width, 8 * width
+
+
+def run_two_steps(a, b, a_major, b_major, swizzle):
+    """D = A B over k = 0..31 from A (64 x 32) and B given as n x 32 (row j: column j of B), each in its major;
+    `swizzle` is the MN-major operands' swizzle."""
+    n = b.shape[0]
+    a_swizzle, a_leading, a_stride = packed_layout(a_major, swizzle, 64)
+    b_swizzle, b_leading, b_stride = packed_layout(b_major, swizzle, n)
+    a_image = layout_image(a, a_major, a_swizzle, a_leading, a_stride)
+    b_image = layout_image(b, b_major, b_swizzle, b_leading, b_stride)
+    b_offset = 2 * a_image.size
+    shared = 1024 + b_offset + 2 * b_image.size
+    kernel = backend.RawKernel(two_step_kernel(n, int(a_major == "MN"), int(b_major == "MN")), "two_steps",
+                               options=OPTIONS)
+    if shared > kernel.max_dynamic_shared_size_bytes:
+        kernel.max_dynamic_shared_size_bytes = shared
+    xp = backend.xp
+    out = xp.full((64, n), np.nan, dtype=np.float32)
+    kernel((1,), (128,), (out, xp.asarray(a_image), np.int32(a_image.size), xp.asarray(b_image),
+                          np.int32(b_image.size), descriptor_fields(a_swizzle, a_leading, a_stride),
+                          descriptor_fields(b_swizzle, b_leading, b_stride), np.int32(b_offset),
+                          np.int32(second_step_bytes(a_major, a_swizzle, a_leading, a_stride)),
+                          np.int32(second_step_bytes(b_major, b_swizzle, b_leading, b_stride))), shared_mem=shared)
+    return backend.asnumpy(out)
+
+
+MAJORS = [("MN", "K"), ("K", "MN"), ("MN", "MN")]
+
+
+@pytest.mark.parametrize("swizzle", ["none", "32B", "64B", "128B"])
+@pytest.mark.parametrize("a_major, b_major", MAJORS)
+def test_mn_major_operands_two_k_steps_bit_exact(a_major, b_major, swizzle, rng):
+    """imm-trans-a / imm-trans-b 1 read A (M-major) or B (N-major) in every swizzle mode; B is 128 wide, so
+    its rows span two 128-byte atoms (the leading byte offset) and four 32-byte ones. Small integers: exact."""
+    a = rng.integers(-4, 5, (64, 32)).astype(np.float32)
+    b = rng.integers(-4, 5, (128, 32)).astype(np.float32)
+    got = run_two_steps(a, b, a_major, b_major, swizzle)
+    np.testing.assert_array_equal(got, (a.astype(np.float64) @ b.T.astype(np.float64)).astype(np.float32))
+
+
+@pytest.mark.parametrize("a_major, b_major", MAJORS)
+def test_mn_major_operands_random_inputs_within_the_tolerance(a_major, b_major, rng):
+    """Random bf16 inputs, 128-byte swizzle: within twice MMA_TOLERANCE (two steps, each rounded) of float64 A·B."""
+    a, b = rng.standard_normal((64, 32)), rng.standard_normal((64, 32))
+    got = run_two_steps(a, b, a_major, b_major, "128B").astype(np.float64)
+    a64, b64 = as_read(a), as_read(b)
+    expected = a64 @ b64.T
+    tolerance = 2 * MMA_TOLERANCE * (np.abs(a64) @ np.abs(b64).T)
+    assert np.all(np.abs(got - expected) <= tolerance), np.abs(got - expected).max()
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The wrappers of kernels/include/wgmma.cuh, as kernels/wgmma_matmul.cu uses them
 # ---------------------------------------------------------------------------------------------------------
 
@@ -258,6 +394,55 @@ def test_header_wrappers_k_steps_are_not_interchangeable(rng):
     for row in range(64):
         a[row, (row * 7) % 64] = row % 5 + 1
     np.testing.assert_array_equal(run_header_tile(a, b), (a.astype(np.float64) @ b.T).astype(np.float32))
+
+
+HEADER_TILE_MN = r"""
+#include "wgmma.cuh"
+
+// A (64 x 64) and B (64 x N), both MN-major with the 128-byte swizzle, as kernels/wgmma_matmul.cu lays out a
+// slice: for each k a row of 128 bytes holding 64 values of m (n); atoms of 64 x 8 side by side along m (n)
+// (LBO 1024), then the next 8 of k (SBO: N / 64 atoms); D = A B through four wgmma (imm-trans 1, 1), one per
+// step of 16 along k (two groups of 8 further each time).
+extern "C" __global__ void header_tile_mn(float* D, const unsigned short* a_image, const unsigned short* b_image, int n)
+{
+    extern __shared__ __align__(1024) unsigned char shared[];
+    const unsigned base = (shared_address(shared) + 1023) & ~1023u;
+    unsigned short* tiles = reinterpret_cast<unsigned short*>(shared + (base - shared_address(shared)));
+    for (int i = threadIdx.x; i < (64 + n) * 64; i += 128) tiles[i] = i < 64 * 64 ? a_image[i] : b_image[i - 64 * 64];
+    fence_proxy_async_shared();
+    __syncthreads();
+    float d[N_WIDE / 2];
+    for (int i = 0; i < N_WIDE / 2; ++i) d[i] = 0.0f;
+    fence_accumulators(d);
+    wgmma_fence();
+    for (int k = 0; k < 4; ++k)
+        WGMMA<1, 1>(d, matrix_descriptor_128b_mn(base + 2048 * k, 1024, 1024),
+                    matrix_descriptor_128b_mn(base + 8192 + N_WIDE / 64 * 2048 * k, 1024, N_WIDE / 64 * 1024));
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    fence_accumulators(d);
+    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    for (int i = 0; i < N_WIDE / 2; ++i) D[(16 * warp + g + 8 * (i / 2 % 2)) * N_WIDE + 8 * (i / 4) + 2 * t + i % 2] = d[i];
+}
+"""
+
+
+@pytest.mark.parametrize("n", [128, 256])
+def test_header_mn_major_descriptor_and_transposed_wrappers(n, rng):
+    """matrix_descriptor_128b_mn (LBO: one 64-wide atom to the next, 1024 bytes; SBO: N / 64 atoms) with
+    wgmma_m64n{n}k16_bf16<1, 1>: A stored K x M and B stored K x N, as the weight gradient dyᵀ x reads them."""
+    a = rng.integers(-3, 4, (64, 64)).astype(np.float32)    # A: m x k
+    b = rng.integers(-3, 4, (n, 64)).astype(np.float32)     # B's columns: n x k
+    code = HEADER_TILE_MN.replace("N_WIDE", str(n)).replace("WGMMA", f"wgmma_m64n{n}k16_bf16")
+    kernel = backend.RawKernel(code, "header_tile_mn", options=OPTIONS)
+    shared = 1024 + (64 + n) * 128
+    kernel.max_dynamic_shared_size_bytes = shared
+    xp = backend.xp
+    out = xp.full((64, n), np.nan, dtype=np.float32)
+    images = [layout_image(x, "MN", "128B", 1024, rows // 64 * 1024) for x, rows in ((a, 64), (b, n))]
+    assert images[0].size == 64 * 64 and images[1].size == n * 64   # packed: no gaps between atoms
+    kernel((1,), (128,), (out, xp.asarray(images[0]), xp.asarray(images[1]), np.int32(n)), shared_mem=shared)
+    np.testing.assert_array_equal(backend.asnumpy(out), (a.astype(np.float64) @ b.T).astype(np.float32))
 
 
 # ---------------------------------------------------------------------------------------------------------

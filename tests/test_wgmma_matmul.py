@@ -1,9 +1,11 @@
-"""gpt2_cupy.ops.wgmma_matmul: C = A Bᵀ from bf16 A (M x K) and B (N x K) on Hopper's tensor cores.
+"""gpt2_cupy.ops.wgmma_matmul: C = op(A) op(B) from bf16 A and B on Hopper's tensor cores, in every layout.
 
 Each result against float64 numpy on the same bf16 inputs, on sizes with ragged edges in M, N and K (tiles
-are 128 x 256, slices of K 64): within a few float32 units of the sum of magnitudes per slice of 16 along K
-(the tensor core rounds at least that often). bf16 output is the float32 output rounded to nearest, to the
-bit. On a GPU these need compute capability 9.0 (H100, H200); on the CPU the executor emulates wgmma.
+are 128 x 256 or 128 x 128, slices of K 64): within a few float32 units of the sum of magnitudes per slice of
+16 along K (the tensor core rounds at least that often). bf16 output is the float32 output rounded to
+nearest, to the bit. The Linear layer's three layouts (x Wᵀ; dy W, B read N-major; dyᵀ x, both MN-major) and
+the fourth, split K, and how the launch picks tiles and splits. On a GPU these need compute capability 9.0
+(H100, H200); on the CPU the executor emulates wgmma.
 """
 
 import numpy as np
@@ -12,7 +14,8 @@ import pytest
 from gpt2_cupy import backend
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-from gpt2_cupy.ops.wgmma_matmul import wgmma_matmul  # noqa: E402
+from gpt2_cupy.ops import wgmma_matmul as wgmma_module  # noqa: E402
+from gpt2_cupy.ops.wgmma_matmul import launch_shape, wgmma_matmul  # noqa: E402
 
 
 def _is_hopper():
@@ -110,8 +113,14 @@ def test_bad_arguments_are_clear_errors():
         wgmma_matmul(xp.zeros((16, 24), np.float32), b)
     with pytest.raises(ValueError, match=r"wgmma_matmul: b has shape \(8, 16\).*K = 16.*K = 24"):
         wgmma_matmul(a, xp.zeros((8, 16), dtype=ml_dtypes.bfloat16))
-    with pytest.raises(ValueError, match=r"K must be a multiple of 8.*K=20"):
+    with pytest.raises(ValueError, match=r"rows of a \(16, 20\) must be a multiple of 8 elements"):
         wgmma_matmul(xp.zeros((16, 20), dtype=ml_dtypes.bfloat16), xp.zeros((8, 20), dtype=ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match=r"rows of b \(24, 12\) must be a multiple of 8 elements"):
+        wgmma_matmul(a, xp.zeros((24, 12), dtype=ml_dtypes.bfloat16), transpose_b=False)
+    with pytest.raises(ValueError, match=r"op\(a\).*a must have shape \(K, M\)|a must have shape \(K, M\)"):
+        wgmma_matmul(xp.zeros((2, 16, 24), dtype=ml_dtypes.bfloat16), b, transpose_a=True)
+    with pytest.raises(ValueError, match="must start on 16 bytes"):
+        wgmma_matmul(xp.zeros(16 * 24 + 1, dtype=ml_dtypes.bfloat16)[1:].reshape(16, 24), b)
     with pytest.raises(ValueError, match=r"b must have shape \(N, K\)"):
         wgmma_matmul(a, xp.zeros((2, 8, 24), dtype=ml_dtypes.bfloat16))
     with pytest.raises(ValueError, match=r"out has shape \(8, 16\), but the inputs give \(16, 8\)"):
@@ -122,3 +131,95 @@ def test_bad_arguments_are_clear_errors():
         wgmma_matmul(a, b, out_dtype=np.float16)
     with pytest.raises(ValueError, match="not C-contiguous"):
         wgmma_matmul(xp.zeros((24, 16), dtype=ml_dtypes.bfloat16).T, b)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every layout: a (M, K) or (K, M) if transpose_a, b (N, K) if transpose_b or (K, N)
+# ---------------------------------------------------------------------------------------------------------
+
+LAYOUTS = {"x Wᵀ (TN)": (False, True), "dy W (B N-major)": (False, False), "dyᵀ x (both MN-major)": (True, False),
+           "A M-major, B K-major": (True, True)}
+
+
+def stored_operands(rng, M, N, K, transpose_a, transpose_b):
+    """(a, b as stored: backend bf16 arrays, float64 op(a) op(b) of their values, the tolerance of each element)."""
+    a = rng.standard_normal((M, K)).astype(np.float32).astype(ml_dtypes.bfloat16)     # op(a)
+    b = rng.standard_normal((K, N)).astype(np.float32).astype(ml_dtypes.bfloat16)     # op(b)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    tolerance = 2.0 ** -21 * (K // 16 + 1) * (np.abs(a64) @ np.abs(b64))
+    a_stored = np.ascontiguousarray(a.T) if transpose_a else a
+    b_stored = np.ascontiguousarray(b.T) if transpose_b else b
+    return backend.xp.asarray(a_stored), backend.xp.asarray(b_stored), a64 @ b64, tolerance
+
+
+@hopper_or_cpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("M, N, K", [(136, 264, 72), (72, 40, 200)])
+def test_every_layout_against_float64(layout, M, N, K, rng):
+    """Ragged edges in M, N and K in each layout: an MN-major operand's columns past M or N and its rows past K
+    are zero-filled copies; results past M or N are not stored (out starts as NaN)."""
+    transpose_a, transpose_b = LAYOUTS[layout]
+    a, b, expected, tolerance = stored_operands(rng, M, N, K, transpose_a, transpose_b)
+    out = backend.xp.full((M, N), np.nan, dtype=np.float32)
+    wgmma_matmul(a, b, out=out, transpose_a=transpose_a, transpose_b=transpose_b)
+    assert_within(out, expected, tolerance)
+    # the data tells op(a) from its transpose: the product with a's rows shifted is far outside the tolerance
+    assert np.any(np.abs(expected[np.r_[1:M, 0]] - expected) > tolerance)
+
+
+@hopper_or_cpu
+@pytest.mark.parametrize("layout", ["dy W (B N-major)", "dyᵀ x (both MN-major)"])
+def test_transposed_layouts_add_bias_and_accumulate(layout, rng):
+    """The weight gradient's use: dW += dyᵀ x into a float32 buffer; with a bias, and a bf16 out rounded once."""
+    transpose_a, transpose_b = LAYOUTS[layout]
+    a, b, expected, tolerance = stored_operands(rng, 72, 48, 136, transpose_a, transpose_b)
+    bias = rng.standard_normal(48).astype(np.float32)
+    out = backend.xp.full((72, 48), 0.25, dtype=np.float32)
+    wgmma_matmul(a, b, out=out, bias=backend.xp.asarray(bias), accumulate=True, transpose_a=transpose_a,
+                 transpose_b=transpose_b)
+    assert_within(out, expected + bias + 0.25, tolerance + 2.0 ** -22 * (np.abs(expected) + np.abs(bias) + 0.25))
+    rounded = wgmma_matmul(a, b, out_dtype="bfloat16", transpose_a=transpose_a, transpose_b=transpose_b)
+    float32 = backend.asnumpy(wgmma_matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b))
+    np.testing.assert_array_equal(backend.asnumpy(rounded).view(np.uint16),
+                                  float32.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@hopper_or_cpu
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_split_k_adds_every_stretch_once(block_n, accumulate, rng):
+    """K split into 3 stretches of 64 (the last one ragged): each adds its part into out, the bias once; with
+    accumulate the old out is kept, without it out is zeroed first (it starts as NaN)."""
+    a, b, expected, tolerance = stored_operands(rng, 40, 24, 168, True, False)
+    bias = rng.standard_normal(24).astype(np.float32)
+    xp = backend.xp
+    old = 0.5 if accumulate else np.nan
+    out = xp.full((40, 24), old, dtype=np.float32)
+    wgmma_module.launch_wgmma_matmul(a, b, out, xp.asarray(bias), accumulate, True, False, shape=(block_n, 3, 64))
+    start = 0.5 if accumulate else 0.0
+    assert_within(out, expected + bias + start, tolerance + 2.0 ** -21 * (np.abs(expected) + np.abs(bias) + 1))
+
+
+@hopper_or_cpu
+def test_a_long_sum_with_few_tiles_is_split_by_the_launch(rng, monkeypatch):
+    """launch_shape splits a float32 product of one tile and K = 2048 in two (on the narrow tile, which does
+    half the work of a wide one); the result is the same sum."""
+    assert launch_shape(24, 16, 2048, True) == (128, 2, 1024)
+    assert launch_shape(24, 16, 2048, False) == (128, 1, 2048)   # a bf16 out is never split
+    a, b, expected, tolerance = stored_operands(rng, 24, 16, 2048, True, False)
+    assert_within(wgmma_matmul(a, b, transpose_a=True, transpose_b=False), expected, tolerance)
+
+
+def test_launch_shape_on_gpt2_linear_shapes(monkeypatch):
+    """On 132 multiprocessors (an H100 or H200; the CPU reports the same): wide tiles where they fill the
+    rounds, 128-wide where 256-wide ones would leave much of the last round idle, and split K for the weight
+    gradients, whose few tiles sum over K = B*T = 8192; never for a bf16 out."""
+    monkeypatch.setattr(backend, "multiprocessor_count", lambda: 132)
+    assert launch_shape(8192, 2304, 768, True) == (256, 1, 768)       # 576 tiles: 4.4 rounds
+    assert launch_shape(8192, 768, 768, True) == (128, 1, 768)        # 192 wide tiles: 1.5 rounds; 384: 2.9
+    assert launch_shape(8192, 768, 3072, False) == (128, 1, 3072)
+    assert launch_shape(2304, 768, 8192, True) == (256, 2, 4096)      # dW: 27 x 2 tiles, 2 stretches
+    assert launch_shape(3072, 768, 8192, True) == (256, 3, 2752)      # dW: 72 tiles, 3 stretches
+    assert launch_shape(768, 768, 8192, False) == (128, 1, 8192)
+    assert launch_shape(50304, 768, 8192, True) == (256, 1, 8192)     # 1179 tiles
+    assert launch_shape(4096, 4096, 4096, True) == (256, 1, 4096)

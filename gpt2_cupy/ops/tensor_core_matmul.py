@@ -32,10 +32,10 @@ the float32 sum and the optional float32 bias, bias_add's "+ b" fused into the p
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.elementwise import converted, copy, elementwise
+from gpt2_cupy.elementwise import converted, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, THREADS_PER_BLOCK, ceil_div, float4_aligned, storage_c_type
 from gpt2_cupy.ops.matmul import _checked, launch_matmul
-from gpt2_cupy.ops.wgmma_matmul import K_MULTIPLE, launch_wgmma_matmul, wgmma_runs
+from gpt2_cupy.ops.wgmma_matmul import launch_wgmma_matmul, wgmma_fits, wgmma_runs
 from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision
 
 TILE = 128       # rows and columns of C per block (kernels/tensor_core_matmul.cu: TILE)
@@ -141,12 +141,10 @@ def launch_bf16_product(a, b, out, transpose_a=False, transpose_b=False, accumul
     batch = out.shape[0] if out.ndim == 3 else 1
     if batch * out.shape[-2] * out.shape[-1] * K < SMALL_PRODUCT:
         return _small_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias)
-    if out.ndim == 2 and not transpose_a and K % K_MULTIPLE == 0 and wgmma_runs():
-        # Hopper's wgmma reads both operands k-contiguous: a as it is, b transposed into a copy unless the
-        # product is already a bᵀ (the Linear forward x Wᵀ; its input gradient dy W copies the weight, a
-        # small matrix). The weight gradient dyᵀ x stays on mma.sync: it would copy two large activations.
-        b_rows = b if transpose_b else copy("transposed", b.T)
-        return launch_wgmma_matmul(a, b_rows, out, bias, accumulate)
+    if out.ndim == 2 and wgmma_runs() and wgmma_fits(a, b):
+        # Hopper's wgmma reads each operand as it lies in memory, k-contiguous or not (its transpose operands):
+        # the Linear forward x Wᵀ, its input gradient dy W and its weight gradient dyᵀ x, none copied.
+        return launch_wgmma_matmul(a, b, out, bias, accumulate, transpose_a, transpose_b)
     return launch_bf16_matmul(bf16_rows(a), bf16_rows(b), out, K, transpose_a, transpose_b, accumulate, bias)
 
 

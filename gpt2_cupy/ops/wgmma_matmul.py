@@ -1,20 +1,29 @@
-"""The Linear layer's product x Wᵀ on Hopper's tensor cores through wgmma, from bf16 inputs.
+"""The Linear layer's products on Hopper's tensor cores through wgmma, from bf16 inputs.
 
-    wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=False)
-        a: (M, K) bf16, b: (N, K) bf16 (the "TN" layout: both k-contiguous)   returns out: (M, N) = a bᵀ
-        bias: (N,) float32 added to every row; accumulate=True: out += a bᵀ (+ bias)
+    wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=False,
+                 transpose_a=False, transpose_b=True)
+        returns out: (M, N) = op(a) @ op(b), op(x) being x or its transpose; the defaults give a @ bᵀ
+        a: (M, K), or (K, M) if transpose_a; b: (K, N), or (N, K) if transpose_b; both bf16
+        bias: (N,) float32 added to every row; accumulate=True: out += op(a) @ op(b) (+ bias)
+
+The Linear layer's three products, x: (B*T, C_in), W: (C_out, C_in), each read as it lies in memory:
+
+    y  = wgmma_matmul(x, W)                                                  # x Wᵀ
+    dx = wgmma_matmul(dy, W, transpose_b=False)                              # dy W
+    wgmma_matmul(dy, x, transpose_a=True, transpose_b=False, out=dW, accumulate=True)   # dW += dyᵀ x
 
 Sums are float32; the output is float32, or bf16 (out_dtype="bfloat16", rounded to nearest once at the end).
 bf16 arrays are ml_dtypes' bfloat16 (numpy's, which CuPy shares); uint16 arrays holding bf16 bits (as
-gpt2_cupy.ops.tensor_core_matmul.to_bf16 makes them) pass too. K must be a multiple of 8: the kernel moves
-rows in 16-byte pieces; M and N are any size. The other two products of a Linear layer (dy W, dyᵀ x) are
-this one on a transposed copy.
+gpt2_cupy.ops.tensor_core_matmul.to_bf16 makes them) pass too. Each operand's rows (its last dimension) must
+be a multiple of 8 elements: the kernel moves them in 16-byte pieces. Other sizes are free.
 
 The kernel is kernels/wgmma_matmul.cu, from chapters/15_tensor_cores.ipynb, section 4.8: 128 x 256 tiles of C
-per block of two warpgroups, K in slices of 64 through a 4-stage cp.async pipeline into 128-byte swizzled
-shared memory, wgmma.mma_async m64n256k16 reading it by descriptor. wgmma exists only on compute
-capability 9.0 (H100, H200), and compiles only for sm_90a; on another GPU this op raises RuntimeError. The
-CPU executor emulates wgmma, so the op runs there too.
+(128 x 128 where that fills the GPU better) per block of two warpgroups, K in slices of 64 through a 4-stage
+cp.async pipeline into 128-byte swizzled shared memory, wgmma.mma_async reading it by descriptor, K-major or
+MN-major (imm-trans). A float32 product with few tiles and a long K (the weight gradient's sum over B*T rows)
+is split along K, the stretches adding into out with atomicAdd: its last bits then vary from run to run.
+wgmma exists only on compute capability 9.0 (H100, H200), and compiles only for sm_90a; on another GPU this op
+raises RuntimeError. The CPU executor emulates wgmma, so the op runs there too.
 """
 
 import functools
@@ -22,12 +31,16 @@ import functools
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import LARGEST_INT, ceil_div, check, output
+from gpt2_cupy.ops.arrays import LARGEST_INT, ceil_div, check, float4_aligned, output
 
-BLOCK_M, BLOCK_N = 128, 256        # a block's tile of C (kernels/wgmma_matmul.cu: BLOCK_M, BLOCK_N)
-SHARED_BYTES = 4 * (BLOCK_M + BLOCK_N) * 64 * 2 + 1024   # STAGES slices of A and B, and room to align (SHARED_BYTES)
+BLOCK_M = 128                      # rows of C per block (kernels/wgmma_matmul.cu: BLOCK_M)
+BLOCK_K = 64                       # elements of K per slice (BLOCK_K)
+STAGES = 4                         # slices in shared memory (STAGES)
 THREADS = 256
-K_MULTIPLE = 8                     # rows of A and B in 16-byte pieces: 8 bf16
+MAX_SPLITS = 8                     # stretches of K at most
+MIN_K_PER_SPLIT = 1024             # elements of K per stretch at least: 16 slices, to keep the pipeline full
+TILE_SPEED = {256: 1.0, 128: 0.9}    # multiply-adds per second of a block, by tile width (measured on an H200)
+ROW_MULTIPLE = 8                   # rows of a and b in 16-byte pieces: 8 bf16
 OPTIONS = ("-arch=sm_90a",)        # wgmma compiles for sm_90a only (NVRTC refuses it for plain sm_90)
 
 
@@ -62,26 +75,88 @@ def _require_hopper(operation):
                        "precision='medium' multiplies bf16 on the tensor cores of any GPU since Ampere")
 
 
-def _kernel(output_dtype):
-    name = "wgmma_matmul_float32" if output_dtype == numpy.dtype(numpy.float32) else "wgmma_matmul_bfloat16"
-    kernel = kernels.function("wgmma_matmul", name, options=OPTIONS)
-    if kernel.max_dynamic_shared_size_bytes < SHARED_BYTES:
+def shared_bytes(block_n):
+    """Dynamic shared memory of one block: STAGES slices of A's and B's tiles, and 1024 bytes to align them."""
+    return STAGES * (BLOCK_M + block_n) * BLOCK_K * 2 + 1024
+
+
+def _flag(value):
+    return "true" if value else "false"
+
+
+def _kernel(block_n, transpose_a, transpose_b, output_dtype):
+    """The kernel for one tile width, layout and output type. A is MN-major when transposed (stored K x M); B is
+    MN-major when not (stored K x N, as W in dy W)."""
+    output = "float" if output_dtype == numpy.dtype(numpy.float32) else "__nv_bfloat16"
+    name = f"wgmma_matmul<{block_n}, {_flag(transpose_a)}, {_flag(not transpose_b)}, {output}>"
+    kernel = kernels.function("wgmma_matmul", name, options=OPTIONS, name_expressions=(name,))
+    if kernel.max_dynamic_shared_size_bytes < shared_bytes(block_n):
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
-        kernel.max_dynamic_shared_size_bytes = SHARED_BYTES
+        kernel.max_dynamic_shared_size_bytes = shared_bytes(block_n)
     return kernel
 
 
-def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False):
-    """out = a bᵀ (+ bias), or out += ... Unchecked: a (M, K), b (N, K) C-contiguous bf16, out (M, N) float32 or
-    bf16, apart from both, bias None or N float32s, K a multiple of 8."""
-    (M, K), N = a.shape, b.shape[0]
+def tiles(M, N, block_n):
+    return ceil_div(M, BLOCK_M) * ceil_div(N, block_n)
+
+
+def launch_shape(M, N, K, float32_out):
+    """(block_n, splits, k_per_split) for an M x N x K product; see _launch_shape."""
+    return _launch_shape(M, N, K, float32_out, backend.multiprocessor_count())
+
+
+@functools.lru_cache(maxsize=None)   # asked at every launch, with the few shapes of a model
+def _launch_shape(M, N, K, float32_out, processors):
+    """(block_n, splits, k_per_split) for an M x N x K product: how wide a block's tile of C is, and into how many
+    stretches of K (of k_per_split each) the sum is split.
+
+    A GPU of P multiprocessors runs one block per multiprocessor, in rounds of P blocks; a round only partly
+    full takes about as long as a full one. A block's time is about its multiply-adds (block_n, and its
+    stretch's slices of K) over its speed: a 128-wide tile reads more shared memory per multiply-add, so it
+    runs at TILE_SPEED[128] of the 256-wide one's rate. The launch takes the tile width and number of
+    stretches with the least rounds x block time, or the fewest stretches within 15 % of it; it splits K (a
+    float32 out only, each stretch at least MIN_K_PER_SPLIT long and a multiple of BLOCK_K) only where that
+    saves a tenth of the time. The CPU executor reports an H100's 132 multiprocessors, so both backends take
+    the same path."""
+
+    def time(block_n, splits):
+        slices = ceil_div(ceil_div(K, splits), BLOCK_K)
+        return ceil_div(tiles(M, N, block_n) * splits, processors) * block_n * slices / TILE_SPEED[block_n]
+
+    whole = min(TILE_SPEED, key=lambda block_n: (time(block_n, 1), -block_n))
+    most_splits = min(MAX_SPLITS, K // MIN_K_PER_SPLIT) if float32_out else 1
+    shapes = [(b, s) for s in range(1, max(1, most_splits) + 1) for b in TILE_SPEED]
+    best = min(time(*shape) for shape in shapes)
+    # the fewest stretches within 15 % of the best: each stretch adds M x N floats into out
+    block_n, splits = next(shape for shape in shapes if time(*shape) <= 1.15 * best)
+    if splits == 1 or time(block_n, splits) > 0.9 * time(whole, 1):
+        return whole, 1, K
+    k_per_split = ceil_div(K, splits * BLOCK_K) * BLOCK_K
+    return block_n, ceil_div(K, k_per_split), k_per_split
+
+
+def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False, transpose_a=False, transpose_b=True, shape=None):
+    """out = op(a) @ op(b) (+ bias), or out += ... Unchecked: a, b C-contiguous bf16 whose rows are a multiple of
+    8 elements and start on 16 bytes, out (M, N) float32 or bf16 apart from both, bias None or N float32s.
+    shape: (block_n, splits, k_per_split) instead of launch_shape's choice (for benchmarks)."""
+    M, N = out.shape
+    K = a.shape[0] if transpose_a else a.shape[1]
     if out.size == 0:
         return out
-    blocks = ceil_div(M, BLOCK_M) * ceil_div(N, BLOCK_N)
-    _kernel(out.dtype)((blocks,), (THREADS,), (out, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K),
-                                               0 if bias is None else bias, numpy.bool_(accumulate)),
-                       shared_mem=SHARED_BYTES)
+    block_n, splits, k_per_split = shape or launch_shape(M, N, K, out.dtype == numpy.dtype(numpy.float32))
+    if splits > 1 and not accumulate:
+        out.fill(0)   # every stretch adds its part into out
+    kernel = _kernel(block_n, transpose_a, transpose_b, out.dtype)
+    kernel((tiles(M, N, block_n), splits), (THREADS,),
+           (out, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K), numpy.int32(k_per_split),
+            0 if bias is None else bias, numpy.bool_(accumulate)),
+           shared_mem=shared_bytes(block_n))
     return out
+
+
+def wgmma_fits(a, b):
+    """Whether the kernel reads a and b as they are: rows of a multiple of 8 elements, starting on 16 bytes."""
+    return a.shape[-1] % ROW_MULTIPLE == 0 and b.shape[-1] % ROW_MULTIPLE == 0 and float4_aligned(a, b)
 
 
 @functools.lru_cache(maxsize=None)  # the Linear layer asks at every bf16 product
@@ -91,19 +166,27 @@ def wgmma_runs():
     return backend.name != "cuda" or backend.xp.cuda.Device().compute_capability == "90"
 
 
-def wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=False):
-    """a @ b.T (+ bias) for bf16 a: (M, K) and b: (N, K) on Hopper's tensor cores, float32 sums, into `out` (a
-    new array if None) of out_dtype: float32, or bfloat16 ("bfloat16" or ml_dtypes.bfloat16); accumulate=True
-    adds into out instead. bias: None or (N,) float32. K must be a multiple of 8. Returns (M, N)."""
+def wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=False, transpose_a=False,
+                 transpose_b=True):
+    """op(a) @ op(b) (+ bias) for bf16 a and b on Hopper's tensor cores, float32 sums, into `out` (a new array if
+    None) of out_dtype: float32, or bfloat16 ("bfloat16" or ml_dtypes.bfloat16); accumulate=True adds into out
+    instead. a: (M, K), or (K, M) if transpose_a; b: (N, K) if transpose_b (the default: a @ b.T, the Linear
+    forward), or (K, N). bias: None or (N,) float32. Rows of a and b: a multiple of 8 elements. Returns (M, N)."""
     operation = "wgmma_matmul"
     a_dtype, b_dtype = _check_bf16(operation, "a", a), _check_bf16(operation, "b", b)
-    sizes = check(operation, a=(a, ("M", "K"), a_dtype), b=(b, ("N", "K"), b_dtype), bias=(bias, ("N",)))
-    M, N, K = sizes["M"], sizes["N"], sizes["K"]
-    if K % K_MULTIPLE:
-        raise ValueError(f"{operation}: K must be a multiple of {K_MULTIPLE} (the kernel moves rows of a and b in "
-                         f"16-byte pieces of 8 bf16), got K={K}; pad a and b with zero columns")
-    if ceil_div(M, BLOCK_M) * ceil_div(N, BLOCK_N) > LARGEST_INT:
-        raise ValueError(f"{operation}: {M} x {N} needs more than {LARGEST_INT} blocks of {BLOCK_M} x {BLOCK_N}")
+    sizes = check(operation, a=(a, ("K", "M") if transpose_a else ("M", "K"), a_dtype),
+                  b=(b, ("N", "K") if transpose_b else ("K", "N"), b_dtype), bias=(bias, ("N",)))
+    M, N = sizes["M"], sizes["N"]
+    for name, array in (("a", a), ("b", b)):
+        if array.shape[-1] % ROW_MULTIPLE:
+            raise ValueError(f"{operation}: the rows of {name} {array.shape} must be a multiple of {ROW_MULTIPLE} "
+                             f"elements (the kernel moves them in 16-byte pieces of 8 bf16); pad {name} with zero "
+                             "columns")
+    if not float4_aligned(a, b):
+        raise ValueError(f"{operation}: a and b must start on 16 bytes (the kernel copies 16-byte pieces); a view "
+                         "into the middle of an array may not: pass a copy")
+    if tiles(M, N, 128) > LARGEST_INT:
+        raise ValueError(f"{operation}: {M} x {N} needs more than {LARGEST_INT} blocks of {BLOCK_M} x 128")
     if accumulate and out is None:
         raise ValueError(f"{operation}: accumulate=True adds into out; pass the array to add into")
     out = output(operation, out, (M, N), out.dtype if out is not None and accumulate else
@@ -111,4 +194,4 @@ def wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=
     if backend.xp.may_share_memory(out, a) or backend.xp.may_share_memory(out, b):
         raise ValueError(f"{operation}: out overlaps a or b; the kernel would read values it has already overwritten")
     _require_hopper(operation)
-    return launch_wgmma_matmul(a, b, out, bias, accumulate)
+    return launch_wgmma_matmul(a, b, out, bias, accumulate, transpose_a, transpose_b)

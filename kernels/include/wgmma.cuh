@@ -29,6 +29,21 @@ __device__ __forceinline__ unsigned long long matrix_descriptor_128b(unsigned ad
          | 1ull << 62;
 }
 
+// The descriptor of an MN-major tile (imm-trans 1: m of A, or n of B, contiguous) in the 128-byte swizzle:
+// for each k a row of 128 bytes holds 64 consecutive values of m (or n), chunk c (values 8c .. 8c + 7) of the
+// row for k at chunk c ^ (k % 8). Eight such rows (k .. k + 7) make one 1024-byte swizzle atom of 64 x 8.
+//   bits 16-29  leading dimension byte offset  leading_bytes: from one atom to the next 64 values of m (n)
+//   bits 32-45  stride dimension byte offset   stride_bytes: from one atom to the next 8 values of k
+// `address` is the first atom's, on 1024 bytes.
+__device__ __forceinline__ unsigned long long matrix_descriptor_128b_mn(unsigned address, unsigned leading_bytes,
+                                                                        unsigned stride_bytes)
+{
+    return (unsigned long long)((address & 0x3FFFF) >> 4)
+         | (unsigned long long)(leading_bytes >> 4) << 16
+         | (unsigned long long)(stride_bytes >> 4) << 32
+         | 1ull << 62;
+}
+
 // Orders this thread's earlier writes to its registers and to shared memory before the wgmma.mma_async
 // that follow; needed before the first one and whenever other instructions touched its accumulators.
 __device__ __forceinline__ void wgmma_fence()
@@ -43,25 +58,29 @@ __device__ __forceinline__ void fence_proxy_async_shared()
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// d += a b for a 64 x 256 x 16 tile: a is 64 x 16, b is 256 x 16 (row n holds column n of B: "TN"), both
-// bf16 from shared memory by descriptor; d is float32. Warp w of the warpgroup holds rows 16w .. 16w + 15
-// of d; with g = lane / 4 and t = lane % 4, its d[i] is
+// d += a b for a 64 x N x 16 tile (N = 256 or 128), a 64 x 16 and b 16 x N, both bf16 from shared memory by
+// descriptor; d is float32, N / 2 registers per thread. TRANSPOSE_A, TRANSPOSE_B (the PTX operands
+// imm-trans-a, imm-trans-b; bf16 allows both): 0 for a K-major tile (a's rows, and b's columns stored as
+// rows "TN", hold their k contiguous), 1 for an MN-major one (for each k, a's m, or b's n, contiguous).
+// Warp w of the warpgroup holds rows 16w .. 16w + 15 of d; with g = lane / 4 and t = lane % 4, its d[i] is
 //   row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2t + i % 2
 // (mma.sync's m16n8 accumulator, d[0..3], repeated for each 8 columns). The operands after the descriptors:
-// scale-d 1 (add to d), imm-scale-a and imm-scale-b 1 (no negation), imm-trans-a and imm-trans-b 0 (K-major).
+// scale-d 1 (add to d), imm-scale-a and imm-scale-b 1 (no negation), then the two transposes.
+template <int TRANSPOSE_A = 0, int TRANSPOSE_B = 0>
 __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], unsigned long long a_descriptor,
                                                       unsigned long long b_descriptor)
 {
     asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "{"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
                  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
                  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
                  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
                  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
                  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-                 "%128, %129, 1, 1, 1, 0, 0;"
+                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+                 "}, %128, %129, 1, 1, 1, %130, %131;"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
                    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
                    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -78,7 +97,29 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], unsigned 
                    "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
                    "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
                    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-                 : "l"(a_descriptor), "l"(b_descriptor));
+                 : "l"(a_descriptor), "l"(b_descriptor), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));
+}
+
+template <int TRANSPOSE_A = 0, int TRANSPOSE_B = 0>
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], unsigned long long a_descriptor,
+                                                      unsigned long long b_descriptor)
+{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, %64, %65, 1, 1, 1, %66, %67;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(a_descriptor), "l"(b_descriptor), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));
 }
 
 // The wgmma.mma_async this thread issued since the last commit become one group.
@@ -98,10 +139,11 @@ __device__ __forceinline__ void wgmma_wait_group()
 // No instruction: tells the compiler that d is read and written here. The tensor cores write d until the
 // wgmma.wait_group that covers their products, which the compiler cannot see; called after that wait (and
 // after d is set before the first product), it keeps the compiler from moving any use of d across it.
-__device__ __forceinline__ void fence_accumulators(float (&d)[128])
+template <int COUNT>
+__device__ __forceinline__ void fence_accumulators(float (&d)[COUNT])
 {
 #pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+    for (int i = 0; i < COUNT; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
 #endif  // GPT2_CUPY_WGMMA_CUH

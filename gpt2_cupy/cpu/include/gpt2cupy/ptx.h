@@ -382,11 +382,17 @@ inline void wgmma_wait_group(unsigned long long pending, int line) {
 //     bits 32-45  stride dimension byte offset / 16
 //     bits 49-51  matrix base offset
 //     bits 62-63  swizzle: 0 none, 1 128-byte, 2 64-byte, 3 32-byte
-// The matrix (64 rows of A, or N rows of B, 16 elements of k each: K-major, "no transpose") is made of core
-// matrices of 8 rows of 16 bytes. Element (row, k), with chunk = k / 8 its 16-byte column:
+// The matrix is 64 rows of A, or N rows of B (row: m of A, n of B), by 16 elements of k. K-major ("no
+// transpose", imm-trans 0): a row's elements of k are contiguous, in core matrices of 8 rows of 16 bytes.
+// Element (row, k), with chunk = k / 8 its 16-byte column:
 //     no swizzle  start + (row / 8) SBO + chunk LBO + (row % 8) 16 + (k % 8) 2
-//     swizzle W   start + (row / 8) SBO + (row % 8) W + chunk 16 + (k % 8) 2, its address bits 4.. XOR-ed
-//                 with bits 7.. (W = 32: one bit, 64: two, 128: three), as TMA's swizzled copies write
+//     swizzle W   start + (row / 8) SBO + (row % 8) W + chunk 16 + (k % 8) 2
+// MN-major (imm-trans 1): a k's elements of m (or n) are contiguous, 16 bytes holding 8 of them:
+//     no swizzle  start + (row / 8) SBO + (k / 8) LBO + (k % 8) 16 + (row % 8) 2
+//     swizzle W   start + (row / (W / 2)) LBO + (k / 8) SBO + (k % 8) W + (row % (W / 2)) / 8 16 + (row % 8) 2
+// (W / 2 elements of 2 bytes fill one swizzled row of W bytes: LBO steps along the rows by whole swizzle
+// atoms, SBO along k by groups of 8). Every swizzled address has its bits 4.. XOR-ed with its bits 7..
+// (W = 32: one bit, 64: two, 128: three), as TMA's swizzled copies write.
 // The descriptor keeps only 18 bits of the address, which on a GPU is all of shared memory. Here shared
 // memory is host memory anywhere in 64 bits: a descriptor is read as pointing into the block's dynamic
 // shared memory (extern __shared__, where Hopper kernels keep their tiles: they need more than the 48 KB a
@@ -411,13 +417,24 @@ struct SharedMatrix {
     const unsigned char* dynamic;  // the block's dynamic shared memory, where the matrix must lie
     const unsigned char* start;
     unsigned long long leading, stride, swizzle;  // swizzle: its width in bytes, 0 for none
+    bool mn_major;                                 // imm-trans 1
     const char* name;
     int line;
 
     const unsigned char* address(int row, int k) const {
+        if (mn_major) {
+            const unsigned long long within = 2 * (row % 8);
+            if (swizzle == 0) return start + (row / 8) * stride + (k / 8) * leading + (k % 8) * 16 + within;
+            const unsigned long long atom = swizzle / 2;  // elements of one swizzled row
+            return swizzled((unsigned long long)start + (row / atom) * leading + (k / 8) * stride + (k % 8) * swizzle +
+                            (row % atom) / 8 * 16 + within);
+        }
         const unsigned long long chunk = k / 8, within = 2 * (k % 8);
         if (swizzle == 0) return start + (row / 8) * stride + chunk * leading + (row % 8) * 16 + within;
-        unsigned long long at = (unsigned long long)start + (row / 8) * stride + (row % 8) * swizzle + chunk * 16 + within;
+        return swizzled((unsigned long long)start + (row / 8) * stride + (row % 8) * swizzle + chunk * 16 + within);
+    }
+
+    const unsigned char* swizzled(unsigned long long at) const {
         return (const unsigned char*)(at ^ ((at >> 7) & (swizzle / 16 - 1)) << 4);
     }
 
@@ -431,7 +448,7 @@ struct SharedMatrix {
     }
 };
 
-inline SharedMatrix decode_descriptor(unsigned long long descriptor, bool is_a, int line) {
+inline SharedMatrix decode_descriptor(unsigned long long descriptor, bool is_a, bool mn_major, int line) {
     const unsigned long long start = (descriptor & 0x3fff) << 4, mode = descriptor >> 62;
     const unsigned long long swizzle = mode == 0 ? 0 : 256 >> mode;  // 1: 128, 2: 64, 3: 32 bytes
     if (relaxed_load(dynamic_shared_noted()) != block_tag())
@@ -445,14 +462,15 @@ inline SharedMatrix decode_descriptor(unsigned long long descriptor, bool is_a, 
     const unsigned char* dynamic = (const unsigned char*)gpt2cupy_dynamic_shared_memory();
     const unsigned long long offset = (start - ((unsigned long long)dynamic & 0x3ffff)) & 0x3ffff;
     return SharedMatrix{dynamic, dynamic + offset, (descriptor >> 16 & 0x3fff) << 4, (descriptor >> 32 & 0x3fff) << 4, swizzle,
-                        is_a ? "wgmma.mma_async: matrix A's descriptor reaches outside the block's dynamic shared memory"
+                        mn_major, is_a ? "wgmma.mma_async: matrix A's descriptor reaches outside the block's dynamic shared memory"
                              : "wgmma.mma_async: matrix B's descriptor reaches outside the block's dynamic shared memory",
                         line};
 }
 
 // ---- wgmma.mma_async -----------------------------------------------------------------------------------
 // D = A B + D (or A B when scale_d is false) for a 64 x n x 16 tile, A and B both read from shared memory
-// by descriptor, each element negated when its scale is -1. Accumulator fragment (PTX ISA, "Matrix
+// by descriptor, K-major or (imm-trans 1, which bf16 and f16 allow) MN-major, each element negated when its
+// scale is -1. Accumulator fragment (PTX ISA, "Matrix
 // Fragments for wgmma.mma_async.m64nNk16"): warp w of the warpgroup holds rows 16w .. 16w + 15, and its
 // lane l = 4g + t holds, in register i,
 //     row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2t + i % 2
@@ -467,13 +485,12 @@ inline void wgmma(float (&d)[n / 2], unsigned long long a_descriptor, unsigned l
     if ((scale_a != 1 && scale_a != -1) || (scale_b != 1 && scale_b != -1) || (transpose_a != 0 && transpose_a != 1) ||
         (transpose_b != 0 && transpose_b != 1))
         fail("wgmma.mma_async: imm-scale-a and imm-scale-b must be 1 or -1, imm-trans-a and imm-trans-b 0 or 1", line);
-    if (transpose_a || transpose_b)
-        fail("wgmma.mma_async: the CPU executor runs K-major matrices only (imm-trans-a and imm-trans-b 0)", line);
     warpgroup_meet(step_mma | (unsigned long long)n << 8, a_descriptor, b_descriptor, line);
     if (my_warpgroup_record().fenced != block_tag())
         fail("wgmma.mma_async: no wgmma.fence before it (PTX requires one before the first wgmma.mma_async, and "
              "between other instructions' accesses to its registers and the wgmma.mma_async that uses them)", line);
-    const SharedMatrix a = decode_descriptor(a_descriptor, true, line), b = decode_descriptor(b_descriptor, false, line);
+    const SharedMatrix a = decode_descriptor(a_descriptor, true, transpose_a, line),
+                       b = decode_descriptor(b_descriptor, false, transpose_b, line);
     const int warp = (thread_in_block() / 32) % 4, g = lane() / 4, t = lane() % 4;
     double a_rows[2][16], b_columns[n / 4][16];  // the thread's two rows of A, its n / 4 columns of B
     for (int half = 0; half < 2; ++half)
