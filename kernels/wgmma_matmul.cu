@@ -23,7 +23,9 @@
 //  - blocks take their tiles down the columns of groups of GROUP_M rows of tiles, so that blocks running
 //    at the same time share tiles of A and B in the L2 cache;
 //  - split K (a grid of gridDim.y stretches of K, for a product with few tiles and a long K, the weight
-//    gradient's sum over B*T rows): each stretch adds its partial sum into a float32 C with atomicAdd.
+//    gradient's sum over B*T rows): stretch s writes its partial sums to its own M x N slab of C, at
+//    C + s M N; the launcher then adds the slabs in stretch order, so the result is the same every run
+//    (atomic adds would land in whatever order the blocks finish).
 #include <cuda_bf16.h>
 #include "wgmma.cuh"
 
@@ -137,22 +139,6 @@ __device__ __forceinline__ float load_one(const __nv_bfloat16* in) { return __bf
 __device__ __forceinline__ void store_one(float* out, float x) { *out = x; }
 __device__ __forceinline__ void store_one(__nv_bfloat16* out, float x) { *out = __float2bfloat16_rn(x); }
 
-// A split-K stretch's partial sums, added into a float32 C that other stretches add to as well (a pair: one
-// 8-byte atomic, which compute capability 9.0 has). The launch splits K only for a float32 C (a bf16 C would be
-// rounded once per stretch); the bf16 versions exist so that the kernel compiles for both, and are the plain
-// read-add-write of a C that one block alone writes.
-__device__ __forceinline__ void add_one(float* out, float x) { atomicAdd(out, x); }
-__device__ __forceinline__ void add_one(__nv_bfloat16* out, float x) { *out = __float2bfloat16_rn(load_one(out) + x); }
-__device__ __forceinline__ void add_pair(float* out, float x, float y)
-{
-    atomicAdd(reinterpret_cast<float2*>(out), make_float2(x, y));
-}
-__device__ __forceinline__ void add_pair(__nv_bfloat16* out, float x, float y)
-{
-    add_one(out, x);
-    add_one(out + 1, y);
-}
-
 __device__ __forceinline__ void store_pair(float* out, float x, float y)
 {
     *reinterpret_cast<float2*>(out) = make_float2(x, y);
@@ -231,8 +217,7 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat
     // might, as far as the compiler knows, change what a later load reads).
     const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
     const int first_row = m0 + warpgroup * 64 + warp * 16 + lane / 4, first_column = n0 + 2 * (lane % 4);
-    const bool split = gridDim.y > 1, with_bias = bias != nullptr && blockIdx.y == 0;
-    const bool load_old = accumulate && !split;
+    C += (long long)blockIdx.y * M * N;   // this stretch's slab (the only one without split K)
 #pragma unroll
     for (int batch = 0; batch < BLOCK_N / 2; batch += 2 * STORE_BATCH) {
         float old[2 * STORE_BATCH];
@@ -240,7 +225,7 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat
         for (int j = 0; j < 2 * STORE_BATCH; j += 2) {
             const int row = first_row + 8 * ((batch + j) / 2 % 2), column = first_column + 8 * ((batch + j) / 4);
             const Output* out = C + (long long)row * N + column;
-            const bool inside = load_old && row < M && column < N;
+            const bool inside = accumulate && row < M && column < N;
             old[j] = inside ? load_one(out) : 0.0f;
             old[j + 1] = inside && column + 1 < N ? load_one(out + 1) : 0.0f;
         }
@@ -252,20 +237,13 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const __nv_bfloat
             Output* out = C + (long long)row * N + column;
             const bool second = column + 1 < N;
             float x = d[i], y = d[i + 1];
-            if (with_bias) {
+            if (bias != nullptr) {
                 x += bias[column];
                 if (second) y += bias[column + 1];
             }
             x += old[j];
             y += old[j + 1];
-            if (split) {   // a float32 C (the launch sees to it), zeroed first unless accumulating
-                if (N % 2 == 0) {
-                    add_pair(out, x, y);
-                } else {
-                    add_one(out, x);
-                    if (second) add_one(out + 1, y);
-                }
-            } else if (N % 2 == 0) {
+            if (N % 2 == 0) {
                 store_pair(out, x, y);   // column is even, so column + 1 < N too
             } else {
                 store_one(out, x);

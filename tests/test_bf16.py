@@ -157,7 +157,7 @@ def test_reductions_of_bf16_sum_in_float32_and_round_once(rng, dims):
 def test_linear_in_bf16_on_tensor_cores(rng, monkeypatch, path):
     """y = x Wᵀ + b: exact bf16 products summed in float32 on tensor cores (1 ulp per addition), the float32
     bias added, one rounding to bf16. dx likewise; dW and db summed in float32 and kept in float32. On an
-    H100 or H200 (and the executor) y and dx take wgmma, dW mma.sync; elsewhere all three mma.sync. Products
+    H100 or H200 (and the executor) all three take wgmma; elsewhere all three mma.sync. Products
     below SMALL_PRODUCT multiply-adds run on the float32 kernel instead, within the same bound."""
     from gpt2_cupy.ops import tensor_core_matmul
 
@@ -368,8 +368,10 @@ def test_mixed_dtypes_outside_autocast_are_refused_with_the_argument_named(rng):
         F.linear(x, weight)
     with pytest.raises(RuntimeError, match="same dtype"):
         x @ weight.T
-    with pytest.raises(TypeError, match="rmsnorm_forward: x has dtype bfloat16"):
-        F.rms_norm(x, (8,), torch.Tensor(backend.xp.ones(8, np.float32)))
+    # RMSNorm runs bf16 forward (Llama's generation); its backward takes float32 only, and says so
+    weight = torch.Tensor(backend.xp.ones(8, np.float32), requires_grad=True)
+    with pytest.raises(TypeError, match="rmsnorm_backward: dout has dtype bfloat16; it must be float32"):
+        F.rms_norm(x, (8,), weight).float().sum().backward()
 
 
 # ---- GPT-2 ----------------------------------------------------------------------------------------------------

@@ -201,6 +201,29 @@ def test_split_k_adds_every_stretch_once(block_n, accumulate, rng):
 
 
 @hopper_or_cpu
+def test_split_k_adds_the_stretches_in_order_the_same_every_run(rng):
+    """The stretches' partial sums are added in stretch order after the old out and before the bias: bit for bit
+    the float32 sum of the stretches computed one by one, and the same on a second run (no atomics)."""
+    a, b, _, _ = stored_operands(rng, 40, 24, 168, True, False)
+    xp = backend.xp
+    bias = xp.asarray(rng.standard_normal(24).astype(np.float32))
+    old = xp.asarray(rng.standard_normal((40, 24)).astype(np.float32))
+    runs = []
+    for _ in range(2):
+        out = old.copy()
+        wgmma_module.launch_wgmma_matmul(a, b, out, bias, True, True, False, shape=(128, 3, 64))
+        runs.append(backend.asnumpy(out))
+    expected = backend.asnumpy(old).copy()
+    for k0 in (0, 64, 128):
+        part = xp.zeros((40, 24), dtype=np.float32)
+        wgmma_module.launch_wgmma_matmul(a[k0:k0 + 64], b[k0:k0 + 64], part, None, False, True, False,
+                                         shape=(128, 1, 64))
+        expected += backend.asnumpy(part)
+    expected += backend.asnumpy(bias)
+    assert np.array_equal(runs[0], expected) and np.array_equal(runs[1], runs[0])
+
+
+@hopper_or_cpu
 def test_a_long_sum_with_few_tiles_is_split_by_the_launch(rng, monkeypatch):
     """launch_shape splits a float32 product of one tile and K = 2048 in two (on the narrow tile, which does
     half the work of a wide one); the result is the same sum."""

@@ -31,13 +31,14 @@ import functools
 import numpy
 
 from gpt2_cupy import backend, kernels
+from gpt2_cupy.elementwise import OPERAND_NAMES, elementwise
 from gpt2_cupy.ops.arrays import LARGEST_INT, ceil_div, check, float4_aligned, output
 
 BLOCK_M = 128                      # rows of C per block (kernels/wgmma_matmul.cu: BLOCK_M)
 BLOCK_K = 64                       # elements of K per slice (BLOCK_K)
 STAGES = 4                         # slices in shared memory (STAGES)
 THREADS = 256
-MAX_SPLITS = 8                     # stretches of K at most
+MAX_SPLITS = 6                     # stretches of K at most: with out and bias, the 8 operands of one generated sum
 MIN_K_PER_SPLIT = 1024             # elements of K per stretch at least: 16 slices, to keep the pipeline full
 TILE_SPEED = {256: 1.0, 128: 0.9}    # multiply-adds per second of a block, by tile width (measured on an H200)
 ROW_MULTIPLE = 8                   # rows of a and b in 16-byte pieces: 8 bf16
@@ -144,14 +145,24 @@ def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False, transpose_a=Fals
     if out.size == 0:
         return out
     block_n, splits, k_per_split = shape or launch_shape(M, N, K, out.dtype == numpy.dtype(numpy.float32))
-    if splits > 1 and not accumulate:
-        out.fill(0)   # every stretch adds its part into out
     kernel = _kernel(block_n, transpose_a, transpose_b, out.dtype)
+    # Split K: each stretch writes its partial sums to its own slab, added below in stretch order.
+    target = out if splits == 1 else backend.xp.empty((splits, M, N), dtype=numpy.float32)
     kernel((tiles(M, N, block_n), splits), (THREADS,),
-           (out, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K), numpy.int32(k_per_split),
-            0 if bias is None else bias, numpy.bool_(accumulate)),
+           (target, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K), numpy.int32(k_per_split),
+            0 if bias is None or splits > 1 else bias, numpy.bool_(accumulate and splits == 1)),
            shared_mem=shared_bytes(block_n))
+    if splits > 1:
+        add_partial_sums(target, out, bias, accumulate)
     return out
+
+
+def add_partial_sums(partials, out, bias, accumulate):
+    """out (+)= partials[0] + partials[1] + ... (+ bias), added in that order by one generated kernel: the same
+    result every run, as a sum of float32 atomics in the order blocks finish would not be."""
+    terms = ([out] if accumulate else []) + list(partials) + ([] if bias is None else [bias])
+    expression = " + ".join(OPERAND_NAMES[:len(terms)])
+    elementwise("split_k_sum", expression, terms, out=out)
 
 
 def wgmma_fits(a, b):
