@@ -217,7 +217,7 @@ def _encode_id(unique_id):
 
 
 def _decode_id(text):
-    return tuple(value - 256 if value > 127 else value for value in bytes.fromhex(text.strip()))
+    return bytes.fromhex(text.strip())
 
 
 def new_unique_id():
@@ -260,7 +260,11 @@ class NcclGroup:
     def __init__(self, rank, world_size, unique_id):
         from cupy.cuda import nccl
         self.nccl, self.rank, self.world_size = nccl, rank, world_size
-        self.communicator = nccl.NcclCommunicator(world_size, unique_id, rank)
+        try:
+            self.communicator = nccl.NcclCommunicator(world_size, unique_id, rank)
+        except TypeError:   # CuPy before 14 takes the id as a tuple of signed bytes
+            signed = tuple(value - 256 if value > 127 else value for value in unique_id)
+            self.communicator = nccl.NcclCommunicator(world_size, signed, rank)
         self.stream = backend.xp.cuda.Stream(non_blocking=True)  # where async collectives run
         self.types = {numpy.dtype(numpy.float32): nccl.NCCL_FLOAT32, numpy.dtype(numpy.float64): nccl.NCCL_FLOAT64,
                       numpy.dtype(numpy.int32): nccl.NCCL_INT32}
