@@ -131,6 +131,8 @@ def make_config(**options):
     if unknown:
         raise TypeError(f"make_config: unknown options {unknown}; the options are {sorted(known)}")
     config = TrainConfig(**options)
+    if config.model == "llama" and config.dropout:   # asked for explicitly: the preset's value is not applied
+        raise ValueError(f"dropout={config.dropout}: the Llama has no dropout layers (nor has Meta's); use 0")
     if config.preset not in PRESETS:
         raise ValueError(f"unknown preset {config.preset!r}; the presets are {', '.join(PRESETS)}")
     for name, value in PRESETS[config.preset].items():
@@ -138,6 +140,8 @@ def make_config(**options):
             setattr(config, name, value)
     if config.model not in ("gpt2", "llama"):
         raise ValueError(f"model={config.model!r}; use 'gpt2' or 'llama'")
+    if config.model == "llama":
+        config.dropout = 0.0
     if config.dtype not in DTYPES:
         raise ValueError(f"dtype={config.dtype!r}; use one of {', '.join(DTYPES)}")
     if config.dtype == "bf16" and (config.model == "llama" or config.norm == "dyt"):

@@ -196,6 +196,9 @@ def test_bad_options_are_refused(tmp_path):
         make_config(learning_rat=1e-3)
     with pytest.raises(ValueError, match="batch_size = 0"):
         make_config(batch_size=0)
+    with pytest.raises(ValueError, match="the Llama has no dropout layers"):
+        make_config(model="llama", dropout=0.2)
+    assert make_config(model="llama", preset="course").dropout == 0.0   # the preset's 0.2 is GPT-2's
     with pytest.raises(ValueError, match="neither one of"):
         Trainer(small_config(tmp_path, corpus=str(tmp_path / "nowhere")))
 
