@@ -436,3 +436,20 @@ def test_attention_in_bf16_takes_the_tensor_cores_above_its_size(rng, monkeypatc
         assert y.dtype == BF16 and y.grad_fn.name() == node
         bound = 2 * 2.0 ** -8 * (weights @ np.abs(v64)) + 1e-6
         assert np.all(np.abs(host(y).astype(np.float64) - reference) <= bound)
+
+
+def test_an_empty_bf16_sum_is_zeros_plus_bias_at_every_graph_replay(rng):
+    # K = 0: no kernel multiplies; out is zeroed by a kernel, so that a captured graph zeroes it at each replay
+    from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
+
+    xp = backend.xp
+    a, b = xp.zeros((5, 0), dtype=BF16), xp.zeros((0, 9), dtype=BF16)
+    bias = rng.standard_normal(9).astype(np.float32)
+    out = xp.asarray(np.full((5, 9), 7.0, np.float32))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        launch_bf16_product(a, b, out, bias=xp.asarray(bias))
+    for _ in range(2):
+        out[...] = 7.0
+        g.replay()
+        np.testing.assert_array_equal(backend.asnumpy(out), np.broadcast_to(bias, (5, 9)))

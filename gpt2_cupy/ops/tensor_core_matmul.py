@@ -134,7 +134,7 @@ def launch_bf16_product(a, b, out, transpose_a=False, transpose_b=False, accumul
         return out
     if K == 0:  # an empty sum: 0 (+ bias) into out, or out kept (+ bias)
         if not accumulate:
-            out.fill(0)
+            backend.fill_zero(out)   # a kernel, so that a CUDA graph records it (on the CPU too)
         if bias is not None:
             elementwise("bias_add", "a + b", [out, bias], compute_dtype=out.dtype, out=out)
         return out
