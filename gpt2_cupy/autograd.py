@@ -618,10 +618,12 @@ def _new_leaf_gradient(tensor, gradient=None):
     """A new .grad for a leaf: a copy of gradient, or zeros when gradient is None; in its slot if it has one."""
     slot = getattr(tensor, "_grad_slot", None)
     if slot is not None and slot.array.shape == tensor.data.shape:
+        # kernels, so that a CUDA graph's capture records them (on the CPU executor too)
         if gradient is not None:
-            slot.array[...] = gradient
+            from gpt2_cupy.elementwise import elementwise
+            elementwise("leaf_gradient", "a", [gradient], compute_dtype=slot.array.dtype, out=slot.array)
         elif not slot.zeroed:
-            slot.array.fill(0)
+            backend.fill_zero(slot.array)
         slot.zeroed = False
         return slot.array
     if gradient is not None:

@@ -946,7 +946,7 @@ class CopySlices(Function):
     def backward(ctx, dout):
         to_result = copy("copy_slices_backward", ctx.view_of_base(dout))
         to_base = copy("copy_slices_backward", dout)
-        ctx.view_of_base(to_base)[...] = 0  # the view's elements were overwritten: the old base gets none
+        backend.fill_zero(ctx.view_of_base(to_base))  # the view's elements were overwritten: the old base gets none
         return to_base, to_result, None
 
 

@@ -220,7 +220,7 @@ class Module:
             if set_to_none:
                 parameter.grad = None
             elif parameter.grad is not None:
-                parameter.grad.fill(0)  # in place: the buffer may be a view into the optimizer's flat one
+                backend.fill_zero(parameter.grad)  # in place: the buffer may be a view into the optimizer's flat one
 
 
 class ModuleList(Module):

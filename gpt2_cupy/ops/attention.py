@@ -295,7 +295,7 @@ def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, shape, causal, varian
         # The one-pass kernel adds into dq, which starts from zeros. They are written after rowdot, just
         # before that kernel: the zeros then wait in the L2 for its atomics, where written before rowdot they
         # are pushed out to memory while rowdot reads dout and out.
-        dq.fill(0)
+        backend.fill_zero(dq)
         _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=TILE, dq=dq, options=options)
 
 

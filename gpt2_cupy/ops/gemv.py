@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
+from gpt2_cupy.elementwise import elementwise
 from gpt2_cupy.ops.arrays import (BFLOAT16, WARP_SIZE, ceil_div, check, float4_aligned, output,
                                   storage_c_type, storage_dtype)
 
@@ -43,7 +44,9 @@ def gemv_forward(x, weight, bias=None, out=None):
     if out.size == 0:
         return out
     if K == 0:
-        out[...] = 0 if bias is None else bias.astype(x_dtype)   # an empty sum: the bias alone
+        backend.fill_zero(out)   # an empty sum: the bias alone
+        if bias is not None:
+            elementwise("bias_add", "a + b", [out, bias], out_dtype=x_dtype, out=out)
         return out
     width = _elements_per_load(weight_dtype, K, x, weight)
     warps_per_output = _warps_per_output(N)

@@ -151,7 +151,7 @@ def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=Fa
         return out
     if K == 0:  # an empty sum
         if not accumulate:
-            out.fill(0)
+            backend.fill_zero(out)
         return out
     precision = get_float32_matmul_precision()
     if precision != "highest":
