@@ -8,6 +8,7 @@
 
 #include "warp.cuh"
 #include "float_groups.cuh"
+#include "row_norm_partials.cuh"
 
 // One thread per element.
 extern "C" __global__ void dyt_forward(float* y, const float* x, const float* alpha, const float* weight,
@@ -96,27 +97,7 @@ __global__ void dyt_backward(float* dx, float* weight_partials, float* bias_part
     if (lane == 0) {
         alpha_sums[warp] = dalpha;
     }
-    for (int turn = 0; turn < warps; ++turn) {
-        if (warp == turn) {
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                int column = (lane + k * WARP_SIZE) * WIDTH;
-                if (column < columns) {
-#pragma unroll
-                    for (int w = 0; w < WIDTH; ++w) {
-                        int i = k * WIDTH + w;
-                        weight_sums[column + w] = turn == 0 ? dweight[i] : weight_sums[column + w] + dweight[i];
-                        bias_sums[column + w] = turn == 0 ? dbias[i] : bias_sums[column + w] + dbias[i];
-                    }
-                }
-            }
-        }
-        __syncthreads();
-    }
-    for (int column = threadIdx.x; column < columns; column += blockDim.x) {
-        weight_partials[(long long)blockIdx.x * columns + column] = weight_sums[column];
-        bias_partials[(long long)blockIdx.x * columns + column] = bias_sums[column];
-    }
+    block_column_partials<K, WIDTH>(dweight, dbias, weight_sums, bias_sums, weight_partials, bias_partials, columns);
     if (threadIdx.x == 0) {
         float total = 0.0f;
         for (int w = 0; w < warps; ++w) {

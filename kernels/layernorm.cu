@@ -14,6 +14,7 @@
 
 #include "warp.cuh"
 #include "float_groups.cuh"
+#include "row_norm_partials.cuh"
 #include "storage.cuh"
 
 template <int WIDTH, int K, typename floatX = float>
@@ -143,27 +144,7 @@ __global__ void layernorm_backward(float* dx, float* weight_partials, float* bia
         }
     }
 
-    for (int turn = 0; turn < warps; ++turn) {
-        if (warp == turn) {
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                int column = (lane + k * WARP_SIZE) * WIDTH;
-                if (column < columns) {
-#pragma unroll
-                    for (int w = 0; w < WIDTH; ++w) {
-                        int i = k * WIDTH + w;
-                        weight_sums[column + w] = turn == 0 ? dweight[i] : weight_sums[column + w] + dweight[i];
-                        bias_sums[column + w] = turn == 0 ? dbias[i] : bias_sums[column + w] + dbias[i];
-                    }
-                }
-            }
-        }
-        __syncthreads();
-    }
-    for (int column = threadIdx.x; column < columns; column += blockDim.x) {
-        weight_partials[(long long)blockIdx.x * columns + column] = weight_sums[column];
-        bias_partials[(long long)blockIdx.x * columns + column] = bias_sums[column];
-    }
+    block_column_partials<K, WIDTH>(dweight, dbias, weight_sums, bias_sums, weight_partials, bias_partials, columns);
 }
 
 // first_sums[c] += sum over p of partials[0][p][c], and, launched with gridDim.y = 2, second_sums[c] += the
