@@ -3,7 +3,9 @@
 wgmma.mma_async m64nNk16 with bf16 A and B read from shared memory through matrix descriptors (every swizzle
 mode, K-major and, with imm-trans-a / imm-trans-b 1, MN-major), D in the accumulator fragment layout of the
 PTX ISA; wgmma.fence, commit_group, wait_group; and the wrappers of kernels/include/wgmma.cuh as
-kernels/wgmma_matmul.cu uses them (a 64-wide swizzled tile, four steps of k along it, in both majors). On a
+kernels/wgmma_matmul.cu uses them (a 64-wide swizzled tile, four steps of k along it, in both majors); and
+wgmma.mma_async m64nNk8 .tf32 from K-major 128-byte swizzled tiles of float32, which the tensor core reads by
+their upper 19 bits (the low 13 ignored: rounded toward zero to TF32). On a
 GPU (an H100 or H200: wgmma needs compute capability 9.0, and the kernels compile for sm_90a) these check our
 reading of the PTX ISA; on the CPU, that the executor reads shared memory and places results as the GPU does.
 
@@ -40,15 +42,16 @@ def bf16(x):
     return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16)
 
 
-def layout_offsets(rows, depth, swizzle, leading, stride):
-    """Byte offset from the matrix's start of element (row, k), for a K-major rows x depth bf16 matrix (PTX ISA,
-    "Shared Memory Matrix Layout"): core matrices of 8 rows of 16 bytes; chunk = k // 8 is the 16-byte column.
+def layout_offsets(rows, depth, swizzle, leading, stride, element_bytes=2):
+    """Byte offset from the matrix's start of element (row, k), for a K-major rows x depth matrix of bf16 (or of
+    4-byte tf32) (PTX ISA, "Shared Memory Matrix Layout"): core matrices of 8 rows of 16 bytes; chunk = the
+    element's byte offset along the row // 16 is its 16-byte column.
     Without swizzle, core matrices are `leading` bytes apart along k and `stride` bytes apart down the rows.
     With a swizzle of W bytes, the 8 rows of a group are W bytes apart, chunks are adjacent, groups `stride`
     apart, and the offset's bits 4.. are XOR-ed with its bits 7.. (one bit for 32B, two for 64B, three for
     128B): the matrix starts on a multiple of 8 W, so offset bits are address bits."""
     row, k = np.arange(rows)[:, None], np.arange(depth)[None, :]
-    chunk, within = k // 8, 2 * (k % 8)
+    chunk, within = k * element_bytes // 16, k * element_bytes % 16
     width = SWIZZLE_WIDTH[swizzle]
     if width == 0:
         return (row // 8) * stride + chunk * leading + (row % 8) * 16 + within
@@ -446,6 +449,111 @@ def test_header_mn_major_descriptor_and_transposed_wrappers(n, rng):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# TF32: float32 in shared memory, read by its upper 19 bits, K-major only
+# ---------------------------------------------------------------------------------------------------------
+
+TF32_TILE = r"""
+#include "wgmma.cuh"
+
+// A (64 x 32 float32) and B (N_WIDE x 32: row j holds column j of B), K-major with the 128-byte swizzle, as
+// images of 32-bit words (one 128-byte row of 32 floats per row); D = A Bᵀ over k < 8 steps through `steps`
+// wgmma_m64n{N_WIDE}k8_tf32, the descriptors' start 32 bytes (8 floats) further each step, as
+// kernels/wgmma_matmul.cu walks a float32 slice.
+extern "C" __global__ void tf32_tile(float* D, const unsigned* a_image, const unsigned* b_image, int steps)
+{
+    extern __shared__ __align__(1024) unsigned char shared[];
+    const unsigned base = (shared_address(shared) + 1023) & ~1023u;
+    unsigned* tiles = reinterpret_cast<unsigned*>(shared + (base - shared_address(shared)));
+    for (int i = threadIdx.x; i < (64 + N_WIDE) * 32; i += 128) tiles[i] = i < 64 * 32 ? a_image[i] : b_image[i - 64 * 32];
+    fence_proxy_async_shared();
+    __syncthreads();
+    float d[N_WIDE / 2];
+    for (int i = 0; i < N_WIDE / 2; ++i) d[i] = 0.0f;
+    fence_accumulators(d);
+    wgmma_fence();
+    for (int k = 0; k < steps; ++k)
+        wgmma_m64nN_WIDEk8_tf32(d, matrix_descriptor_128b(base + 32 * k), matrix_descriptor_128b(base + 64 * 128 + 32 * k));
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    fence_accumulators(d);
+    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    for (int i = 0; i < N_WIDE / 2; ++i) D[(16 * warp + g + 8 * (i / 2 % 2)) * N_WIDE + 8 * (i / 4) + 2 * t + i % 2] = d[i];
+}
+"""
+NAN_WORD = 0x7FC00000   # a float32 NaN, in the image's words that a correct read never reaches
+
+
+def tf32_image(matrix, steps):
+    """The shared-memory words (uint32) of a K-major float32 matrix (rows x 32) in the 128-byte swizzle, its k
+    past 8 steps' worth left as NaN."""
+    offsets = layout_offsets(matrix.shape[0], 8 * steps, "128B", 16, 1024, element_bytes=4)
+    words = np.full(matrix.shape[0] * 32, NAN_WORD, dtype=np.uint32)
+    words[offsets // 4] = np.ascontiguousarray(matrix[:, :8 * steps], dtype=np.float32).view(np.uint32)
+    return words
+
+
+def run_tf32_tile(a, b, steps):
+    n = b.shape[0]
+    kernel = backend.RawKernel(TF32_TILE.replace("N_WIDE", str(n)), "tf32_tile", options=OPTIONS)
+    shared = 1024 + (64 + n) * 128
+    kernel.max_dynamic_shared_size_bytes = shared
+    xp = backend.xp
+    out = xp.full((64, n), np.nan, dtype=np.float32)
+    kernel((1,), (128,), (out, xp.asarray(tf32_image(a, steps)), xp.asarray(tf32_image(b, steps)), np.int32(steps)),
+           shared_mem=shared)
+    return backend.asnumpy(out)
+
+
+def upper_19_bits(x):
+    """float32 x as a .tf32 operand reads it: sign, exponent and top 10 mantissa bits, the low 13 cleared."""
+    return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+
+def with_low_bits(rng, values):
+    """float32 values (exact in TF32) with their low 13 bits set to 0x1000 .. 0x1FFF: at least half a TF32 unit,
+    so that rounding to nearest would move each one a unit away from what truncation gives."""
+    bits = np.asarray(values, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
+    return (bits | rng.integers(0x1000, 0x2000, bits.shape).astype(np.uint32)).view(np.float32)
+
+
+@pytest.mark.parametrize("n", [128, 256])
+@pytest.mark.parametrize("steps", [2, 4])
+def test_tf32_wgmma_reads_the_upper_19_bits_bit_exact(n, steps, rng):
+    """Small integers with garbage in their low 13 bits: the tensor core reads the integers (every sum then
+    exact in float32), where the values as stored, or rounded to nearest TF32, give other sums. Two steps of k8
+    leave the rest of each 128-byte row NaN: a descriptor that reads past its step picks one up."""
+    a = with_low_bits(rng, rng.integers(-7, 8, (64, 32)))
+    b = with_low_bits(rng, rng.integers(-7, 8, (n, 32)))
+    depth = 8 * steps
+    expected = upper_19_bits(a[:, :depth]) @ upper_19_bits(b[:, :depth]).T
+    assert np.all(expected == np.round(expected)) and np.any(expected != a[:, :depth].astype(np.float64) @ b[:, :depth].T)
+    np.testing.assert_array_equal(run_tf32_tile(a, b, steps), expected.astype(np.float32))
+
+
+def test_tf32_wgmma_k_steps_are_not_interchangeable(rng):
+    """One nonzero k per row of A: a step reading another step's 8 floats (a wrong start or swizzle) changes D."""
+    a = np.zeros((64, 32), np.float32)
+    for row in range(64):
+        a[row, (row * 7) % 32] = row % 5 + 1
+    b = rng.integers(1, 4, (128, 32)).astype(np.float32)
+    np.testing.assert_array_equal(run_tf32_tile(a, b, 4), (a.astype(np.float64) @ b.T).astype(np.float32))
+
+
+def test_tf32_wgmma_random_inputs_within_the_tolerance(rng):
+    """Random values whose low 13 bits are at least half a TF32 unit: against float64 of their upper 19 bits
+    within MMA_TOLERANCE of the sum of magnitudes; the values as stored, and rounded to nearest TF32, are far
+    outside it (the check tells truncation from the other readings)."""
+    from gpt2_cupy.precision import tf32_values
+    a = with_low_bits(rng, rng.standard_normal((64, 32)))
+    b = with_low_bits(rng, rng.standard_normal((128, 32)))
+    got = run_tf32_tile(a, b, 4).astype(np.float64)
+    tolerance = MMA_TOLERANCE * (np.abs(upper_19_bits(a)) @ np.abs(upper_19_bits(b)).T)
+    assert np.all(np.abs(got - upper_19_bits(a) @ upper_19_bits(b).T) <= tolerance)
+    for other in (a.astype(np.float64) @ b.T.astype(np.float64), tf32_values(a) @ tf32_values(b).T):
+        assert np.mean(np.abs(got - other) > tolerance) > 0.9
+
+
+# ---------------------------------------------------------------------------------------------------------
 # What the CPU executor refuses, and how it says so
 # ---------------------------------------------------------------------------------------------------------
 
@@ -566,8 +674,12 @@ def test_wgmma_without_sm_90a_is_a_compile_error_naming_the_instruction_and_the_
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("instruction, words", [
-    ("wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {%0, %1}, %2, %3, 1, 1, 1;",
-     "does not know the PTX instruction 'wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32'"),
+    ("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1}, %2, %3, 1, 1, 1;",
+     "does not run 'wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3'"),
+    ("wgmma.mma_async.sync.aligned.m64n64k16.f32.tf32.tf32 {%0, %1}, %2, %3, 1, 1, 1;",
+     "does not run 'wgmma.mma_async.sync.aligned.m64n64k16.f32.tf32.tf32'"),
+    ("wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {%0, %1}, %2, %3, 1, 1, 1, 0, 0;",
+     "tf32 operands are K-major only: PTX gives the .tf32 variant no imm-trans"),
     ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1}, {%2, %2, %2, %2}, %3, 1, 1, 1, 0;",
      "A in registers"),
 ])
