@@ -38,7 +38,6 @@
 constexpr int BLOCK_M = 128;                // rows of C per block: one warpgroup per 64
 constexpr int ROW_BYTES = 128;              // one swizzled row: a slice of K, 64 bf16 or 32 float32
 template <typename Element> constexpr int SLICE_K = ROW_BYTES / sizeof(Element);   // elements of K per slice
-constexpr int K_STEPS = ROW_BYTES / 32;     // wgmma per slice: each reads 32 bytes of every row (k16 bf16, k8 TF32)
 constexpr int WARPGROUPS = BLOCK_M / 64;
 constexpr int THREADS = 128 * WARPGROUPS;
 constexpr int STAGES = 4;                   // slices in shared memory
@@ -168,6 +167,7 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const Element* A,
                                                     int N, int K, int k_per_split, const float* bias, bool accumulate)
 {
     constexpr int BLOCK_K = SLICE_K<Element>;
+    constexpr int K_STEPS = ROW_BYTES / 32;     // wgmma per slice: each reads 32 bytes of every row (k16 bf16, k8 TF32)
     constexpr int A_TILE_BYTES = tile_bytes(BLOCK_M), STAGE_BYTES = A_TILE_BYTES + tile_bytes(BLOCK_N);
     extern __shared__ __align__(1024) unsigned char shared[];
     // The swizzle acts on shared-memory address bits, so each stage starts on 1024 bytes of that address.
@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul(
 // in: rows x K, k contiguous, or (k_contiguous false: a transposed operand, read as it lies) K x rows.
 // Block (32, 8), one 32 x 32 tile of rows by k per block, grid (ceil(segment_k / 32), ceil(rows / 32)): the
 // tile is read along in's contiguous dimension, and written along k, through shared memory.
-constexpr int PART_VALUE = 0, PART_BIG = 1, PART_SMALL = 2;
+enum TF32Part { PART_VALUE = 0, PART_BIG = 1, PART_SMALL = 2 };
 constexpr int TRANSPOSE_TILE = 32;
 
 extern "C" __global__ void tf32_operand_rows(float* __restrict__ out, const float* __restrict__ in, int rows, int K,

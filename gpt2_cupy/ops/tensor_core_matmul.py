@@ -190,10 +190,17 @@ def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, a
         return launch_tf32_wgmma_product(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
     if precision == "medium":
         return launch_bf16_matmul(to_bf16(a)[0], to_bf16(b)[0], out, K, transpose_a, transpose_b, accumulate)
+    return launch_tf32_mma_sync(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
+
+
+def launch_tf32_mma_sync(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, products=1):
+    """out = op(a) @ op(b), or out += ..., on mma.sync's TF32 kernel (any GPU since Ampere): products=1 for TF32
+    (inputs rounded to nearest), 3 for 3xTF32. Unchecked, as launch_tensor_core_matmul, with K at least 1."""
+    K = a.shape[-2] if transpose_a else a.shape[-1]
     lda, ldb = a.shape[-1], b.shape[-1]
     # 16-byte copies need every stored row to start on 16 bytes: rows of a multiple of 4 floats, aligned arrays
     wide = lda % 4 == 0 and ldb % 4 == 0 and float4_aligned(a, b)
-    name = f"tf32_matmul<{TF32_PRODUCTS[precision]}, {_flag(transpose_a)}, {_flag(transpose_b)}, {_flag(wide)}>"
+    name = f"tf32_matmul<{products}, {_flag(transpose_a)}, {_flag(transpose_b)}, {_flag(wide)}>"
     kernel, shared = _kernel(name, 4, transpose_a, transpose_b)
     return _launch(kernel, shared, out, a, b, K, lda, ldb, a.shape[-2], b.shape[-2], accumulate)
 
