@@ -53,6 +53,7 @@ ROW_MULTIPLE = {2: 8, 4: 4}        # rows of a and b in 16-byte pieces: 8 bf16, 
 TF32_ROW_MULTIPLE = ROW_MULTIPLE[4]
 PART_VALUE, PART_BIG, PART_SMALL = 0, 1, 2   # tf32_operand_rows' parts of a value (kernels/wgmma_matmul.cu)
 TRANSPOSE_TILE = 32                # rows and k of op(x) per block of tf32_operand_rows (TRANSPOSE_TILE)
+MAX_GRID_Y = 65535                 # CUDA's limit on a grid's y dimension (tf32_operand_rows' tiles of rows)
 # 3xTF32 as one TF32 product over three times K: A's rows [small | big | big], B's [big | small | big]
 THREE_PRODUCT_PARTS = ((PART_SMALL, PART_BIG, PART_BIG), (PART_BIG, PART_SMALL, PART_BIG))
 OPTIONS = ("-arch=sm_90a",)        # wgmma compiles for sm_90a only (NVRTC refuses it for plain sm_90)
@@ -190,11 +191,18 @@ def wgmma_fits(a, b):
     return a.shape[-1] % multiple == 0 and b.shape[-1] % multiple == 0 and float4_aligned(a, b)
 
 
+def _tf32_rows_fit(x):
+    """Whether the TF32 kernel reads K-major x as it lies: rows of a multiple of 4 floats, starting on 16 bytes."""
+    return x.shape[-1] % TF32_ROW_MULTIPLE == 0 and float4_aligned(x)
+
+
 def tf32_operand_rows(x, k_contiguous, parts):
     """(rows, len(parts) * segment_k) float32: op(x)'s rows (x itself if k_contiguous, else x's transpose, read
     as it lies), K-major, once per part, each padded with zeros to segment_k = K rounded up to a multiple of 4.
     parts: PART_VALUE (the value), PART_BIG (rounded to TF32), PART_SMALL (the TF32 of what that leaves)."""
     rows, K = x.shape if k_contiguous else x.shape[::-1]
+    if ceil_div(rows, TRANSPOSE_TILE) > MAX_GRID_Y:
+        raise ValueError(f"tf32_operand_rows: {rows} rows need more than {MAX_GRID_Y} blocks along the grid's y")
     segment_k = ceil_div(K, TF32_ROW_MULTIPLE) * TF32_ROW_MULTIPLE
     out = backend.xp.empty((rows, len(parts) * segment_k), dtype=numpy.float32)
     if out.size == 0:
@@ -213,7 +221,7 @@ def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, a
     Unchecked: a, b, out C-contiguous float32 of matching shapes, out apart from both.
 
     TF32 reads an operand as it lies when it is K-major (a not transposed, b transposed: x Wᵀ) with rows of a
-    multiple of 4 floats on 16 bytes, else a K-major copy (one pass over it: 8 bytes per element, against 2 N
+    multiple of 4 floats on 16 bytes, else a K-major copy (both padded alike when K is not a multiple of 4) (one pass over it: 8 bytes per element, against 2 N
     (or 2 M) flops per element of the product, which the wgmma runs 3 times faster than mma.sync). 3xTF32 makes
     both operands as [small | big | big] and [big | small | big] rows in one pass each, then one TF32 product
     over three times K."""
@@ -221,11 +229,9 @@ def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, a
         a_parts, b_parts = THREE_PRODUCT_PARTS
         a_rows = tf32_operand_rows(a, not transpose_a, a_parts)
         b_rows = tf32_operand_rows(b, transpose_b, b_parts)
-    elif not transpose_a and transpose_b and wgmma_fits(a, b):
-        a_rows, b_rows = a, b
     else:
-        a_rows = tf32_operand_rows(a, not transpose_a, (PART_VALUE,))
-        b_rows = tf32_operand_rows(b, transpose_b, (PART_VALUE,))
+        a_rows, b_rows = (x if k_contiguous and _tf32_rows_fit(x) else tf32_operand_rows(x, k_contiguous, (PART_VALUE,))
+                          for x, k_contiguous in ((a, not transpose_a), (b, transpose_b)))
     return launch_wgmma_matmul(a_rows, b_rows, out, None, accumulate, False, True)
 
 
