@@ -342,43 +342,55 @@ def test_mn_major_operands_random_inputs_within_the_tolerance(a_major, b_major, 
 # The wrappers of kernels/include/wgmma.cuh, as kernels/wgmma_matmul.cu uses them
 # ---------------------------------------------------------------------------------------------------------
 
-HEADER_TILE = r"""
+WARPGROUP_TILE = r"""
 #include "wgmma.cuh"
 
-// A (64 x 64) and B (256 x 64), K-major with the 128-byte swizzle, as images; D = A Bᵀ through four
-// wgmma_m64n256k16_bf16, one per step of 16 along k (the descriptors' start 32 bytes further each time).
-extern "C" __global__ void header_tile(float* D, const unsigned short* a_image, const unsigned short* b_image)
+// One warpgroup: A's image (64 rows of 128 bytes) and B's (N_WIDE rows of 128 bytes) copied into dynamic shared
+// memory at 1024 bytes, B 8192 bytes after A; D = the sum over k < steps of PRODUCT (a wrapper of wgmma.cuh, its
+// descriptors moved along by k), from zero; D written out as 64 x N_WIDE, row-major, from the fragment layout.
+extern "C" __global__ void warpgroup_tile(float* D, const unsigned short* a_image, const unsigned short* b_image, int steps)
 {
     extern __shared__ __align__(1024) unsigned char shared[];
     const unsigned base = (shared_address(shared) + 1023) & ~1023u;
     unsigned short* tiles = reinterpret_cast<unsigned short*>(shared + (base - shared_address(shared)));
-    for (int i = threadIdx.x; i < (64 + 256) * 64; i += 128) tiles[i] = i < 64 * 64 ? a_image[i] : b_image[i - 64 * 64];
+    for (int i = threadIdx.x; i < (64 + N_WIDE) * 64; i += 128) tiles[i] = i < 64 * 64 ? a_image[i] : b_image[i - 64 * 64];
     fence_proxy_async_shared();
     __syncthreads();
-    float d[128];
-    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+    float d[N_WIDE / 2];
+    for (int i = 0; i < N_WIDE / 2; ++i) d[i] = 0.0f;
     fence_accumulators(d);
     wgmma_fence();
-    for (int k = 0; k < 4; ++k)
-        wgmma_m64n256k16_bf16(d, matrix_descriptor_128b(base + 32 * k), matrix_descriptor_128b(base + 64 * 128 + 32 * k));
+    for (int k = 0; k < steps; ++k) PRODUCT;
     wgmma_commit_group();
     wgmma_wait_group<0>();
     fence_accumulators(d);
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    for (int i = 0; i < 128; ++i) D[(16 * warp + g + 8 * (i / 2 % 2)) * 256 + 8 * (i / 4) + 2 * t + i % 2] = d[i];
+    for (int i = 0; i < N_WIDE / 2; ++i) D[(16 * warp + g + 8 * (i / 2 % 2)) * N_WIDE + 8 * (i / 4) + 2 * t + i % 2] = d[i];
 }
 """
+# K-major tiles in the 128-byte swizzle: each step 32 bytes further along every row (16 bf16, or 8 tf32)
+K_MAJOR_STEP = "matrix_descriptor_128b(base + 32 * k), matrix_descriptor_128b(base + 8192 + 32 * k)"
+
+
+def run_warpgroup_tile(product, n, a_image, b_image, steps=4):
+    """D (64 x n) of WARPGROUP_TILE with PRODUCT `product`, from images of 64 and n rows of 128 bytes."""
+    code = WARPGROUP_TILE.replace("N_WIDE", str(n)).replace("PRODUCT", product)
+    kernel = backend.RawKernel(code, "warpgroup_tile", options=OPTIONS)
+    shared = 1024 + (64 + n) * 128
+    kernel.max_dynamic_shared_size_bytes = shared
+    xp = backend.xp
+    out = xp.full((64, n), np.nan, dtype=np.float32)
+    assert a_image.nbytes == 64 * 128 and b_image.nbytes == n * 128   # packed: no gaps between rows or atoms
+    kernel((1,), (128,), (out, xp.asarray(a_image.view(np.uint16)), xp.asarray(b_image.view(np.uint16)),
+                          np.int32(steps)), shared_mem=shared)
+    return backend.asnumpy(out)
 
 
 def run_header_tile(a, b):
-    kernel = backend.RawKernel(HEADER_TILE, "header_tile", options=OPTIONS)
-    shared = 1024 + (64 + 256) * 128
-    kernel.max_dynamic_shared_size_bytes = shared
-    xp = backend.xp
-    out = xp.full((64, 256), np.nan, dtype=np.float32)
-    kernel((1,), (128,), (out, xp.asarray(image(a, "128B", 16, 1024)), xp.asarray(image(b, "128B", 16, 1024))),
-           shared_mem=shared)
-    return backend.asnumpy(out)
+    """A (64 x 64) and B (256 x 64), K-major with the 128-byte swizzle; D = A Bᵀ through four
+    wgmma_m64n256k16_bf16, one per step of 16 along k (the descriptors' start 32 bytes further each time)."""
+    return run_warpgroup_tile(f"wgmma_m64n256k16_bf16(d, {K_MAJOR_STEP})", 256, image(a, "128B", 16, 1024),
+                              image(b, "128B", 16, 1024))
 
 
 def test_header_wrappers_accumulate_four_k_steps_of_a_swizzled_tile(rng):
@@ -399,87 +411,24 @@ def test_header_wrappers_k_steps_are_not_interchangeable(rng):
     np.testing.assert_array_equal(run_header_tile(a, b), (a.astype(np.float64) @ b.T).astype(np.float32))
 
 
-HEADER_TILE_MN = r"""
-#include "wgmma.cuh"
-
-// A (64 x 64) and B (64 x N), both MN-major with the 128-byte swizzle, as kernels/wgmma_matmul.cu lays out a
-// slice: for each k a row of 128 bytes holding 64 values of m (n); atoms of 64 x 8 side by side along m (n)
-// (LBO 1024), then the next 8 of k (SBO: N / 64 atoms); D = A B through four wgmma (imm-trans 1, 1), one per
-// step of 16 along k (two groups of 8 further each time).
-extern "C" __global__ void header_tile_mn(float* D, const unsigned short* a_image, const unsigned short* b_image, int n)
-{
-    extern __shared__ __align__(1024) unsigned char shared[];
-    const unsigned base = (shared_address(shared) + 1023) & ~1023u;
-    unsigned short* tiles = reinterpret_cast<unsigned short*>(shared + (base - shared_address(shared)));
-    for (int i = threadIdx.x; i < (64 + n) * 64; i += 128) tiles[i] = i < 64 * 64 ? a_image[i] : b_image[i - 64 * 64];
-    fence_proxy_async_shared();
-    __syncthreads();
-    float d[N_WIDE / 2];
-    for (int i = 0; i < N_WIDE / 2; ++i) d[i] = 0.0f;
-    fence_accumulators(d);
-    wgmma_fence();
-    for (int k = 0; k < 4; ++k)
-        WGMMA<1, 1>(d, matrix_descriptor_128b_mn(base + 2048 * k, 1024, 1024),
-                    matrix_descriptor_128b_mn(base + 8192 + N_WIDE / 64 * 2048 * k, 1024, N_WIDE / 64 * 1024));
-    wgmma_commit_group();
-    wgmma_wait_group<0>();
-    fence_accumulators(d);
-    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    for (int i = 0; i < N_WIDE / 2; ++i) D[(16 * warp + g + 8 * (i / 2 % 2)) * N_WIDE + 8 * (i / 4) + 2 * t + i % 2] = d[i];
-}
-"""
-
-
 @pytest.mark.parametrize("n", [128, 256])
 def test_header_mn_major_descriptor_and_transposed_wrappers(n, rng):
     """matrix_descriptor_128b_mn (LBO: one 64-wide atom to the next, 1024 bytes; SBO: N / 64 atoms) with
     wgmma_m64n{n}k16_bf16<1, 1>: A stored K x M and B stored K x N, as the weight gradient dyᵀ x reads them."""
     a = rng.integers(-3, 4, (64, 64)).astype(np.float32)    # A: m x k
     b = rng.integers(-3, 4, (n, 64)).astype(np.float32)     # B's columns: n x k
-    code = HEADER_TILE_MN.replace("N_WIDE", str(n)).replace("WGMMA", f"wgmma_m64n{n}k16_bf16")
-    kernel = backend.RawKernel(code, "header_tile_mn", options=OPTIONS)
-    shared = 1024 + (64 + n) * 128
-    kernel.max_dynamic_shared_size_bytes = shared
-    xp = backend.xp
-    out = xp.full((64, n), np.nan, dtype=np.float32)
+    # A stored as atoms of 64 x 8 (LBO 1024 to the next 64 of m), SBO one atom along k; B's SBO N / 64 atoms
+    product = (f"wgmma_m64n{n}k16_bf16<1, 1>(d, matrix_descriptor_128b_mn(base + 2048 * k, 1024, 1024), "
+               f"matrix_descriptor_128b_mn(base + 8192 + {n // 64} * 2048 * k, 1024, {n // 64} * 1024))")
     images = [layout_image(x, "MN", "128B", 1024, rows // 64 * 1024) for x, rows in ((a, 64), (b, n))]
-    assert images[0].size == 64 * 64 and images[1].size == n * 64   # packed: no gaps between atoms
-    kernel((1,), (128,), (out, xp.asarray(images[0]), xp.asarray(images[1]), np.int32(n)), shared_mem=shared)
-    np.testing.assert_array_equal(backend.asnumpy(out), (a.astype(np.float64) @ b.T).astype(np.float32))
+    got = run_warpgroup_tile(product, n, *images)
+    np.testing.assert_array_equal(got, (a.astype(np.float64) @ b.T).astype(np.float32))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # TF32: float32 in shared memory, read by its upper 19 bits, K-major only
 # ---------------------------------------------------------------------------------------------------------
 
-TF32_TILE = r"""
-#include "wgmma.cuh"
-
-// A (64 x 32 float32) and B (N_WIDE x 32: row j holds column j of B), K-major with the 128-byte swizzle, as
-// images of 32-bit words (one 128-byte row of 32 floats per row); D = A Bᵀ over k < 8 steps through `steps`
-// wgmma_m64n{N_WIDE}k8_tf32, the descriptors' start 32 bytes (8 floats) further each step, as
-// kernels/wgmma_matmul.cu walks a float32 slice.
-extern "C" __global__ void tf32_tile(float* D, const unsigned* a_image, const unsigned* b_image, int steps)
-{
-    extern __shared__ __align__(1024) unsigned char shared[];
-    const unsigned base = (shared_address(shared) + 1023) & ~1023u;
-    unsigned* tiles = reinterpret_cast<unsigned*>(shared + (base - shared_address(shared)));
-    for (int i = threadIdx.x; i < (64 + N_WIDE) * 32; i += 128) tiles[i] = i < 64 * 32 ? a_image[i] : b_image[i - 64 * 32];
-    fence_proxy_async_shared();
-    __syncthreads();
-    float d[N_WIDE / 2];
-    for (int i = 0; i < N_WIDE / 2; ++i) d[i] = 0.0f;
-    fence_accumulators(d);
-    wgmma_fence();
-    for (int k = 0; k < steps; ++k)
-        wgmma_m64nN_WIDEk8_tf32(d, matrix_descriptor_128b(base + 32 * k), matrix_descriptor_128b(base + 64 * 128 + 32 * k));
-    wgmma_commit_group();
-    wgmma_wait_group<0>();
-    fence_accumulators(d);
-    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    for (int i = 0; i < N_WIDE / 2; ++i) D[(16 * warp + g + 8 * (i / 2 % 2)) * N_WIDE + 8 * (i / 4) + 2 * t + i % 2] = d[i];
-}
-"""
 NAN_WORD = 0x7FC00000   # a float32 NaN, in the image's words that a correct read never reaches
 
 
@@ -493,15 +442,12 @@ def tf32_image(matrix, steps):
 
 
 def run_tf32_tile(a, b, steps):
+    """D = A Bᵀ over k < 8 steps for float32 A (64 x 32) and B (n x 32: row j holds column j of B), K-major with
+    the 128-byte swizzle (a row of 32 floats per row), through `steps` wgmma_m64n{n}k8_tf32 whose descriptors
+    start 32 bytes (8 floats) further each step, as kernels/wgmma_matmul.cu walks a float32 slice."""
     n = b.shape[0]
-    kernel = backend.RawKernel(TF32_TILE.replace("N_WIDE", str(n)), "tf32_tile", options=OPTIONS)
-    shared = 1024 + (64 + n) * 128
-    kernel.max_dynamic_shared_size_bytes = shared
-    xp = backend.xp
-    out = xp.full((64, n), np.nan, dtype=np.float32)
-    kernel((1,), (128,), (out, xp.asarray(tf32_image(a, steps)), xp.asarray(tf32_image(b, steps)), np.int32(steps)),
-           shared_mem=shared)
-    return backend.asnumpy(out)
+    return run_warpgroup_tile(f"wgmma_m64n{n}k8_tf32(d, {K_MAJOR_STEP})", n, tf32_image(a, steps),
+                              tf32_image(b, steps), steps)
 
 
 def upper_19_bits(x):
