@@ -16,16 +16,16 @@
 // Compiled for sm_90a: RawModule(code, options=("-arch=sm_90a",)).
 //
 // A block of 256 threads, two warpgroups, computes a 128 x BLOCK_N tile of C (BLOCK_N 256, or 128 where
-// 256-wide tiles would leave multiprocessors idle), walking along K 64 at a time:
-//  - each slice of 64 bf16 (32 float32) along K travels to shared memory by cp.async, 16 bytes per copy, in the 128-byte
-//    swizzle the wgmma descriptors name: a K-major tile as rows of 128 bytes of k (chunk c of row r lands
-//    at chunk c ^ (r % 8) of the row), an MN-major tile as rows of 64 values of m or n, one row per k
+// 256-wide tiles would leave multiprocessors idle), walking along K one slice of 128 bytes per row at a time:
+//  - each slice of 64 bf16 (32 float32) along K travels to shared memory by cp.async, 16 bytes per copy, in
+//    the 128-byte swizzle the wgmma descriptors name: a K-major tile as rows of 128 bytes of k (chunk c of
+//    row r lands at chunk c ^ (r % 8) of the row), an MN-major tile as rows of 64 values of m or n, one row per k
 //    (chunk c of row k at chunk c ^ (k % 8)), in atoms of 64 x 8; copies past an edge write zeros;
 //  - STAGES slices live in shared memory: while the tensor cores multiply slice s, slices s + 1 and s + 2 are
 //    on their way;
 //  - warpgroup w multiplies rows 64w .. 64w + 63 of the tile by all BLOCK_N columns: per slice four wgmma
-//    m64nBLOCK_Nk16 (k = 0, 16, 32, 48; TF32: k8 at k = 0, 8, 16, 24), issued together and left running while the threads start the next
-//    copies; BLOCK_N / 2 float32 accumulators per thread;
+//    m64nBLOCK_Nk16 (k = 0, 16, 32, 48; TF32: k8 at k = 0, 8, 16, 24), issued together and left running
+//    while the threads start the next copies; BLOCK_N / 2 float32 accumulators per thread;
 //  - blocks take their tiles down the columns of groups of GROUP_M rows of tiles, so that blocks running
 //    at the same time share tiles of A and B in the L2 cache;
 //  - split K (a grid of gridDim.y stretches of K, for a product with few tiles and a long K, the weight
@@ -114,9 +114,10 @@ __device__ __forceinline__ void copy_operand_slice(unsigned tile, const Element*
     else copy_tile_k_major<ROWS>(tile, matrix, extent, K, first, k0, k_end);
 }
 
-// The descriptor of step `k_step` (16 bf16, or 8 TF32 values of k) of a slice's tile of ROWS rows (or columns), for its rows
-// `first_row` .. + 63 (A's warpgroup rows) or all of them (B). K-major: 32 bytes along each swizzled row per
-// step. MN-major: atoms ATOM_BYTES apart along m (n), ROWS / 64 atoms apart along k; a step is two atoms of k.
+// The descriptor of step `k_step` (16 bf16, or 8 TF32 values of k) of a slice's tile of ROWS rows (or
+// columns), for its rows `first_row` .. + 63 (A's warpgroup rows) or all of them (B). K-major: 32 bytes along
+// each swizzled row per step. MN-major: atoms ATOM_BYTES apart along m (n), ROWS / 64 atoms apart along k; a
+// step is two atoms of k.
 template <int ROWS, bool MN_MAJOR>
 __device__ __forceinline__ unsigned long long slice_descriptor(unsigned tile, int first_row, int k_step)
 {

@@ -472,7 +472,8 @@ def test_tf32_wgmma_reads_the_upper_19_bits_bit_exact(n, steps, rng):
     b = with_low_bits(rng, rng.integers(-7, 8, (n, 32)))
     depth = 8 * steps
     expected = upper_19_bits(a[:, :depth]) @ upper_19_bits(b[:, :depth]).T
-    assert np.all(expected == np.round(expected)) and np.any(expected != a[:, :depth].astype(np.float64) @ b[:, :depth].T)
+    as_stored = a[:, :depth].astype(np.float64) @ b[:, :depth].T
+    assert np.all(expected == np.round(expected)) and np.any(expected != as_stored)
     np.testing.assert_array_equal(run_tf32_tile(a, b, steps), expected.astype(np.float32))
 
 

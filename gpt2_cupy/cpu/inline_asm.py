@@ -27,7 +27,8 @@ SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 onl
              "cvt.rna[.satfinite].tf32.f32, cvt between u32/s32/u64/s64, cvta[.to].shared, mov, setp, "
              "wgmma.mma_async.sync.aligned.m64n{8..256}k16.f32.{bf16,f16}.<same> with both matrices by descriptor "
              "(K-major or MN-major: imm-trans-a/b 0 or 1), wgmma.mma_async.sync.aligned.m64n{8..256}k8.f32.tf32.tf32 "
-             "with both matrices by descriptor (K-major only: no imm-trans operands), wgmma.fence/commit_group/wait_group.sync.aligned (these four with -arch=sm_90a), "
+             "with both matrices by descriptor (K-major only: no imm-trans operands), "
+             "wgmma.fence/commit_group/wait_group.sync.aligned (these four with -arch=sm_90a), "
              "fence.proxy.async, and .reg declarations")
 
 # wgmma exists only on sm_90a: NVRTC refuses it for sm_90, the architecture CuPy picks for an H100 or H200.

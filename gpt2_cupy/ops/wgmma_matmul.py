@@ -221,10 +221,10 @@ def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, a
     Unchecked: a, b, out C-contiguous float32 of matching shapes, out apart from both.
 
     TF32 reads an operand as it lies when it is K-major (a not transposed, b transposed: x Wᵀ) with rows of a
-    multiple of 4 floats on 16 bytes, else a K-major copy (both padded alike when K is not a multiple of 4) (one pass over it: 8 bytes per element, against 2 N
-    (or 2 M) flops per element of the product, which the wgmma runs 3 times faster than mma.sync). 3xTF32 makes
-    both operands as [small | big | big] and [big | small | big] rows in one pass each, then one TF32 product
-    over three times K."""
+    multiple of 4 floats on 16 bytes, else a K-major copy of it, both padded alike when K is not a multiple of 4
+    (one pass: 8 bytes per element, against 2 N (or 2 M) flops per element of the product, which the wgmma runs
+    about 3 times faster than mma.sync). 3xTF32 makes the operands' rows [small | big | big] and
+    [big | small | big] in one pass each, then one TF32 product over three times K."""
     if products == 3:
         a_parts, b_parts = THREE_PRODUCT_PARTS
         a_rows = tf32_operand_rows(a, not transpose_a, a_parts)
