@@ -105,13 +105,22 @@ __device__ __forceinline__ void copy_tile_mn_major(unsigned tile, const __nv_bfl
     }
 }
 
-// One operand's slice: ROWS rows of A (m), or of B's columns (n), starting at `first`, in its layout.
-template <int ROWS, bool MN_MAJOR, typename Element>
-__device__ __forceinline__ void copy_operand_slice(unsigned tile, const Element* matrix, int extent, int K,
+// One operand's slice: ROWS rows of A (m), or of B's columns (n), starting at `first`, in its layout; a
+// float32 operand (read as TF32) is K-major.
+template <int ROWS, bool MN_MAJOR>
+__device__ __forceinline__ void copy_operand_slice(unsigned tile, const __nv_bfloat16* matrix, int extent, int K,
                                                    int first, int k0, int k_end)
 {
-    if constexpr (MN_MAJOR) copy_tile_mn_major<ROWS>(tile, matrix, extent, first, k0, k_end);
+    if (MN_MAJOR) copy_tile_mn_major<ROWS>(tile, matrix, extent, first, k0, k_end);
     else copy_tile_k_major<ROWS>(tile, matrix, extent, K, first, k0, k_end);
+}
+
+template <int ROWS, bool MN_MAJOR>
+__device__ __forceinline__ void copy_operand_slice(unsigned tile, const float* matrix, int extent, int K,
+                                                   int first, int k0, int k_end)
+{
+    static_assert(!MN_MAJOR, "wgmma's .tf32 operands are K-major only");
+    copy_tile_k_major<ROWS>(tile, matrix, extent, K, first, k0, k_end);
 }
 
 // The descriptor of step `k_step` (16 bf16, or 8 TF32 values of k) of a slice's tile of ROWS rows (or
@@ -128,19 +137,34 @@ __device__ __forceinline__ unsigned long long slice_descriptor(unsigned tile, in
 }
 
 // One wgmma of the block's width: m64n256 for 128 accumulators per thread, m64n128 for 64; k16 for bf16
-// elements, k8 for float32 ones read as TF32 (K-major only).
-template <typename Element, bool A_MN_MAJOR, bool B_MN_MAJOR, int COUNT>
-__device__ __forceinline__ void wgmma_step(float (&d)[COUNT], unsigned long long a, unsigned long long b)
+// elements, k8 for float32 ones read as TF32 (K-major only). The last argument, the type of the elements, picks
+// the instruction.
+template <bool A_MN_MAJOR, bool B_MN_MAJOR>
+__device__ __forceinline__ void wgmma_step(float (&d)[128], unsigned long long a, unsigned long long b,
+                                           const __nv_bfloat16*)
 {
-    static_assert(COUNT == 128 || COUNT == 64, "tiles 256 or 128 wide");
-    if constexpr (sizeof(Element) == 4) {
-        static_assert(!A_MN_MAJOR && !B_MN_MAJOR, "wgmma's .tf32 operands are K-major only");
-        if constexpr (COUNT == 128) wgmma_m64n256k8_tf32(d, a, b);
-        else wgmma_m64n128k8_tf32(d, a, b);
-    } else {
-        if constexpr (COUNT == 128) wgmma_m64n256k16_bf16<A_MN_MAJOR, B_MN_MAJOR>(d, a, b);
-        else wgmma_m64n128k16_bf16<A_MN_MAJOR, B_MN_MAJOR>(d, a, b);
-    }
+    wgmma_m64n256k16_bf16<A_MN_MAJOR, B_MN_MAJOR>(d, a, b);
+}
+
+template <bool A_MN_MAJOR, bool B_MN_MAJOR>
+__device__ __forceinline__ void wgmma_step(float (&d)[64], unsigned long long a, unsigned long long b,
+                                           const __nv_bfloat16*)
+{
+    wgmma_m64n128k16_bf16<A_MN_MAJOR, B_MN_MAJOR>(d, a, b);
+}
+
+template <bool A_MN_MAJOR, bool B_MN_MAJOR>
+__device__ __forceinline__ void wgmma_step(float (&d)[128], unsigned long long a, unsigned long long b, const float*)
+{
+    static_assert(!A_MN_MAJOR && !B_MN_MAJOR, "wgmma's .tf32 operands are K-major only");
+    wgmma_m64n256k8_tf32(d, a, b);
+}
+
+template <bool A_MN_MAJOR, bool B_MN_MAJOR>
+__device__ __forceinline__ void wgmma_step(float (&d)[64], unsigned long long a, unsigned long long b, const float*)
+{
+    static_assert(!A_MN_MAJOR && !B_MN_MAJOR, "wgmma's .tf32 operands are K-major only");
+    wgmma_m64n128k8_tf32(d, a, b);
 }
 
 // Stores into C, float32 or bf16 (rounded to nearest, ties to even). A pair of neighbours in a row is one
@@ -213,7 +237,7 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const Element* A,
         for (int k = 0; k < K_STEPS; ++k) {
             const unsigned long long a = slice_descriptor<BLOCK_M, A_MN_MAJOR>(a_tile(stage), 64 * warpgroup, k);
             const unsigned long long b = slice_descriptor<BLOCK_N, B_MN_MAJOR>(b_tile(stage), 0, k);
-            wgmma_step<Element, A_MN_MAJOR, B_MN_MAJOR>(d, a, b);
+            wgmma_step<A_MN_MAJOR, B_MN_MAJOR>(d, a, b, A);
         }
         wgmma_commit_group();
         // While they run: slice s + STAGES - 2 into the stage slice s - 2 had.
