@@ -183,7 +183,7 @@ def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, a
     if out.size == 0 or K == 0:  # nothing to multiply: the float32 op fills or keeps out as it should
         return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)
     M, N = out.shape[-2:]
-    if (out.ndim == 2 and wgmma_runs() and M * N * K >= SMALL_PRODUCT and min(M, N) >= MIN_COPIED_EXTENT):
+    if out.ndim == 2 and wgmma_runs() and M * N * K >= SMALL_PRODUCT and min(M, N) >= MIN_COPIED_EXTENT:
         if precision == "medium":   # bf16 copies, then the bf16 wgmma (launch_bf16_product picks it)
             return launch_bf16_product(converted(a, BFLOAT16), converted(b, BFLOAT16), out, transpose_a, transpose_b,
                                        accumulate)

@@ -10,7 +10,7 @@ float32 a and b go through wgmma's .tf32 instruction, which reads each value's u
 10 mantissa bits: the value rounded toward zero to TF32) and takes its operands K-major only: a (M, K) and
 b (N, K), the defaults; their rows a multiple of 4 floats. launch_tf32_wgmma_product takes any layout (copying
 an operand K-major first) and 3xTF32 (float32 accuracy from three TF32 products); gpt2_cupy.ops.
-tensor_core_matmul routes the package's large float32 products there.
+tensor_core_matmul sends its large 2-D float32 products there.
 
 The Linear layer's three products, x: (B*T, C_in), W: (C_out, C_in), each read as it lies in memory:
 
