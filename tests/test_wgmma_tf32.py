@@ -207,6 +207,21 @@ def test_small_products_keep_the_mma_sync_kernel(rng):
     assert relative_error(got, tf32_values(a) @ tf32_values(b).T) < 1e-6
 
 
+def test_a_copied_operand_needs_wide_products(rng, monkeypatch):
+    """With SMALL_PRODUCT lowered but MIN_COPIED_EXTENT as it is: "high" x Wᵀ (read as it lies) takes the TF32
+    wgmma at M = 40, while dy W (W copied K-major first) stays on mma.sync, which rounds to nearest."""
+    monkeypatch.setattr(tensor_core_module, "SMALL_PRODUCT", 0)
+    assert tensor_core_module.MIN_COPIED_EXTENT > 40
+    a, w = operand(rng, (40, 36)), operand(rng, (24, 36))
+    xp = backend.xp
+    forward = backend.asnumpy(tensor_core_matmul(xp.asarray(a), xp.asarray(w), transpose_b=True, precision="high"))
+    expected, tolerance = tf32_reference(a, w)
+    assert_within(forward, expected, tolerance)
+    dy = operand(rng, (40, 24))
+    backward = backend.asnumpy(tensor_core_matmul(xp.asarray(dy), xp.asarray(w), precision="high"))
+    assert relative_error(backward, tf32_values(dy) @ tf32_values(w)) < 1e-6
+
+
 def test_tf32_operand_rows_split_and_pad(rng):
     """The one pass before 3xTF32: rows [small | big | big] of op(x), each padded to K rounded up to 4, where
     big is x rounded to nearest TF32 and small the TF32 of x - big; transposed input read as it lies."""

@@ -20,10 +20,11 @@ Sums are float32 in every case. The Linear layer's three products, x: (N, C_in),
 The kernels are kernels/tensor_core_matmul.cu, from chapters/15_tensor_cores.ipynb: 128 x 128 tiles of C
 per block of 256 threads, K in slices of 32 through a 3-stage cp.async pipeline (mma.sync, any GPU since
 Ampere). On a GPU that runs wgmma (H100, H200; and the CPU executor, which stands for an H100), a large 2-D
-product (SMALL_PRODUCT multiply-adds or more, M and N at least MIN_COPIED_EXTENT) runs on
-kernels/wgmma_matmul.cu instead: "high" on its TF32 instruction (which reads each float32's upper 19 bits:
-rounded toward zero to TF32, not to nearest as mma.sync's kernel rounds), "highest" as 3xTF32 on it (one pass
-splits each operand into TF32 parts, then one TF32 product over three times K), "medium" on its bf16 one.
+product (SMALL_PRODUCT multiply-adds or more; M and N at least MIN_COPIED_EXTENT where its operands are copied
+first) runs on kernels/wgmma_matmul.cu instead: "high" on its TF32 instruction (which reads each float32's
+upper 19 bits: rounded toward zero to TF32, not to nearest as mma.sync's kernel rounds), "highest" as 3xTF32
+on it (one pass splits each operand into TF32 parts, then one TF32 product over three times K), "medium" on
+its bf16 one.
 
 The package's products come here through gpt2_cupy.ops.matmul.launch_matmul at the "high" and "medium"
 settings; at "highest" they stay on chapter 01's float32 kernel (gpt2_cupy.precision says why).
@@ -183,11 +184,14 @@ def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, a
     if out.size == 0 or K == 0:  # nothing to multiply: the float32 op fills or keeps out as it should
         return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)
     M, N = out.shape[-2:]
-    if out.ndim == 2 and wgmma_runs() and M * N * K >= SMALL_PRODUCT and min(M, N) >= MIN_COPIED_EXTENT:
-        if precision == "medium":   # bf16 copies, then the bf16 wgmma (launch_bf16_product picks it)
+    if out.ndim == 2 and wgmma_runs() and M * N * K >= SMALL_PRODUCT:
+        if precision == "medium":   # bf16 copies (as for mma.sync), then the bf16 wgmma (launch_bf16_product picks it)
             return launch_bf16_product(converted(a, BFLOAT16), converted(b, BFLOAT16), out, transpose_a, transpose_b,
                                        accumulate)
-        return launch_tf32_wgmma_product(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
+        # TF32 reads x Wᵀ as it lies; other layouts, and 3xTF32's parts, take a pass over the operands first
+        copied = precision == "highest" or transpose_a or not transpose_b
+        if not copied or min(M, N) >= MIN_COPIED_EXTENT:
+            return launch_tf32_wgmma_product(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
     if precision == "medium":
         return launch_bf16_matmul(to_bf16(a)[0], to_bf16(b)[0], out, K, transpose_a, transpose_b, accumulate)
     return launch_tf32_mma_sync(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
