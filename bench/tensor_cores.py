@@ -5,7 +5,8 @@
                                                                   small size and checks it; no timings, no file
 
 At 4096³ (C = A Bᵀ, the forward layout, B stored N x K) each kernel of the chapter and the package's op at
-each precision (and, on an H100 or H200, the wgmma kernel of section 4.8 on bf16 copies), against cuBLAS in
+each precision (and, on an H100 or H200, the wgmma kernel of section 4.8 on bf16 copies, and on the float32
+operands in TF32 and 3xTF32), against cuBLAS in
 the same run: float32 through cupy.matmul (CUPY_TF32=0), TF32 and bf16
 through PyTorch (torch.matmul with allow_tf32, and on bf16 tensors) when it is installed. Then GPT-2 small's
 Linear products (8192 rows: forward x Wᵀ, input gradient dy W, weight gradient dW += dyᵀ x) at each precision
@@ -22,8 +23,9 @@ import numpy  # noqa: E402
 
 from gpt2_cupy import backend, benchmark, kernels  # noqa: E402
 from gpt2_cupy.ops.matmul import matmul  # noqa: E402
-from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_matmul, tensor_core_matmul, to_bf16  # noqa: E402
-from gpt2_cupy.ops.wgmma_matmul import wgmma_matmul  # noqa: E402
+from gpt2_cupy.ops.tensor_core_matmul import (launch_bf16_matmul, launch_tf32_mma_sync, tensor_core_matmul,  # noqa: E402
+                                               to_bf16)
+from gpt2_cupy.ops.wgmma_matmul import launch_tf32_wgmma_product, wgmma_matmul  # noqa: E402
 from gpt2_cupy.testing import relative_error, torch_or_none  # noqa: E402
 
 SQUARE = 4096
@@ -66,6 +68,9 @@ def square_versions(a, b, c):
     versions = {
         "TF32 step: 64 x 64 tiles, ldmatrix": ("high", lambda: tiled(grid, (128,), (c, a, b, *sizes))),
         "TF32 step: 3-stage cp.async pipeline": ("high", lambda: pipelined(grid, (128,), (c, a, b, *sizes))),
+        "TF32 mma.sync (tf32_matmul<1>)": ("high", lambda: launch_tf32_mma_sync(a, b, c, transpose_b=True)),
+        "3xTF32 mma.sync (tf32_matmul<3>)": ("highest", lambda: launch_tf32_mma_sync(a, b, c, transpose_b=True,
+                                                                                    products=3)),
         "TF32 (tensor_core_matmul, high)": ("high", lambda: tensor_core_matmul(a, b, transpose_b=True, out=c,
                                                                                precision="high")),
         "3xTF32 (tensor_core_matmul, highest)": ("highest", lambda: tensor_core_matmul(
@@ -78,6 +83,9 @@ def square_versions(a, b, c):
     }
     if _has_wgmma():
         versions["bf16 wgmma (wgmma_matmul on bf16 copies)"] = ("medium", lambda: wgmma_matmul(a16, b16, out=c))
+        versions["TF32 wgmma"] = ("high", lambda: launch_tf32_wgmma_product(a, b, c, transpose_b=True))
+        versions["3xTF32 wgmma"] = ("highest", lambda: launch_tf32_wgmma_product(a, b, c, transpose_b=True,
+                                                                                 products=3))
     if backend.name == "cuda":
         versions["cuBLAS float32 (cupy.matmul)"] = ("float32", lambda: backend.xp.matmul(a, b.T, out=c))
     torch = _torch()

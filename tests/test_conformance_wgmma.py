@@ -3,7 +3,9 @@
 wgmma.mma_async m64nNk16 with bf16 A and B read from shared memory through matrix descriptors (every swizzle
 mode, K-major and, with imm-trans-a / imm-trans-b 1, MN-major), D in the accumulator fragment layout of the
 PTX ISA; wgmma.fence, commit_group, wait_group; and the wrappers of kernels/include/wgmma.cuh as
-kernels/wgmma_matmul.cu uses them (a 64-wide swizzled tile, four steps of k along it, in both majors). On a
+kernels/wgmma_matmul.cu uses them (a 64-wide swizzled tile, four steps of k along it, in both majors); and
+wgmma.mma_async m64nNk8 .tf32 from K-major 128-byte swizzled tiles of float32, which the tensor core reads by
+their upper 19 bits (the low 13 ignored: rounded toward zero to TF32). On a
 GPU (an H100 or H200: wgmma needs compute capability 9.0, and the kernels compile for sm_90a) these check our
 reading of the PTX ISA; on the CPU, that the executor reads shared memory and places results as the GPU does.
 
@@ -40,15 +42,16 @@ def bf16(x):
     return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16)
 
 
-def layout_offsets(rows, depth, swizzle, leading, stride):
-    """Byte offset from the matrix's start of element (row, k), for a K-major rows x depth bf16 matrix (PTX ISA,
-    "Shared Memory Matrix Layout"): core matrices of 8 rows of 16 bytes; chunk = k // 8 is the 16-byte column.
+def layout_offsets(rows, depth, swizzle, leading, stride, element_bytes=2):
+    """Byte offset from the matrix's start of element (row, k), for a K-major rows x depth matrix of bf16 (or of
+    4-byte tf32) (PTX ISA, "Shared Memory Matrix Layout"): core matrices of 8 rows of 16 bytes; chunk = the
+    element's byte offset along the row // 16 is its 16-byte column.
     Without swizzle, core matrices are `leading` bytes apart along k and `stride` bytes apart down the rows.
     With a swizzle of W bytes, the 8 rows of a group are W bytes apart, chunks are adjacent, groups `stride`
     apart, and the offset's bits 4.. are XOR-ed with its bits 7.. (one bit for 32B, two for 64B, three for
     128B): the matrix starts on a multiple of 8 W, so offset bits are address bits."""
     row, k = np.arange(rows)[:, None], np.arange(depth)[None, :]
-    chunk, within = k // 8, 2 * (k % 8)
+    chunk, within = k * element_bytes // 16, k * element_bytes % 16
     width = SWIZZLE_WIDTH[swizzle]
     if width == 0:
         return (row // 8) * stride + chunk * leading + (row % 8) * 16 + within
@@ -339,43 +342,55 @@ def test_mn_major_operands_random_inputs_within_the_tolerance(a_major, b_major, 
 # The wrappers of kernels/include/wgmma.cuh, as kernels/wgmma_matmul.cu uses them
 # ---------------------------------------------------------------------------------------------------------
 
-HEADER_TILE = r"""
+WARPGROUP_TILE = r"""
 #include "wgmma.cuh"
 
-// A (64 x 64) and B (256 x 64), K-major with the 128-byte swizzle, as images; D = A Bᵀ through four
-// wgmma_m64n256k16_bf16, one per step of 16 along k (the descriptors' start 32 bytes further each time).
-extern "C" __global__ void header_tile(float* D, const unsigned short* a_image, const unsigned short* b_image)
+// One warpgroup: A's image (64 rows of 128 bytes) and B's (N_WIDE rows of 128 bytes) copied into dynamic shared
+// memory at 1024 bytes, B 8192 bytes after A; D = the sum over k < steps of PRODUCT (a wrapper of wgmma.cuh, its
+// descriptors moved along by k), from zero; D written out as 64 x N_WIDE, row-major, from the fragment layout.
+extern "C" __global__ void warpgroup_tile(float* D, const unsigned short* a_image, const unsigned short* b_image, int steps)
 {
     extern __shared__ __align__(1024) unsigned char shared[];
     const unsigned base = (shared_address(shared) + 1023) & ~1023u;
     unsigned short* tiles = reinterpret_cast<unsigned short*>(shared + (base - shared_address(shared)));
-    for (int i = threadIdx.x; i < (64 + 256) * 64; i += 128) tiles[i] = i < 64 * 64 ? a_image[i] : b_image[i - 64 * 64];
+    for (int i = threadIdx.x; i < (64 + N_WIDE) * 64; i += 128) tiles[i] = i < 64 * 64 ? a_image[i] : b_image[i - 64 * 64];
     fence_proxy_async_shared();
     __syncthreads();
-    float d[128];
-    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+    float d[N_WIDE / 2];
+    for (int i = 0; i < N_WIDE / 2; ++i) d[i] = 0.0f;
     fence_accumulators(d);
     wgmma_fence();
-    for (int k = 0; k < 4; ++k)
-        wgmma_m64n256k16_bf16(d, matrix_descriptor_128b(base + 32 * k), matrix_descriptor_128b(base + 64 * 128 + 32 * k));
+    for (int k = 0; k < steps; ++k) PRODUCT;
     wgmma_commit_group();
     wgmma_wait_group<0>();
     fence_accumulators(d);
     const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    for (int i = 0; i < 128; ++i) D[(16 * warp + g + 8 * (i / 2 % 2)) * 256 + 8 * (i / 4) + 2 * t + i % 2] = d[i];
+    for (int i = 0; i < N_WIDE / 2; ++i) D[(16 * warp + g + 8 * (i / 2 % 2)) * N_WIDE + 8 * (i / 4) + 2 * t + i % 2] = d[i];
 }
 """
+# K-major tiles in the 128-byte swizzle: each step 32 bytes further along every row (16 bf16, or 8 tf32)
+K_MAJOR_STEP = "matrix_descriptor_128b(base + 32 * k), matrix_descriptor_128b(base + 8192 + 32 * k)"
+
+
+def run_warpgroup_tile(product, n, a_image, b_image, steps=4):
+    """D (64 x n) of WARPGROUP_TILE with PRODUCT `product`, from images of 64 and n rows of 128 bytes."""
+    code = WARPGROUP_TILE.replace("N_WIDE", str(n)).replace("PRODUCT", product)
+    kernel = backend.RawKernel(code, "warpgroup_tile", options=OPTIONS)
+    shared = 1024 + (64 + n) * 128
+    kernel.max_dynamic_shared_size_bytes = shared
+    xp = backend.xp
+    out = xp.full((64, n), np.nan, dtype=np.float32)
+    assert a_image.nbytes == 64 * 128 and b_image.nbytes == n * 128   # packed: no gaps between rows or atoms
+    kernel((1,), (128,), (out, xp.asarray(a_image.view(np.uint16)), xp.asarray(b_image.view(np.uint16)),
+                          np.int32(steps)), shared_mem=shared)
+    return backend.asnumpy(out)
 
 
 def run_header_tile(a, b):
-    kernel = backend.RawKernel(HEADER_TILE, "header_tile", options=OPTIONS)
-    shared = 1024 + (64 + 256) * 128
-    kernel.max_dynamic_shared_size_bytes = shared
-    xp = backend.xp
-    out = xp.full((64, 256), np.nan, dtype=np.float32)
-    kernel((1,), (128,), (out, xp.asarray(image(a, "128B", 16, 1024)), xp.asarray(image(b, "128B", 16, 1024))),
-           shared_mem=shared)
-    return backend.asnumpy(out)
+    """A (64 x 64) and B (256 x 64), K-major with the 128-byte swizzle; D = A Bᵀ through four
+    wgmma_m64n256k16_bf16, one per step of 16 along k (the descriptors' start 32 bytes further each time)."""
+    return run_warpgroup_tile(f"wgmma_m64n256k16_bf16(d, {K_MAJOR_STEP})", 256, image(a, "128B", 16, 1024),
+                              image(b, "128B", 16, 1024))
 
 
 def test_header_wrappers_accumulate_four_k_steps_of_a_swizzled_tile(rng):
@@ -396,53 +411,93 @@ def test_header_wrappers_k_steps_are_not_interchangeable(rng):
     np.testing.assert_array_equal(run_header_tile(a, b), (a.astype(np.float64) @ b.T).astype(np.float32))
 
 
-HEADER_TILE_MN = r"""
-#include "wgmma.cuh"
-
-// A (64 x 64) and B (64 x N), both MN-major with the 128-byte swizzle, as kernels/wgmma_matmul.cu lays out a
-// slice: for each k a row of 128 bytes holding 64 values of m (n); atoms of 64 x 8 side by side along m (n)
-// (LBO 1024), then the next 8 of k (SBO: N / 64 atoms); D = A B through four wgmma (imm-trans 1, 1), one per
-// step of 16 along k (two groups of 8 further each time).
-extern "C" __global__ void header_tile_mn(float* D, const unsigned short* a_image, const unsigned short* b_image, int n)
-{
-    extern __shared__ __align__(1024) unsigned char shared[];
-    const unsigned base = (shared_address(shared) + 1023) & ~1023u;
-    unsigned short* tiles = reinterpret_cast<unsigned short*>(shared + (base - shared_address(shared)));
-    for (int i = threadIdx.x; i < (64 + n) * 64; i += 128) tiles[i] = i < 64 * 64 ? a_image[i] : b_image[i - 64 * 64];
-    fence_proxy_async_shared();
-    __syncthreads();
-    float d[N_WIDE / 2];
-    for (int i = 0; i < N_WIDE / 2; ++i) d[i] = 0.0f;
-    fence_accumulators(d);
-    wgmma_fence();
-    for (int k = 0; k < 4; ++k)
-        WGMMA<1, 1>(d, matrix_descriptor_128b_mn(base + 2048 * k, 1024, 1024),
-                    matrix_descriptor_128b_mn(base + 8192 + N_WIDE / 64 * 2048 * k, 1024, N_WIDE / 64 * 1024));
-    wgmma_commit_group();
-    wgmma_wait_group<0>();
-    fence_accumulators(d);
-    const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    for (int i = 0; i < N_WIDE / 2; ++i) D[(16 * warp + g + 8 * (i / 2 % 2)) * N_WIDE + 8 * (i / 4) + 2 * t + i % 2] = d[i];
-}
-"""
-
-
 @pytest.mark.parametrize("n", [128, 256])
 def test_header_mn_major_descriptor_and_transposed_wrappers(n, rng):
     """matrix_descriptor_128b_mn (LBO: one 64-wide atom to the next, 1024 bytes; SBO: N / 64 atoms) with
     wgmma_m64n{n}k16_bf16<1, 1>: A stored K x M and B stored K x N, as the weight gradient dyᵀ x reads them."""
     a = rng.integers(-3, 4, (64, 64)).astype(np.float32)    # A: m x k
     b = rng.integers(-3, 4, (n, 64)).astype(np.float32)     # B's columns: n x k
-    code = HEADER_TILE_MN.replace("N_WIDE", str(n)).replace("WGMMA", f"wgmma_m64n{n}k16_bf16")
-    kernel = backend.RawKernel(code, "header_tile_mn", options=OPTIONS)
-    shared = 1024 + (64 + n) * 128
-    kernel.max_dynamic_shared_size_bytes = shared
-    xp = backend.xp
-    out = xp.full((64, n), np.nan, dtype=np.float32)
+    # A stored as atoms of 64 x 8 (LBO 1024 to the next 64 of m), SBO one atom along k; B's SBO N / 64 atoms
+    product = (f"wgmma_m64n{n}k16_bf16<1, 1>(d, matrix_descriptor_128b_mn(base + 2048 * k, 1024, 1024), "
+               f"matrix_descriptor_128b_mn(base + 8192 + {n // 64} * 2048 * k, 1024, {n // 64} * 1024))")
     images = [layout_image(x, "MN", "128B", 1024, rows // 64 * 1024) for x, rows in ((a, 64), (b, n))]
-    assert images[0].size == 64 * 64 and images[1].size == n * 64   # packed: no gaps between atoms
-    kernel((1,), (128,), (out, xp.asarray(images[0]), xp.asarray(images[1]), np.int32(n)), shared_mem=shared)
-    np.testing.assert_array_equal(backend.asnumpy(out), (a.astype(np.float64) @ b.T).astype(np.float32))
+    got = run_warpgroup_tile(product, n, *images)
+    np.testing.assert_array_equal(got, (a.astype(np.float64) @ b.T).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TF32: float32 in shared memory, read by its upper 19 bits, K-major only
+# ---------------------------------------------------------------------------------------------------------
+
+NAN_WORD = 0x7FC00000   # a float32 NaN, in the image's words that a correct read never reaches
+
+
+def tf32_image(matrix, steps):
+    """The shared-memory words (uint32) of a K-major float32 matrix (rows x 32) in the 128-byte swizzle, its k
+    past 8 steps' worth left as NaN."""
+    offsets = layout_offsets(matrix.shape[0], 8 * steps, "128B", 16, 1024, element_bytes=4)
+    words = np.full(matrix.shape[0] * 32, NAN_WORD, dtype=np.uint32)
+    words[offsets // 4] = np.ascontiguousarray(matrix[:, :8 * steps], dtype=np.float32).view(np.uint32)
+    return words
+
+
+def run_tf32_tile(a, b, steps):
+    """D = A Bᵀ over k < 8 steps for float32 A (64 x 32) and B (n x 32: row j holds column j of B), K-major with
+    the 128-byte swizzle (a row of 32 floats per row), through `steps` wgmma_m64n{n}k8_tf32 whose descriptors
+    start 32 bytes (8 floats) further each step, as kernels/wgmma_matmul.cu walks a float32 slice."""
+    n = b.shape[0]
+    return run_warpgroup_tile(f"wgmma_m64n{n}k8_tf32(d, {K_MAJOR_STEP})", n, tf32_image(a, steps),
+                              tf32_image(b, steps), steps)
+
+
+def upper_19_bits(x):
+    """float32 x as a .tf32 operand reads it: sign, exponent and top 10 mantissa bits, the low 13 cleared."""
+    return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+
+def with_low_bits(rng, values):
+    """float32 values (exact in TF32) with their low 13 bits set to 0x1000 .. 0x1FFF: at least half a TF32 unit,
+    so that rounding to nearest would move each one a unit away from what truncation gives."""
+    bits = np.asarray(values, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
+    return (bits | rng.integers(0x1000, 0x2000, bits.shape).astype(np.uint32)).view(np.float32)
+
+
+@pytest.mark.parametrize("n", [128, 256])
+@pytest.mark.parametrize("steps", [2, 4])
+def test_tf32_wgmma_reads_the_upper_19_bits_bit_exact(n, steps, rng):
+    """Small integers with garbage in their low 13 bits: the tensor core reads the integers (every sum then
+    exact in float32), where the values as stored, or rounded to nearest TF32, give other sums. Two steps of k8
+    leave the rest of each 128-byte row NaN: a descriptor that reads past its step picks one up."""
+    a = with_low_bits(rng, rng.integers(-7, 8, (64, 32)))
+    b = with_low_bits(rng, rng.integers(-7, 8, (n, 32)))
+    depth = 8 * steps
+    expected = upper_19_bits(a[:, :depth]) @ upper_19_bits(b[:, :depth]).T
+    as_stored = a[:, :depth].astype(np.float64) @ b[:, :depth].T
+    assert np.all(expected == np.round(expected)) and np.any(expected != as_stored)
+    np.testing.assert_array_equal(run_tf32_tile(a, b, steps), expected.astype(np.float32))
+
+
+def test_tf32_wgmma_k_steps_are_not_interchangeable(rng):
+    """One nonzero k per row of A: a step reading another step's 8 floats (a wrong start or swizzle) changes D."""
+    a = np.zeros((64, 32), np.float32)
+    for row in range(64):
+        a[row, (row * 7) % 32] = row % 5 + 1
+    b = rng.integers(1, 4, (128, 32)).astype(np.float32)
+    np.testing.assert_array_equal(run_tf32_tile(a, b, 4), (a.astype(np.float64) @ b.T).astype(np.float32))
+
+
+def test_tf32_wgmma_random_inputs_within_the_tolerance(rng):
+    """Random values whose low 13 bits are at least half a TF32 unit: against float64 of their upper 19 bits
+    within MMA_TOLERANCE of the sum of magnitudes; the values as stored, and rounded to nearest TF32, are far
+    outside it (the check tells truncation from the other readings)."""
+    from gpt2_cupy.precision import tf32_values
+    a = with_low_bits(rng, rng.standard_normal((64, 32)))
+    b = with_low_bits(rng, rng.standard_normal((128, 32)))
+    got = run_tf32_tile(a, b, 4).astype(np.float64)
+    tolerance = MMA_TOLERANCE * (np.abs(upper_19_bits(a)) @ np.abs(upper_19_bits(b)).T)
+    assert np.all(np.abs(got - upper_19_bits(a) @ upper_19_bits(b).T) <= tolerance)
+    for other in (a.astype(np.float64) @ b.T.astype(np.float64), tf32_values(a) @ tf32_values(b).T):
+        assert np.mean(np.abs(got - other) > tolerance) > 0.9
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -566,8 +621,12 @@ def test_wgmma_without_sm_90a_is_a_compile_error_naming_the_instruction_and_the_
 
 @pytest.mark.cpu_only
 @pytest.mark.parametrize("instruction, words", [
-    ("wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {%0, %1}, %2, %3, 1, 1, 1;",
-     "does not know the PTX instruction 'wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32'"),
+    ("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1}, %2, %3, 1, 1, 1;",
+     "does not run 'wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3'"),
+    ("wgmma.mma_async.sync.aligned.m64n64k16.f32.tf32.tf32 {%0, %1}, %2, %3, 1, 1, 1;",
+     "does not run 'wgmma.mma_async.sync.aligned.m64n64k16.f32.tf32.tf32'"),
+    ("wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {%0, %1}, %2, %3, 1, 1, 1, 0, 0;",
+     "tf32 operands are K-major only: PTX gives the .tf32 variant no imm-trans"),
     ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1}, {%2, %2, %2, %2}, %3, 1, 1, 1, 0;",
      "A in registers"),
 ])

@@ -109,7 +109,9 @@ def test_bad_arguments_are_clear_errors():
     xp = backend.xp
     a = xp.zeros((16, 24), dtype=ml_dtypes.bfloat16)
     b = xp.zeros((8, 24), dtype=ml_dtypes.bfloat16)
-    with pytest.raises(TypeError, match=r"wgmma_matmul: a has dtype float32; it must be bfloat16"):
+    with pytest.raises(TypeError, match=r"wgmma_matmul: a has dtype float64; it must be bfloat16.*or float32"):
+        wgmma_matmul(xp.zeros((16, 24), np.float64), b)
+    with pytest.raises(TypeError, match=r"a is float32 and b is bfloat16; both must be bf16, or both float32"):
         wgmma_matmul(xp.zeros((16, 24), np.float32), b)
     with pytest.raises(ValueError, match=r"wgmma_matmul: b has shape \(8, 16\).*K = 16.*K = 24"):
         wgmma_matmul(a, xp.zeros((8, 16), dtype=ml_dtypes.bfloat16))

@@ -26,7 +26,9 @@ SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 onl
              "cp.async.{ca,cg}.shared.global, cp.async.commit_group, cp.async.wait_group, cp.async.wait_all, "
              "cvt.rna[.satfinite].tf32.f32, cvt between u32/s32/u64/s64, cvta[.to].shared, mov, setp, "
              "wgmma.mma_async.sync.aligned.m64n{8..256}k16.f32.{bf16,f16}.<same> with both matrices by descriptor "
-             "(K-major or MN-major: imm-trans-a/b 0 or 1), wgmma.fence/commit_group/wait_group.sync.aligned (these four with -arch=sm_90a), "
+             "(K-major or MN-major: imm-trans-a/b 0 or 1), wgmma.mma_async.sync.aligned.m64n{8..256}k8.f32.tf32.tf32 "
+             "with both matrices by descriptor (K-major only: no imm-trans operands), "
+             "wgmma.fence/commit_group/wait_group.sync.aligned (these four with -arch=sm_90a), "
              "fence.proxy.async, and .reg declarations")
 
 # wgmma exists only on sm_90a: NVRTC refuses it for sm_90, the architecture CuPy picks for an H100 or H200.
@@ -351,16 +353,30 @@ class _Body:
 
     def wgmma_mma(self, match, operands):
         self.require_sm_90a(match.group(0))
-        n, d_type, a_type, b_type = int(match.group("n")), match.group("d"), match.group("a"), match.group("b")
-        if n % 8 != 0 or not 8 <= n <= 256 or d_type != "f32" or a_type != b_type or a_type not in ("bf16", "f16"):
+        n, k, d_type = int(match.group("n")), int(match.group("k")), match.group("d")
+        a_type, b_type = match.group("a"), match.group("b")
+        depth = 8 if a_type == "tf32" else 16
+        if (n % 8 != 0 or not 8 <= n <= 256 or d_type != "f32" or a_type != b_type
+                or a_type not in ("bf16", "f16", "tf32") or k != depth):
             raise AsmError(f"the CPU executor does not run '{match.group(0)}': it runs wgmma.mma_async m64nNk16 "
-                           "(N a multiple of 8 up to 256) with f32 D and A, B both bf16 or both f16")
-        if len(operands) == 7 and operands[1].startswith("{"):
+                           "(N a multiple of 8 up to 256) with f32 D and A, B both bf16 or both f16, and m64nNk8 "
+                           "with f32 D and A, B both tf32")
+        # A in registers: one operand fewer than the descriptor form, and a vector where a-desc stands
+        if operands[1:2] and operands[1].startswith("{"):
             raise AsmError(f"{match.group(0)}: the CPU executor runs wgmma.mma_async with A in shared memory (a "
                            "descriptor), not A in registers")
-        self.expect(operands, 8, "wgmma.mma_async")
+        if a_type == "tf32":
+            if len(operands) == 8:
+                raise AsmError(f"{match.group(0)}: .tf32 operands are K-major only: PTX gives the .tf32 variant no "
+                               "imm-trans-a, imm-trans-b operands (d, a-desc, b-desc, scale-d, imm-scale-a, "
+                               "imm-scale-b)")
+            self.expect(operands, 6, "wgmma.mma_async .tf32")
+        else:
+            self.expect(operands, 8, "wgmma.mma_async")
         d = self.vector(operands[0], n // 2, "wgmma.mma_async D")
         a_descriptor, b_descriptor, scale_d, *immediates = (self.scalar(o) for o in operands[1:])
+        if a_type == "tf32":
+            immediates += ["0", "0"]   # K-major: no transposes
         as_float = ", ".join(f"{_NS}bits<float>({v})" for v in d)
         return (f"{{ float gpt2cupy_d[{n // 2}] = {{{as_float}}}; "
                 f"{_NS}wgmma<{n}, {_NS}Input::{a_type}>(gpt2cupy_d, {_NS}bits<unsigned long long>({a_descriptor}), "
@@ -403,7 +419,7 @@ class _Body:
         (rf"cvta(?P<to>\.to)?{_SHARED}\.(?P<type>u32|u64)", cvta),
         (r"mov\.(?P<type>b16|u16|s16|b32|u32|s32|f32|b64|u64|s64|f64)", mov),
         (rf"setp\.(?P<comparison>eq|ne|lt|le|gt|ge)\.(?P<type>{_INTEGER})", setp),
-        (r"wgmma\.mma_async\.sync\.aligned\.m64n(?P<n>\d+)k16\.(?P<d>\w+)\.(?P<a>\w+)\.(?P<b>\w+)", wgmma_mma),
+        (r"wgmma\.mma_async\.sync\.aligned\.m64n(?P<n>\d+)k(?P<k>\d+)\.(?P<d>\w+)\.(?P<a>\w+)\.(?P<b>\w+)", wgmma_mma),
         (r"wgmma\.fence\.sync\.aligned", wgmma_fence),
         (r"wgmma\.commit_group\.sync\.aligned", wgmma_commit_group),
         (r"wgmma\.wait_group\.sync\.aligned", wgmma_wait_group),

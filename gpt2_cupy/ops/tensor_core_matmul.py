@@ -18,8 +18,13 @@ Sums are float32 in every case. The Linear layer's three products, x: (N, C_in),
     tensor_core_matmul(dout, x, transpose_a=True, out=dW, accumulate=True)   # dW += doutᵀ x
 
 The kernels are kernels/tensor_core_matmul.cu, from chapters/15_tensor_cores.ipynb: 128 x 128 tiles of C
-per block of 256 threads, K in slices of 32 through a 3-stage cp.async pipeline. This op does not split K
-(gpt2_cupy.ops.matmul does, for products with few output tiles).
+per block of 256 threads, K in slices of 32 through a 3-stage cp.async pipeline (mma.sync, any GPU since
+Ampere). On a GPU that runs wgmma (H100, H200; and the CPU executor, which stands for an H100), a large 2-D
+product (SMALL_PRODUCT multiply-adds or more; M and N at least MIN_COPIED_EXTENT where its operands are copied
+first) runs on kernels/wgmma_matmul.cu instead: "high" on its TF32 instruction (which reads each float32's
+upper 19 bits: rounded toward zero to TF32, not to nearest as mma.sync's kernel rounds), "highest" as 3xTF32
+on it (one pass splits each operand into TF32 parts, then one TF32 product over three times K), "medium" on
+its bf16 one.
 
 The package's products come here through gpt2_cupy.ops.matmul.launch_matmul at the "high" and "medium"
 settings; at "highest" they stay on chapter 01's float32 kernel (gpt2_cupy.precision says why).
@@ -35,7 +40,7 @@ from gpt2_cupy import backend, kernels
 from gpt2_cupy.elementwise import converted, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, THREADS_PER_BLOCK, ceil_div, float4_aligned, storage_c_type
 from gpt2_cupy.ops.matmul import _checked, launch_matmul
-from gpt2_cupy.ops.wgmma_matmul import launch_wgmma_matmul, wgmma_fits, wgmma_runs
+from gpt2_cupy.ops.wgmma_matmul import launch_tf32_wgmma_product, launch_wgmma_matmul, wgmma_fits, wgmma_runs
 from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision
 
 TILE = 128       # rows and columns of C per block (kernels/tensor_core_matmul.cu: TILE)
@@ -47,6 +52,10 @@ TF32_PRODUCTS = {"highest": 3, "high": 1}   # mma products per tile: 3xTF32 or T
 # H100's float32 units, close to a launch, so tensor cores gain little there; the CPU executor, which
 # emulates the tensor cores lane by lane, runs such a product 40 times faster on the float32 kernel.
 SMALL_PRODUCT = 1 << 27
+# M and N at least this for a float32 product on wgmma: an operand not K-major is copied first (8 bytes per
+# element, read and written), which costs less than the wgmma saves over mma.sync (2 N flops per element of A,
+# about 3 times faster) once N is a few hundred: at 4 TB/s and 106 against 350 TFLOP/s, N above about 150.
+MIN_COPIED_EXTENT = 256
 BF16_ROW_MULTIPLE = 8                       # bf16 copies' rows are padded to 16 bytes, for 16-byte copies
 
 
@@ -174,12 +183,28 @@ def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, a
     K = a.shape[-2] if transpose_a else a.shape[-1]
     if out.size == 0 or K == 0:  # nothing to multiply: the float32 op fills or keeps out as it should
         return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)
+    M, N = out.shape[-2:]
+    if out.ndim == 2 and wgmma_runs() and M * N * K >= SMALL_PRODUCT:
+        if precision == "medium":   # bf16 copies (as for mma.sync), then the bf16 wgmma (launch_bf16_product picks it)
+            return launch_bf16_product(converted(a, BFLOAT16), converted(b, BFLOAT16), out, transpose_a, transpose_b,
+                                       accumulate)
+        # TF32 reads x Wᵀ as it lies; other layouts, and 3xTF32's parts, take a pass over the operands first
+        copied = precision == "highest" or transpose_a or not transpose_b
+        if not copied or min(M, N) >= MIN_COPIED_EXTENT:
+            return launch_tf32_wgmma_product(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
     if precision == "medium":
         return launch_bf16_matmul(to_bf16(a)[0], to_bf16(b)[0], out, K, transpose_a, transpose_b, accumulate)
+    return launch_tf32_mma_sync(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
+
+
+def launch_tf32_mma_sync(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, products=1):
+    """out = op(a) @ op(b), or out += ..., on mma.sync's TF32 kernel (any GPU since Ampere): products=1 for TF32
+    (inputs rounded to nearest), 3 for 3xTF32. Unchecked, as launch_tensor_core_matmul, with K at least 1."""
+    K = a.shape[-2] if transpose_a else a.shape[-1]
     lda, ldb = a.shape[-1], b.shape[-1]
     # 16-byte copies need every stored row to start on 16 bytes: rows of a multiple of 4 floats, aligned arrays
     wide = lda % 4 == 0 and ldb % 4 == 0 and float4_aligned(a, b)
-    name = f"tf32_matmul<{TF32_PRODUCTS[precision]}, {_flag(transpose_a)}, {_flag(transpose_b)}, {_flag(wide)}>"
+    name = f"tf32_matmul<{products}, {_flag(transpose_a)}, {_flag(transpose_b)}, {_flag(wide)}>"
     kernel, shared = _kernel(name, 4, transpose_a, transpose_b)
     return _launch(kernel, shared, out, a, b, K, lda, ldb, a.shape[-2], b.shape[-2], accumulate)
 

@@ -1,10 +1,16 @@
-"""The Linear layer's products on Hopper's tensor cores through wgmma, from bf16 inputs.
+"""The Linear layer's products on Hopper's tensor cores through wgmma, from bf16 inputs, or float32 read as TF32.
 
     wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=False,
                  transpose_a=False, transpose_b=True)
         returns out: (M, N) = op(a) @ op(b), op(x) being x or its transpose; the defaults give a @ bᵀ
-        a: (M, K), or (K, M) if transpose_a; b: (K, N), or (N, K) if transpose_b; both bf16
+        a: (M, K), or (K, M) if transpose_a; b: (K, N), or (N, K) if transpose_b; both bf16, or both float32
         bias: (N,) float32 added to every row; accumulate=True: out += op(a) @ op(b) (+ bias)
+
+float32 a and b go through wgmma's .tf32 instruction, which reads each value's upper 19 bits (sign, exponent,
+10 mantissa bits: the value rounded toward zero to TF32) and takes its operands K-major only: a (M, K) and
+b (N, K), the defaults; their rows a multiple of 4 floats. launch_tf32_wgmma_product takes any layout (copying
+an operand K-major first) and 3xTF32 (float32 accuracy from three TF32 products); gpt2_cupy.ops.
+tensor_core_matmul sends its large 2-D float32 products there.
 
 The Linear layer's three products, x: (B*T, C_in), W: (C_out, C_in), each read as it lies in memory:
 
@@ -15,13 +21,14 @@ The Linear layer's three products, x: (B*T, C_in), W: (C_out, C_in), each read a
 Sums are float32; the output is float32, or bf16 (out_dtype="bfloat16", rounded to nearest once at the end).
 bf16 arrays are ml_dtypes' bfloat16 (numpy's, which CuPy shares); uint16 arrays holding bf16 bits (as
 gpt2_cupy.ops.tensor_core_matmul.to_bf16 makes them) pass too. Each operand's rows (its last dimension) must
-be a multiple of 8 elements: the kernel moves them in 16-byte pieces. Other sizes are free.
+be whole 16-byte pieces, which the kernel moves: a multiple of 8 bf16, or 4 float32. Other sizes are free.
 
 The kernel is kernels/wgmma_matmul.cu, from chapters/15_tensor_cores.ipynb, section 4.8: 128 x 256 tiles of C
 (128 x 128 where that fills the GPU better) per block of two warpgroups, K in slices of 64 through a 4-stage
-cp.async pipeline into 128-byte swizzled shared memory, wgmma.mma_async reading it by descriptor, K-major or
-MN-major (imm-trans). A float32 product with few tiles and a long K (the weight gradient's sum over B*T rows)
-is split along K, the stretches adding into out with atomicAdd: its last bits then vary from run to run.
+cp.async pipeline into 128-byte swizzled shared memory (a slice of 64 bf16 or 32 float32 per row), wgmma.mma_async
+reading it by descriptor, K-major or MN-major (imm-trans, bf16 only). A float32 product with few tiles and a long
+K (the weight gradient's sum over B*T rows) is split along K, each stretch into its own slab, the slabs then
+added in order: the same result every run.
 wgmma exists only on compute capability 9.0 (H100, H200), and compiles only for sm_90a; on another GPU this op
 raises RuntimeError. The CPU executor emulates wgmma, so the op runs there too.
 """
@@ -35,13 +42,20 @@ from gpt2_cupy.elementwise import OPERAND_NAMES, elementwise
 from gpt2_cupy.ops.arrays import LARGEST_INT, ceil_div, check, float4_aligned, output
 
 BLOCK_M = 128                      # rows of C per block (kernels/wgmma_matmul.cu: BLOCK_M)
-BLOCK_K = 64                       # elements of K per slice (BLOCK_K)
+BLOCK_K = 64                       # bf16 of K per slice (SLICE_K<__nv_bfloat16>; 32 float32); splits of K are
+                                   # multiples of it, so of a float32 slice too
 STAGES = 4                         # slices in shared memory (STAGES)
 THREADS = 256
 MAX_SPLITS = 6                     # stretches of K at most: with out and bias, the 8 operands of one generated sum
 MIN_K_PER_SPLIT = 1024             # elements of K per stretch at least: 16 slices, to keep the pipeline full
 TILE_SPEED = {256: 1.0, 128: 0.9}    # multiply-adds per second of a block, by tile width (measured on an H200)
-ROW_MULTIPLE = 8                   # rows of a and b in 16-byte pieces: 8 bf16
+ROW_MULTIPLE = {2: 8, 4: 4}        # rows of a and b in 16-byte pieces: 8 bf16, 4 float32 (by element bytes)
+TF32_ROW_MULTIPLE = ROW_MULTIPLE[4]
+PART_VALUE, PART_BIG, PART_SMALL = 0, 1, 2   # tf32_operand_rows' parts of a value (kernels/wgmma_matmul.cu)
+TRANSPOSE_TILE = 32                # rows and k of op(x) per block of tf32_operand_rows (TRANSPOSE_TILE)
+MAX_GRID_Y = 65535                 # CUDA's limit on a grid's y dimension (tf32_operand_rows' tiles of rows)
+# 3xTF32 as one TF32 product over three times K: A's rows [small | big | big], B's [big | small | big]
+THREE_PRODUCT_PARTS = ((PART_SMALL, PART_BIG, PART_BIG), (PART_BIG, PART_SMALL, PART_BIG))
 OPTIONS = ("-arch=sm_90a",)        # wgmma compiles for sm_90a only (NVRTC refuses it for plain sm_90)
 
 
@@ -59,10 +73,11 @@ def _output_dtype(operation, out_dtype):
     return dtype
 
 
-def _check_bf16(operation, name, array):
-    if isinstance(array, backend.xp.ndarray) and array.dtype not in (_bfloat16(), numpy.dtype(numpy.uint16)):
+def _check_element(operation, name, array):
+    if isinstance(array, backend.xp.ndarray) and array.dtype not in (_bfloat16(), numpy.dtype(numpy.uint16),
+                                                                     numpy.dtype(numpy.float32)):
         raise TypeError(f"{operation}: {name} has dtype {array.dtype}; it must be bfloat16 (ml_dtypes.bfloat16, "
-                        "or uint16 holding bf16 bits). Convert a float32 array with .astype(ml_dtypes.bfloat16)")
+                        "or uint16 holding bf16 bits), or float32 (read as TF32)")
     return array.dtype if isinstance(array, backend.xp.ndarray) else None
 
 
@@ -85,11 +100,15 @@ def _flag(value):
     return "true" if value else "false"
 
 
-def _kernel(block_n, transpose_a, transpose_b, output_dtype):
-    """The kernel for one tile width, layout and output type. A is MN-major when transposed (stored K x M); B is
-    MN-major when not (stored K x N, as W in dy W)."""
-    output = "float" if output_dtype == numpy.dtype(numpy.float32) else "__nv_bfloat16"
-    name = f"wgmma_matmul<{block_n}, {_flag(transpose_a)}, {_flag(not transpose_b)}, {output}>"
+def _c_type(dtype):
+    return "float" if dtype == numpy.dtype(numpy.float32) else "__nv_bfloat16"
+
+
+def _kernel(block_n, transpose_a, transpose_b, output_dtype, element_dtype):
+    """The kernel for one tile width, layout, output type and element type (bf16, or float32 read as TF32). A is
+    MN-major when transposed (stored K x M); B is MN-major when not (stored K x N, as W in dy W)."""
+    name = (f"wgmma_matmul<{block_n}, {_flag(transpose_a)}, {_flag(not transpose_b)}, {_c_type(output_dtype)}, "
+            f"{_c_type(element_dtype)}>")
     kernel = kernels.function("wgmma_matmul", name, options=OPTIONS, name_expressions=(name,))
     if kernel.max_dynamic_shared_size_bytes < shared_bytes(block_n):
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
@@ -137,15 +156,16 @@ def _launch_shape(M, N, K, float32_out, processors):
 
 
 def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False, transpose_a=False, transpose_b=True, shape=None):
-    """out = op(a) @ op(b) (+ bias), or out += ... Unchecked: a, b C-contiguous bf16 whose rows are a multiple of
-    8 elements and start on 16 bytes, out (M, N) float32 or bf16 apart from both, bias None or N float32s.
+    """out = op(a) @ op(b) (+ bias), or out += ... Unchecked: a, b C-contiguous, both bf16 (or uint16 bf16 bits)
+    or both float32 (read as TF32, K-major only: transpose_a False, transpose_b True), their rows whole 16-byte
+    pieces starting on 16 bytes, out (M, N) float32 or bf16 apart from both, bias None or N float32s.
     shape: (block_n, splits, k_per_split) instead of launch_shape's choice (for benchmarks)."""
     M, N = out.shape
     K = a.shape[0] if transpose_a else a.shape[1]
     if out.size == 0:
         return out
     block_n, splits, k_per_split = shape or launch_shape(M, N, K, out.dtype == numpy.dtype(numpy.float32))
-    kernel = _kernel(block_n, transpose_a, transpose_b, out.dtype)
+    kernel = _kernel(block_n, transpose_a, transpose_b, out.dtype, a.dtype)
     # Split K: each stretch writes its partial sums to its own slab, added below in stretch order.
     target = out if splits == 1 else backend.xp.empty((splits, M, N), dtype=numpy.float32)
     kernel((tiles(M, N, block_n), splits), (THREADS,),
@@ -166,8 +186,53 @@ def add_partial_sums(partials, out, bias, accumulate):
 
 
 def wgmma_fits(a, b):
-    """Whether the kernel reads a and b as they are: rows of a multiple of 8 elements, starting on 16 bytes."""
-    return a.shape[-1] % ROW_MULTIPLE == 0 and b.shape[-1] % ROW_MULTIPLE == 0 and float4_aligned(a, b)
+    """Whether the kernel reads a and b as they are: rows of whole 16-byte pieces, starting on 16 bytes."""
+    multiple = ROW_MULTIPLE[a.dtype.itemsize]
+    return a.shape[-1] % multiple == 0 and b.shape[-1] % multiple == 0 and float4_aligned(a, b)
+
+
+def _tf32_rows_fit(x):
+    """Whether the TF32 kernel reads K-major x as it lies: rows of a multiple of 4 floats, starting on 16 bytes."""
+    return x.shape[-1] % TF32_ROW_MULTIPLE == 0 and float4_aligned(x)
+
+
+def tf32_operand_rows(x, k_contiguous, parts):
+    """(rows, len(parts) * segment_k) float32: op(x)'s rows (x itself if k_contiguous, else x's transpose, read
+    as it lies), K-major, once per part, each padded with zeros to segment_k = K rounded up to a multiple of 4.
+    parts: PART_VALUE (the value), PART_BIG (rounded to TF32), PART_SMALL (the TF32 of what that leaves)."""
+    rows, K = x.shape if k_contiguous else x.shape[::-1]
+    if ceil_div(rows, TRANSPOSE_TILE) > MAX_GRID_Y:
+        raise ValueError(f"tf32_operand_rows: {rows} rows need more than {MAX_GRID_Y} blocks along the grid's y")
+    segment_k = ceil_div(K, TF32_ROW_MULTIPLE) * TF32_ROW_MULTIPLE
+    out = backend.xp.empty((rows, len(parts) * segment_k), dtype=numpy.float32)
+    if out.size == 0:
+        return out
+    code = sum(part << 2 * segment for segment, part in enumerate(parts))
+    kernel = kernels.function("wgmma_matmul", "tf32_operand_rows", options=OPTIONS)
+    kernel((ceil_div(segment_k, TRANSPOSE_TILE), ceil_div(rows, TRANSPOSE_TILE)), (TRANSPOSE_TILE, 8),
+           (out, x, numpy.int32(rows), numpy.int32(K), numpy.int32(segment_k), numpy.bool_(k_contiguous),
+            numpy.int32(len(parts)), numpy.int32(code)))
+    return out
+
+
+def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, products=1):
+    """out = op(a) @ op(b), or out += ..., for 2-D float32 a and b on the TF32 wgmma: products=1 for TF32 (the
+    values' upper 19 bits), 3 for 3xTF32 (float32 accuracy: each value split into big + small, three products).
+    Unchecked: a, b, out C-contiguous float32 of matching shapes, out apart from both.
+
+    TF32 reads an operand as it lies when it is K-major (a not transposed, b transposed: x Wᵀ) with rows of a
+    multiple of 4 floats on 16 bytes, else a K-major copy of it, both padded alike when K is not a multiple of 4
+    (one pass: 8 bytes per element, against 2 N (or 2 M) flops per element of the product, which the wgmma runs
+    about 3 times faster than mma.sync). 3xTF32 makes the operands' rows [small | big | big] and
+    [big | small | big] in one pass each, then one TF32 product over three times K."""
+    if products == 3:
+        a_parts, b_parts = THREE_PRODUCT_PARTS
+        a_rows = tf32_operand_rows(a, not transpose_a, a_parts)
+        b_rows = tf32_operand_rows(b, transpose_b, b_parts)
+    else:
+        a_rows, b_rows = (x if k_contiguous and _tf32_rows_fit(x) else tf32_operand_rows(x, k_contiguous, (PART_VALUE,))
+                          for x, k_contiguous in ((a, not transpose_a), (b, transpose_b)))
+    return launch_wgmma_matmul(a_rows, b_rows, out, None, accumulate, False, True)
 
 
 @functools.lru_cache(maxsize=None)  # the Linear layer asks at every bf16 product
@@ -179,20 +244,30 @@ def wgmma_runs():
 
 def wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=False, transpose_a=False,
                  transpose_b=True):
-    """op(a) @ op(b) (+ bias) for bf16 a and b on Hopper's tensor cores, float32 sums, into `out` (a new array if
-    None) of out_dtype: float32, or bfloat16 ("bfloat16" or ml_dtypes.bfloat16); accumulate=True adds into out
-    instead. a: (M, K), or (K, M) if transpose_a; b: (N, K) if transpose_b (the default: a @ b.T, the Linear
-    forward), or (K, N). bias: None or (N,) float32. Rows of a and b: a multiple of 8 elements. Returns (M, N)."""
+    """op(a) @ op(b) (+ bias) for bf16 a and b, or float32 a and b read as TF32, on Hopper's tensor cores, float32
+    sums, into `out` (a new array if None) of out_dtype: float32, or bfloat16 ("bfloat16" or ml_dtypes.bfloat16);
+    accumulate=True adds into out instead. a: (M, K), or (K, M) if transpose_a; b: (N, K) if transpose_b (the
+    default: a @ b.T, the Linear forward), or (K, N); float32 operands the defaults only (TF32 is K-major).
+    bias: None or (N,) float32. Rows of a and b: a multiple of 8 bf16, or 4 float32. Returns (M, N)."""
     operation = "wgmma_matmul"
-    a_dtype, b_dtype = _check_bf16(operation, "a", a), _check_bf16(operation, "b", b)
+    a_dtype, b_dtype = _check_element(operation, "a", a), _check_element(operation, "b", b)
+    float32 = numpy.dtype(numpy.float32)
+    if a_dtype is not None and b_dtype is not None and (a_dtype == float32) != (b_dtype == float32):
+        raise TypeError(f"{operation}: a is {a_dtype} and b is {b_dtype}; both must be bf16, or both float32")
+    if a_dtype == float32 and (transpose_a or not transpose_b):
+        raise ValueError(f"{operation}: float32 operands are read as TF32, which wgmma takes K-major only: a (M, K) "
+                         "and b (N, K), transpose_a=False and transpose_b=True (got transpose_a="
+                         f"{transpose_a}, transpose_b={transpose_b}); gpt2_cupy.ops.tensor_core_matmul copies other "
+                         "layouts")
     sizes = check(operation, a=(a, ("K", "M") if transpose_a else ("M", "K"), a_dtype),
                   b=(b, ("N", "K") if transpose_b else ("K", "N"), b_dtype), bias=(bias, ("N",)))
     M, N = sizes["M"], sizes["N"]
+    multiple = ROW_MULTIPLE[a.dtype.itemsize]
     for name, array in (("a", a), ("b", b)):
-        if array.shape[-1] % ROW_MULTIPLE:
-            raise ValueError(f"{operation}: the rows of {name} {array.shape} must be a multiple of {ROW_MULTIPLE} "
-                             f"elements (the kernel moves them in 16-byte pieces of 8 bf16); pad {name} with zero "
-                             "columns")
+        if array.shape[-1] % multiple:
+            raise ValueError(f"{operation}: the rows of {name} {array.shape} must be a multiple of {multiple} "
+                             f"elements (the kernel moves them in 16-byte pieces of {multiple} {a.dtype.name}); "
+                             f"pad {name} with zero columns")
     if not float4_aligned(a, b):
         raise ValueError(f"{operation}: a and b must start on 16 bytes (the kernel copies 16-byte pieces); a view "
                          "into the middle of an array may not: pass a copy")

@@ -382,12 +382,13 @@ inline void wgmma_wait_group(unsigned long long pending, int line) {
 //     bits 32-45  stride dimension byte offset / 16
 //     bits 49-51  matrix base offset
 //     bits 62-63  swizzle: 0 none, 1 128-byte, 2 64-byte, 3 32-byte
-// The matrix is 64 rows of A, or N rows of B (row: m of A, n of B), by 16 elements of k. K-major ("no
-// transpose", imm-trans 0): a row's elements of k are contiguous, in core matrices of 8 rows of 16 bytes.
-// Element (row, k), with chunk = k / 8 its 16-byte column:
-//     no swizzle  start + (row / 8) SBO + chunk LBO + (row % 8) 16 + (k % 8) 2
-//     swizzle W   start + (row / 8) SBO + (row % 8) W + chunk 16 + (k % 8) 2
-// MN-major (imm-trans 1): a k's elements of m (or n) are contiguous, 16 bytes holding 8 of them:
+// The matrix is 64 rows of A, or N rows of B (row: m of A, n of B), by 16 elements of k (bf16, f16) or 8
+// (tf32: 4 bytes each, a float32 bit pattern). K-major ("no transpose", imm-trans 0): a row's elements of k
+// are contiguous, in core matrices of 8 rows of 16 bytes. Element (row, k) of E bytes, with byte = k E its
+// offset along the row and chunk = byte / 16 its 16-byte column:
+//     no swizzle  start + (row / 8) SBO + chunk LBO + (row % 8) 16 + byte % 16
+//     swizzle W   start + (row / 8) SBO + (row % 8) W + chunk 16 + byte % 16
+// MN-major (imm-trans 1, 16-bit types only): a k's elements of m (or n) are contiguous, 16 bytes holding 8:
 //     no swizzle  start + (row / 8) SBO + (k / 8) LBO + (k % 8) 16 + (row % 8) 2
 //     swizzle W   start + (row / (W / 2)) LBO + (k / 8) SBO + (k % 8) W + (row % (W / 2)) / 8 16 + (row % 8) 2
 // (W / 2 elements of 2 bytes fill one swizzled row of W bytes: LBO steps along the rows by whole swizzle
@@ -421,7 +422,7 @@ struct SharedMatrix {
     const char* name;
     int line;
 
-    const unsigned char* address(int row, int k) const {
+    const unsigned char* address(int row, int k, int element_bytes) const {
         if (mn_major) {
             const unsigned long long within = 2 * (row % 8);
             if (swizzle == 0) return start + (row / 8) * stride + (k / 8) * leading + (k % 8) * 16 + within;
@@ -429,7 +430,7 @@ struct SharedMatrix {
             return swizzled((unsigned long long)start + (row / atom) * leading + (k / 8) * stride + (k % 8) * swizzle +
                             (row % atom) / 8 * 16 + within);
         }
-        const unsigned long long chunk = k / 8, within = 2 * (k % 8);
+        const unsigned long long byte = (unsigned long long)k * element_bytes, chunk = byte / 16, within = byte % 16;
         if (swizzle == 0) return start + (row / 8) * stride + chunk * leading + (row % 8) * 16 + within;
         return swizzled((unsigned long long)start + (row / 8) * stride + (row % 8) * swizzle + chunk * 16 + within);
     }
@@ -440,8 +441,14 @@ struct SharedMatrix {
 
     template <Input input>
     double element(int row, int k) const {
-        const unsigned char* at = address(row, k);
-        if (at < dynamic || at + 2 > dynamic + dynamic_shared_bytes) fail(name, line);
+        constexpr int bytes = input == Input::tf32 ? 4 : 2;
+        const unsigned char* at = address(row, k, bytes);
+        if (at < dynamic || at + bytes > dynamic + dynamic_shared_bytes) fail(name, line);
+        if (input == Input::tf32) {  // the upper 19 bits of the float32 in shared memory, as mma.sync reads them
+            unsigned value;
+            __builtin_memcpy(&value, at, 4);
+            return from_tf32(value);
+        }
         unsigned short value;
         __builtin_memcpy(&value, at, 2);
         return input == Input::bf16 ? from_bf16(value) : from_f16(value);
@@ -468,14 +475,15 @@ inline SharedMatrix decode_descriptor(unsigned long long descriptor, bool is_a, 
 }
 
 // ---- wgmma.mma_async -----------------------------------------------------------------------------------
-// D = A B + D (or A B when scale_d is false) for a 64 x n x 16 tile, A and B both read from shared memory
-// by descriptor, K-major or (imm-trans 1, which bf16 and f16 allow) MN-major, each element negated when its
-// scale is -1. Accumulator fragment (PTX ISA, "Matrix
+// D = A B + D (or A B when scale_d is false) for a 64 x n x 16 tile (64 x n x 8 for tf32), A and B both read
+// from shared memory by descriptor, K-major or (imm-trans 1, which bf16 and f16 allow; tf32 is K-major only)
+// MN-major, each element negated when its scale is -1. Accumulator fragment (PTX ISA, "Matrix
 // Fragments for wgmma.mma_async.m64nNk16"): warp w of the warpgroup holds rows 16w .. 16w + 15, and its
 // lane l = 4g + t holds, in register i,
 //     row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2t + i % 2
 // (mma.sync's m16n8 accumulator, repeated every 8 columns). As for mma.sync, each product of two 16-bit
-// values is exact in double, the 16 products and D are summed in double and rounded to fp32 once: results
+// values (or two TF32 values: 11-bit significands) is exact in double, the k products and D are summed in
+// double and rounded to fp32 once: results
 // agree with a GPU's within a few fp32 units, not bit for bit. The product is computed when the instruction
 // is issued, from shared memory as it is then: a correct kernel cannot tell, as it neither writes those
 // bytes nor reads D before the wgmma.wait_group that covers the instruction.
@@ -491,17 +499,20 @@ inline void wgmma(float (&d)[n / 2], unsigned long long a_descriptor, unsigned l
              "between other instructions' accesses to its registers and the wgmma.mma_async that uses them)", line);
     const SharedMatrix a = decode_descriptor(a_descriptor, true, transpose_a, line),
                        b = decode_descriptor(b_descriptor, false, transpose_b, line);
+    if (input == Input::tf32 && (transpose_a || transpose_b))
+        fail("wgmma.mma_async: .tf32 operands are K-major only (PTX has no imm-trans for .tf32)", line);
+    constexpr int depth = input == Input::tf32 ? 8 : 16;
     const int warp = (thread_in_block() / 32) % 4, g = lane() / 4, t = lane() % 4;
-    double a_rows[2][16], b_columns[n / 4][16];  // the thread's two rows of A, its n / 4 columns of B
+    double a_rows[2][depth], b_columns[n / 4][depth];  // the thread's two rows of A, its n / 4 columns of B
     for (int half = 0; half < 2; ++half)
-        for (int k = 0; k < 16; ++k) a_rows[half][k] = scale_a * a.element<input>(16 * warp + g + 8 * half, k);
+        for (int k = 0; k < depth; ++k) a_rows[half][k] = scale_a * a.element<input>(16 * warp + g + 8 * half, k);
     for (int j = 0; j < n / 4; ++j)
-        for (int k = 0; k < 16; ++k) b_columns[j][k] = scale_b * b.element<input>(8 * (j / 2) + 2 * t + j % 2, k);
+        for (int k = 0; k < depth; ++k) b_columns[j][k] = scale_b * b.element<input>(8 * (j / 2) + 2 * t + j % 2, k);
     for (int i = 0; i < n / 2; ++i) {
         const double* row = a_rows[(i / 2) % 2];
         const double* column = b_columns[2 * (i / 4) + i % 2];
         double sum = scale_d ? (double)d[i] : 0.0;
-        for (int k = 0; k < 16; ++k) sum += row[k] * column[k];
+        for (int k = 0; k < depth; ++k) sum += row[k] * column[k];
         d[i] = (float)sum;
     }
 }
