@@ -445,10 +445,10 @@ def test_an_empty_bf16_sum_is_zeros_plus_bias_at_every_graph_replay(rng):
     xp = backend.xp
     a, b = xp.zeros((5, 0), dtype=BF16), xp.zeros((0, 9), dtype=BF16)
     bias = rng.standard_normal(9).astype(np.float32)
-    out = xp.asarray(np.full((5, 9), 7.0, np.float32))
+    out, device_bias = xp.asarray(np.full((5, 9), 7.0, np.float32)), xp.asarray(bias)   # made before the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        launch_bf16_product(a, b, out, bias=xp.asarray(bias))
+        launch_bf16_product(a, b, out, bias=device_bias)
     for _ in range(2):
         out[...] = 7.0
         g.replay()

@@ -217,7 +217,8 @@ def tf32_operand_rows(x, k_contiguous, parts):
 
 def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, products=1):
     """out = op(a) @ op(b), or out += ..., for 2-D float32 a and b on the TF32 wgmma: products=1 for TF32 (the
-    values' upper 19 bits), 3 for 3xTF32 (float32 accuracy: each value split into big + small, three products).
+    values' upper 19 bits), 3 for 3xTF32 (each value split into big + small, three products): float32's accuracy
+    on the CPU executor, but on an H200, measured at 4096³, 1.2e-5 against float64, four times cuBLAS float32's.
     Unchecked: a, b, out C-contiguous float32 of matching shapes, out apart from both.
 
     TF32 reads an operand as it lies when it is K-major (a not transposed, b transposed: x Wᵀ) with rows of a
