@@ -773,6 +773,12 @@ def launch_ranks(argv):
     known, rank_argv = nproc_parser.parse_known_args(argv)
     if known.nproc is None or "WORLD_SIZE" in os.environ:
         return None
+    gpus = backend.xp.cuda.runtime.getDeviceCount() if backend.name == "cuda" else 0
+    if known.nproc > gpus:   # one GPU per rank: refused before any rank starts, not after each one fails
+        where = f"this machine has {gpus}" if gpus else "this machine has none (the kernels run on the CPU executor)"
+        print(f"error: --nproc {known.nproc} trains on {known.nproc} GPUs, one process each, through NCCL; {where}. "
+              "Train without --nproc, or on the CPU try gpt2_cupy.distributed.run_simulated", file=sys.stderr)
+        return 1
     try:
         launch.launch([sys.executable, "-m", "gpt2_cupy.train", *rank_argv], known.nproc)
     except (launch.ChildFailedError, ValueError) as error:

@@ -276,12 +276,13 @@ def test_ctrl_c_in_the_launcher_stops_every_rank(tmp_path):
             os.kill(pid, 0)
 
 
-@pytest.mark.skipif(backend.name != "cpu", reason="on the CPU executor NCCL is missing: each rank fails")
-def test_the_cli_names_the_rank_that_failed(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "gpt2_cupy.train", "--nproc", "2", "--out-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+def test_the_cli_refuses_more_ranks_than_gpus_before_starting_any(tmp_path):
+    gpus = backend.xp.cuda.runtime.getDeviceCount() if backend.name == "cuda" else 0
+    result = subprocess.run([sys.executable, "-m", "gpt2_cupy.train", "--nproc", str(gpus + 1), "--out-dir",
+                             str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    assert "needs a GPU" in result.stderr and "error: rank " in result.stderr
+    assert f"error: --nproc {gpus + 1} trains on {gpus + 1} GPUs" in result.stderr
+    assert "error: rank " not in result.stderr and not any(tmp_path.iterdir())   # no rank was started
 
 
 def test_bad_input_gives_clear_errors():
