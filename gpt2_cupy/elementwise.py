@@ -489,7 +489,7 @@ def elementwise(operation, expression, operands, compute_dtype=numpy.float32, ou
 def strided_block(columns):
     """(threads along a row, rows) of the strided kernel's blocks of THREADS_PER_BLOCK threads: as few threads
     along a row as cover it (a warp at least, so that a warp reads neighbours), the rest on further rows.
-    A head of 64 floats is then 8 rows of 32 threads, where one row of 256 threads would leave 240 idle."""
+    A head of 64 floats is then 8 rows of 32 threads, where one row of 256 threads would leave 192 idle."""
     along = WARP_SIZE
     while along < THREADS_PER_BLOCK and along * ELEMENTS_PER_THREAD < columns:
         along *= 2
