@@ -35,7 +35,9 @@ such calls through (cudaMalloc then grows the pool); the growth still raises her
 On the CPU executor the same API records instead: backend's RawKernel and RawModule functions, fill_zero and
 copy_into append to a Recording, and replay() runs it in order. numpy calls made through backend.xp that
 return a new array (xp.zeros, xp.concatenate, xp.ascontiguousarray...) or write into an argument are
-recorded as well, as CuPy's would be on a GPU. What cannot be recorded is numpy's array methods and
+recorded as well, as CuPy's would be on a GPU; a call that writes into its out= argument is recorded and not
+run at capture, as a kernel launch is, so the capture leaves that array as it found it, as a GPU's does.
+What cannot be recorded is numpy's array methods and
 operators (a.copy(), a.fill(0), a[...] = b, a += b): they run once, at capture, and never again. Step code
 uses backend.fill_zero and backend.copy_into instead; a test that compares graph and eager results finds
 what slips through. The pool's stand-in on the CPU: the sizes of the arrays made during the warm-up; an
@@ -323,7 +325,7 @@ class Recording:
     def __init__(self, pool):
         self.pool = pool
         self.steps = []
-        self.array_module = _NumpyThatNotes(self._numpy_call)
+        self.array_module = _NumpyThatNotes(self._numpy_call, record_only_out=True)
 
     def launch(self, kernel, grid, block, args, shared_mem, checks_wanted):
         self.steps.append(functools.partial(kernel, grid, block, tuple(args), shared_mem, **checks_wanted))
@@ -360,32 +362,36 @@ class Recording:
 
 class _NumpyThatNotes:
     """numpy in backend.xp's place on the CPU during a warm-up or a capture: every call of one of its
-    functions (and of their attributes: xp.add.at) is passed to on_call(function, args, kwargs, result)."""
+    functions (and of their attributes: xp.add.at) is passed to on_call(function, args, kwargs, result).
+    record_only_out (a capture): a call with an out= argument is not run, only passed on with result None."""
 
-    def __init__(self, on_call):
-        self._on_call = on_call
+    def __init__(self, on_call, record_only_out=False):
+        self._on_call, self._record_only_out = on_call, record_only_out
 
     def __getattr__(self, name):
-        return _noted(getattr(numpy, name), self._on_call)
+        return _noted(getattr(numpy, name), self._on_call, self._record_only_out)
 
 
-def _noted(value, on_call):
+def _noted(value, on_call, record_only_out):
     if not callable(value) or isinstance(value, type):  # xp.ndarray, xp.float32, xp.random, xp.pi...
         return value
-    return _NotedFunction(value, on_call)
+    return _NotedFunction(value, on_call, record_only_out)
 
 
 class _NotedFunction:
-    def __init__(self, function, on_call):
-        self._function, self._on_call = function, on_call
+    def __init__(self, function, on_call, record_only_out):
+        self._function, self._on_call, self._record_only_out = function, on_call, record_only_out
 
     def __call__(self, *args, **kwargs):
+        if self._record_only_out and "out" in kwargs:
+            self._on_call((self._function, args, kwargs, None))   # run at each replay, not now
+            return kwargs["out"]
         result = self._function(*args, **kwargs)
         self._on_call((self._function, args, kwargs, result))
         return result
 
     def __getattr__(self, name):
-        return _noted(getattr(self._function, name), self._on_call)
+        return _noted(getattr(self._function, name), self._on_call, self._record_only_out)
 
 
 def _results(result):

@@ -429,10 +429,7 @@ class DecodeGraph:
         self.graph = CUDAGraph()
         with graph(self.graph, pool=pool):
             self.logits = self._step()                                           # recorded, not run
-        # The positions of the next step, set again: the CPU executor runs the array module's calls during a
-        # capture as well as recording them, so the capture may have added 1 once more.
-        backend.copy_into(cache.device_lengths, numpy.array([position + 1, position + 2], dtype=numpy.int32))
-        cache.length = position + 1
+        cache.length = position + 1   # the warm-up's step; device_lengths already hold the next one's
 
     def _step(self):
         logits, _ = self.model(self.token, kv_cache=self.cache)

@@ -87,6 +87,22 @@ def test_array_functions_of_backend_xp_run_again_at_each_replay(rng, to_device, 
         assert np.array_equal(to_host(summed), values[0])
 
 
+def test_a_write_into_out_is_recorded_not_run_at_capture(to_device, to_host):
+    # A capture runs nothing on a GPU; on the CPU, an array function writing into out= is recorded and not
+    # run either, so the counter keeps its warm-up value until the first replay, then steps once per replay.
+    counter = to_device(np.zeros(2, np.int32))
+    pool = graphs.graph_pool_handle()
+    with graphs.use_pool(pool):
+        backend.xp.add(counter, 1, out=counter)   # the warm-up runs
+    g = gpt2_cupy.cuda.CUDAGraph()
+    with gpt2_cupy.cuda.graph(g, pool=pool):
+        backend.xp.add(counter, 1, out=counter)
+    assert to_host(counter).tolist() == [1, 1]
+    for expected in (2, 3):
+        g.replay()
+        assert to_host(counter).tolist() == [expected, expected]
+
+
 def test_copy_into_refuses_another_shape_or_dtype(to_device):
     with pytest.raises(ValueError, match=r"copy_into: dst is float32 \(3,\), src float64 \(3,\)"):
         backend.copy_into(to_device(np.zeros(3, np.float32)), np.zeros(3))
