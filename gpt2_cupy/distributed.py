@@ -39,6 +39,7 @@ import numpy
 
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import Tensor
+from gpt2_cupy.data import write_atomically
 
 ID_VARIABLE = "GPT2_CUPY_NCCL_ID"            # the unique id, as 256 hex digits
 ID_FILE_VARIABLE = "GPT2_CUPY_NCCL_ID_FILE"  # or a file that rank 0 writes it into
@@ -58,8 +59,13 @@ _default_group = None          # the process's group (NCCL), set by init_process
 _thread_group = threading.local()  # a simulated rank's group: each thread of run_simulated has its own
 
 
+def _current_group():
+    """A simulated rank's group inside run_simulated, else the process's; None before init_process_group."""
+    return getattr(_thread_group, "group", None) or _default_group
+
+
 def _group():
-    group = getattr(_thread_group, "group", None) or _default_group
+    group = _current_group()
     if group is None:
         raise RuntimeError("Default process group has not been initialized, please make sure to call "
                            "init_process_group.")
@@ -67,7 +73,7 @@ def _group():
 
 
 def is_initialized():
-    return (getattr(_thread_group, "group", None) or _default_group) is not None
+    return _current_group() is not None
 
 
 def get_rank():
@@ -78,9 +84,13 @@ def get_world_size():
     return _group().world_size
 
 
-def _check_rank(rank, world_size):
+def _check_world_size(world_size):
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+
+
+def _check_rank(rank, world_size):
+    _check_world_size(world_size)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size - 1}] for world_size {world_size}, got {rank!r}")
 
@@ -232,9 +242,7 @@ def _unique_id(rank, world_size):
     if ID_FILE_VARIABLE in os.environ:
         path = Path(os.environ[ID_FILE_VARIABLE])
         if rank == 0:
-            partial = path.with_suffix(".partial")
-            partial.write_text(new_unique_id())
-            os.replace(partial, path)  # the others never read half an id
+            write_atomically(path, new_unique_id().encode("ascii"))  # the others never read half an id
         deadline = time.monotonic() + ID_FILE_WAIT_SECONDS
         while not path.exists():
             if time.monotonic() > deadline:
@@ -460,8 +468,7 @@ def run_simulated(world_size, function):
     raises, the ranks that wait for it stop with DistributedAborted, and this raises RuntimeError naming
     the rank that failed first, from its exception.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    _check_world_size(world_size)
     world = SimulatedWorld(world_size)
     results, errors = [None] * world_size, [None] * world_size
 

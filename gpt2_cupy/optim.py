@@ -94,8 +94,9 @@ class Optimizer:
             group["_end"] = end
         if end > LARGEST_INT:
             raise ValueError(f"{self.name}: {end} parameters; the kernels index with int, at most {LARGEST_INT}")
-        self.flat_params = xp.zeros(self._buffer_length(end), dtype=np.float32)
-        self.flat_grads = xp.zeros(self._buffer_length(end), dtype=np.float32)
+        length = self._buffer_length(end)
+        self.flat_params = xp.zeros(length, dtype=np.float32)
+        self.flat_grads = xp.zeros(length, dtype=np.float32)
         self._packed = []  # (parameter, its stretch of the buffers, its view of flat_params, its GradientSlot)
         for p, offset in offsets:
             shape, size = p.data.shape, p.data.size

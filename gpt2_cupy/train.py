@@ -325,6 +325,12 @@ class Trainer:
             _, loss = self.forward_model(inputs, targets)
         return loss
 
+    @property
+    def tokens_per_step(self):
+        """Tokens of one optimizer step, over every rank and micro-batch."""
+        config = self.config
+        return config.batch_size * config.block_size * config.grad_accum * self.world_size
+
     def own_rows(self, batch):
         """This rank's rows of a global batch (inputs, targets): r·B to (r+1)·B - 1."""
         B = self.config.batch_size
@@ -462,8 +468,7 @@ class Trainer:
         history = self.read_log()
         records = []
         last = config.max_steps if stop_after is None else min(config.max_steps, self.step + stop_after)
-        tokens_per_step = config.batch_size * config.block_size * config.grad_accum
-        tokens_per_step *= self.world_size
+        tokens_per_step = self.tokens_per_step
         # Under the launcher, Ctrl-C reaches the launcher only, which stops every rank at once.
         previous_handler = None if self.distributed else self.catch_ctrl_c()
         bar = tqdm(total=config.max_steps, initial=self.step, disable=not (config.progress and self.is_main),
@@ -528,9 +533,7 @@ class Trainer:
         records = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
         kept = [record for record in records if record["step"] <= self.step] if self.step > 0 else []
         if self.is_main:  # the other ranks only read it; the file is replaced whole, never seen half written
-            partial = self.log_path.with_suffix(".partial")
-            partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            partial.replace(self.log_path)
+            data.write_atomically(self.log_path, "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8"))
         return kept
 
     def catch_ctrl_c(self):
@@ -799,7 +802,7 @@ def main(argv=None):
         trainer = Trainer(config, resume=resume)
         if trainer.is_main:
             print(f"{backend.name}: {trainer.model.get_num_params() / 1e6:.2f}M parameters, "
-                  f"{config.batch_size * config.block_size * config.grad_accum * trainer.world_size} tokens per "
+                  f"{trainer.tokens_per_step} tokens per "
                   f"step on {trainer.world_size} rank(s), writing {trainer.out_dir}/", file=sys.stderr)
         trainer.run()
     except (TrainingDiverged, ValueError, FileNotFoundError) as error:

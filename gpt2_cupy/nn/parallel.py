@@ -75,9 +75,9 @@ class GradientReducer:
     """The buckets of one model and their all-reduces during one backward."""
 
     def __init__(self, parameters, cap_bytes):
-        owners = {id(getattr(getattr(p, "_grad_slot", None), "owner", None)) for p in parameters}
-        owner = getattr(getattr(parameters[0], "_grad_slot", None), "owner", None)
-        if owner is None or len(owners) != 1:
+        owners = [getattr(getattr(p, "_grad_slot", None), "owner", None) for p in parameters]
+        owner = owners[0]
+        if owner is None or any(other is not owner for other in owners):
             raise RuntimeError("DistributedDataParallel all-reduces the gradients in the optimizer's flat buffer: "
                                "create one optimizer over all the model's parameters before the first forward")
         self.optimizer = owner
