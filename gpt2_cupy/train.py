@@ -591,12 +591,15 @@ class TrainingGraphs:
         self.training_signature = self.evaluation_signature = None  # what each was captured with (None: not yet)
         self.report = None        # (loss sum, gradient norm) of the current step, float32
         self.val_total = None     # the sum of an evaluation's losses, float32 (1,)
+        self.modules = self.parameters = None   # the model's, listed at the first signature
 
     def signature(self):
         trainer = self.trainer
-        modules = list(trainer.model.modules())
+        if self.modules is None:   # the trainer's model keeps its modules and parameters: listed once, not per step
+            self.modules, self.parameters = list(trainer.model.modules()), trainer.model.parameters()
+        modules = self.modules
         return (tuple(module.training for module in modules), tuple(getattr(module, "p", None) for module in modules),
-                tuple(id(parameter.data) for parameter in trainer.model.parameters()), id(dropout_rng_state()),
+                tuple(id(parameter.data) for parameter in self.parameters), id(dropout_rng_state()),
                 get_float32_matmul_precision(), trainer.config.grad_clip, trainer.config.batch_size,
                 trainer.config.block_size)
 
