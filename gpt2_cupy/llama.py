@@ -30,9 +30,9 @@ from gpt2_cupy.elementwise import converted
 from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
 from gpt2_cupy.model import KVCache
 from gpt2_cupy.nn import functional as F
-from gpt2_cupy.ops.decode_attention import decode_attention_forward, decode_attention_store
+from gpt2_cupy.ops.decode_attention import decode_attention_forward
 from gpt2_cupy.ops.linear import linear_forward
-from gpt2_cupy.ops.rope import rope_forward
+from gpt2_cupy.ops.rope import rope_store_new_positions
 
 
 @dataclass
@@ -109,16 +109,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
         self.projections = SharedRows([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x, layer_cache=None):
+    def forward(self, x, layer_cache=None, residual=None):
+        """The attention's output projection (B, T, C); residual + it when residual is given (generation)."""
         B, T, _ = x.shape
+        if layer_cache is not None and layer_cache.cache.device_lengths is not None:
+            return self._decode_at_device_position(x, layer_cache, residual)
         start = 0 if layer_cache is None else layer_cache.start
         q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if self.projections.weight is None else \
             self.projections(x)                                             # bf16: one product for the three
         q = q.view(B, T, self.n_heads, self.head_dim)                       # (B, T, H, hd)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)                    # (B, T, Hkv, hd)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)                    # (B, T, Hkv, hd)
-        if layer_cache is not None and layer_cache.cache.device_lengths is not None:
-            return self.o_proj(self._decode_at_device_position(q, k, v, layer_cache))
         q = F.rope(q, self.rope_theta, start, self.rope_interleaved)        # positions start..start+T-1
         k = F.rope(k, self.rope_theta, start, self.rope_interleaved)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or Hkv, T, hd)
@@ -129,20 +130,36 @@ class LlamaAttention(nn.Module):
                 layer_cache.store(k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * self.head_dim)  # heads side by side again
-        return self.o_proj(y)
+        return project(self.o_proj, y, residual)
 
-    def _decode_at_device_position(self, q, k, v, layer_cache):
+    def _decode_at_device_position(self, x, layer_cache, residual):
         """The attention of new positions whose first position and the cache's length after them are read
-        from device memory (cache.device_lengths), so that one captured CUDA graph serves every step."""
-        B, T = q.shape[:2]
-        first_position, length = layer_cache.cache.device_lengths[0:1], layer_cache.cache.device_lengths[1:2]
-        q, k = (Tensor(rope_forward(a.data, theta=self.rope_theta, start=first_position,
-                                    interleaved=self.rope_interleaved)) for a in (q, k))
-        q, k, v = (a.transpose(1, 2).contiguous().data for a in (q, k, v))  # (B, H or Hkv, T, hd)
-        keys, values = layer_cache.cache.keys[layer_cache.index], layer_cache.cache.values[layer_cache.index]
-        decode_attention_store(keys, values, k, v, length)
-        y = Tensor(decode_attention_forward(q, keys, values, length))       # (B, H, T, hd)
-        return y.transpose(1, 2).contiguous().view(B, T, self.n_heads * self.head_dim)
+        from device memory (cache.device_lengths), so that one captured CUDA graph serves every step: one
+        product for q, k and v, one launch to turn q and k and store k and v, the decode kernel, and the
+        output product with the residual add inside it."""
+        B, T, _ = x.shape
+        cache = layer_cache.cache
+        first_position, length = cache.device_lengths[0:1], cache.device_lengths[1:2]
+        if self.projections.weight is not None:
+            qkv = linear_forward(backend.xp.ascontiguousarray(x.data), self.projections.weight)
+        else:
+            qkv = backend.xp.concatenate([linear(x).data for linear in (self.q_proj, self.k_proj, self.v_proj)], axis=-1)
+        keys, values = cache.keys[layer_cache.index], cache.values[layer_cache.index]
+        q = rope_store_new_positions(qkv, keys, values, self.n_heads, theta=self.rope_theta, start=first_position,
+                                     interleaved=self.rope_interleaved)                   # (B, H, T, hd)
+        y = Tensor(decode_attention_forward(q, keys, values, length))                  # (B, H, T, hd)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * self.head_dim)
+        return project(self.o_proj, y, residual)
+
+
+def project(linear, x, residual):
+    """linear(x), or residual + linear(x) in one launch where the product is a GEMV's (gpt2_cupy.ops.linear's
+    residual=); for generation, under no_grad."""
+    if residual is None:
+        return linear(x)
+    bias = None if linear.bias is None else linear.bias.data
+    return Tensor(linear_forward(backend.xp.ascontiguousarray(x.data), linear.weight.data, bias,
+                                 residual=backend.xp.ascontiguousarray(residual.data)))
 
 
 class LlamaMLP(nn.Module):
@@ -152,10 +169,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)   # Meta's w2
         self.projections = SharedRows([self.gate_proj, self.up_proj])
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """down_proj(silu(gate_proj(x)) * up_proj(x)); residual + it when residual is given (generation)."""
         if self.projections.weight is not None:                             # bf16: one product for both
-            return self.down_proj(F.swiglu(*self.projections(x)))
-        return self.down_proj(F.swiglu(self.gate_proj(x), self.up_proj(x)))
+            return project(self.down_proj, F.swiglu(*self.projections(x)), residual)
+        return project(self.down_proj, F.swiglu(self.gate_proj(x), self.up_proj(x)), residual)
 
 
 class SharedRows:
@@ -199,9 +217,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, layer_cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), layer_cache)
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x
+        if layer_cache is None:
+            x = x + self.self_attn(self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # Generation (no gradient): each residual add happens inside the product before it, the same bits.
+        x = self.self_attn(self.input_layernorm(x), layer_cache, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(nn.Module):

@@ -149,29 +149,51 @@ __global__ void __launch_bounds__(WARPS * WARP_SIZE) decode_attention_partial(fl
     }
 }
 
-// Second kernel: a warp per output row (head, r) merges the row's `splits` partial results. grid = ⌈heads x
-// rows / WARPS⌉ blocks of WARPS warps. Split 0 holds key 0, which every row sees, so M is finite.
+// Second kernel: one block of COMBINE_THREADS threads per output row (head, r) merges the row's `splits`
+// partial results. grid = heads x rows blocks; dynamic shared memory: `splits` floats. The first warp finds M
+// and l and leaves each split's weight e^(m_s - M) in shared memory; then every thread sums its columns over the
+// splits, with the loads of several splits in flight at once (a loop that waits for each load in turn spends
+// the kernel's time in memory latency). Split 0 holds key 0, which every row sees, so M is finite.
+#define COMBINE_THREADS 128
+#define SPLITS_AT_ONCE 4
+
 template <typename floatX = float>
-__global__ void decode_attention_combine(floatX* out, const float* partial_out, const float* partial_max,
-                                         const float* partial_sum, int outputs, int rows, int splits, int d)
+__global__ void __launch_bounds__(COMBINE_THREADS) decode_attention_combine(floatX* out, const float* partial_out,
+    const float* partial_max, const float* partial_sum, int rows, int splits, int d)
 {
-    int output = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    if (output >= outputs) return;  // the whole warp leaves together: the shuffles below see all 32 lanes
-    long long head = output / rows, r = output % rows;
+    extern __shared__ float split_weights[];  // splits entries
+    __shared__ float normaliser;
+    long long head = blockIdx.x / rows, r = blockIdx.x % rows;
     const float* maxima = partial_max + head * splits * rows + r;  // split s at maxima[s * rows]
     const float* sums = partial_sum + head * splits * rows + r;
-    float largest = NEGATIVE_INFINITY;
-    for (int s = lane; s < splits; s += WARP_SIZE) largest = fmaxf(largest, maxima[(long long)s * rows]);
-    largest = warp_max(largest);
-    float sum = 0.0f;
-    for (int s = lane; s < splits; s += WARP_SIZE) sum += sums[(long long)s * rows] * __expf(maxima[(long long)s * rows] - largest);
-    float normaliser = 1.0f / warp_sum(sum);
-    for (int column = lane; column < d; column += WARP_SIZE) {
-        float result = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            long long partial_row = (head * splits + s) * rows + r;
-            result += partial_out[partial_row * d + column] * __expf(maxima[(long long)s * rows] - largest);
+    if (threadIdx.x < WARP_SIZE) {
+        int lane = threadIdx.x;
+        float largest = NEGATIVE_INFINITY;
+        for (int s = lane; s < splits; s += WARP_SIZE) largest = fmaxf(largest, maxima[(long long)s * rows]);
+        largest = warp_max(largest);
+        float sum = 0.0f;
+        for (int s = lane; s < splits; s += WARP_SIZE) {
+            float weight = __expf(maxima[(long long)s * rows] - largest);
+            split_weights[s] = weight;
+            sum += sums[(long long)s * rows] * weight;
         }
+        sum = warp_sum(sum);
+        if (lane == 0) normaliser = 1.0f / sum;
+    }
+    __syncthreads();
+    const float* partial = partial_out + (head * splits * rows + r) * d;  // split s at partial[s * rows * d]
+    long long split_stride = (long long)rows * d;
+    for (int column = threadIdx.x; column < d; column += COMBINE_THREADS) {
+        float result = 0.0f;
+        int s = 0;
+        for (; s + SPLITS_AT_ONCE <= splits; s += SPLITS_AT_ONCE) {
+            float parts[SPLITS_AT_ONCE];
+#pragma unroll
+            for (int u = 0; u < SPLITS_AT_ONCE; u++) parts[u] = partial[(s + u) * split_stride + column];
+#pragma unroll
+            for (int u = 0; u < SPLITS_AT_ONCE; u++) result += parts[u] * split_weights[s + u];  // in split order
+        }
+        for (; s < splits; s++) result += partial[s * split_stride + column] * split_weights[s];
         out[(head * rows + r) * d + column] = from_float<floatX>(result * normaliser);
     }
 }

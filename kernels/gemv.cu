@@ -1,6 +1,9 @@
-// Products of a few rows with a large matrix: y (R, N) = x (R, K) Wᵀ (+ bias), R <= 8 (generation at batch 1
-// has R = 1). W (N, K) is a Linear layer's weight, k-contiguous, in bf16 or float32; x and y are float32 or
-// bf16 (y in x's storage type, rounded once); bias float32 or absent; every sum float32.
+// Products of a few rows with a large matrix: y (R, N) = x (R, K) Wᵀ (+ bias) (+ residual), R <= 8 (generation
+// at batch 1 has R = 1). W (N, K) is a Linear layer's weight, k-contiguous, in bf16 or float32; x, y and
+// residual are float32 or bf16 (y in x's storage type); bias float32 or absent; every sum float32.
+// residual (R, N), or null: the layer's input added to its output, as a transformer block's x + f(x). The
+// product is rounded to y's type first and the sum rounded again, the bits of a product and then an add, in
+// one launch instead of two.
 //
 // Why not the tiled GEMM. A GEMM tile reuses each weight for 64 or 128 rows of x; with one row there is no
 // reuse to win, and the tile's rows past R are wasted loads and multiplies. The whole cost is reading W once:
@@ -33,7 +36,7 @@ __device__ __forceinline__ void load_elements(float* destination, const T* sourc
 
 template <int ROWS, int WIDTH, typename weightT, typename floatX>
 __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv(floatX* y, const floatX* x, const weightT* weight,
-    const float* bias, int rows, int N, int K, int warps_per_output)
+    const float* bias, const floatX* residual, int rows, int N, int K, int warps_per_output)
 {
     __shared__ float warp_sums[GEMV_WARPS][ROWS];
     int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
@@ -77,13 +80,16 @@ __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv(floatX* y, const 
         if (lane == 0) warp_sums[warp][r] = total;
     }
     __syncthreads();
-    // The first warp of each output adds its warps' sums in a fixed order, then the bias, and rounds once.
+    // The first warp of each output adds its warps' sums in a fixed order, then the bias, and rounds once
+    // (then adds the residual and rounds again).
     if (part == 0 && output < N) {
         for (int r = lane; r < rows && r < ROWS; r += WARP_SIZE) {
             float total = 0.0f;
             for (int p = 0; p < warps_per_output; p++) total += warp_sums[warp + p][r];
             if (bias != nullptr) total += bias[output];
-            y[(long long)r * N + output] = from_float<floatX>(total);
+            long long at = (long long)r * N + output;
+            y[at] = residual == nullptr ? from_float<floatX>(total)
+                                        : from_float<floatX>(to_float(from_float<floatX>(total)) + to_float(residual[at]));
         }
     }
 }

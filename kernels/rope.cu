@@ -13,6 +13,21 @@
 // rounded once; the angle is float32 either way.
 #include "storage.cuh"
 
+// The channels of frequency i in a head of D: (i, i + D/2) for rotate_half, (2i, 2i + 1) interleaved.
+__device__ __forceinline__ int2 pair_channels(int i, int D, int interleaved)
+{
+    int first = interleaved ? 2 * i : i;
+    return make_int2(first, first + (interleaved ? 1 : D / 2));
+}
+
+// The pair (a, b) turned by position * inv_freq (sign -1: backwards), in float32.
+__device__ __forceinline__ float2 rotated(float a, float b, int position, float inv_freq, float sign)
+{
+    float angle = (float)position * inv_freq;
+    float sine = sign * sinf(angle), cosine = cosf(angle);
+    return make_float2(a * cosine - b * sine, a * sine + b * cosine);
+}
+
 template <typename floatX>
 __device__ __forceinline__ void rotate_pair(floatX* y, const floatX* x, const float* inv_freq, int pairs, int T,
                                             int H, int D, int start, int interleaved, float sign)
@@ -25,13 +40,11 @@ __device__ __forceinline__ void rotate_pair(floatX* y, const floatX* x, const fl
     int i = pair % half;                         // the frequency
     long long row = pair / half;                 // (b, t, h) flattened
     int t = (int)((row / H) % T);
-    float angle = (float)(start + t) * inv_freq[i];
-    float sine = sign * sinf(angle), cosine = cosf(angle);
-    long long first = row * D + (interleaved ? 2 * i : i);
-    long long second = first + (interleaved ? 1 : half);
-    float a = to_float(x[first]), b = to_float(x[second]);
-    y[first] = from_float<floatX>(a * cosine - b * sine);
-    y[second] = from_float<floatX>(a * sine + b * cosine);
+    int2 channels = pair_channels(i, D, interleaved);
+    long long first = row * D + channels.x, second = row * D + channels.y;
+    float2 turned = rotated(to_float(x[first]), to_float(x[second]), start + t, inv_freq[i], sign);
+    y[first] = from_float<floatX>(turned.x);
+    y[second] = from_float<floatX>(turned.y);
 }
 
 extern "C" __global__ void rope_forward(float* y, const float* x, const float* inv_freq, int pairs, int T, int H,
@@ -54,4 +67,47 @@ __global__ void rope_forward_stored(floatX* y, const floatX* x, const float* inv
 {
     int start = device_start != nullptr ? device_start[0] : host_start;
     rotate_pair<floatX>(y, x, inv_freq, pairs, T, H, D, start, interleaved, 1.0f);
+}
+
+// Generation's step after the product of q, k and v, in one launch: q and k rotated, q written head-major for
+// the decode kernel, k and v written into the cache. The new positions t < n of each sequence b sit at
+// positions p0 + t, p0 = device_start[0] (a CUDA graph replays the launch as the cache grows).
+//   qkv (B, n, (H + 2 H_kv) D): q's H heads, k's H_kv heads and v's H_kv heads side by side, as one product of
+//       the three weights' rows gives them;
+//   q_out (B, H, n, D); keys, values (B, H_kv, capacity, D).
+// One thread per pair of channels of q's, k's and v's heads (v's pairs are copied, not turned): the same
+// rotation and rounding as rope_forward_stored, then the copy that decode_attention_store makes.
+template <typename floatX>
+__global__ void rope_store_new_positions(floatX* q_out, floatX* keys, floatX* values, const floatX* qkv,
+    const float* inv_freq, const int* device_start, int B, int n, int H, int H_kv, int D, int capacity,
+    int interleaved)
+{
+    int half = D / 2, heads = H + 2 * H_kv;
+    long long pair = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (pair >= (long long)B * n * heads * half) {
+        return;
+    }
+    int i = (int)(pair % half), head = (int)(pair / half % heads);
+    int t = (int)(pair / half / heads % n), b = (int)(pair / half / heads / n);
+    int position = device_start[0] + t;
+    const floatX* source = qkv + (((long long)b * n + t) * heads + head) * D;
+    floatX* destination;
+    if (head < H) {
+        destination = q_out + (((long long)b * H + head) * n + t) * D;
+    } else {
+        if (position < 0 || position >= capacity) {
+            return;  // a position the cache cannot hold writes nothing, as in decode_attention_store
+        }
+        int kv_head = (head - H) % H_kv;
+        destination = (head < H + H_kv ? keys : values) + (((long long)b * H_kv + kv_head) * capacity + position) * D;
+    }
+    int2 channels = pair_channels(i, D, interleaved);
+    if (head < H + H_kv) {
+        float2 turned = rotated(to_float(source[channels.x]), to_float(source[channels.y]), position, inv_freq[i], 1.0f);
+        destination[channels.x] = from_float<floatX>(turned.x);
+        destination[channels.y] = from_float<floatX>(turned.y);
+    } else {
+        destination[channels.x] = source[channels.x];
+        destination[channels.y] = source[channels.y];
+    }
 }

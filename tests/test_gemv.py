@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
+from gpt2_cupy.autograd import Tensor
 from gpt2_cupy.ops import gemv as gemv_ops
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.ops.gemv import LINEAR_ROWS, MAX_ROWS, gemv_forward
@@ -66,6 +67,23 @@ def test_gemv_writes_into_out(rng):
     out = backend.xp.empty((1, 10), dtype=BFLOAT16)
     assert gemv_forward(x, weight, out=out) is out
     assert_product(out, x, weight, None)
+
+
+@pytest.mark.parametrize("dtype", [BFLOAT16, FLOAT32])
+@pytest.mark.parametrize("K", [64, 45, 0])
+def test_gemv_residual_gives_the_bits_of_the_product_then_the_add(rng, dtype, K):
+    x = backend.xp.asarray(rng.normal(size=(1, 2, K)).astype(dtype))
+    weight = backend.xp.asarray(rng.normal(size=(30, K)).astype(BFLOAT16))
+    bias = backend.xp.asarray(rng.normal(size=30).astype(np.float32))
+    residual = backend.xp.asarray(rng.normal(size=(1, 2, 30)).astype(dtype))
+    fused = gemv_forward(x, weight, bias, residual=residual)
+    product = gemv_forward(x, weight, bias)
+    separate = (Tensor(residual) + Tensor(product)).data          # the model's x + f(x), one kernel each
+    assert fused.dtype == dtype and np.array_equal(host(fused), host(separate))
+    sum64 = host(residual) + host(x) @ host(weight).T + host(bias)
+    assert np.abs(host(fused) - sum64).max() <= 4 * 2.0 ** -8 * max(1.0, np.abs(sum64).max())
+    with pytest.raises(ValueError, match="residual"):
+        gemv_forward(x, weight, residual=residual[..., :29].copy())
 
 
 def test_linear_sends_few_rows_of_a_bf16_weight_to_gemv(rng):

@@ -19,7 +19,7 @@ from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.ops.arrays import BFLOAT16
 from gpt2_cupy.ops.decode_attention import decode_attention_forward, decode_attention_store
 from gpt2_cupy.ops.rmsnorm import rmsnorm_forward
-from gpt2_cupy.ops.rope import rope_forward
+from gpt2_cupy.ops.rope import rope_forward, rope_store_new_positions
 from gpt2_cupy.ops.swiglu import swiglu_forward
 from gpt2_cupy.testing import relative_error
 
@@ -76,6 +76,34 @@ def test_decode_attention_and_store_in_bf16(rng):
     exact = weights / weights.sum(-1, keepdims=True) @ v64
     assert out.dtype == BFLOAT16
     assert relative_error(out, exact) < 2 * BF16_ROUNDING     # float32 softmax and sums, one rounding
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_store_new_positions_equals_rope_then_store(rng, dtype, interleaved):
+    """The fused step of generation gives the bits of rope_forward on q and k, then decode_attention_store."""
+    B, n, H, H_kv, D, capacity, start = 2, 3, 4, 2, 16, 12, 7
+    qkv = bf16(rng, B, n, (H + 2 * H_kv) * D).astype(dtype)       # one product's output: q, k, v side by side
+    q, k, v = (backend.xp.ascontiguousarray(qkv[..., a * D:b * D]).reshape(B, n, b - a, D)
+               for a, b in ((0, H), (H, H + H_kv), (H + H_kv, H + 2 * H_kv)))
+    keys, values = (bf16(rng, B, H_kv, capacity, D).astype(dtype) for _ in range(2))
+    expected_keys, expected_values = keys.copy(), values.copy()
+    position = backend.xp.asarray(np.array([start], dtype=np.int32))
+    rotated_q, rotated_k = (rope_forward(a, start=position, interleaved=interleaved) for a in (q, k))
+    heads_first = lambda a: backend.xp.ascontiguousarray(a.transpose(0, 2, 1, 3))  # noqa: E731
+    decode_attention_store(expected_keys, expected_values, heads_first(rotated_k), heads_first(v), start + n)
+    for start_given in (start, position):
+        keys_fused, values_fused = keys.copy(), values.copy()
+        q_heads = rope_store_new_positions(qkv, keys_fused, values_fused, H, start=start_given,
+                                           interleaved=interleaved)
+        assert q_heads.shape == (B, H, n, D) and q_heads.dtype == dtype
+        assert np.array_equal(host(q_heads), host(heads_first(rotated_q)))
+        assert np.array_equal(host(keys_fused), host(expected_keys))
+        assert np.array_equal(host(values_fused), host(expected_values))
+    with pytest.raises(ValueError, match="do not fit a cache of 12"):
+        rope_store_new_positions(qkv, keys, values, H, start=capacity - 1)
+    with pytest.raises(ValueError, match="need 144"):
+        rope_store_new_positions(qkv, keys, values, H + 1)
 
 
 @pytest.fixture(scope="module")

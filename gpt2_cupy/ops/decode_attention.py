@@ -13,7 +13,7 @@ out = softmax(q kᵀ / √d) v over those keys, (B, H, n, d). q, keys, values an
 
 Kernels (kernels/decode_attention.cu): decode_attention_partial cuts the keys into chunks, one block per
 (key-value head, chunk), each writing its rows' partial maximum, sum and unnormalised output;
-decode_attention_combine merges the chunks by their log-sum-exp. The chunks are sized so that about
+decode_attention_combine merges the chunks by their log-sum-exp, a block per output row. The chunks are sized so that about
 BLOCKS_PER_MULTIPROCESSOR blocks per multiprocessor run: at batch 1 there are only H_kv heads to spread.
 With a device length the chunks cover the whole capacity (blocks past the end do nothing), so that the grid
 does not change from step to step.
@@ -28,6 +28,7 @@ from gpt2_cupy.ops.attention import HEAD_SIZES, tile_width  # the fused attentio
 
 ROW_CHOICES = (1, 2, 4, 8)         # rows (query heads of a group x new positions) per block, a template parameter
 WARPS = 4                          # per block (kernels/decode_attention.cu's WARPS)
+COMBINE_THREADS = 128             # per block of the combining kernel (kernels/decode_attention.cu)
 KEYS_PER_STEP = 4 * WARPS          # keys a block takes at once: KEYS_AT_ONCE per warp
 SMALLEST_CHUNK = 2 * KEYS_PER_STEP
 BLOCKS_PER_MULTIPROCESSOR = 4
@@ -80,12 +81,11 @@ def decode_attention_forward(q, keys, values, length, *, out=None):
         (heads, splits, batches), (WARPS * WARP_SIZE,),
         (partial_out, partial_max, partial_sum, q, keys, values, 0 if device_length is None else device_length,
          np.int32(host_length), np.int32(rows), np.int32(n), np.int32(capacity), np.int32(chunk), np.int32(d)))
-    outputs = heads * rows
     combine_name = f"decode_attention_combine<{storage_c_type(dtype)}>"
     kernels.function("decode_attention", combine_name, name_expressions=(combine_name,))(
-        (ceil_div(outputs, WARPS),), (WARPS * WARP_SIZE,),
-        (out, partial_out, partial_max, partial_sum, np.int32(outputs), np.int32(rows), np.int32(splits),
-         np.int32(d)))
+        (heads * rows,), (COMBINE_THREADS,),
+        (out, partial_out, partial_max, partial_sum, np.int32(rows), np.int32(splits), np.int32(d)),
+        shared_mem=4 * splits)
     return out
 
 

@@ -1,10 +1,11 @@
 """Products of a few rows with a Linear layer's weight, y = x Wᵀ (+ b), read at the memory's speed (generation).
 
-    y = gemv_forward(x, weight, bias=None, out=None)
+    y = gemv_forward(x, weight, bias=None, out=None, residual=None)
 
 x (..., K) with at most MAX_ROWS rows in all (the leading axes flattened), float32 or bf16; weight (N, K),
 float32 or bf16, either with either; bias (N,) float32 or None; y (..., N) in x's dtype (a bf16 y rounded once
-from its float32 sum). Generating a token at batch 1 multiplies one row by every matrix of the model: the
+from its float32 sum). residual (..., N) in x's dtype, or None: y = residual + (x Wᵀ + b), with the bits of the
+product followed by an add (the product rounded to y's dtype, then the sum), one launch instead of two. Generating a token at batch 1 multiplies one row by every matrix of the model: the
 whole cost is reading the weights once, which this kernel does with 16-byte loads and enough of them in
 flight to keep the memory busy (kernels/gemv.cu). gpt2_cupy.ops.linear routes few-row products with a bf16
 weight here.
@@ -30,12 +31,12 @@ WARPS_PER_OUTPUT = (1, 2, 4, 8)
 WARPS_PER_MULTIPROCESSOR = 64     # fewer outputs than this many warps in all: several warps share each row
 
 
-def gemv_forward(x, weight, bias=None, out=None):
-    """y = x Wᵀ + b for x of at most MAX_ROWS rows. Returns y (..., N), or out."""
+def gemv_forward(x, weight, bias=None, out=None, residual=None):
+    """y = x Wᵀ + b (+ residual) for x of at most MAX_ROWS rows. Returns y (..., N), or out."""
     name = "gemv_forward"
     x_dtype, weight_dtype = storage_dtype(name, "x", x), storage_dtype(name, "weight", weight)
     sizes = check(name, x=(x, ("...", "K"), x_dtype), weight=(weight, ("N", "K"), weight_dtype),
-                  bias=(bias, ("N",)))
+                  bias=(bias, ("N",)), residual=(residual, ("...", "N"), x_dtype))
     row_count, N, K = math.prod(sizes["..."]), sizes["N"], sizes["K"]
     if row_count > MAX_ROWS:
         raise ValueError(f"{name}: x has {row_count} rows; the kernel takes at most {MAX_ROWS} (more rows are "
@@ -47,6 +48,8 @@ def gemv_forward(x, weight, bias=None, out=None):
         backend.fill_zero(out)   # an empty sum: the bias alone
         if bias is not None:
             elementwise("bias_add", "a + b", [out, bias], out_dtype=x_dtype, out=out)
+        if residual is not None:
+            elementwise("residual_add", "a + b", [out, residual], compute_dtype=x_dtype, out=out)
         return out
     width = _elements_per_load(weight_dtype, K, x, weight)
     warps_per_output = _warps_per_output(N)
@@ -56,7 +59,8 @@ def gemv_forward(x, weight, bias=None, out=None):
     outputs_per_block = WARPS_PER_BLOCK // warps_per_output
     kernels.function("gemv", kernel_name, name_expressions=(kernel_name,))(
         (ceil_div(N, outputs_per_block),), (WARPS_PER_BLOCK * WARP_SIZE,),
-        (out, x, weight, 0 if bias is None else bias, np.int32(row_count), np.int32(N), np.int32(K), np.int32(warps_per_output)))
+        (out, x, weight, 0 if bias is None else bias, 0 if residual is None else residual, np.int32(row_count),
+         np.int32(N), np.int32(K), np.int32(warps_per_output)))
     return out
 
 

@@ -27,6 +27,7 @@ import math
 import numpy
 
 from gpt2_cupy import backend, kernels
+from gpt2_cupy.elementwise import elementwise
 from gpt2_cupy.ops.arrays import (BFLOAT16, FLOAT32, LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, output,
                                   row_width, rows, storage_c_type, storage_dtype)
 from gpt2_cupy.ops.gemv import LINEAR_ROWS as GEMV_ROWS, gemv_forward
@@ -56,26 +57,30 @@ def bias_backward(dout, dbias, rows_per_block=ROWS_PER_BLOCK):
     return dbias
 
 
-def linear_forward(x, weight, bias=None, out=None):
+def linear_forward(x, weight, bias=None, out=None, residual=None):
     """y = x Wᵀ + b. x: (..., C_in), weight: (C_out, C_in), bias: (C_out,) or None. Returns y: (..., C_out).
 
     x and weight float32, or both bf16 (y bf16); bias float32. A bf16 weight times at most gemv.LINEAR_ROWS rows
     (generation) goes to the GEMV kernel, which also takes a float32 x (y float32 then).
     out: an optional C-contiguous array of x's dtype, of shape (..., C_out), to write y into.
+    residual: None, or an array of y's shape and dtype added to it, y = residual + (x Wᵀ + b), with the bits of
+    the product then an add (a transformer block's x + f(x) in generation: inside the GEMV's launch).
     """
     dtype = storage_dtype("linear_forward", "x", x)
     if _few_rows_times_bf16(x, weight):
-        return gemv_forward(x, weight, bias, out=out)                         # y = x Wᵀ + b, the weight read once
+        return gemv_forward(x, weight, bias, out=out, residual=residual)      # the weight read once
     sizes = check("linear_forward", x=(x, ("...", "C_in"), dtype), weight=(weight, ("C_out", "C_in"), dtype),
-                  bias=(bias, ("C_out",)))
+                  bias=(bias, ("C_out",)), residual=(residual, ("...", "C_out"), dtype))
     out = output("linear_forward", out, sizes["..."] + (sizes["C_out"],), dtype=dtype)
     if dtype == BFLOAT16:
         from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
         launch_bf16_product(rows(x), weight, rows(out), transpose_b=True, bias=bias)   # y = x Wᵀ + b, rounded once
-        return out
-    launch_matmul(rows(x), weight, rows(out), transpose_b=True)               # y = x Wᵀ
-    if bias is not None:
-        _bias_add(rows(out), bias)                                             # y += b
+    else:
+        launch_matmul(rows(x), weight, rows(out), transpose_b=True)           # y = x Wᵀ
+        if bias is not None:
+            _bias_add(rows(out), bias)                                         # y += b
+    if residual is not None:
+        elementwise("residual_add", "a + b", [residual, out], compute_dtype=dtype, out=out)
     return out
 
 

@@ -3,6 +3,7 @@ the forward also on bf16 arrays and from a first position held in device memory 
 
     y = rope_forward(x, theta=10000.0, start=0, interleaved=False)
     dx = rope_backward(dout, theta=10000.0, start=0, interleaved=False)
+    q_heads = rope_store_new_positions(qkv, keys, values, n_heads, theta=10000.0, start=0, interleaved=False)
 
 x, y, dout, dx: (B, T, H, D), the heads of q or k before they are transposed to (B, H, T, D); D even. The
 token at sequence index t sits at position start + t (start > 0 for new tokens after a KV cache's). Each
@@ -101,6 +102,43 @@ def _start(operation, start):
     if start < 0:
         raise ValueError(f"{operation}: start = {start}; positions start at 0 or later")
     return None, int(start)
+
+
+def rope_store_new_positions(qkv, keys, values, n_heads, *, theta=10000.0, start=0, interleaved=False):
+    """Generation's step between the q, k, v product and the decode attention, in one launch. qkv (B, n,
+    (H + 2 H_kv) D) holds the n new positions' q, k and v side by side (H = n_heads query heads, H_kv key-value
+    heads), as one product with the three weights' rows gives them. q and k are rotated as rope_forward
+    rotates them (the same bits); q is returned as (B, H, n, D); k and v are written into the cache keys,
+    values (B, H_kv, capacity, D) at positions start .. start + n - 1, as decode_attention_store writes them.
+    start: an int or an int32 device array of one element (a captured decode step)."""
+    name = "rope_store_new_positions"
+    dtype = storage_dtype(name, "qkv", qkv)
+    sizes = check(name, qkv=(qkv, ("B", "n", "width"), dtype), keys=(keys, ("B", "H_kv", "capacity", "D"), dtype),
+                  values=(values, ("B", "H_kv", "capacity", "D"), dtype))
+    B, n, width, H_kv, D, capacity = (sizes[key] for key in ("B", "n", "width", "H_kv", "D", "capacity"))
+    if width != (n_heads + 2 * H_kv) * D:
+        raise ValueError(f"{name}: qkv's last axis is {width}; {n_heads} query heads and the cache's {H_kv} key "
+                         f"and value heads of {D} need {(n_heads + 2 * H_kv) * D}")
+    if D % 2:
+        raise ValueError(f"{name}: the head size D = {D} must be even: channels are rotated in pairs")
+    if theta <= 0:
+        raise ValueError(f"{name}: theta = {theta}; the base of the frequencies must be positive")
+    device_start, host_start = _start(name, start)
+    if device_start is None:
+        if host_start + n > capacity:
+            raise ValueError(f"{name}: positions {host_start} .. {host_start + n - 1} do not fit a cache of "
+                             f"{capacity} positions")
+        device_start = backend.xp.asarray(np.array([host_start], dtype=np.int32))
+    q_heads = backend.xp.empty((B, n_heads, n, D), dtype=dtype)
+    pairs = B * n * width // 2
+    if pairs:
+        kernel_name = f"rope_store_new_positions<{storage_c_type(dtype)}>"
+        kernels.function("rope", kernel_name, name_expressions=(kernel_name,))(
+            (ceil_div(pairs, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+            (q_heads, keys, values, qkv, _inverse_frequencies(D, float(theta)), device_start, np.int32(B),
+             np.int32(n), np.int32(n_heads), np.int32(H_kv), np.int32(D), np.int32(capacity),
+             np.int32(bool(interleaved))))
+    return q_heads
 
 
 def permute_for_interleaved(weight, n_heads):
