@@ -74,24 +74,25 @@ def test_decode_matches_float64(rng, to_device, to_host, B, H, key_heads, n, cap
 
 
 def test_keys_split_into_chunks_as_the_grid_needs():
-    # About 4 blocks per multiprocessor (132 on an H100 and on the CPU executor): at Llama 7B's shape, 8 key
-    # heads and 4096 keys make 64 chunks of 64 keys; 32 key heads make 16 chunks of 256; short caches take
-    # chunks of at least 32 keys.
-    assert decode_ops.key_chunks(4096, 8) == (64, 64)
-    assert decode_ops.key_chunks(4096, 32) == (16, 256)
+    # About 8 blocks per multiprocessor (132 on an H100 and on the CPU executor): 8 key heads and 4096 keys
+    # make 128 chunks of 32 keys (the shortest chunk); Llama 7B's 32 key heads make 32 chunks of 128; short
+    # caches take chunks of at least 32 keys.
+    assert decode_ops.BLOCKS_PER_MULTIPROCESSOR == 8 and decode_ops.SMALLEST_CHUNK == 32
+    assert decode_ops.key_chunks(4096, 8) == (128, 32)
+    assert decode_ops.key_chunks(4096, 32) == (32, 128)
     assert decode_ops.key_chunks(100, 1) == (4, 32)
     assert decode_ops.key_chunks(5, 1) == (1, 16)
     assert decode_ops.rows_per_block(3) == 4 and decode_ops.rows_per_block(12) == 8   # 12 rows: 2 blocks
 
 
 def test_many_chunks_merge_to_the_same_attention(rng, to_device, to_host, monkeypatch):
-    # A small GPU: with 2 multiprocessors the same keys are cut into fewer, longer chunks; the merge by
+    # A small GPU: with 1 multiprocessor the same keys are cut into fewer, longer chunks; the merge by
     # log-sum-exp gives the same attention either way.
     q = rng.normal(size=(1, 2, 1, 32)).astype(np.float32)
     keys, values = (rng.normal(0, 3, size=(1, 2, 700, 32)).astype(np.float32) for _ in range(2))
     expected = reference(q, keys, values, 700)
     many = to_host(decode_attention_forward(to_device(q), to_device(keys), to_device(values), 700))
-    monkeypatch.setattr(backend, "multiprocessor_count", lambda: 2)
+    monkeypatch.setattr(backend, "multiprocessor_count", lambda: 1)
     assert decode_ops.key_chunks(700, 2)[0] == 4
     few = to_host(decode_attention_forward(to_device(q), to_device(keys), to_device(values), 700))
     assert relative_error(many, expected) < TOLERANCE and relative_error(few, expected) < TOLERANCE

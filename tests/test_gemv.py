@@ -53,7 +53,7 @@ def test_gemv_matches_float64(rng, rows, weight_dtype, x_dtype):
 @pytest.mark.parametrize("warps_per_output", [1, 2, 8])
 def test_gemv_warps_sharing_an_output(rng, monkeypatch, warps_per_output):
     # Few outputs are split across warps along K; the warps' sums meet in shared memory.
-    monkeypatch.setattr(gemv_ops, "_warps_per_output", lambda N: warps_per_output)
+    monkeypatch.setattr(gemv_ops, "_warps_per_output", lambda N, row_bytes: warps_per_output)
     x = backend.xp.asarray(rng.normal(size=(2, 3, 520)).astype(BFLOAT16))         # leading axes (2, 3): 6 rows
     weight = backend.xp.asarray(rng.normal(size=(19, 520)).astype(BFLOAT16))
     y = gemv_forward(x, weight)

@@ -28,7 +28,11 @@ LINEAR_ROWS = 4
 ROW_CHOICES = (1, 2, 4, 8)        # the kernel's ROWS template instances: the smallest that holds the rows
 WARPS_PER_BLOCK = 8               # kernels/gemv.cu's GEMV_WARPS
 WARPS_PER_OUTPUT = (1, 2, 4, 8)
-WARPS_PER_MULTIPROCESSOR = 64     # fewer outputs than this many warps in all: several warps share each row
+# Several warps share each output row when there are fewer outputs than WARPS_PER_MULTIPROCESSOR warps per
+# multiprocessor, or when a row is longer than WARP_ROW_BYTES: measured on an H200 with the weights cold in L2
+# (bench/llama_generation.py --gemv), more warps per row than that only add blocks and partial sums.
+WARPS_PER_MULTIPROCESSOR = 16
+WARP_ROW_BYTES = 8192
 
 
 def gemv_forward(x, weight, bias=None, out=None, residual=None):
@@ -52,7 +56,7 @@ def gemv_forward(x, weight, bias=None, out=None, residual=None):
             elementwise("residual_add", "a + b", [out, residual], compute_dtype=x_dtype, out=out)
         return out
     width = _elements_per_load(weight_dtype, K, x, weight)
-    warps_per_output = _warps_per_output(N)
+    warps_per_output = _warps_per_output(N, K * weight.itemsize)
     rows_template = next(r for r in ROW_CHOICES if r >= row_count)
     kernel_name = (f"gemv<{rows_template}, {width}, {storage_c_type(weight_dtype)}, "
                    f"{storage_c_type(x_dtype)}>")
@@ -71,8 +75,10 @@ def _elements_per_load(weight_dtype, K, *arrays):
     return wide if K % wide == 0 and float4_aligned(*arrays) else 1
 
 
-def _warps_per_output(N):
-    """The fewest warps per output row that give WARPS_PER_MULTIPROCESSOR warps per multiprocessor in all."""
+def _warps_per_output(N, row_bytes):
+    """The fewest warps per output row that give WARPS_PER_MULTIPROCESSOR warps per multiprocessor in all and
+    at most WARP_ROW_BYTES of a weight row per warp."""
     wanted_warps = WARPS_PER_MULTIPROCESSOR * backend.multiprocessor_count()
-    return next((w for w in WARPS_PER_OUTPUT if N * w >= wanted_warps), WARPS_PER_OUTPUT[-1])
+    return next((w for w in WARPS_PER_OUTPUT if N * w >= wanted_warps and row_bytes <= w * WARP_ROW_BYTES),
+                WARPS_PER_OUTPUT[-1])
 
