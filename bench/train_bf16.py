@@ -12,10 +12,12 @@
    one); PyTorch's, torch.cuda.max_memory_allocated over its steps.
 3. Where the time of our bf16 step goes at the gpt2 preset, by op (eager, each Function timed with events).
 
-Writes bench/train_bf16.json and bench/train_bf16.png, prints a table.
+Writes its results under "bf16" in bench/train.json (beside bench.train's float32 results) and
+bench/train_bf16.png, prints a table. --steps 0 skips the loss comparison and keeps the stored one.
 """
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +31,7 @@ from bench.train import (GPT2, OpTimer, as_torch, comparison_lines, profile_line
                          torch_optimizer)
 
 HERE = Path(__file__).resolve().parent
+STORED = HERE / "train.json"   # bench.train's results and, under "bf16", this benchmark's
 COURSE = dict(corpus="tinyshakespeare", preset="course", batch_size=64, block_size=256)
 
 
@@ -220,7 +223,14 @@ def measure(arguments):
     results = benchmark.measured_on()
     if torch is not None and arguments.steps > 0:
         results["comparison"] = compare(torch, arguments.steps, arguments.eval_interval)
+        results["comparison_measured_on"] = benchmark.measured_on()
         plot(results["comparison"], HERE / "train_bf16.png")
+    else:
+        stored = json.loads(STORED.read_text()).get("bf16", {}) if STORED.exists() else {}
+        if "comparison" in stored:
+            results["comparison"] = stored["comparison"]
+            results["comparison_measured_on"] = stored.get("comparison_measured_on",
+                                                           {"device": stored["device"], "date": stored["date"]})
     results["speed"] = speeds(torch, arguments.timed_steps)
     results["profile"] = profile(3)
     return results
@@ -241,11 +251,12 @@ def table(results):
 
 def main():
     parser = argparse.ArgumentParser(prog="python -m bench.train_bf16", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=1000, help="course preset steps of the loss comparison")
+    parser.add_argument("--steps", type=int, default=1000,
+                        help="course preset steps of the loss comparison (0: keep the stored comparison)")
     parser.add_argument("--eval-interval", type=int, default=100)
     parser.add_argument("--timed-steps", type=int, default=10)
     results = measure(parser.parse_args())
-    benchmark.report("train_bf16", results, table(results))
+    benchmark.report("train", results, table(results), section="bf16")
 
 
 if __name__ == "__main__":

@@ -138,19 +138,28 @@ def measured_on():
 
 
 def write_results(path, results):
-    """Write a benchmark's results as JSON (bench/NAME.json beside bench/NAME.py)."""
-    Path(path).write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+    """Write a benchmark's results as JSON (bench/NAME.json beside bench/NAME.py), atomically."""
+    from gpt2_cupy.data import write_atomically
+
+    write_atomically(path, (json.dumps(results, indent=1, ensure_ascii=False) + "\n").encode())
 
 
-def report(name, results, table):
+def report(name, results, table, section=None, keep=()):
     """The tail of every bench/NAME.py: print the table, stamp results with measured_on(), write bench/NAME.json.
 
     results: a JSON-able dict of what was measured; table: lines of text, a short summary to print.
-    Returns the path written.
+    section: a key of bench/NAME.json to write the stamped results under, the file's other keys kept (two
+    benchmarks sharing one file); keep: keys of the stored file that a run without section keeps (the other
+    benchmark's section). Returns the path written.
     """
     for line in table:
         print(line)
     path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.json"
-    write_results(path, {**measured_on(), **results})
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    stamped = {**measured_on(), **results}
+    if section is not None:
+        write_results(path, {**stored, section: stamped})
+    else:
+        write_results(path, {**{key: stored[key] for key in keep if key in stored}, **stamped})
     print(f"written: {path}")
     return path
