@@ -401,13 +401,13 @@ def resident_blocks():
     return backend.multiprocessor_count() * BLOCKS_PER_MULTIPROCESSOR
 
 
-def grid_stride_blocks(needed, gpu_blocks):
+def grid_stride_blocks(needed, gpu_limit=None):
     """Blocks for a grid-stride launch that would need `needed` blocks to give each thread one step: at most
-    gpu_blocks on a GPU, at most CPU_EXECUTOR_BLOCKS_PER_CORE per core on the CPU executor. Each element is
-    computed by one thread from its own operands whatever the grid, so the result is the same bits."""
+    gpu_limit on a GPU (None: no limit), at most CPU_EXECUTOR_BLOCKS_PER_CORE per core on the CPU executor.
+    Each element is computed by one thread from its own operands whatever the grid: the same bits."""
     if backend.name == "cpu":
-        gpu_blocks = CPU_EXECUTOR_BLOCKS_PER_CORE * (os.cpu_count() or 1)
-    return min(needed, gpu_blocks)
+        gpu_limit = CPU_EXECUTOR_BLOCKS_PER_CORE * (os.cpu_count() or 1)
+    return needed if gpu_limit is None else min(needed, gpu_limit)
 
 
 def _scalar(value, dtype):
