@@ -49,9 +49,9 @@ import numpy as np
 
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import GradientSlot, bump_version, storage_version
-from gpt2_cupy.ops import adamw as kernels_of
 from gpt2_cupy.elementwise import elementwise
 from gpt2_cupy.graphs import is_current_stream_capturing
+from gpt2_cupy.ops import adamw as kernels_of
 from gpt2_cupy.ops.arrays import BFLOAT16, LARGEST_INT, ceil_div
 
 ALIGNMENT = 16  # elements: every parameter starts 64 bytes into the buffer, so float4 never straddles two
