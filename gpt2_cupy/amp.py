@@ -20,7 +20,9 @@ loss, a float32 number from bf16 logits.
 Gradients, as under PyTorch's autocast: a tensor's gradient has that tensor's dtype. Activation gradients
 flow in bf16 between bf16 ops. A parameter's gradient is summed in float32 and added in float32 into the
 optimizer's flat float32 buffer: the Linear weight's on tensor cores with float32 output, LayerNorm's and
-the embedding's by their float32 column sums. AdamW is unchanged: it updates the float32 masters.
+the embedding's by their float32 column sums. AdamW updates the float32 masters; with
+bf16_working_copy=True (the train CLI's --dtype bf16) it also writes each master's bf16 copy in the same
+pass, and the products read that copy instead of converting the weights before each forward.
 
 bf16 keeps float32's 8 exponent bits, so its gradients neither overflow nor underflow where float32's do not:
 training needs no loss scaling, and GradScaler stays a no-op that passes the loss through.
@@ -115,10 +117,15 @@ def as_bf16(array):
 
 
 def product_input(tensor):
-    """The bf16 array a product reads for `tensor` under autocast. A leaf that requires grad (a parameter)
-    is converted once per outermost block and cached, as PyTorch's weight cache does; anything else each time."""
+    """The bf16 array a product reads for `tensor` under autocast. A parameter of an AdamW with
+    bf16_working_copy=True: the copy its last step wrote, while that still equals bf16 of the parameter
+    (gpt2_cupy.optim.WorkingCopy). Another leaf that requires grad (a parameter) is converted once per
+    outermost block and cached, as PyTorch's weight cache does; anything else each time."""
     from gpt2_cupy.autograd import Tensor
     array = tensor.data if isinstance(tensor, Tensor) else tensor
+    working_copy = getattr(tensor, "_working_copy", None)
+    if working_copy is not None and working_copy.equals_bf16_of(array):
+        return working_copy.array
     cacheable = (isinstance(tensor, Tensor) and tensor.is_leaf and tensor.requires_grad and _blocks
                  and _blocks[-1][1] and array.dtype != BFLOAT16)
     if not cacheable:

@@ -46,6 +46,7 @@ Indices are int (32 bits): an operand whose memory spans 2³¹ elements or more 
 
 import functools
 import math
+import os
 
 import numpy
 
@@ -176,6 +177,10 @@ BLOCKS_PER_MULTIPROCESSOR = 8  # 8 blocks of 256 threads: 2048 threads, as many 
 # The rows kernel launches 4 times as many blocks as fit at once: measured on an H200 for x * w + b over
 # (4096, 4096) and (21845, 768), 86.5 % of copy bandwidth with one round of blocks, 88 % with two, 89 % with four.
 ROWS_ROUNDS_OF_BLOCKS = 4
+# The CPU executor runs every GPU thread as a fiber, which costs about 50 ns on top of the thread's work, and
+# its blocks on the machine's cores: there 2 blocks per core, each thread stepping through many elements,
+# pay that cost once per many elements (a grid that fills an H100 is 1056 blocks: 270,000 fibers).
+CPU_EXECUTOR_BLOCKS_PER_CORE = 2
 
 # W neighbouring elements moved by one load or store. alignas tells the compiler that the address is a
 # multiple of the vector's size, so 4 floats travel as one 16-byte instruction (ld.global.v4.f32) instead
@@ -396,6 +401,15 @@ def resident_blocks():
     return backend.multiprocessor_count() * BLOCKS_PER_MULTIPROCESSOR
 
 
+def grid_stride_blocks(needed, gpu_limit=None):
+    """Blocks for a grid-stride launch that would need `needed` blocks to give each thread one step: at most
+    gpu_limit on a GPU (None: no limit), at most CPU_EXECUTOR_BLOCKS_PER_CORE per core on the CPU executor.
+    Each element is computed by one thread from its own operands whatever the grid: the same bits."""
+    if backend.name == "cpu":
+        gpu_limit = CPU_EXECUTOR_BLOCKS_PER_CORE * (os.cpu_count() or 1)
+    return needed if gpu_limit is None else min(needed, gpu_limit)
+
+
 def _scalar(value, dtype):
     """A Python number as the kernel's compute type (float for bf16: the number is not rounded to bf16)."""
     return numpy.float32(value) if numpy.dtype(dtype) == BFLOAT16 else numpy.dtype(dtype).type(value)
@@ -440,7 +454,7 @@ def elementwise(operation, expression, operands, compute_dtype=numpy.float32, ou
         arguments = [operand if isinstance(operand, backend.xp.ndarray) else _scalar(operand, compute_dtype)
                      for operand in operands]
         kernel = _kernel(operation, expression, operand_types, compute, c_type(out_dtype), 0, width)
-        blocks = min(ceil_div(ceil_div(n, width), THREADS_PER_BLOCK), resident_blocks())
+        blocks = grid_stride_blocks(ceil_div(ceil_div(n, width), THREADS_PER_BLOCK), resident_blocks())
         kernel((blocks,), (THREADS_PER_BLOCK,), (out, *arguments, numpy.int32(n)))
         return out
     # A view as out (an in-place write into a transpose or a slice) is walked through its strides as well.
@@ -471,7 +485,8 @@ def elementwise(operation, expression, operands, compute_dtype=numpy.float32, ou
         along_rows = [s[-1] == 1 for s in operand_strides]
         shape_arguments += [numpy.int32(stride) for s in operand_strides for stride in s[:-1]]
         kernel = _kernel(operation, expression, operand_types, compute, c_type(out_dtype), ndim, width, along_rows)
-        blocks = min(ceil_div(ceil_div(n, width), THREADS_PER_BLOCK), ROWS_ROUNDS_OF_BLOCKS * resident_blocks())
+        blocks = grid_stride_blocks(ceil_div(ceil_div(n, width), THREADS_PER_BLOCK),
+                                    ROWS_ROUNDS_OF_BLOCKS * resident_blocks())
         kernel((blocks,), (THREADS_PER_BLOCK,), (*arguments, numpy.int32(n), *shape_arguments))
         return out
     shape_arguments += [numpy.int32(stride) for s in merged_strides for stride in s]
@@ -481,7 +496,7 @@ def elementwise(operation, expression, operands, compute_dtype=numpy.float32, ou
     rows = n // columns
     block = strided_block(columns)
     column_blocks = ceil_div(columns, block[0] * ELEMENTS_PER_THREAD)
-    row_blocks = min(ceil_div(rows, block[1]), ceil_div(resident_blocks(), column_blocks), 65535)
+    row_blocks = grid_stride_blocks(ceil_div(rows, block[1]), min(ceil_div(resident_blocks(), column_blocks), 65535))
     kernel((column_blocks, row_blocks), block, (*arguments, numpy.int32(n), *shape_arguments))
     return out
 

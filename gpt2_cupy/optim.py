@@ -33,6 +33,12 @@ skipped at some steps gets the bias correction of the optimizer's step count.
 The hyperparameters of every group live in a small float64 device array, copied from `param_groups`
 at a step where one of them changed; the step count and the bias corrections are computed on the device.
 
+bf16 working copy (AdamW(..., bf16_working_copy=True); the train CLI's --dtype bf16 turns it on): the
+optimizer also keeps `flat_params_bf16`, a bf16 buffer parallel to flat_params, and each step's update
+kernel writes bf16 of every updated master into it in the same pass. Under gpt2_cupy.autocast the
+products read a parameter's view of it (p._working_copy) instead of converting the parameter again, but
+only while it is known to equal bf16(p.data): see WorkingCopy.
+
 Ready for CUDA graphs (gpt2_cupy.graphs): zero_grad, clip_grad_norm_ and step launch kernels and
 backend.fill_zero / copy_into only, never a host copy, so each can be captured and replayed. A captured
 step() reads the hyperparameters from the device array: change the learning rate with
@@ -42,9 +48,11 @@ step() reads the hyperparameters from the device array: change the learning rate
 import numpy as np
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import GradientSlot
+from gpt2_cupy.autograd import GradientSlot, bump_version, storage_version
+from gpt2_cupy.elementwise import elementwise
+from gpt2_cupy.graphs import is_current_stream_capturing
 from gpt2_cupy.ops import adamw as kernels_of
-from gpt2_cupy.ops.arrays import LARGEST_INT, ceil_div
+from gpt2_cupy.ops.arrays import BFLOAT16, LARGEST_INT, ceil_div
 
 ALIGNMENT = 16  # elements: every parameter starts 64 bytes into the buffer, so float4 never straddles two
 
@@ -133,6 +141,7 @@ class Optimizer:
             if p.data is not data_view:
                 _check_replacement(self.name, "data", p.data, data_view)
                 backend.copy_into(data_view, p.data)
+                bump_version(data_view)   # new values in the flat buffer: a bf16 working copy is stale
                 p.data = data_view
             if p.grad is None or not getattr(p, "requires_grad", True):
                 skipped.append(entry)
@@ -226,6 +235,15 @@ class Optimizer:
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self._uploaded = None
+        self._forget_working_copies()
+
+    def _forget_working_copies(self):
+        """Mark every bf16 working copy as not written (a checkpoint resumes other masters): the products
+        convert the parameters again until the next step writes the copies."""
+        for p, _, _, _ in self._packed:
+            copy = getattr(p, "_working_copy", None)
+            if copy is not None and copy.owner is self:
+                copy.version = None
 
     def __repr__(self):
         groups = "\n".join(f"  group {n}: {len(g['params'])} parameters, "
@@ -241,17 +259,32 @@ class AdamW(Optimizer):
         θ ← θ - lr·λ·θ
         m ← β₁ m + (1 - β₁) g          v ← β₂ v + (1 - β₂) g²
         θ ← θ - lr / (1 - β₁ᵗ) · m / (√v / √(1 - β₂ᵗ) + ε)
+
+    bf16_working_copy (not in PyTorch; default False): also keep `flat_params_bf16`, bf16 of every master,
+    written by the update kernel in the same pass. gpt2_cupy.autocast's products then read each parameter's
+    bf16 copy instead of converting the float32 master before every forward (one conversion kernel per
+    weight and step, each reading the master again). The results are the same bits: the copy is exactly
+    the conversion. Before the first step, and after a change to a parameter that the optimizer did not
+    make, the products convert as without it (WorkingCopy says which changes are seen).
     """
 
     name = "AdamW"
     state_names = ("exp_avg", "exp_avg_sq")   # m and v; the step count is state["step"], an int32 (1,)
 
-    def __init__(self, params_or_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None):
+    def __init__(self, params_or_groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=None,
+                 bf16_working_copy=False):
         # fused: accepted as torch.optim.AdamW accepts it (nanoGPT passes fused=True); the update here is
         # always one fused kernel.
         super().__init__(params_or_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.state["step"] = backend.xp.zeros(1, dtype=np.int32)
         self._step_scalars = backend.xp.zeros((len(self.param_groups), 2), dtype=np.float32)
+        self.bf16_working_copy = bool(bf16_working_copy)
+        self.flat_params_bf16 = None
+        if self.bf16_working_copy:
+            self.flat_params_bf16 = backend.xp.zeros(self.flat_params.size, dtype=BFLOAT16)
+            for p, p_slice, data_view, _ in self._packed:
+                p._working_copy = WorkingCopy(self.flat_params_bf16[p_slice].reshape(data_view.shape), data_view,
+                                              owner=self)
 
     def _hyperparameter_values(self, group):
         beta1, beta2 = group["betas"]
@@ -274,7 +307,42 @@ class AdamW(Optimizer):
         kernels_of.adamw_prepare_step(self._step_scalars, self.state["step"], self._hyperparameters)
         self._update_all_but(skipped, lambda: kernels_of.adamw_update(
             self.flat_params, self.state["exp_avg"], self.state["exp_avg_sq"], self.flat_grads,
-            self._hyperparameters, self._step_scalars, self._group_ends))
+            self._hyperparameters, self._step_scalars, self._group_ends, params_bf16=self.flat_params_bf16))
+        self._working_copies_written(skipped)
+
+    def _working_copies_written(self, skipped):
+        """After a step: the skipped parameters' copies converted from their restored masters, and every
+        copy marked as equal to bf16 of its master as the flat buffer stands now."""
+        if self.flat_params_bf16 is None:
+            return
+        for p, p_slice, _, _ in skipped:
+            elementwise("to", "a", [self.flat_params[p_slice]], compute_dtype=BFLOAT16,
+                        out=self.flat_params_bf16[p_slice])
+        if is_current_stream_capturing():
+            return   # recorded, not run: the copies are written at the replays, and are valid if they were
+        version = storage_version(self.flat_params)
+        for p, _, _, _ in self._packed:
+            p._working_copy.version = version
+
+
+class WorkingCopy:
+    """A parameter's bf16 copy in its AdamW's flat_params_bf16, for the products under autocast.
+
+    Seen: every change made through a Tensor (copy_, p[...] = x, add_ under no_grad, nn.init,
+    Module.load_state_dict), `p.data = ...`, optimizer.load_state_dict. Not seen: a write straight into the
+    backend array (`p.data[...] = x`, numpy's or CuPy's own functions), which passes by every version
+    counter as it passes by PyTorch's autograd: write through the Tensor (`with no_grad(): p.copy_(x)`).
+    """
+
+    def __init__(self, array, master, owner):
+        self.array, self.master, self.owner = array, master, owner
+        self.version = None   # the master storage's version when the step wrote the copy; None: not written
+
+    def equals_bf16_of(self, data):
+        """Whether self.array holds bf16 of `data` (a parameter's .data) right now."""
+        # Valid while p.data is the master the step wrote it from (no `p.data = ...`) and that storage's
+        # in-place version (autograd.storage_version, which every in-place Tensor write bumps) is unchanged.
+        return self.version is not None and data is self.master and storage_version(data) == self.version
 
 
 class SGD(Optimizer):
@@ -300,6 +368,13 @@ class SGD(Optimizer):
         self.upload_hyperparameters()
         self._update_all_but(skipped, lambda: kernels_of.sgd_update(
             self.flat_params, self.state["momentum_buffer"], self.flat_grads, self._hyperparameters, self._group_ends))
+
+
+def with_bf16_working_copy(optimizer):
+    """An AdamW with the groups and hyperparameters of `optimizer` (an AdamW, which it replaces: the parameters
+    move into the new flat buffers) and bf16_working_copy=True."""
+    groups = [dict(group) for group in optimizer.param_groups]
+    return AdamW(groups, bf16_working_copy=True, **optimizer.defaults)
 
 
 def _device_copy(array):

@@ -26,8 +26,9 @@ an AdamW over the same parameters, so a checkpoint resumes with another N, or wi
 import numpy as np
 
 from gpt2_cupy import backend, distributed
+from gpt2_cupy.elementwise import elementwise
 from gpt2_cupy.ops import adamw as kernels_of
-from gpt2_cupy.ops.arrays import ceil_div
+from gpt2_cupy.ops.arrays import BFLOAT16, ceil_div
 from gpt2_cupy.optim import ALIGNMENT, AdamW, _device_copy
 
 
@@ -35,6 +36,8 @@ class ZeroRedundancyOptimizer(AdamW):
     name = "ZeroRedundancyOptimizer"
 
     def __init__(self, params, optimizer_class=AdamW, **defaults):
+        # bf16_working_copy=True: the copy is converted from the whole buffer after the all-gather of the
+        # masters, one launch (the collectives move float32 only)
         if optimizer_class is not AdamW:
             raise NotImplementedError(f"ZeroRedundancyOptimizer shards AdamW only, not {optimizer_class.__name__}")
         self.rank, self.world_size = distributed.get_rank(), distributed.get_world_size()
@@ -98,6 +101,9 @@ class ZeroRedundancyOptimizer(AdamW):
         distributed.all_gather_into_tensor(self.flat_params, self.flat_params[self.shard])
         for p_slice, copy in kept_parameters:
             backend.copy_into(self.flat_params[p_slice], copy)
+        if self.flat_params_bf16 is not None:
+            elementwise("to", "a", [self.flat_params], compute_dtype=BFLOAT16, out=self.flat_params_bf16)
+        self._working_copies_written([])
         self._gradients_reduced = False
 
     def _shard_parts(self, slices):
@@ -140,4 +146,5 @@ def shard_optimizer(optimizer):
     """A ZeroRedundancyOptimizer with the groups and hyperparameters of an AdamW (which it replaces: the
     parameters move into the new flat buffers)."""
     groups = [{key: value for key, value in group.items()} for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=AdamW, **optimizer.defaults)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=AdamW, bf16_working_copy=optimizer.bf16_working_copy,
+                                   **optimizer.defaults)

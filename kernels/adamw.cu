@@ -6,10 +6,14 @@
 // can be recorded once in a CUDA graph and replayed while the learning rate changes:
 //   hyperparameters: (groups, HYPERPARAMETERS) float64, written from the host when a group's value changes
 //   step_scalars:    (groups, 2) float32, written on the device by adamw_prepare_step every step
+// Under bf16 autocast the products read each weight in bf16. adamw_update can write that working copy
+// itself, bf16 of every updated master, while the master is still in registers: the step's one pass over
+// the parameters then serves both, where a separate conversion would read every master again each step.
 
 #define HYPERPARAMETERS 5   // per group: learning rate, beta1, beta2, eps, weight decay (SGD: lr, momentum, weight decay)
 #define NORM_THREADS 256
 
+#include "storage.cuh"
 #include "warp.cuh"
 
 __device__ __forceinline__ int group_of(int element, const int* group_ends, int groups)
@@ -47,31 +51,35 @@ __device__ __forceinline__ void adamw_one(float& theta, float& m, float& v, floa
     theta -= step_size * m / denominator;
 }
 
-// AdamW as torch.optim.AdamW defines it, four elements per thread; n is a multiple of 4.
-extern "C" __global__ void adamw_update(float* params, float* m, float* v, const float* grads,
-                                        const double* hyperparameters, const float* step_scalars,
-                                        const int* group_ends, int groups, int n)
+// AdamW as torch.optim.AdamW defines it, four elements per step of a grid-stride loop; n is a multiple
+// of 4. params_bf16: null, or the bf16 working copy, written with bf16 of each updated master (rounded to
+// nearest even, as every conversion to bf16 is).
+extern "C" __global__ void adamw_update(float* params, __nv_bfloat16* params_bf16, float* m, float* v,
+                                        const float* grads, const double* hyperparameters,
+                                        const float* step_scalars, const int* group_ends, int groups, int n)
 {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (4 * i >= n) {
-        return;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; 4 * i < n; i += gridDim.x * blockDim.x) {
+        int g = group_of(4 * i, group_ends, groups);
+        const double* h = hyperparameters + g * HYPERPARAMETERS;
+        float decay = (float)(h[0] * h[4]);
+        float beta1 = (float)h[1], beta2 = (float)h[2], eps = (float)h[3];
+        float step_size = step_scalars[2 * g], bias_correction2_sqrt = step_scalars[2 * g + 1];
+        float theta[4], m4[4], v4[4], g4[4];
+        load_group<4>(theta, params + 4 * i, true);   // four independent 16-byte loads in flight
+        load_group<4>(g4, grads + 4 * i, true);
+        load_group<4>(m4, m + 4 * i, true);
+        load_group<4>(v4, v + 4 * i, true);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            adamw_one(theta[k], m4[k], v4[k], g4[k], decay, beta1, beta2, eps, step_size, bias_correction2_sqrt);
+        }
+        store_group<4>(params + 4 * i, theta);
+        store_group<4>(m + 4 * i, m4);
+        store_group<4>(v + 4 * i, v4);
+        if (params_bf16 != nullptr) {
+            store_from_float<4>(params_bf16 + 4 * i, theta);
+        }
     }
-    int g = group_of(4 * i, group_ends, groups);
-    const double* h = hyperparameters + g * HYPERPARAMETERS;
-    float decay = (float)(h[0] * h[4]);
-    float beta1 = (float)h[1], beta2 = (float)h[2], eps = (float)h[3];
-    float step_size = step_scalars[2 * g], bias_correction2_sqrt = step_scalars[2 * g + 1];
-    float4 theta4 = reinterpret_cast<float4*>(params)[i];   // four independent 16-byte loads in flight
-    float4 g4 = reinterpret_cast<const float4*>(grads)[i];
-    float4 m4 = reinterpret_cast<float4*>(m)[i];
-    float4 v4 = reinterpret_cast<float4*>(v)[i];
-    adamw_one(theta4.x, m4.x, v4.x, g4.x, decay, beta1, beta2, eps, step_size, bias_correction2_sqrt);
-    adamw_one(theta4.y, m4.y, v4.y, g4.y, decay, beta1, beta2, eps, step_size, bias_correction2_sqrt);
-    adamw_one(theta4.z, m4.z, v4.z, g4.z, decay, beta1, beta2, eps, step_size, bias_correction2_sqrt);
-    adamw_one(theta4.w, m4.w, v4.w, g4.w, decay, beta1, beta2, eps, step_size, bias_correction2_sqrt);
-    reinterpret_cast<float4*>(params)[i] = theta4;
-    reinterpret_cast<float4*>(m)[i] = m4;
-    reinterpret_cast<float4*>(v)[i] = v4;
 }
 
 __device__ __forceinline__ void sgd_one(float& theta, float& buffer, float g, float lr, float momentum,

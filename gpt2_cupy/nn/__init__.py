@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import Tensor, init_generator
+from gpt2_cupy.autograd import Tensor, bump_version, init_generator
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.nn import init, utils
 
@@ -156,6 +156,7 @@ class Module:
                 raise RuntimeError(f"load_state_dict: size mismatch for {name}: copying a param with shape "
                                    f"{tuple(value.shape)}, the shape in current model is {tensor.shape}")
             tensor.data[...] = backend.xp.asarray(value, dtype=tensor.dtype)
+            bump_version(tensor.data)   # an in-place write, as PyTorch's copy_ into the parameter
         return missing, unexpected
 
     def apply(self, fn):

@@ -9,11 +9,12 @@ import math
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import init_generator
+from gpt2_cupy.autograd import bump_version, init_generator
 
 
 def _fill(tensor, values):
     tensor.data[...] = backend.xp.asarray(numpy.asarray(values, dtype=tensor.dtype))
+    bump_version(tensor.data)   # an in-place write, as PyTorch's init functions are
     return tensor
 
 

@@ -1,7 +1,7 @@
 """The optimizer's kernels on flat buffers: AdamW and SGD updates, the global gradient norm, clipping.
 
     adamw_prepare_step(step_scalars, step, hyperparameters)       t += 1, bias corrections, on the device
-    adamw_update(params, m, v, grads, hyperparameters, step_scalars, group_ends)
+    adamw_update(params, m, v, grads, hyperparameters, step_scalars, group_ends, params_bf16=None)
     sgd_update(params, momentum_buffer, grads, hyperparameters, group_ends)
     gradient_norm(grads, partial_sums, norm)                     norm[()] = ||grads||, deterministic
     clip_gradients(grads, norm, max_norm)                         grads *= min(1, max_norm / (norm + 1e-6))
@@ -10,6 +10,8 @@ params, grads, m, v, momentum_buffer: float32, 1-D, the same length n, a multipl
 pads every parameter to 16 elements). group_ends: int32 (groups,), where each group's stretch of the
 buffers ends. hyperparameters: float64 (groups, 5) = (lr, beta1, beta2, eps, weight_decay) for AdamW,
 (lr, momentum, weight_decay, 0, 0) for SGD. step: int32 (1,). step_scalars: float32 (groups, 2).
+params_bf16: None, or a bf16 (n,) buffer that adamw_update fills with bf16 of the updated params (the
+working copy that bf16 autocast's products read), in the same pass.
 All scalars that change between steps are read from these device arrays: nothing here copies to the host.
 gpt2_cupy.optim wraps them in torch-style optimizers; the kernels are kernels/adamw.cu, taught in
 chapters/10_adamw.ipynb.
@@ -18,7 +20,8 @@ chapters/10_adamw.ipynb.
 import numpy as np
 
 from gpt2_cupy import kernels
-from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, ceil_div, check
+from gpt2_cupy.elementwise import grid_stride_blocks
+from gpt2_cupy.ops.arrays import BFLOAT16, THREADS_PER_BLOCK, ceil_div, check
 
 HYPERPARAMETERS = 5       # kernels/adamw.cu: per group, five float64 numbers
 NORM_THREADS = 256        # kernels/adamw.cu: the norm kernels' block size
@@ -32,14 +35,19 @@ def adamw_prepare_step(step_scalars, step, hyperparameters):
                                                                  np.int32(groups)))
 
 
-def adamw_update(params, m, v, grads, hyperparameters, step_scalars, group_ends):
+def adamw_update(params, m, v, grads, hyperparameters, step_scalars, group_ends, params_bf16=None):
     n = _check_flat("adamw_update", params=params, m=m, v=v, grads=grads)
     groups = _check_groups("adamw_update", hyperparameters, group_ends)
     check("adamw_update", step_scalars=(step_scalars, (groups, 2)))
+    if params_bf16 is not None:
+        check("adamw_update", params_bf16=(params_bf16, (n,), BFLOAT16))
     if n:
+        # a GPU: one step of the grid-stride loop per thread; the CPU executor: a few blocks (elementwise.py)
+        blocks = grid_stride_blocks(ceil_div(n // 4, THREADS_PER_BLOCK))
         kernels.function("adamw", "adamw_update")(
-            (ceil_div(n // 4, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-            (params, m, v, grads, hyperparameters, step_scalars, group_ends, np.int32(groups), np.int32(n)))
+            (blocks,), (THREADS_PER_BLOCK,),
+            (params, 0 if params_bf16 is None else params_bf16, m, v, grads, hyperparameters, step_scalars,
+             group_ends, np.int32(groups), np.int32(n)))
 
 
 def sgd_update(params, momentum_buffer, grads, hyperparameters, group_ends):
