@@ -22,8 +22,8 @@ from gpt2_cupy.ops.arrays import (BFLOAT16, WARP_SIZE, ceil_div, check, float4_a
 
 MAX_ROWS = 8                      # the kernel's limit: its ROWS template instances
 # linear_forward sends products of at most this many rows here. Measured on an H200 (bench/llama_generation.py
-# --gemv, GB/s of bf16 weights): one row, 2900-3800 against the tiled GEMM's 230-3500; four rows, 1400-2300,
-# 7 times the tiled GEMM's at N = 4096 and at most 1.7 times slower at N >= 11008; eight rows lose up to 3 times.
+# --gemv, GB/s of bf16 weights): one row, 3170-4340 against the tiled GEMM's 230-3590; four rows, 1500-2370,
+# 7 times the tiled GEMM's at N = 4096 and at most 1.6 times slower at N >= 11008; eight rows lose up to 3 times.
 LINEAR_ROWS = 4
 ROW_CHOICES = (1, 2, 4, 8)        # the kernel's ROWS template instances: the smallest that holds the rows
 WARPS_PER_BLOCK = 8               # kernels/gemv.cu's GEMV_WARPS
