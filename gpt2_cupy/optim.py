@@ -278,13 +278,21 @@ class AdamW(Optimizer):
         super().__init__(params_or_groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.state["step"] = backend.xp.zeros(1, dtype=np.int32)
         self._step_scalars = backend.xp.zeros((len(self.param_groups), 2), dtype=np.float32)
-        self.bf16_working_copy = bool(bf16_working_copy)
+        self.bf16_working_copy = False
         self.flat_params_bf16 = None
+        if bf16_working_copy:
+            self.keep_bf16_working_copy()
+
+    def keep_bf16_working_copy(self):
+        """From the next step on, also write bf16 of every master into flat_params_bf16 (bf16_working_copy=True
+        given afterwards: the train CLI's --dtype bf16 turns it on for the model's own optimizer)."""
         if self.bf16_working_copy:
-            self.flat_params_bf16 = backend.xp.zeros(self.flat_params.size, dtype=BFLOAT16)
-            for p, p_slice, data_view, _ in self._packed:
-                p._working_copy = WorkingCopy(self.flat_params_bf16[p_slice].reshape(data_view.shape), data_view,
-                                              owner=self)
+            return
+        self.bf16_working_copy = True
+        self.flat_params_bf16 = backend.xp.zeros(self.flat_params.size, dtype=BFLOAT16)
+        for p, p_slice, data_view, _ in self._packed:
+            p._working_copy = WorkingCopy(self.flat_params_bf16[p_slice].reshape(data_view.shape), data_view,
+                                          owner=self)
 
     def _hyperparameter_values(self, group):
         beta1, beta2 = group["betas"]
@@ -368,13 +376,6 @@ class SGD(Optimizer):
         self.upload_hyperparameters()
         self._update_all_but(skipped, lambda: kernels_of.sgd_update(
             self.flat_params, self.state["momentum_buffer"], self.flat_grads, self._hyperparameters, self._group_ends))
-
-
-def with_bf16_working_copy(optimizer):
-    """An AdamW with the groups and hyperparameters of `optimizer` (an AdamW, which it replaces: the parameters
-    move into the new flat buffers) and bf16_working_copy=True."""
-    groups = [dict(group) for group in optimizer.param_groups]
-    return AdamW(groups, bf16_working_copy=True, **optimizer.defaults)
 
 
 def _device_copy(array):

@@ -52,7 +52,6 @@ from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.nn.parallel import DistributedDataParallel
 from gpt2_cupy.ops.arrays import ceil_div
 from gpt2_cupy.ops.residual import residual_forward
-from gpt2_cupy.optim import with_bf16_working_copy
 from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision, set_float32_matmul_precision
 from gpt2_cupy.zero import shard_optimizer
 
@@ -265,7 +264,7 @@ class Trainer:
         self.optimizer = self.model.configure_optimizers(config.weight_decay, config.learning_rate,
                                                          (config.beta1, config.beta2))
         if config.dtype == "bf16":   # AdamW writes the products' bf16 weights in its update's pass
-            self.optimizer = with_bf16_working_copy(self.optimizer)
+            self.optimizer.keep_bf16_working_copy()
         if config.zero:
             self.optimizer = shard_optimizer(self.optimizer)
         # what the forward runs through: on several ranks the model wrapped so that its gradients are averaged

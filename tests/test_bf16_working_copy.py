@@ -11,7 +11,6 @@ import pytest
 
 import gpt2_cupy as torch
 from gpt2_cupy import amp, backend, optim
-from gpt2_cupy import train as training
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.ops import adamw as kernels_of
 from gpt2_cupy.train import Trainer, make_config
@@ -94,7 +93,7 @@ def _tiny_model_and_optimizer(bf16_working_copy):
     model = GPT(TINY)
     optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95))
     if bf16_working_copy:
-        optimizer = optim.with_bf16_working_copy(optimizer)
+        optimizer.keep_bf16_working_copy()
     return model, optimizer
 
 
@@ -135,7 +134,7 @@ def test_the_trainer_in_bf16_gives_the_same_losses_with_the_copy(tmp_path, monke
 
     trainer, with_copy = records("copy")
     assert trainer.optimizer.bf16_working_copy
-    monkeypatch.setattr(training, "with_bf16_working_copy", lambda optimizer: optimizer)
+    monkeypatch.setattr(optim.AdamW, "keep_bf16_working_copy", lambda optimizer: None)
     trainer, without = records("converted")
     assert not getattr(trainer.optimizer, "bf16_working_copy", False)
     assert with_copy == without
