@@ -562,11 +562,12 @@ def check_writable(operation, out, operands):
             raise RuntimeError(f"{operation}: {OVERLAPPING_INPUT}")
 
 
-def converted(array, dtype):
-    """array in dtype: itself if it has that dtype, else a C-contiguous converted copy (rounded once)."""
-    if array.dtype == dtype:
+def converted(array, dtype, out=None):
+    """array in dtype: itself if it has that dtype, else a C-contiguous converted copy (rounded once);
+    with out (an array of dtype and array's shape), the converted values written into out."""
+    if out is None and array.dtype == dtype:
         return array
-    return elementwise("to", "a", [array], compute_dtype=dtype)
+    return elementwise("to", "a", [array], compute_dtype=dtype, out=out)
 
 
 def copy(operation, array, out=None):

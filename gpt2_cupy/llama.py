@@ -141,7 +141,7 @@ class LlamaAttention(nn.Module):
         cache = layer_cache.cache
         first_position, length = cache.device_lengths[0:1], cache.device_lengths[1:2]
         if self.projections.weight is not None:
-            qkv = linear_forward(backend.xp.ascontiguousarray(x.data), self.projections.weight)
+            qkv = self.projections.together(x)
         else:
             qkv = backend.xp.concatenate([linear(x).data for linear in (self.q_proj, self.k_proj, self.v_proj)], axis=-1)
         keys, values = cache.keys[layer_cache.index], cache.values[layer_cache.index]
@@ -195,12 +195,16 @@ class SharedRows:
             self.views.append(linear.weight.data)
             start += rows
 
-    def __call__(self, x):
-        """The layers' outputs (..., out_features) for x (..., in_features), as Tensors."""
+    def together(self, x):
+        """The layers' outputs side by side, (..., Σ out_features), one array, for x (..., in_features)."""
         if any(linear.weight.data is not view for linear, view in zip(self.linears, self.views)):
             raise RuntimeError("Llama: a projection's weight was replaced after its rows were shared; call "
                                "model.to(dtype) again")
-        together = linear_forward(backend.xp.ascontiguousarray(x.data), self.weight)  # (..., Σ out_features)
+        return linear_forward(backend.xp.ascontiguousarray(x.data), self.weight)
+
+    def __call__(self, x):
+        """The layers' outputs (..., out_features) for x (..., in_features), as Tensors."""
+        together = self.together(x)
         outputs, start = [], 0
         for linear in self.linears:
             rows = linear.out_features

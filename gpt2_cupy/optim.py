@@ -49,7 +49,7 @@ import numpy as np
 
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import GradientSlot, bump_version, storage_version
-from gpt2_cupy.elementwise import elementwise
+from gpt2_cupy.elementwise import converted
 from gpt2_cupy.graphs import is_current_stream_capturing
 from gpt2_cupy.ops import adamw as kernels_of
 from gpt2_cupy.ops.arrays import BFLOAT16, LARGEST_INT, ceil_div
@@ -324,8 +324,7 @@ class AdamW(Optimizer):
         if self.flat_params_bf16 is None:
             return
         for p, p_slice, _, _ in skipped:
-            elementwise("to", "a", [self.flat_params[p_slice]], compute_dtype=BFLOAT16,
-                        out=self.flat_params_bf16[p_slice])
+            converted(self.flat_params[p_slice], BFLOAT16, out=self.flat_params_bf16[p_slice])
         if is_current_stream_capturing():
             return   # recorded, not run: the copies are written at the replays, and are valid if they were
         version = storage_version(self.flat_params)

@@ -26,7 +26,7 @@ an AdamW over the same parameters, so a checkpoint resumes with another N, or wi
 import numpy as np
 
 from gpt2_cupy import backend, distributed
-from gpt2_cupy.elementwise import elementwise
+from gpt2_cupy.elementwise import converted
 from gpt2_cupy.ops import adamw as kernels_of
 from gpt2_cupy.ops.arrays import BFLOAT16, ceil_div
 from gpt2_cupy.optim import ALIGNMENT, AdamW, _device_copy
@@ -102,7 +102,7 @@ class ZeroRedundancyOptimizer(AdamW):
         for p_slice, copy in kept_parameters:
             backend.copy_into(self.flat_params[p_slice], copy)
         if self.flat_params_bf16 is not None:
-            elementwise("to", "a", [self.flat_params], compute_dtype=BFLOAT16, out=self.flat_params_bf16)
+            converted(self.flat_params, BFLOAT16, out=self.flat_params_bf16)
         self._working_copies_written([])
         self._gradients_reduced = False
 

@@ -5,9 +5,10 @@
 x (..., K) with at most MAX_ROWS rows in all (the leading axes flattened), float32 or bf16; weight (N, K),
 float32 or bf16, either with either; bias (N,) float32 or None; y (..., N) in x's dtype (a bf16 y rounded once
 from its float32 sum). residual (..., N) in x's dtype, or None: y = residual + (x Wᵀ + b), with the bits of the
-product followed by an add (the product rounded to y's dtype, then the sum), one launch instead of two. Generating a token at batch 1 multiplies one row by every matrix of the model: the
-whole cost is reading the weights once, which this kernel does with 16-byte loads and enough of them in
-flight to keep the memory busy (kernels/gemv.cu). gpt2_cupy.ops.linear routes few-row products with a bf16
+product followed by an add (the product rounded to y's dtype, then the sum), one launch instead of two.
+Generating a token at batch 1 multiplies one row by every matrix of the model: the whole cost is reading the
+weights once, which this kernel does with 16-byte loads and enough of them in flight to keep the memory busy
+(kernels/gemv.cu). gpt2_cupy.ops.linear routes few-row products with a bf16
 weight here.
 """
 
