@@ -37,6 +37,7 @@ import weakref
 import numpy
 
 from gpt2_cupy import backend
+from gpt2_cupy.ops.arrays import storage_of
 from gpt2_cupy.elementwise import converted as _as_dtype  # a float32 gradient buffer for a bf16 argument, say
 
 _grad_enabled = True    # switched off inside `with no_grad():`
@@ -634,13 +635,6 @@ def _new_leaf_gradient(tensor, gradient=None):
 # ---- versions: what in-place operations wrote -------------------------------------------------------------
 
 _versions = {}  # id(storage) -> [weak reference to the storage, how many in-place writes it has had]
-
-
-def storage_of(array):
-    """The array that owns array's memory: a view (a slice, a reshape, a transpose) leads back to its base."""
-    while isinstance(getattr(array, "base", None), backend.xp.ndarray):
-        array = array.base
-    return array
 
 
 def storage_version(array):

@@ -634,11 +634,11 @@ class View(Function):
 
 def _view(name, x, make, undo):
     out = View.apply(x, name, make, undo)
-    _remember_base(out, x, make, undo)
+    remember_base(out, x, make, undo)
     return out
 
 
-def _remember_base(view, x, make, undo):
+def remember_base(view, x, make, undo):
     """A view keeps the tensor whose memory it shares (PyTorch's ._base: the first one, never a view) and
     how to take it from that tensor again (_view_of_base) and send a gradient back to it (_grad_to_base):
     an in-place write into the view must change the base's place in the graph too."""
@@ -833,11 +833,11 @@ def index(x, key):
         key = key + (Ellipsis,)
     out = Index.apply(x, key, advanced)
     if not advanced:
-        _remember_base(out, x, lambda a: a[key], _scatter_into(x.shape, key))
+        remember_base(out, x, lambda a: a[key], scatter_into(x.shape, key))
     return out
 
 
-def _scatter_into(shape, key):
+def scatter_into(shape, key):
     """The gradient of x[key] (a basic index) sent back to x: zeros of x's shape, dout at x[key]."""
     def undo(dout):
         gradient = backend.xp.zeros(shape, dtype=dout.dtype)

@@ -1,6 +1,9 @@
 // Attention on tensor cores, FlashAttention-2 style: bf16 inputs and outputs, float32 sums and softmax,
 // forward and backward, causal or not, with grouped-query attention.
 //   q, out, dout, dq: (B, H, T, D) bf16;  k, v, dk, dv: (B, H_kv, T, D) bf16;  lse, row_dot: (B, H, T) float32.
+// Each bf16 tensor is given as the array that holds it and a HeadLayout (below) that says where in it the
+// tensor lies: contiguous (B, H, T, D) is one layout; q, k, v sliced from one (B, T, 3 H D) product's output
+// and out written into a (B, T, H D) array are others, read and written where they lie, without a copy.
 // Query head h reads key and value head h / (H / H_kv) of the same batch element (H_kv = H: one each).
 // S = scale q kᵀ, P = softmax(S) over the visible keys (causal: query t sees keys 0..t), out = P v, and
 // lse = log Σ_j e^S of each row, which the backward uses to recompute P. Grid: blockIdx.x is the head (the
@@ -52,17 +55,33 @@ __device__ __forceinline__ long long kv_head_of(long long head, int heads, int k
     return head / heads * kv_heads + head % heads / (heads / kv_heads);
 }
 
-// Start copying rows first_row .. first_row + ROWS - 1 of a (T, D) matrix into a shared tile, 16 bytes per
-// cp.async; rows at or past T become zeros (a copy that reads 0 bytes fills its 16 with zeros).
+// Where a (B, heads, T, D) tensor's elements lie in its array: head h of batch element b starts at element
+// offset + b batch + h head, its rows are `row` elements apart, and each row's D elements are contiguous.
+// The offset and the strides are multiples of 8 elements, so that every row starts on 16 bytes, as
+// cp.async's copies need.
+struct HeadLayout {
+    long long offset, batch, head, row;
+
+    // The first element of head number `index` (b heads + h).
+    __device__ __forceinline__ long long start(long long index, int heads) const
+    {
+        return offset + index / heads * batch + index % heads * head;
+    }
+};
+
+// Start copying rows first_row .. first_row + ROWS - 1 of a (T, D) matrix whose rows are row_stride elements
+// apart into a shared tile, 16 bytes per cp.async; rows at or past T become zeros (a copy that reads 0
+// bytes fills its 16 with zeros).
 template <int ROWS, int D, int THREADS>
-__device__ __forceinline__ void copy_rows_async(bfloat16* tile, const bfloat16* matrix, int first_row, int T)
+__device__ __forceinline__ void copy_rows_async(bfloat16* tile, const bfloat16* matrix, long long row_stride,
+                                                int first_row, int T)
 {
     constexpr int STRIDE = D + ROW_PADDING, COPIES_PER_ROW = D / 8;
 #pragma unroll
     for (int copy = threadIdx.x; copy < ROWS * COPIES_PER_ROW; copy += THREADS) {
         const int row = copy / COPIES_PER_ROW, column = copy % COPIES_PER_ROW * 8;
         const bool inside = first_row + row < T;
-        const bfloat16* source = inside ? matrix + (long long)(first_row + row) * D + column : matrix;
+        const bfloat16* source = inside ? matrix + (first_row + row) * row_stride + column : matrix;
         cp_async_16(shared_address(tile + row * STRIDE + column), source, inside ? 16 : 0);
     }
 }
@@ -178,11 +197,11 @@ __device__ __forceinline__ void accumulate_weighted_rows(float (&sum)[D / 8][4],
 }
 
 // Write the warp's 16 rows of a 16 x D sum, times `factor`, to rows first_row + ... of a (T, D) matrix in
-// bf16. Result element e of fragment n is row g + 8 (e / 2), column 8n + 2t + e % 2: elements 0, 1 and
+// bf16, its rows row_stride elements apart. Result element e of fragment n is row g + 8 (e / 2), column 8n + 2t + e % 2: elements 0, 1 and
 // 2, 3 are neighbours, one bf16 pair each.
 template <int D>
-__device__ __forceinline__ void store_rows_bf16(bfloat16* matrix, const float (&sum)[D / 8][4], int first_row, int T,
-                                                float factor)
+__device__ __forceinline__ void store_rows_bf16(bfloat16* matrix, long long row_stride, const float (&sum)[D / 8][4],
+                                                int first_row, int T, float factor)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -191,7 +210,7 @@ __device__ __forceinline__ void store_rows_bf16(bfloat16* matrix, const float (&
         if (row >= T) continue;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
-            *reinterpret_cast<__nv_bfloat162*>(matrix + (long long)row * D + 8 * n + 2 * t) =
+            *reinterpret_cast<__nv_bfloat162*>(matrix + row * row_stride + 8 * n + 2 * t) =
                 __floats2bfloat162_rn(factor * sum[n][2 * half], factor * sum[n][2 * half + 1]);
         }
     }
@@ -205,16 +224,16 @@ __device__ __forceinline__ void store_rows_bf16(bfloat16* matrix, const float (&
 // queries (past T, or causal past the query) so that the scores need masking.
 template <int D, int ROWS, int KEYS, typename Work>
 __device__ __forceinline__ void for_each_visible_key_tile(bfloat16* k_tiles, bfloat16* v_tiles, const bfloat16* k,
-                                                          const bfloat16* v, int first_query, int T, int causal,
-                                                          Work work)
+                                                          const bfloat16* v, long long k_row, long long v_row,
+                                                          int first_query, int T, int causal, Work work)
 {
     constexpr int THREADS = 2 * ROWS, TILE_ELEMENTS = KEYS * (D + ROW_PADDING);
     const int warp_query = first_query + 16 * (threadIdx.x / 32);
     const int tiles = ((causal ? min(first_query + ROWS, T) : T) + KEYS - 1) / KEYS;
     auto start_tile = [&](int tile) {
         const int stage = tile % 2;
-        copy_rows_async<KEYS, D, THREADS>(k_tiles + stage * TILE_ELEMENTS, k, tile * KEYS, T);
-        copy_rows_async<KEYS, D, THREADS>(v_tiles + stage * TILE_ELEMENTS, v, tile * KEYS, T);
+        copy_rows_async<KEYS, D, THREADS>(k_tiles + stage * TILE_ELEMENTS, k, k_row, tile * KEYS, T);
+        copy_rows_async<KEYS, D, THREADS>(v_tiles + stage * TILE_ELEMENTS, v, v_row, tile * KEYS, T);
     };
     start_tile(0);
     cp_async_commit();
@@ -297,7 +316,7 @@ template <int D, int WARPS, int KEYS>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
     bfloat16* __restrict__ out, float* __restrict__ lse, const bfloat16* __restrict__ q,
     const bfloat16* __restrict__ k, const bfloat16* __restrict__ v, int T, int heads, int kv_heads, float scale,
-    int causal)
+    int causal, HeadLayout out_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at)
 {
     static_assert(D % 16 == 0 && KEYS % 16 == 0, "fragments are 16 wide");
     constexpr int ROWS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = D + ROW_PADDING;
@@ -309,15 +328,15 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
     const long long head = blockIdx.x, kv_head = kv_head_of(head, heads, kv_heads);
     const int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS;  // causal: the longest rows start first
     const int warp_query = first_query + 16 * warp;
-    q += head * T * D; out += head * T * D; lse += head * T;
-    k += kv_head * T * D; v += kv_head * T * D;
+    q += q_at.start(head, heads); out += out_at.start(head, heads); lse += head * T;
+    k += k_at.start(kv_head, kv_heads); v += v_at.start(kv_head, kv_heads);
     const float scale_log2 = scale * CUDART_L2E_F;
 
     float o[D / 8][4] = {};
     float row_max[2] = {NEGATIVE_INFINITY, NEGATIVE_INFINITY}, row_sum[2] = {0.0f, 0.0f};
     unsigned q_fragments[D / 16][4];  // the warp's queries, read from shared memory once (every warp sees key 0)
-    copy_rows_async<ROWS, D, THREADS>(q_tile, q, first_query, T);
-    for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, first_query, T, causal,
+    copy_rows_async<ROWS, D, THREADS>(q_tile, q, q_at.row, first_query, T);
+    for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, k_at.row, v_at.row, first_query, T, causal,
         [&](int first_key, const bfloat16* k_tile, const bfloat16* v_tile, int chunks, bool masked) {
             if (first_key == 0) row_fragments<D>(q_fragments, q_tile + 16 * warp * STRIDE);
             if (masked)
@@ -344,7 +363,7 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
             o[n][2 * half + 1] *= inverse_sum[half];
         }
     }
-    store_rows_bf16<D>(out, o, warp_query, T, 1.0f);
+    store_rows_bf16<D>(out, out_at.row, o, warp_query, T, 1.0f);
 }
 
 // ---- backward ---------------------------------------------------------------------------------------
@@ -352,16 +371,20 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
 // dK = scale dSᵀ Q. Two passes, each summing its own outputs: dk, dv (a block per tile of keys, looping
 // over queries) and dq (a block per tile of queries, looping over keys); S and dP are computed in both.
 
-// row_dot[i] = Σ_d dout[i][d] out[i][d] for each of `rows` rows of length d, in float32: a warp per row.
+// row_dot[i] = Σ_d dout[i][d] out[i][d] for each of `rows` = B heads T rows of length d, in float32: a warp
+// per row, reading dout and out where dout_at and out_at say.
 extern "C" __global__ void tensor_core_attention_row_dot(float* row_dot, const bfloat16* dout, const bfloat16* out,
-                                                         int rows, int d)
+                                                         int rows, int d, int T, int heads, HeadLayout dout_at,
+                                                         HeadLayout out_at)
 {
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     float sum = 0.0f;
     if (row < rows) {
+        const bfloat16* dout_row = dout + dout_at.start(row / T, heads) + row % T * dout_at.row;
+        const bfloat16* out_row = out + out_at.start(row / T, heads) + row % T * out_at.row;
         for (int i = lane; i < d; i += 32) {
-            sum += __bfloat162float(dout[row * d + i]) * __bfloat162float(out[row * d + i]);
+            sum += __bfloat162float(dout_row[i]) * __bfloat162float(out_row[i]);
         }
     }
     sum = warp_sum(sum);
@@ -406,7 +429,8 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
     bfloat16* __restrict__ dk, bfloat16* __restrict__ dv, const bfloat16* __restrict__ dout,
     const bfloat16* __restrict__ q, const bfloat16* __restrict__ k, const bfloat16* __restrict__ v,
     const float* __restrict__ lse, const float* __restrict__ row_dot, int T, int heads, int kv_heads, float scale,
-    int causal)
+    int causal, HeadLayout dk_at, HeadLayout dv_at, HeadLayout dout_at, HeadLayout q_at, HeadLayout k_at,
+    HeadLayout v_at)
 {
     static_assert(D % 16 == 0 && QUERIES % 16 == 0, "fragments are 16 wide");
     constexpr int KEYS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = D + ROW_PADDING;
@@ -430,13 +454,15 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
     auto start_step = [&](int step) {
         const long long head = first_head + step / tiles_per_head;
         const int first_query = (first_tile + step % tiles_per_head) * QUERIES, stage = step % 2;
-        copy_rows_async<QUERIES, D, THREADS>(q_tiles + stage * TILE_ELEMENTS, q + head * T * D, first_query, T);
-        copy_rows_async<QUERIES, D, THREADS>(dout_tiles + stage * TILE_ELEMENTS, dout + head * T * D, first_query, T);
+        copy_rows_async<QUERIES, D, THREADS>(q_tiles + stage * TILE_ELEMENTS, q + q_at.start(head, heads), q_at.row,
+                                             first_query, T);
+        copy_rows_async<QUERIES, D, THREADS>(dout_tiles + stage * TILE_ELEMENTS, dout + dout_at.start(head, heads),
+                                             dout_at.row, first_query, T);
         copy_floats_async<QUERIES, THREADS>(lse_tiles + stage * QUERIES, lse + head * T, first_query, T);
         copy_floats_async<QUERIES, THREADS>(dot_tiles + stage * QUERIES, row_dot + head * T, first_query, T);
     };
-    copy_rows_async<KEYS, D, THREADS>(k_tile, k + kv_head * T * D, first_key, T);
-    copy_rows_async<KEYS, D, THREADS>(v_tile, v + kv_head * T * D, first_key, T);
+    copy_rows_async<KEYS, D, THREADS>(k_tile, k + k_at.start(kv_head, kv_heads), k_at.row, first_key, T);
+    copy_rows_async<KEYS, D, THREADS>(v_tile, v + v_at.start(kv_head, kv_heads), v_at.row, first_key, T);
     start_step(0);
     cp_async_commit();
 
@@ -466,8 +492,8 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
         }
         __syncthreads();
     }
-    store_rows_bf16<D>(dk + kv_head * T * D, dk_sum, warp_key, T, scale);
-    store_rows_bf16<D>(dv + kv_head * T * D, dv_sum, warp_key, T, 1.0f);
+    store_rows_bf16<D>(dk + dk_at.start(kv_head, kv_heads), dk_at.row, dk_sum, warp_key, T, scale);
+    store_rows_bf16<D>(dv + dv_at.start(kv_head, kv_heads), dv_at.row, dv_sum, warp_key, T, 1.0f);
 }
 
 // One key tile of the dq pass for the warp's 16 queries: S = Q Kᵀ, dP = dO Vᵀ, P from lse, dS, dQ += dS K.
@@ -500,7 +526,8 @@ template <int D, int WARPS, int KEYS>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
     bfloat16* __restrict__ dq, const bfloat16* __restrict__ dout, const bfloat16* __restrict__ q,
     const bfloat16* __restrict__ k, const bfloat16* __restrict__ v, const float* __restrict__ lse,
-    const float* __restrict__ row_dot, int T, int heads, int kv_heads, float scale, int causal)
+    const float* __restrict__ row_dot, int T, int heads, int kv_heads, float scale, int causal, HeadLayout dq_at,
+    HeadLayout dout_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at)
 {
     static_assert(D % 16 == 0 && KEYS % 16 == 0, "fragments are 16 wide");
     constexpr int ROWS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = D + ROW_PADDING;
@@ -512,8 +539,9 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
     const long long head = blockIdx.x, kv_head = kv_head_of(head, heads, kv_heads);
     const int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS, warp_query = first_query + 16 * warp;
-    q += head * T * D; dout += head * T * D; dq += head * T * D; lse += head * T; row_dot += head * T;
-    k += kv_head * T * D; v += kv_head * T * D;
+    q += q_at.start(head, heads); dq += dq_at.start(head, heads); dout += dout_at.start(head, heads);
+    lse += head * T; row_dot += head * T;
+    k += k_at.start(kv_head, kv_heads); v += v_at.start(kv_head, kv_heads);
     const float scale_log2 = scale * CUDART_L2E_F;
 
     float lse2[2], dot[2];
@@ -524,9 +552,9 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
         dot[half] = query < T ? row_dot[query] : 0.0f;
     }
     float dq_sum[D / 8][4] = {};
-    copy_rows_async<ROWS, D, THREADS>(q_tile, q, first_query, T);
-    copy_rows_async<ROWS, D, THREADS>(dout_tile, dout, first_query, T);
-    for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, first_query, T, causal,
+    copy_rows_async<ROWS, D, THREADS>(q_tile, q, q_at.row, first_query, T);
+    copy_rows_async<ROWS, D, THREADS>(dout_tile, dout, dout_at.row, first_query, T);
+    for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, k_at.row, v_at.row, first_query, T, causal,
         [&](int first_key, const bfloat16* k_tile, const bfloat16* v_tile, int chunks, bool masked) {
             const bfloat16* q_rows = q_tile + 16 * warp * STRIDE;
             const bfloat16* dout_rows = dout_tile + 16 * warp * STRIDE;
@@ -537,5 +565,5 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
                 dq_tile<D, KEYS, false>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks, first_key,
                                         warp_query, T, causal, scale_log2);
         });
-    store_rows_bf16<D>(dq, dq_sum, warp_query, T, scale);
+    store_rows_bf16<D>(dq, dq_at.row, dq_sum, warp_query, T, scale);
 }

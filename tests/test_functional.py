@@ -106,6 +106,43 @@ def test_split_sends_each_piece_its_gradient(rng, to_device, to_host):
              lambda x: x[..., 0:4] + x[..., 8:12], [rng.normal(size=(2, 3, 12))], to_device, to_host)
 
 
+def test_split_gives_views_and_in_place_writes_reach_x(rng, to_device, to_host):
+    """As PyTorch's: the pieces share x's memory; a piece changed in place changes x, and the gradient of the
+    graph's input follows the write (the doubled piece's part of it doubles)."""
+    values = rng.normal(size=(3, 6))
+    source = Tensor(to_device(values.astype(np.float32)), requires_grad=True)
+    x = source * 1.0
+    first, second = x.split(3, dim=1)
+    assert first.data.base is not None and not first.is_contiguous()
+    first.mul_(2.0)
+    expected = values.copy()
+    expected[:, :3] *= 2
+    np.testing.assert_allclose(to_host(x.data), expected, rtol=1e-6)
+    weights = rng.normal(size=(3, 6))
+    (x * Tensor(to_device(weights.astype(np.float32)))).sum().backward()
+    expected_grad = weights.copy()
+    expected_grad[:, :3] *= 2
+    np.testing.assert_allclose(to_host(source.grad), expected_grad, rtol=1e-6)
+
+
+def test_split_hands_on_gradients_that_already_lie_side_by_side(to_device):
+    """Gradients that are the pieces of one array of x's shape are that array, joined without a copy; others
+    are concatenated."""
+    from gpt2_cupy.autograd import Context
+    from gpt2_cupy.nn.functional import Split
+    x = to_device(np.arange(24, dtype=np.float32).reshape(2, 12))
+    keys = tuple((slice(None), slice(start, start + 4)) for start in (0, 4, 8))
+    ctx = Context([])
+    Split.forward(ctx, x, keys)
+    gradient = to_device(np.ones((2, 12), np.float32))
+    joined, _ = Split.backward(ctx, *(gradient[key] for key in keys))
+    assert joined is gradient
+    separate = [to_device(np.full((2, 4), i, np.float32)) for i in range(3)]
+    joined, _ = Split.backward(ctx, *separate)
+    assert joined is not gradient and np.array_equal(np.asarray(backend.asnumpy(joined)),
+                                                     np.repeat(np.arange(3.0), 4)[None].repeat(2, 0))
+
+
 def test_softmax(rng, to_device, to_host):
     check_op(lambda x: F.softmax(x, dim=-1), softmax_reference, [rng.normal(size=(2, 3, 33))], to_device, to_host)
 

@@ -300,6 +300,90 @@ def test_every_tile_choice(rng, to_device, to_host, kernel):
             assert_within(f"dq, {shape}", to_host(dq), expected_dq, dq_bound)
 
 
+def bits(array):
+    return np.asarray(array).view(np.uint16)
+
+
+@pytest.mark.parametrize("H_kv", [4, 2])
+def test_heads_read_and_written_where_they_lie(rng, to_device, to_host, H_kv):
+    """q, k, v as the (B, H, T, d) views of one (B, T, (H + 2 H_kv) d) product's output, and dout as the view
+    of a (B, T, H d) gradient, give the bits their contiguous copies give. out lies as (B, T, H d), ready for
+    the next product; dq, dk, dv lie in one new (B, T, (H + 2 H_kv) d) array, where q, k, v lay in theirs."""
+    from gpt2_cupy.ops.arrays import storage_of
+    B, H, T, d = 2, 4, 50, 64
+    widths = (H * d, H_kv * d, H_kv * d)
+    qkv = rng.standard_normal((B, T, sum(widths))).astype(bfloat16)
+    dy = rng.standard_normal((B, T, H * d)).astype(bfloat16)
+    device_qkv, device_dy = to_device(qkv), to_device(dy)
+    starts = np.cumsum((0,) + widths)
+    views = [device_qkv[..., start:start + width].reshape(B, T, width // d, d).transpose(0, 2, 1, 3)
+             for start, width in zip(starts, widths)]
+    dout_view = device_dy.reshape(B, T, H, d).transpose(0, 2, 1, 3)
+    copies = [to_device(np.ascontiguousarray(to_host(x))) for x in views + [dout_view]]
+
+    out, lse = tensor_core_attention_forward(*views)
+    out_copied, lse_copied = tensor_core_attention_forward(*copies[:3])
+    assert np.array_equal(bits(to_host(out)), bits(to_host(out_copied)))
+    assert np.array_equal(to_host(lse), to_host(lse_copied))
+    assert out.transpose(0, 2, 1, 3).flags.c_contiguous                  # (B, T, H, d) in memory
+
+    gradients = tensor_core_attention_backward(dout_view, *views, out, lse)
+    copied = tensor_core_attention_backward(copies[3], *copies[:3], out_copied, lse_copied)
+    for name, got, expected in zip(("dq", "dk", "dv"), gradients, copied):
+        assert np.array_equal(bits(to_host(got)), bits(to_host(expected))), name
+    whole = storage_of(gradients[0])
+    assert whole.shape == qkv.shape and all(storage_of(g) is whole for g in gradients)
+    joined = np.concatenate([to_host(g).transpose(0, 2, 1, 3).reshape(B, T, -1) for g in copied], axis=-1)
+    assert np.array_equal(bits(to_host(whole)), bits(joined))
+
+
+def test_gradients_of_overlapping_or_partial_views_get_arrays_of_their_own(to_device):
+    """k and v that are one array, or views that leave part of their storage out, must not share a gradient
+    buffer: each gets a C-contiguous array of its own."""
+    from gpt2_cupy.ops.arrays import empty_like_views, storage_of
+    kv = to_device(np.zeros((1, 2, 8, 64), bfloat16))
+    dk, dv = empty_like_views(kv, kv)
+    assert dk.flags.c_contiguous and dv.flags.c_contiguous and storage_of(dk) is not storage_of(dv)
+    packed = to_device(np.zeros((1, 8, 3 * 128), bfloat16))
+    q, k = (packed[..., start:start + 128].reshape(1, 8, 2, 64).transpose(0, 2, 1, 3) for start in (0, 128))
+    dq, dk = empty_like_views(q, k)
+    assert dq.flags.c_contiguous and dk.flags.c_contiguous and storage_of(dq) is not storage_of(dk)
+
+
+def test_a_layout_the_kernels_cannot_read_is_copied_first(rng, to_device, to_host):
+    """q whose head dimension is not contiguous (a (B, H, d, T) array seen as (B, H, T, d)) is copied, not
+    misread: the same bits as its contiguous copy."""
+    q, k, v, _ = bf16_inputs(rng, 1, 2, 2, 40, 64)
+    q_columns = to_device(np.ascontiguousarray(q.transpose(0, 1, 3, 2))).transpose(0, 1, 3, 2)
+    out, _ = tensor_core_attention_forward(q_columns, to_device(k), to_device(v))
+    expected, _ = tensor_core_attention_forward(*(to_device(a) for a in (q, k, v)))
+    assert np.array_equal(bits(to_host(out)), bits(to_host(expected)))
+
+
+def test_split_heads_through_the_tape(rng, to_device, to_host):
+    """GPT-2's attention block in bf16 (split, view, transpose, attention, transpose back): the gradient of the
+    q, k, v product's output has the bits that the same block with every view copied to contiguous gives."""
+    from gpt2_cupy import functional as F
+    from gpt2_cupy.autograd import Tensor
+    B, H, T, d = 1, 2, 40, 64
+    C = H * d
+    qkv_host = rng.standard_normal((B, T, 3 * C)).astype(bfloat16)
+    dy = Tensor(to_device(rng.standard_normal((B, T, C)).astype(bfloat16)))
+
+    def block(copy):
+        qkv = Tensor(to_device(qkv_host), requires_grad=True)
+        heads = [x.view(B, T, H, d).transpose(1, 2) for x in qkv.split(C, dim=2)]
+        if copy:
+            heads = [x.contiguous().clone() for x in heads]
+        y = F.scaled_dot_product_attention(*heads, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        (y * dy).sum().backward()
+        return to_host(y.data), to_host(qkv.grad)
+
+    (y, grad), (y_copied, grad_copied) = block(False), block(True)
+    assert np.array_equal(bits(y), bits(y_copied)) and np.array_equal(bits(grad), bits(grad_copied))
+
+
 def test_bad_arguments(to_device):
     def zeros(shape, dtype=bfloat16):
         return to_device(np.zeros(shape, dtype))

@@ -29,9 +29,9 @@ import math
 import numpy
 
 from gpt2_cupy import amp, backend, device_checks, tensor_ops
-from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state
+from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state, storage_version
 from gpt2_cupy.elementwise import converted, elementwise
-from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
+from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32, same_place, storage_of
 from gpt2_cupy.reduction import normalize_dims
 from gpt2_cupy.ops.attention import attention_backward, attention_forward
 from gpt2_cupy.ops.tensor_core_attention import (HEAD_SIZES as TENSOR_CORE_HEAD_SIZES, SMALL_ATTENTION as
@@ -277,7 +277,10 @@ class Attention(Function):
 
 
 class TensorCoreAttention(Function):
-    """bf16 attention on tensor cores (chapter 16): bf16 q, k, v, out and gradients, float32 softmax."""
+    """bf16 attention on tensor cores (chapter 16): bf16 q, k, v, out and gradients, float32 softmax. The kernels
+    read and write by strides: heads split from the q, k, v product's output are read where they lie, out
+    is made with its heads side by side, and the gradients lie as q, k, v do."""
+    accepts_strided = True
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
@@ -486,21 +489,38 @@ def _check_targets(target, classes, ignore_index):
 # ---- data movement ---------------------------------------------------------------------------------------
 
 class Split(Function):
+    """Views of consecutive pieces of x along dim, as PyTorch's split gives. Their gradients are joined into
+    one of x's shape: by a copy, unless they already lie side by side in one array of that shape, as the
+    tensor-core attention's dq, dk, dv of a split q, k, v do (ops.arrays.empty_like_views)."""
+    accepts_strided = True
+
     @staticmethod
-    def forward(ctx, x, split_size, dim):
-        ctx.dim = dim
-        pieces = [backend.xp.ascontiguousarray(piece)  # copies: a slice along a later axis has gaps
-                  for piece in backend.xp.split(x, range(split_size, x.shape[dim], split_size), axis=dim)]
-        return tuple(pieces)
+    def forward(ctx, x, keys):
+        ctx.keys, ctx.shape = keys, x.shape
+        ctx.is_view, ctx.view_version = True, storage_version(x)
+        return tuple(x[key] for key in keys)
 
     @staticmethod
     def backward(ctx, *douts):
-        return backend.xp.concatenate(douts, axis=ctx.dim), None, None
+        whole = storage_of(douts[0])
+        in_place = (whole.shape == ctx.shape and whole.flags.c_contiguous and all(
+            storage_of(dout) is whole and same_place(dout, whole[key]) for dout, key in zip(douts, ctx.keys)))
+        if in_place:
+            return whole, None
+        axis = len(ctx.keys[0]) - 1
+        return backend.xp.concatenate(douts, axis=axis), None
 
 
 def split(x, split_size, dim=-1):
-    """Pieces of split_size along dim (the last one shorter when it does not divide), each a copy."""
-    return Split.apply(x, split_size, dim)
+    """Pieces of split_size along dim (the last one shorter when it does not divide): views of x, as in
+    PyTorch. An in-place write into a piece writes into x, and x's place in the graph follows (CopySlices)."""
+    (dim,) = normalize_dims("split", (dim,), x.ndim)
+    keys = tuple((slice(None),) * dim + (slice(start, min(start + split_size, x.shape[dim])),)
+                 for start in range(0, max(x.shape[dim], 1), split_size))
+    pieces = Split.apply(x, keys)
+    for piece, key in zip(pieces, keys):
+        tensor_ops.remember_base(piece, x, lambda a, key=key: a[key], tensor_ops.scatter_into(x.shape, key))
+    return pieces
 
 
 def _float32(parameter):

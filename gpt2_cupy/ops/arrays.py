@@ -78,12 +78,21 @@ def check(operation, **arguments):
     tuple of ints (that exact size), names ("C": the same size wherever the name appears) and at most one
     "..." first (any number of leading axes, the same in every argument). Arrays must be C-contiguous.
     """
+    return _check_sizes(operation, arguments, contiguous=True)
+
+
+def check_views(operation, **arguments):
+    """check() for an op whose kernels read and write by strides: the arrays may be views of any layout."""
+    return _check_sizes(operation, arguments, contiguous=False)
+
+
+def _check_sizes(operation, arguments, contiguous):
     sizes, first_seen = {}, {}
     for name, specification in arguments.items():
         array, pattern, dtype = (*specification, numpy.float32) if len(specification) == 2 else specification
         if array is None:
             continue
-        _check_one(operation, name, array, dtype, contiguous=True)
+        _check_one(operation, name, array, dtype, contiguous)
         shape = tuple(array.shape)
         leading = len(pattern) > 0 and pattern[0] == ELLIPSIS
         fixed = pattern[1:] if leading else pattern
@@ -142,3 +151,96 @@ def launch_elementwise(kernel_file, kernel_name, arrays, n, *scalars):
     else:
         kernel, threads = kernels.function(kernel_file, kernel_name), n
     kernel((ceil_div(threads, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,), (*arrays, numpy.int32(n), *scalars))
+
+
+# ---- views: arrays that lie inside another ----------------------------------------------------------------
+
+def storage_of(array):
+    """The array that owns array's memory: a view (a slice, a reshape, a transpose) leads back to its base."""
+    while isinstance(getattr(array, "base", None), backend.xp.ndarray):
+        array = array.base
+    return array
+
+
+def element_strides(array):
+    """array's strides in elements rather than bytes."""
+    return tuple(stride // array.itemsize for stride in array.strides)
+
+
+def element_offset(array):
+    """Where array's first element lies in its storage, in elements."""
+    return (backend.address(array) - backend.address(storage_of(array))) // array.itemsize
+
+
+def empty_like_views(*arrays):
+    """New uninitialised arrays of the shapes and dtypes of `arrays`, laid out as they are where that is free.
+
+    Arrays that together tile a C-contiguous storage exactly, as q, k and v split from one product's output
+    do, get views into one new array of the storage's shape, at the same places: gradients made here lie
+    side by side as their inputs did, and need no copy to become the gradient of the storage (Split's
+    backward hands it on as it is). Any other array gets a C-contiguous one of its own."""
+    groups = {}
+    for array in arrays:
+        groups.setdefault(id(storage_of(array)), []).append(array)
+    made = {}
+    for group in groups.values():
+        made.update(_views_of_a_new_storage(group))
+    return tuple(made[id(array)] if id(array) in made else backend.xp.empty(array.shape, dtype=array.dtype)
+                 for array in arrays)
+
+
+def same_place(a, b):
+    """Whether a and b are views of the same elements: the same start, shape and strides (those of axes of
+    size 1 aside, which never move)."""
+    def moving(array):
+        return [stride for stride, size in zip(array.strides, array.shape) if size != 1]
+    return (a.shape == b.shape and backend.address(a) == backend.address(b) and moving(a) == moving(b))
+
+
+def _views_of_a_new_storage(group):
+    """{id(array): its like in a new array of the storage's shape} when the arrays of group, of one dtype and
+    strides, are consecutive blocks along one of their axes (their shapes differ in that axis at most) that
+    together cover every element of their C-contiguous storage once (one array: a permutation of the
+    storage's own layout); else {}."""
+    whole = storage_of(group[0])
+    strides = element_strides(group[0])
+    group = sorted(group, key=element_offset)
+    if not whole.flags.c_contiguous or any(a.dtype != whole.dtype or element_strides(a) != strides or 0 in a.shape
+                                           for a in group) or element_offset(group[0]) != 0:
+        return {}
+    shape = list(group[0].shape)
+    if len(group) > 1:
+        axis = _joining_axis(group, strides)
+        if axis is None:
+            return {}
+        shape[axis] = sum(a.shape[axis] for a in group)
+    # The blocks joined: contiguous once its axes are sorted by stride (size-1 axes go anywhere).
+    order = sorted(range(len(shape)), key=lambda i: (shape[i] != 1, -strides[i]))
+    covered = 1
+    for i in reversed(order):
+        if shape[i] != 1 and strides[i] != covered:
+            return {}
+        covered *= shape[i]
+    if covered != whole.size:
+        return {}
+    new = backend.xp.empty(whole.shape, dtype=whole.dtype)
+    joined = new.reshape([shape[i] for i in order]).transpose([order.index(i) for i in range(len(shape))])
+    if len(group) == 1:
+        return {id(group[0]): joined}
+    views, start = {}, 0
+    for array in group:
+        views[id(array)] = joined[(slice(None),) * axis + (slice(start, start + array.shape[axis]),)]
+        start += array.shape[axis]
+    return views
+
+
+def _joining_axis(group, strides):
+    """The axis along which the arrays of group (sorted by offset, of equal strides) follow each other with no
+    gap and no overlap, their shapes equal in every other axis; None if there is none."""
+    for axis, stride in enumerate(strides):
+        same_elsewhere = all(a.shape[:axis] + a.shape[axis + 1:] == group[0].shape[:axis] + group[0].shape[axis + 1:]
+                             for a in group)
+        follow = all(element_offset(b) - element_offset(a) == a.shape[axis] * stride for a, b in zip(group, group[1:]))
+        if same_elsewhere and follow:
+            return axis
+    return None

@@ -5,9 +5,12 @@
 
 q, out, dout, dq: (B, H, T, d); k, v, dk, dv: (B, H_kv, T, d), with H a multiple of H_kv: query head h
 reads key/value head h // (H // H_kv) (grouped-query attention; H_kv = H is multi-head attention, H_kv = 1
-multi-query), and no copy of K and V is made per query head. All of them ml_dtypes.bfloat16, C-contiguous
-backend arrays; lse: (B, H, T) float32, the log-sum-exp of each row of the scaled scores, which the
-backward needs. d = 32, 64 or 128. S = scale q kᵀ with scale = 1/√d unless given (PyTorch's
+multi-query), and no copy of K and V is made per query head. All of them ml_dtypes.bfloat16 backend arrays
+of any strides whose rows (the last axis) are contiguous: the kernels read and write them where they lie,
+as PyTorch's flash attention does. So q, k, v can be the (B, H, T, d) views of one (B, T, 3 H d) product's
+output, and out is made as a (B, T, H d) array seen as (B, H, T, d): heads side by side again, as the next
+product reads them. dq, dk, dv are laid out as q, k, v are (arrays.empty_like_views). lse: (B, H, T)
+float32, C-contiguous, the log-sum-exp of each row of the scaled scores, which the backward needs. d = 32, 64 or 128. S = scale q kᵀ with scale = 1/√d unless given (PyTorch's
 scaled_dot_product_attention's default); causal=True lets query t see keys 0..t; out = softmax(S) v.
 
 What is rounded (kernels/tensor_core_attention.cu, FlashAttention-2's scheme): the products run on tensor
@@ -32,7 +35,9 @@ import numpy
 from ml_dtypes import bfloat16
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, ceil_div, check, float4_aligned, output
+from gpt2_cupy.elementwise import copy
+from gpt2_cupy.ops.arrays import (LARGEST_GRID_Y, ceil_div, check, check_views, element_offset, element_strides,
+                                  empty_like_views, float4_aligned, storage_of)
 
 HEAD_SIZES = (32, 64, 128)
 # Multiply-adds (B·H·T²·d) below which F.scaled_dot_product_attention keeps bf16 attention on chapter 08's
@@ -42,6 +47,9 @@ ROW_PADDING = 8                 # bf16 after each row of a shared tile (ROW_PADD
 BF16, FLOAT = 2, 4              # bytes
 ROWS_PER_WARP = 16
 ROW_DOT_WARPS = 8               # rows (a warp each) per block of the row_dot kernel
+ROW_ALIGNMENT = 8               # bf16 in 16 bytes: every row of every tensor must start on 16 bytes
+HEAD_LAYOUT = numpy.dtype([("offset", numpy.int64), ("batch", numpy.int64), ("head", numpy.int64),
+                           ("row", numpy.int64)])   # the kernels' struct HeadLayout
 # (warps per block, keys per tile) of the forward and of the dq pass; (warps per block, queries per tile)
 # of the dk, dv pass: the fastest of TILE_CANDIDATES measured by bench/tensor_core_attention.py on an H200
 # at GPT-2's shape (d = 64) and Llama's (d = 128, grouped heads). The dk, dv pass holds two 16 x d sums, d
@@ -83,11 +91,13 @@ def _kernel(name, d, warps, tile, shared):
 
 
 def _sizes(operation, q, k, v, others=()):
-    """(B, H, H_kv, T, d) after checking q, k, v and others ((name, array, pattern, dtype) each)."""
+    """(B, H, H_kv, T, d) after checking q, k, v and others ((name, array, pattern, dtype) each; lse and
+    row_dot C-contiguous, the bf16 tensors of any layout)."""
     pattern, kv_pattern = ("B", "H", "T", "d"), ("B", "H_kv", "T", "d")
     arrays = {"q": (q, pattern, bfloat16), "k": (k, kv_pattern, bfloat16), "v": (v, kv_pattern, bfloat16)}
     arrays.update({name: (array, shape, dtype) for name, array, shape, dtype in others})
-    sizes = check(operation, **arrays)
+    check(operation, **{name: spec for name, spec in arrays.items() if spec[2] != bfloat16})
+    sizes = check_views(operation, **arrays)
     B, H, H_kv, T, d = (sizes[name] for name in ("B", "H", "H_kv", "T", "d"))
     if d not in HEAD_SIZES:
         raise ValueError(f"{operation}: the head size d (the last axis of q, k, v) must be one of {HEAD_SIZES}, "
@@ -104,15 +114,46 @@ def _sizes(operation, q, k, v, others=()):
     return B, H, H_kv, T, d
 
 
+def _readable(array):
+    """array itself when the kernels can read it where it lies (its rows contiguous, each starting on 16 bytes,
+    in an array that is C-contiguous itself), else a C-contiguous copy."""
+    strides = element_strides(array)
+    rows_fit = strides[-1] == 1 or array.shape[-1] == 1
+    aligned = all(stride % ROW_ALIGNMENT == 0 for stride, size in zip(strides[:-1], array.shape) if size > 1)
+    if rows_fit and aligned and storage_of(array).flags.c_contiguous:
+        return array
+    return copy("tensor_core_attention_input", array)
+
+
+def head_layout(array):
+    """(the C-contiguous array holding `array`, the HeadLayout that says where in it the (B, heads, T, d)
+    tensor lies), as the kernels take them."""
+    layout = numpy.zeros((), dtype=HEAD_LAYOUT)
+    strides = element_strides(array)
+    layout["offset"] = element_offset(array)
+    layout["batch"], layout["head"], layout["row"] = strides[:3]
+    return storage_of(array), layout[()]
+
+
+def _empty_output(B, H, T, d):
+    """out as (B, T, H d) memory seen as (B, H, T, d): what y.transpose(1, 2).view(B, T, C) reads without a copy."""
+    return backend.xp.empty((B, T, H, d), dtype=bfloat16).transpose(0, 2, 1, 3)
+
+
 def _scale(scale, d):
     return numpy.float32(1.0 / math.sqrt(d) if scale is None else scale)
 
 
 def tensor_core_attention_forward(q, k, v, causal=True, scale=None, out=None):
-    """(out, lse): attention of q (B, H, T, d) over k, v (B, H_kv, T, d), bf16; lse (B, H, T) float32."""
+    """(out, lse): attention of q (B, H, T, d) over k, v (B, H_kv, T, d), bf16; lse (B, H, T) float32. out, when
+    given, may be a view of any layout the kernels can write (rows contiguous and 16-byte aligned)."""
     name = "tensor_core_attention_forward"
-    B, H, H_kv, T, d = _sizes(name, q, k, v)
-    out = output(name, out, q.shape, dtype=bfloat16)
+    B, H, H_kv, T, d = _sizes(name, q, k, v, [("out", out, ("B", "H", "T", "d"), bfloat16)])
+    q, k, v = (_readable(x) for x in (q, k, v))
+    if out is None:
+        out = _empty_output(B, H, T, d)
+    elif _readable(out) is not out:
+        raise ValueError(f"{name}: out (strides {out.strides}) must have contiguous rows that start on 16 bytes")
     lse = backend.xp.empty((B, H, T), dtype=numpy.float32)
     if q.size:
         _forward(out, lse, q, k, v, causal, _scale(scale, d), *FORWARD_TILES[d])
@@ -126,10 +167,10 @@ def tensor_core_attention_backward(dout, q, k, v, out, lse, causal=True, scale=N
     pattern = ("B", "H", "T", "d")
     B, H, H_kv, T, d = _sizes(name, q, k, v, [("dout", dout, pattern, bfloat16), ("out", out, pattern, bfloat16),
                                              ("lse", lse, ("B", "H", "T"), numpy.float32)])
-    xp = backend.xp
-    dq, dk, dv = xp.empty(q.shape, dtype=bfloat16), xp.empty(k.shape, dtype=bfloat16), xp.empty(v.shape, dtype=bfloat16)
+    dout, q, k, v, out = (_readable(x) for x in (dout, q, k, v, out))
+    dq, dk, dv = empty_like_views(q, k, v)
     if q.size:
-        row_dot = xp.empty((B, H, T), dtype=numpy.float32)
+        row_dot = backend.xp.empty((B, H, T), dtype=numpy.float32)
         scale = _scale(scale, d)
         _row_dot(row_dot, dout, out)
         _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, *DK_DV_TILES[d])
@@ -149,31 +190,37 @@ def _forward(out, lse, q, k, v, causal, scale, warps, keys):
     heads, H, H_kv, T, d = _head_sizes(q, k)
     shared = forward_shared_bytes(d, warps, keys)
     kernel = _kernel("tensor_core_attention_forward", d, warps, keys, shared)
+    (out, out_at), (q, q_at), (k, k_at), (v, v_at) = (head_layout(x) for x in (out, q, k, v))
     kernel((heads, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
            (out, lse, q, k, v, numpy.int32(T), numpy.int32(H), numpy.int32(H_kv), numpy.float32(scale),
-            numpy.int32(bool(causal))), shared_mem=shared)
+            numpy.int32(bool(causal)), out_at, q_at, k_at, v_at), shared_mem=shared)
 
 
 def _row_dot(row_dot, dout, out):
-    rows, d = row_dot.size, dout.shape[-1]
+    rows, (_, H, T, d) = row_dot.size, dout.shape
+    (dout, dout_at), (out, out_at) = head_layout(dout), head_layout(out)
     kernels.function("tensor_core_attention", "tensor_core_attention_row_dot")(
         (ceil_div(rows, ROW_DOT_WARPS),), (32 * ROW_DOT_WARPS,),
-        (row_dot, dout, out, numpy.int32(rows), numpy.int32(d)))
+        (row_dot, dout, out, numpy.int32(rows), numpy.int32(d), numpy.int32(T), numpy.int32(H), dout_at, out_at))
 
 
 def _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, warps, queries):
     heads, H, H_kv, T, d = _head_sizes(q, k)
     shared = dk_dv_shared_bytes(d, warps, queries)
     kernel = _kernel("tensor_core_attention_backward_dk_dv", d, warps, queries, shared)
+    (dk, dk_at), (dv, dv_at), (dout, dout_at), (q, q_at), (k, k_at), (v, v_at) = (
+        head_layout(x) for x in (dk, dv, dout, q, k, v))
     kernel((heads // H * H_kv, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
            (dk, dv, dout, q, k, v, lse, row_dot, numpy.int32(T), numpy.int32(H), numpy.int32(H_kv),
-            numpy.float32(scale), numpy.int32(bool(causal))), shared_mem=shared)
+            numpy.float32(scale), numpy.int32(bool(causal)), dk_at, dv_at, dout_at, q_at, k_at, v_at),
+           shared_mem=shared)
 
 
 def _dq(dq, dout, q, k, v, lse, row_dot, causal, scale, warps, keys):
     heads, H, H_kv, T, d = _head_sizes(q, k)
     shared = dq_shared_bytes(d, warps, keys)
     kernel = _kernel("tensor_core_attention_backward_dq", d, warps, keys, shared)
+    (dq, dq_at), (dout, dout_at), (q, q_at), (k, k_at), (v, v_at) = (head_layout(x) for x in (dq, dout, q, k, v))
     kernel((heads, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
            (dq, dout, q, k, v, lse, row_dot, numpy.int32(T), numpy.int32(H), numpy.int32(H_kv),
-            numpy.float32(scale), numpy.int32(bool(causal))), shared_mem=shared)
+            numpy.float32(scale), numpy.int32(bool(causal)), dq_at, dout_at, q_at, k_at, v_at), shared_mem=shared)
