@@ -102,3 +102,48 @@ extern "C" __global__ void gelu_backward_float4(float* dx, const float* x, const
         }
     }
 }
+
+// Eight bf16 per thread, moved by one 16-byte load and store (storage.cuh's groups), so every array must
+// start at an address that is a multiple of 16: a bf16 model's activations, where one element per thread
+// would move 2 bytes per instruction. Thread i owns elements 8i .. 8i+7; the thread just past the last
+// full group does the n % 8 elements left over. Launch ceil(n / 8) threads. The same bits as
+// gelu_forward<__nv_bfloat16>: each element computed in float and rounded once.
+constexpr int BF16_GROUP = 8;
+
+extern "C" __global__ void gelu_forward_bf16x8(__nv_bfloat16* y, const __nv_bfloat16* x, int n, int exact)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    int groups = n / BF16_GROUP;
+    if (i < groups) {
+        float values[BF16_GROUP];
+        load_as_float<BF16_GROUP>(values, x + BF16_GROUP * i, true);
+        for (int w = 0; w < BF16_GROUP; ++w) {
+            values[w] = gelu(values[w], exact);
+        }
+        store_from_float<BF16_GROUP>(y + BF16_GROUP * i, values);
+    } else if (i == groups) {
+        for (int j = BF16_GROUP * groups; j < n; ++j) {
+            y[j] = __float2bfloat16_rn(gelu(__bfloat162float(x[j]), exact));
+        }
+    }
+}
+
+extern "C" __global__ void gelu_backward_bf16x8(__nv_bfloat16* dx, const __nv_bfloat16* x, const __nv_bfloat16* dy,
+                                                int n, int exact)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    int groups = n / BF16_GROUP;
+    if (i < groups) {
+        float values[BF16_GROUP], gradients[BF16_GROUP];
+        load_as_float<BF16_GROUP>(values, x + BF16_GROUP * i, true);
+        load_as_float<BF16_GROUP>(gradients, dy + BF16_GROUP * i, true);
+        for (int w = 0; w < BF16_GROUP; ++w) {
+            values[w] = gradients[w] * gelu_derivative(values[w], exact);
+        }
+        store_from_float<BF16_GROUP>(dx + BF16_GROUP * i, values);
+    } else if (i == groups) {
+        for (int j = BF16_GROUP * groups; j < n; ++j) {
+            dx[j] = __float2bfloat16_rn(__bfloat162float(dy[j]) * gelu_derivative(__bfloat162float(x[j]), exact));
+        }
+    }
+}

@@ -64,8 +64,9 @@ def inputs(rng, shape):
 
 def misaligned(to_device, array):
     """A contiguous device copy of `array` whose address is 4 bytes past a 16-byte boundary."""
-    buffer = to_device(np.zeros(array.size + 4, dtype=np.float32))
-    view = buffer[1:array.size + 1].reshape(array.shape)
+    step = 4 // array.itemsize                          # elements in 4 bytes
+    buffer = to_device(np.zeros(array.size + 4 * step, dtype=array.dtype))
+    view = buffer[step:array.size + step].reshape(array.shape)
     view[...] = to_device(array)
     assert backend.address(view) % 16 == 4 and view.flags.c_contiguous
     return view
@@ -120,6 +121,25 @@ def test_misaligned_arrays_take_the_one_element_per_thread_kernels(approximate, 
     assert error(to_host(y), gelu_reference(x.astype(np.float64), approximate)) < TOLERANCE
     dx = gelu_backward(to_device(dy), misaligned(to_device, x), approximate=approximate)
     assert error(to_host(dx), dy * gelu_derivative_reference(x.astype(np.float64), approximate)) < TOLERANCE
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_bf16_eight_per_thread_gives_the_bits_of_one_per_thread(approximate, rng, to_device, to_host):
+    """bf16 arrays on 16 bytes take the eight-elements-per-thread kernels, misaligned ones the one-element
+    kernels: both compute each element in float32 and round it once, so their bits agree (1029 elements:
+    128 groups of 8 and a tail of 5), and they are within one bf16 rounding of float64."""
+    from ml_dtypes import bfloat16
+    x, dy = (a.astype(bfloat16) for a in inputs(rng, (1029,)))
+    aligned_y = to_host(gelu_forward(to_device(x), approximate=approximate))
+    loose_y = to_host(gelu_forward(misaligned(to_device, x), approximate=approximate))
+    assert np.array_equal(aligned_y.view(np.uint16), loose_y.view(np.uint16))
+    expected = gelu_reference(x.astype(np.float64), approximate)
+    assert np.all(np.abs(aligned_y.astype(np.float64) - expected) <= 2 ** -8 * np.abs(expected) + 1e-6)
+    aligned_dx = to_host(gelu_backward(to_device(dy), to_device(x), approximate=approximate))
+    loose_dx = to_host(gelu_backward(misaligned(to_device, dy), misaligned(to_device, x), approximate=approximate))
+    assert np.array_equal(aligned_dx.view(np.uint16), loose_dx.view(np.uint16))
+    expected = dy.astype(np.float64) * gelu_derivative_reference(x.astype(np.float64), approximate)
+    assert np.all(np.abs(aligned_dx.astype(np.float64) - expected) <= 2 ** -8 * np.abs(expected) + 1e-5)
 
 
 def test_gelu_default_is_the_tanh_approximation(rng, to_device, to_host):

@@ -10,15 +10,15 @@ Any shape works (in the model: (B, T, 4C), the MLP's hidden activations); dout a
 The kernels are kernels/gelu.cu, taught in chapters/03_gelu_residual.ipynb. Arrays that start at a
 16-byte aligned address (every freshly allocated array does) go through the float4 kernels, four
 elements per thread; any other array through the one-element-per-thread kernels. bf16 arrays (a model
-trained in bf16, gpt2_cupy.amp) go through the one-element kernels' bf16 versions, computed in float32
-and rounded once.
+trained in bf16, gpt2_cupy.amp) are computed in float32 and rounded once: eight elements per thread by
+16-byte loads when aligned, else through the one-element kernels' bf16 versions, with the same bits.
 """
 
 import numpy as np
 
 from gpt2_cupy import kernels
 
-from .arrays import FLOAT32, THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output, storage_c_type, storage_dtype
+from .arrays import BFLOAT16, FLOAT32, THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output, storage_c_type, storage_dtype
 
 APPROXIMATIONS = {"tanh": 0, "none": 1}  # the kernels' `exact` flag, named as in torch.nn.functional.gelu
 
@@ -44,13 +44,15 @@ def gelu_backward(dout, x, approximate="tanh", out=None):
 
 
 def _launch(name, arrays, n, exact):
-    """name_float4 for float32 arrays that start on 16 bytes (four elements per thread), else name<floatX>
-    (one per thread)."""
+    """name_float4 for float32 arrays that start on 16 bytes (four elements per thread), name_bf16x8 for bf16
+    ones (eight per thread, the same bits as one per thread), else name<floatX> (one per thread)."""
     if n == 0:
         return
     dtype = arrays[0].dtype
     if dtype == FLOAT32 and float4_aligned(*arrays):
         kernel, threads = kernels.function("gelu", name + "_float4"), ceil_div(n, 4)
+    elif dtype == BFLOAT16 and float4_aligned(*arrays):
+        kernel, threads = kernels.function("gelu", name + "_bf16x8"), ceil_div(n, 8)
     else:
         instance = f"{name}<{storage_c_type(dtype)}>"
         kernel, threads = kernels.function("gelu", instance, name_expressions=(instance,)), n
