@@ -34,6 +34,7 @@
 #include <math_constants.h>   // CUDART_L2E_F = log2(e), CUDART_LN2_F = ln(2), as floats
 #include "mma.cuh"
 #include "special_values.cuh"
+#include "storage.cuh"
 #include "warp.cuh"
 
 typedef __nv_bfloat16 bfloat16;
@@ -371,24 +372,29 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
 // dK = scale dSᵀ Q. Two passes, each summing its own outputs: dk, dv (a block per tile of keys, looping
 // over queries) and dq (a block per tile of queries, looping over keys); S and dP are computed in both.
 
-// row_dot[i] = Σ_d dout[i][d] out[i][d] for each of `rows` = B heads T rows of length d, in float32: a warp
-// per row, reading dout and out where dout_at and out_at say.
+// row_dot[i] = Σ_d dout[i][d] out[i][d] for each of `rows` = B heads T rows of length d, in float32, reading
+// dout and out where dout_at and out_at say. A row takes d / 8 lanes, each moving 8 bf16 (16 bytes) of
+// both by one load (storage.cuh's groups): a warp takes 32 / (d / 8) rows.
 extern "C" __global__ void tensor_core_attention_row_dot(float* row_dot, const bfloat16* dout, const bfloat16* out,
                                                          int rows, int d, int T, int heads, HeadLayout dout_at,
                                                          HeadLayout out_at)
 {
-    const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
+    constexpr int GROUP = 8;
+    const int lanes = d / GROUP, part = threadIdx.x % lanes;
+    const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / lanes;
     float sum = 0.0f;
     if (row < rows) {
-        const bfloat16* dout_row = dout + dout_at.start(row / T, heads) + row % T * dout_at.row;
-        const bfloat16* out_row = out + out_at.start(row / T, heads) + row % T * out_at.row;
-        for (int i = lane; i < d; i += 32) {
-            sum += __bfloat162float(dout_row[i]) * __bfloat162float(out_row[i]);
+        float gradient[GROUP], value[GROUP];
+        load_as_float<GROUP>(gradient, dout + dout_at.start(row / T, heads) + row % T * dout_at.row + GROUP * part, true);
+        load_as_float<GROUP>(value, out + out_at.start(row / T, heads) + row % T * out_at.row + GROUP * part, true);
+        for (int w = 0; w < GROUP; ++w) {
+            sum += gradient[w] * value[w];
         }
     }
-    sum = warp_sum(sum);
-    if (lane == 0 && row < rows) row_dot[row] = sum;
+    for (int offset = lanes / 2; offset > 0; offset /= 2) {  // the row's lanes are neighbours in the warp
+        sum += __shfl_xor_sync(FULL_MASK, sum, offset);
+    }
+    if (part == 0 && row < rows) row_dot[row] = sum;
 }
 
 // One query tile of the dk, dv pass for the warp's 16 keys (first_key ..): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ

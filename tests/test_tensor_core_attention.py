@@ -384,6 +384,20 @@ def test_split_heads_through_the_tape(rng, to_device, to_host):
     assert np.array_equal(bits(y), bits(y_copied)) and np.array_equal(bits(grad), bits(grad_copied))
 
 
+@pytest.mark.parametrize("d", attention_ops.HEAD_SIZES)
+def test_row_dot_of_views(rng, to_device, to_host, d):
+    """rowsum(dout ⊙ out), dout the (B, H, T, d) view of a (B, T, H d) gradient and out contiguous, d / 8 lanes
+    a row: against float64, within float32's rounding of a d-term sum."""
+    B, H, T = 2, 3, 21
+    dy = rng.standard_normal((B, T, H * d)).astype(bfloat16)
+    out = rng.standard_normal((B, H, T, d)).astype(bfloat16)
+    dout = to_device(dy).reshape(B, T, H, d).transpose(0, 2, 1, 3)
+    row_dot = backend.xp.empty((B, H, T), np.float32)
+    attention_ops._row_dot(row_dot, dout, to_device(out))
+    terms = dy.astype(np.float64).reshape(B, T, H, d).transpose(0, 2, 1, 3) * out.astype(np.float64)
+    assert_within("row_dot", to_host(row_dot), terms.sum(-1), d * 2.0 ** -24 * np.abs(terms).sum(-1))
+
+
 def test_bad_arguments(to_device):
     def zeros(shape, dtype=bfloat16):
         return to_device(np.zeros(shape, dtype))

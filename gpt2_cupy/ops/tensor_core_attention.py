@@ -46,7 +46,7 @@ SMALL_ATTENTION = 1 << 24
 ROW_PADDING = 8                 # bf16 after each row of a shared tile (ROW_PADDING in the kernel file)
 BF16, FLOAT = 2, 4              # bytes
 ROWS_PER_WARP = 16
-ROW_DOT_WARPS = 8               # rows (a warp each) per block of the row_dot kernel
+ROW_DOT_THREADS = 256           # per block of the row_dot kernel (d / 8 threads a row)
 ROW_ALIGNMENT = 8               # bf16 in 16 bytes: every row of every tensor must start on 16 bytes
 HEAD_LAYOUT = numpy.dtype([("offset", numpy.int64), ("batch", numpy.int64), ("head", numpy.int64),
                            ("row", numpy.int64)])   # the kernels' struct HeadLayout
@@ -200,7 +200,7 @@ def _row_dot(row_dot, dout, out):
     rows, (_, H, T, d) = row_dot.size, dout.shape
     (dout, dout_at), (out, out_at) = head_layout(dout), head_layout(out)
     kernels.function("tensor_core_attention", "tensor_core_attention_row_dot")(
-        (ceil_div(rows, ROW_DOT_WARPS),), (32 * ROW_DOT_WARPS,),
+        (ceil_div(rows * (d // ROW_ALIGNMENT), ROW_DOT_THREADS),), (ROW_DOT_THREADS,),
         (row_dot, dout, out, numpy.int32(rows), numpy.int32(d), numpy.int32(T), numpy.int32(H), dout_at, out_at))
 
 
