@@ -38,7 +38,7 @@ import numpy
 
 from gpt2_cupy import backend
 from gpt2_cupy.ops.arrays import storage_of
-from gpt2_cupy.elementwise import converted as _as_dtype  # a float32 gradient buffer for a bf16 argument, say
+from gpt2_cupy.elementwise import contiguous, converted as _as_dtype  # a float32 gradient buffer for a bf16 argument, say
 
 _grad_enabled = True    # switched off inside `with no_grad():`
 _dropout_state = {}     # "rng": dropout's (seed, offset) device array; "init": numpy's generator for weights
@@ -512,7 +512,7 @@ class Node:
         douts = [backend.xp.zeros(shape, dtype) if dout is None else dout
                  for dout, (shape, dtype) in zip(douts, self.output_shapes)]
         if not self.function.accepts_strided:
-            douts = [_contiguous(dout) for dout in douts]
+            douts = [contiguous(dout) for dout in douts]
         self.ctx.intermediate_buffers = {}
         gradients = self.function.backward(self.ctx, *douts)
         gradients = list(gradients) if isinstance(gradients, tuple) else [gradients]
@@ -575,18 +575,10 @@ def run_backward(root, output_nr, gradient, retain_graph=False):
             node.ctx.free_saved()
 
 
-def _contiguous(array):
-    """array itself if C-contiguous, else a C-contiguous copy (of a transpose, a slice, a broadcast)."""
-    if not isinstance(array, backend.xp.ndarray) or array.flags.c_contiguous:
-        return array
-    from gpt2_cupy.elementwise import copy
-    return copy("contiguous", array)
-
-
 def _add(a, b, out=None):
     """a + b into a new array (intermediate gradients are shared, never written into in place), or into out:
     chapter 03's residual kernel for float32, the generated elementwise kernel for bf16 (one rounding)."""
-    a, b = _contiguous(a), _contiguous(b)
+    a, b = contiguous(a), contiguous(b)
     if a.dtype == numpy.float32 and b.dtype == numpy.float32:
         from gpt2_cupy.ops.residual import residual_forward
         return residual_forward(a, b, out=out)
@@ -597,7 +589,7 @@ def _add(a, b, out=None):
 
 def _accumulate(tensor, gradient):
     """tensor.grad += gradient, for a leaf: in place into its buffer (which the optimizer may own)."""
-    gradient = _as_dtype(_contiguous(gradient), tensor.dtype)
+    gradient = _as_dtype(contiguous(gradient), tensor.dtype)
     if tensor.grad is None:
         tensor.grad = _new_leaf_gradient(tensor, gradient)
     else:
@@ -768,7 +760,7 @@ class Function:
         ctx = Context(inputs)
         arrays = [a.data if isinstance(a, Tensor) else a for a in arguments]
         if not cls.accepts_strided:
-            arrays = [_contiguous(a) for a in arrays]
+            arrays = [contiguous(a) for a in arrays]
         results = cls.forward(ctx, *arrays, **options)
         single = not isinstance(results, tuple)
         results = (results,) if single else results

@@ -573,3 +573,10 @@ def converted(array, dtype, out=None):
 def copy(operation, array, out=None):
     """A C-contiguous copy of any view (a transpose, a slice, a broadcast): the expression "a"."""
     return elementwise(operation, "a", [array], compute_dtype=array.dtype, out=out)
+
+
+def contiguous(array):
+    """array itself if it is C-contiguous (or not an array at all), else a C-contiguous copy of it."""
+    if not isinstance(array, backend.xp.ndarray) or array.flags.c_contiguous:
+        return array
+    return copy("contiguous", array)

@@ -203,12 +203,13 @@ class SharedRows:
         return linear_forward(backend.xp.ascontiguousarray(x.data), self.weight)
 
     def __call__(self, x):
-        """The layers' outputs (..., out_features) for x (..., in_features), as Tensors."""
+        """The layers' outputs (..., out_features) for x (..., in_features), as Tensors: views of the one product's
+        output, which RoPE, SwiGLU and the attention read where they lie."""
         together = self.together(x)
         outputs, start = [], 0
         for linear in self.linears:
             rows = linear.out_features
-            outputs.append(Tensor(backend.xp.ascontiguousarray(together[..., start:start + rows])))
+            outputs.append(Tensor(together[..., start:start + rows]))
             start += rows
         return outputs
 

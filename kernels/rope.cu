@@ -10,7 +10,9 @@
 // A rotation is orthogonal: its backward is the rotation by minus the angle, the same kernel with sign -1.
 // One thread per pair; start shifts the positions for a KV cache (new tokens at start, start + 1, ...).
 // x and y float32, or bf16 (floatX, storage.cuh) for generation in bf16: the pair is rotated in float32 and
-// rounded once; the angle is float32 either way.
+// rounded once; the angle is float32 either way. y is contiguous; x's rows (b, t) are x_row elements apart,
+// H D when it is contiguous too, more when x is a slice of a wider array (q or k among q, k, v side by side),
+// and x starts x_offset elements into the array passed.
 #include "storage.cuh"
 
 // The channels of frequency i in a head of D: (i, i + D/2) for rotate_half, (2i, 2i + 1) interleaved.
@@ -29,8 +31,9 @@ __device__ __forceinline__ float2 rotated(float a, float b, int position, float 
 }
 
 template <typename floatX>
-__device__ __forceinline__ void rotate_pair(floatX* y, const floatX* x, const float* inv_freq, int pairs, int T,
-                                            int H, int D, int start, int interleaved, float sign)
+__device__ __forceinline__ void rotate_pair(floatX* y, const floatX* x, long long x_offset, long long x_row,
+                                            const float* inv_freq, int pairs, int T, int H, int D, int start,
+                                            int interleaved, float sign)
 {
     int pair = blockIdx.x * blockDim.x + threadIdx.x;
     if (pair >= pairs) {
@@ -42,7 +45,9 @@ __device__ __forceinline__ void rotate_pair(floatX* y, const floatX* x, const fl
     int t = (int)((row / H) % T);
     int2 channels = pair_channels(i, D, interleaved);
     long long first = row * D + channels.x, second = row * D + channels.y;
-    float2 turned = rotated(to_float(x[first]), to_float(x[second]), start + t, inv_freq[i], sign);
+    long long x_start = x_offset + row / H * x_row + row % H * D;
+    float2 turned = rotated(to_float(x[x_start + channels.x]), to_float(x[x_start + channels.y]), start + t,
+                            inv_freq[i], sign);
     y[first] = from_float<floatX>(turned.x);
     y[second] = from_float<floatX>(turned.y);
 }
@@ -50,23 +55,25 @@ __device__ __forceinline__ void rotate_pair(floatX* y, const floatX* x, const fl
 extern "C" __global__ void rope_forward(float* y, const float* x, const float* inv_freq, int pairs, int T, int H,
                                         int D, int start, int interleaved)
 {
-    rotate_pair<float>(y, x, inv_freq, pairs, T, H, D, start, interleaved, 1.0f);
+    rotate_pair<float>(y, x, 0, (long long)H * D, inv_freq, pairs, T, H, D, start, interleaved, 1.0f);
 }
 
 extern "C" __global__ void rope_backward(float* dx, const float* dout, const float* inv_freq, int pairs, int T,
                                          int H, int D, int start, int interleaved)
 {
-    rotate_pair<float>(dx, dout, inv_freq, pairs, T, H, D, start, interleaved, -1.0f);
+    rotate_pair<float>(dx, dout, 0, (long long)H * D, inv_freq, pairs, T, H, D, start, interleaved, -1.0f);
 }
 
 // The forward in either storage type, the first position read from device memory when device_start is not
-// null: a CUDA graph captures the launch once and replays it at every new position of generation.
+// null: a CUDA graph captures the launch once and replays it at every new position of generation. x starts
+// x_offset elements into the array passed, its rows x_row elements apart.
 template <typename floatX>
-__global__ void rope_forward_stored(floatX* y, const floatX* x, const float* inv_freq, const int* device_start,
-                                    int host_start, int pairs, int T, int H, int D, int interleaved)
+__global__ void rope_forward_stored(floatX* y, const floatX* x, long long x_offset, long long x_row,
+                                    const float* inv_freq, const int* device_start, int host_start, int pairs, int T,
+                                    int H, int D, int interleaved)
 {
     int start = device_start != nullptr ? device_start[0] : host_start;
-    rotate_pair<floatX>(y, x, inv_freq, pairs, T, H, D, start, interleaved, 1.0f);
+    rotate_pair<floatX>(y, x, x_offset, x_row, inv_freq, pairs, T, H, D, start, interleaved, 1.0f);
 }
 
 // Generation's step after the product of q, k and v, in one launch: q and k rotated, q written head-major for

@@ -4,7 +4,9 @@
 //             dgate = dout * up * s * (1 + gate * (1 - s)),   dup = dout * gate * s.
 // Fused: one read of gate and up, one write of y, where silu then a multiply would write and read silu(gate)
 // once more. The _float4 versions move four elements per load (arrays 16-byte aligned); n counts floats.
-// swiglu_forward_stored<floatX> takes bf16 too (generation in bf16): computed in float32, rounded once.
+// swiglu_forward_stored<floatX> takes bf16 too (generation in bf16): computed in float32, rounded once; its
+// gate and up may be rows of `columns` elements, row_stride apart, starting gate_offset and up_offset
+// elements into the arrays passed (the two halves of one product's output).
 #include "storage.cuh"
 
 __device__ __forceinline__ float sigmoid(float g)
@@ -46,11 +48,13 @@ extern "C" __global__ void swiglu_forward_float4(float* y, const float* gate, co
 }
 
 template <typename floatX>
-__global__ void swiglu_forward_stored(floatX* y, const floatX* gate, const floatX* up, int n)
+__global__ void swiglu_forward_stored(floatX* y, const floatX* gate, const floatX* up, int n, int columns,
+                                      long long row_stride, long long gate_offset, long long up_offset)
 {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
-        y[i] = from_float<floatX>(swiglu(to_float(gate[i]), to_float(up[i])));
+        long long at = i / columns * row_stride + i % columns;
+        y[i] = from_float<floatX>(swiglu(to_float(gate[gate_offset + at]), to_float(up[up_offset + at])));
     }
 }
 

@@ -266,3 +266,38 @@ def test_swiglu_saturates_without_nan(to_device, to_host):
 def test_swiglu_refuses_shapes_that_differ(to_device):
     with pytest.raises(ValueError, match="swiglu_forward: up"):
         swiglu_forward(to_device(np.zeros((2, 3), np.float32)), to_device(np.zeros((3, 2), np.float32)))
+
+
+def _bits(array):
+    return np.asarray(array).view(np.uint16)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_rope_of_heads_sliced_from_one_product(rng, to_device, to_host, dtype):
+    """q and k as slices of one (B, T, (H + 2 H_kv) D) product's output: the bf16 kernel reads them where they
+    lie (rows H D + 2 H_kv D apart), float32 ones are copied first; both equal the contiguous copies' result."""
+    from ml_dtypes import bfloat16
+    B, T, H, H_kv, D = 2, 5, 4, 2, 16
+    wide = rng.standard_normal((B, T, (H + 2 * H_kv) * D)).astype(bfloat16 if dtype == "bfloat16" else np.float32)
+    device = to_device(wide)
+    for start, heads in ((0, H), (H * D, H_kv)):
+        view = device[..., start:start + heads * D].reshape(B, T, heads, D)
+        got = to_host(rope_forward(view, theta=500000.0, start=3))
+        expected = to_host(rope_forward(to_device(np.ascontiguousarray(to_host(view))), theta=500000.0, start=3))
+        assert np.array_equal(got.view(np.uint8), expected.view(np.uint8))
+
+
+def test_swiglu_of_the_two_halves_of_one_product(rng, to_device, to_host):
+    """gate and up as the two halves of one (B, T, 2 I) bf16 array: read where they lie, the bits of the
+    contiguous copies; against float64 within one bf16 rounding."""
+    from ml_dtypes import bfloat16
+    both = rng.standard_normal((2, 3, 2 * 40)).astype(bfloat16)
+    device = to_device(both)
+    gate, up = device[..., :40], device[..., 40:]
+    got = to_host(swiglu_forward(gate, up))
+    expected = to_host(swiglu_forward(*(to_device(np.ascontiguousarray(to_host(x))) for x in (gate, up))))
+    assert np.array_equal(_bits(got), _bits(expected))
+    g, u = both[..., :40].astype(np.float64), both[..., 40:].astype(np.float64)
+    exact = g / (1 + np.exp(-g)) * u
+    assert np.all(np.abs(got.astype(np.float64) - exact) <= 2 ** -8 * np.abs(exact) + 1e-6)
+

@@ -30,7 +30,7 @@ import numpy
 
 from gpt2_cupy import amp, backend, device_checks, tensor_ops
 from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state, storage_version
-from gpt2_cupy.elementwise import converted, elementwise
+from gpt2_cupy.elementwise import contiguous, converted, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32, same_place, storage_of
 from gpt2_cupy.reduction import normalize_dims
 from gpt2_cupy.ops.attention import attention_backward, attention_forward
@@ -578,6 +578,9 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
 
 
 class Rope(Function):
+    """rope_forward reads q or k sliced from one product's output where they lie (accepts_strided)."""
+    accepts_strided = True
+
     @staticmethod
     def forward(ctx, x, theta, start, interleaved):
         ctx.options = dict(theta=theta, start=start, interleaved=interleaved)
@@ -585,7 +588,7 @@ class Rope(Function):
 
     @staticmethod
     def backward(ctx, dout):
-        return rope_backward(dout, **ctx.options), None, None, None  # the rotation back: nothing saved
+        return rope_backward(contiguous(dout), **ctx.options), None, None, None  # the rotation back: nothing saved
 
 
 def rope(x, theta=10000.0, start=0, interleaved=False):
@@ -596,6 +599,9 @@ def rope(x, theta=10000.0, start=0, interleaved=False):
 
 
 class SwiGLU(Function):
+    """swiglu_forward reads gate and up sliced from one product's output where they lie (accepts_strided)."""
+    accepts_strided = True
+
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
@@ -604,7 +610,7 @@ class SwiGLU(Function):
     @staticmethod
     def backward(ctx, dout):
         gate, up = ctx.saved_tensors
-        return swiglu_backward(dout, gate, up)
+        return swiglu_backward(*(contiguous(x) for x in (dout, gate, up)))
 
 
 def swiglu(gate, up):

@@ -167,6 +167,26 @@ def element_strides(array):
     return tuple(stride // array.itemsize for stride in array.strides)
 
 
+def rows_apart(array, row_axes=1):
+    """How many elements apart the rows of `array` lie, a row being its last row_axes axes, when each row is
+    laid out as in a C-contiguous array and the rows are evenly spaced: a C-contiguous array, or the rows of
+    a slice of a wider one (q among q, k and v side by side). None for any other layout."""
+    shape, strides = array.shape, element_strides(array)
+    expected = 1
+    for axis in range(array.ndim - 1, array.ndim - 1 - row_axes, -1):
+        if shape[axis] != 1 and strides[axis] != expected:
+            return None
+        expected *= shape[axis]
+    leading = [(size, stride) for size, stride in zip(shape[:array.ndim - row_axes], strides) if size != 1]
+    if not leading:
+        return expected
+    apart = leading[-1][1]
+    for (size, stride), (next_size, next_stride) in zip(leading, leading[1:]):
+        if stride != next_stride * next_size:
+            return None
+    return apart if apart >= expected else None
+
+
 def element_offset(array):
     """Where array's first element lies in its storage, in elements."""
     return (backend.address(array) - backend.address(storage_of(array))) // array.itemsize

@@ -24,8 +24,9 @@ from functools import lru_cache
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import (FLOAT32, THREADS_PER_BLOCK, ceil_div, check, output, storage_c_type,
-                                  storage_dtype)
+from gpt2_cupy.elementwise import contiguous
+from gpt2_cupy.ops.arrays import (FLOAT32, THREADS_PER_BLOCK, ceil_div, check, check_views, element_offset, output,
+                                  rows_apart, storage_c_type, storage_dtype, storage_of)
 
 
 def inverse_frequencies_host(head_dim, theta):
@@ -40,11 +41,14 @@ def _inverse_frequencies(head_dim, theta):
 
 
 def rope_forward(x, *, theta=10000.0, start=0, interleaved=False, out=None):
-    """x (B, T, H, D) with each pair of channels rotated by its position's angle; returns y (or out).
+    """x (B, T, H, D) with each pair of channels rotated by its position's angle; returns y (or out), C-contiguous.
     x float32 or bf16 (y in x's dtype, the angle and the rotation in float32). start: an int, or an int32
-    device array of one element (generation in a CUDA graph: the position changes between replays)."""
+    device array of one element (generation in a CUDA graph: the position changes between replays). x may
+    be a view whose (b, t) rows are evenly spaced, as q sliced from the q, k, v product's output is: the bf16
+    kernel reads it where it lies; any other view is copied first."""
     if x.dtype == FLOAT32 and not isinstance(start, backend.xp.ndarray):
-        return _rotate("rope_forward", x, theta, start, interleaved, out)
+        return _rotate("rope_forward", contiguous(x), theta, start,
+                       interleaved, out)
     return _rotate_stored("rope_forward", x, theta, start, interleaved, out)
 
 
@@ -75,7 +79,11 @@ def _rotate(operation, x, theta, start, interleaved, out):
 def _rotate_stored(operation, x, theta, start, interleaved, out):
     """rope_forward_stored<floatX>: bf16 arrays, or a start in device memory."""
     dtype = storage_dtype(operation, "x", x)
-    sizes = check(operation, x=(x, ("B", "T", "H", "D"), dtype))
+    sizes = check_views(operation, x=(x, ("B", "T", "H", "D"), dtype))
+    x_row = rows_apart(x, row_axes=2)
+    if x_row is None or not storage_of(x).flags.c_contiguous:
+        x = contiguous(x)
+        x_row = rows_apart(x, row_axes=2)
     B, T, H, D = (sizes[name] for name in "BTHD")
     if D % 2:
         raise ValueError(f"{operation}: the head size D = {D} must be even: channels are rotated in pairs")
@@ -88,7 +96,8 @@ def _rotate_stored(operation, x, theta, start, interleaved, out):
         name = f"rope_forward_stored<{storage_c_type(dtype)}>"
         kernels.function("rope", name, name_expressions=(name,))(
             (ceil_div(pairs, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-            (out, x, _inverse_frequencies(D, float(theta)), 0 if device_start is None else device_start,
+            (out, storage_of(x), np.int64(element_offset(x)), np.int64(x_row), _inverse_frequencies(D, float(theta)),
+             0 if device_start is None else device_start,
              np.int32(host_start), np.int32(pairs), np.int32(T), np.int32(H), np.int32(D),
              np.int32(bool(interleaved))))
     return out

@@ -13,23 +13,33 @@ through the float4 kernels.
 import numpy as np
 
 from gpt2_cupy import kernels
+from gpt2_cupy.elementwise import contiguous
 
-from .arrays import (FLOAT32, THREADS_PER_BLOCK, ceil_div, check, launch_elementwise, output, storage_c_type,
-                     storage_dtype)
+from .arrays import (FLOAT32, THREADS_PER_BLOCK, ceil_div, check, check_views, launch_elementwise, output,
+                     rows_apart, storage_c_type, storage_dtype, element_offset, storage_of)
 
 
 def swiglu_forward(gate, up, out=None):
-    """silu(gate) * up, elementwise. Returns y (or out) of gate's shape. gate and up float32, or both bf16
-    (y bf16, computed in float32 and rounded once: generation in bf16)."""
+    """silu(gate) * up, elementwise. Returns y (or out) of gate's shape, C-contiguous. gate and up float32, or
+    both bf16 (y bf16, computed in float32 and rounded once: generation in bf16). gate and up may be views:
+    bf16 ones whose rows lie evenly spaced and alike (the two halves of one product's output) are read where
+    they lie; any others are copied first."""
     dtype = storage_dtype("swiglu_forward", "gate", gate)
-    check("swiglu_forward", gate=(gate, ("...",), dtype), up=(up, ("...",), dtype))
+    check_views("swiglu_forward", gate=(gate, ("...",), dtype), up=(up, ("...",), dtype))
     out = output("swiglu_forward", out, gate.shape, dtype=dtype)
+    row_stride = rows_apart(gate) if dtype != FLOAT32 and gate.ndim else None
+    if row_stride is None or rows_apart(up) != row_stride or not (
+            storage_of(gate).flags.c_contiguous and storage_of(up).flags.c_contiguous):
+        gate, up = contiguous(gate), contiguous(up)
+        row_stride = gate.shape[-1] if gate.ndim else 1
     if dtype == FLOAT32:
         launch_elementwise("swiglu", "swiglu_forward", (out, gate, up), gate.size)
     elif gate.size:
         name = f"swiglu_forward_stored<{storage_c_type(dtype)}>"
         kernels.function("swiglu", name, name_expressions=(name,))(
-            (ceil_div(gate.size, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,), (out, gate, up, np.int32(gate.size)))
+            (ceil_div(gate.size, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+            (out, storage_of(gate), storage_of(up), np.int32(gate.size), np.int32(gate.shape[-1] if gate.ndim else 1),
+             np.int64(row_stride), np.int64(element_offset(gate)), np.int64(element_offset(up))))
     return out
 
 
