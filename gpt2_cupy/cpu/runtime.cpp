@@ -50,18 +50,18 @@ extern "C" void gpt2cupy_fiber_start();
 #endif
 
 #if defined(__x86_64__)
-// Saved on the fiber's stack, lowest address first: MXCSR and x87 control word, r15, r14, r13, r12,
-// rbx, rbp, return address.
-constexpr int saved_words = 8;
-constexpr int argument_word = 4;  // r12 carries fiber_main's argument into gpt2cupy_fiber_start
+// Saved on the fiber's stack, lowest address first: r15, r14, r13, r12, rbx, rbp, return address.
+// Not MXCSR and the x87 control word: storing and loading them took three quarters of a switch, and no
+// thread changes them (a kernel sees no fenv.h; conversions with a rounding mode round in software).
+// run_blocks sets them to their defaults once, for all the fibers it runs (FloatingPointDefaults).
+constexpr int saved_words = 7;
+constexpr int argument_word = 3;  // r12 carries fiber_main's argument into gpt2cupy_fiber_start
 asm(".text\n"
     ".globl " GPT2CUPY_SYMBOL(gpt2cupy_switch) "\n" GPT2CUPY_FUNCTION_TYPE(gpt2cupy_switch)
     GPT2CUPY_SYMBOL(gpt2cupy_switch) ":\n"
     "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
-    "  subq $8, %rsp\n  stmxcsr (%rsp)\n  fnstcw 4(%rsp)\n"
     "  movq %rsp, (%rdi)\n"
     "  movq %rsi, %rsp\n"
-    "  ldmxcsr (%rsp)\n  fldcw 4(%rsp)\n  addq $8, %rsp\n"
     "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
     "  ret\n"
     ".globl " GPT2CUPY_SYMBOL(gpt2cupy_fiber_start) "\n" GPT2CUPY_FUNCTION_TYPE(gpt2cupy_fiber_start)
@@ -474,9 +474,6 @@ void BlockRunner::start(Fiber& fiber) {
     void** frame = reinterpret_cast<void**>(top) - saved_words - 2;
     std::memset(frame, 0, (saved_words + 2) * sizeof(void*));
 #if defined(__x86_64__)
-    // Default MXCSR (all exceptions masked, round to nearest) and x87 control word.
-    unsigned int mxcsr_and_x87[2] = {0x1F80u, 0x037Fu};
-    std::memcpy(&frame[0], mxcsr_and_x87, sizeof(mxcsr_and_x87));
     frame[saved_words - 1] = reinterpret_cast<void*>(&gpt2cupy_fiber_start);
     frame[argument_word] = &fiber;
 #else
@@ -976,9 +973,30 @@ void start_watchdog_once() {
     (void)started;
 }
 
+// The floating-point control a GPU thread computes with, set for the fibers an OS thread runs and put back
+// afterwards (the switch between fibers leaves it alone): round to nearest, no flush of subnormals to zero
+// (a library loaded into Python may have set FTZ/DAZ for its own thread), all exceptions masked.
+class FloatingPointDefaults {
+public:
+#if defined(__x86_64__)
+    FloatingPointDefaults() {
+        asm volatile("stmxcsr %0\n  fnstcw %1" : "=m"(mxcsr_), "=m"(x87_));
+        const unsigned int mxcsr = 0x1F80u;
+        const unsigned short x87 = 0x037Fu;
+        asm volatile("ldmxcsr %0\n  fldcw %1" : : "m"(mxcsr), "m"(x87));
+    }
+    ~FloatingPointDefaults() { asm volatile("ldmxcsr %0\n  fldcw %1" : : "m"(mxcsr_), "m"(x87_)); }
+
+private:
+    unsigned int mxcsr_ = 0;
+    unsigned short x87_ = 0;
+#endif
+};
+
 // Runs blocks of the launch until none are left; returns when done or failed.
 void run_blocks(Launch& launch) {
     BlockRunner& runner = runner_of_this_thread();
+    FloatingPointDefaults floating_point_defaults;
     use_alternate_signal_stack();
     sigjmp_buf recovery;
     if (sigsetjmp(recovery, 0) != 0) {

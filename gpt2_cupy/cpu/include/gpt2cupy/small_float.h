@@ -56,16 +56,28 @@ __forceinline__ unsigned short round_to_small(double value, char mode = 'n') {
     return (unsigned short)(sign | result);
 }
 
-// The exact value of 16 bits of that format.
+// 2^power as a double, for -1022 <= power <= 1023: its bits written directly.
+__forceinline__ constexpr unsigned long long power_of_two_bits(int power) {
+    return (unsigned long long)(power + 1023) << 52;
+}
+
+// The exact value of 16 bits of that format. A normal number's double is written bit by bit (the exponent
+// rebiased, the mantissa moved up), a subnormal's is its mantissa times a power of two: both exact, and
+// without a call of ldexp for each conversion.
 template <int M, int E>
 __forceinline__ double widen_small(unsigned short bits) {
     const int bias = (1 << (E - 1)) - 1;
     unsigned int exponent = (bits >> M) & ((1u << E) - 1u);
     unsigned int mantissa = bits & ((1u << M) - 1u);
     double magnitude;
-    if (exponent == (1u << E) - 1u) magnitude = mantissa ? __builtin_nan("") : __builtin_inf();
-    else if (exponent == 0) magnitude = ldexp((double)mantissa, 1 - bias - M);
-    else magnitude = ldexp((double)(mantissa | (1u << M)), (int)exponent - bias - M);
+    if (exponent == (1u << E) - 1u) {
+        magnitude = mantissa ? __builtin_nan("") : __builtin_inf();
+    } else if (exponent == 0) {
+        magnitude = (double)mantissa * gpt2cupy_bit_cast<double>(power_of_two_bits(1 - bias - M));
+    } else {
+        unsigned long long exponent_bits = (unsigned long long)((int)exponent - bias + 1023) << 52;
+        magnitude = gpt2cupy_bit_cast<double>(exponent_bits | ((unsigned long long)mantissa << (52 - M)));
+    }
     return (bits >> (M + E)) & 1u ? -magnitude : magnitude;
 }
 
