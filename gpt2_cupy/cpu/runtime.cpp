@@ -598,7 +598,6 @@ void BlockRunner::fiber_main(Fiber* fiber) {
         try {
             in_kernel_code = 1;
             launch_->request().entry->invoke(launch_->request().packed_arguments);
-            in_kernel_code = 0;
         } catch (int) {
             // gpt2cupy_assert_failed (or another failure) has recorded what happened; the block stops.
             block_failed_ = true;
@@ -606,6 +605,7 @@ void BlockRunner::fiber_main(Fiber* fiber) {
             launch_->fail(cpp_exception, &fiber->coordinates, "the kernel threw a C++ exception");
             block_failed_ = true;
         }
+        in_kernel_code = 0;  // (after a throw too): a finished thread is not to be preempted
         fiber->state = FiberState::done;
         // When the round's next thread has not started yet, it runs here, on this stack, which the finished
         // thread needs no more: no switch and no new frame for each thread of a kernel without barriers.
