@@ -264,6 +264,8 @@ private:
     void resume(Fiber& fiber);
     void wait_at_barrier();
     void switch_to_scheduler();
+    Fiber* first_in_round();
+    void take_from_round(const Fiber& fiber);
     Fiber* next_in_round();
     Fiber* next_unstarted_in_round();
     void note_where_stopped(Fiber& fiber);
@@ -533,42 +535,42 @@ void BlockRunner::switch_to_scheduler() {
     gpt2cupy_switch(&fiber->saved_stack_pointer, scheduler_stack_pointer_);
 }
 
-// The next thread of the round that can run (started here if it has not been), or nullptr when the round
-// is over. Threads that cannot run (whose stack could not be mapped) are noted as they are passed.
-Fiber* BlockRunner::next_in_round() {
-    while (round_warp_ < warp_count_ && !block_failed_) {
+// The round's next thread, left in the round, or nullptr when the round is over.
+Fiber* BlockRunner::first_in_round() {
+    for (; round_warp_ < warp_count_; ++round_warp_) {
         const unsigned warp = round_reversed_ ? warp_count_ - 1 - round_warp_ : round_warp_;
-        unsigned& lanes = round_lanes_[warp];
-        if (lanes == 0) {
-            ++round_warp_;
-            continue;
-        }
-        const unsigned lane = round_reversed_ ? 31 - __builtin_clz(lanes) : __builtin_ctz(lanes);
-        lanes &= ~(1u << lane);
-        Fiber& fiber = fibers_[warp * 32 + lane];
-        if (fiber.state == FiberState::not_started) start(fiber);
-        if (fiber.state == FiberState::ready) return &fiber;
-        note_where_stopped(fiber);
+        const unsigned lanes = round_lanes_[warp];
+        if (lanes != 0) return &fibers_[warp * 32 + (round_reversed_ ? 31 - __builtin_clz(lanes) : __builtin_ctz(lanes))];
+    }
+    return nullptr;
+}
+
+void BlockRunner::take_from_round(const Fiber& fiber) {
+    const unsigned index = linear_index(&fiber);
+    round_lanes_[index / 32] &= ~(1u << (index % 32));
+}
+
+// The next thread of the round that can run (started here if it has not been), taken out of the round, or
+// nullptr when the round is over. Threads that cannot run (whose stack could not be mapped) are noted as
+// they are passed.
+Fiber* BlockRunner::next_in_round() {
+    while (!block_failed_) {
+        Fiber* fiber = first_in_round();
+        if (fiber == nullptr) return nullptr;
+        take_from_round(*fiber);
+        if (fiber->state == FiberState::not_started) start(*fiber);
+        if (fiber->state == FiberState::ready) return fiber;
+        note_where_stopped(*fiber);
     }
     return nullptr;
 }
 
 // The round's next thread if it has not started yet (taken out of the round), else nullptr (left in it).
 Fiber* BlockRunner::next_unstarted_in_round() {
-    while (round_warp_ < warp_count_) {
-        const unsigned warp = round_reversed_ ? warp_count_ - 1 - round_warp_ : round_warp_;
-        unsigned& lanes = round_lanes_[warp];
-        if (lanes == 0) {
-            ++round_warp_;
-            continue;
-        }
-        const unsigned lane = round_reversed_ ? 31 - __builtin_clz(lanes) : __builtin_ctz(lanes);
-        Fiber& fiber = fibers_[warp * 32 + lane];
-        if (fiber.state != FiberState::not_started) return nullptr;
-        lanes &= ~(1u << lane);
-        return &fiber;
-    }
-    return nullptr;
+    Fiber* fiber = first_in_round();
+    if (fiber == nullptr || fiber->state != FiberState::not_started) return nullptr;
+    take_from_round(*fiber);
+    return fiber;
 }
 
 // Puts a thread that has stopped into the set of where it stopped.
