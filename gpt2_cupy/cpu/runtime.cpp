@@ -516,7 +516,7 @@ void BlockRunner::resume(Fiber& fiber) {
 // take over, to open barriers and release warps.
 void BlockRunner::wait_at_barrier() {
     Fiber* fiber = current_;
-    Fiber* next = block_failed_ ? nullptr : next_in_round();
+    Fiber* next = next_in_round();
     if (next == nullptr) {
         switch_to_scheduler();
         return;
