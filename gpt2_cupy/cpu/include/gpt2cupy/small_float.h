@@ -56,6 +56,17 @@ __forceinline__ unsigned short round_to_small(double value, char mode = 'n') {
     return (unsigned short)(sign | result);
 }
 
+// A float rounded to nearest even as round_to_small does it, bit by bit where the format is bf16, whose
+// exponent is a float's: the upper 16 bits after adding just under half of the lower 16 bits' range, plus
+// the last kept bit (ties to even); overflow to infinity and subnormals come out of the same addition.
+template <int M, int E>
+__forceinline__ unsigned short round_float_to_small(float value) {
+    if (M != 7 || E != 8) return round_to_small<M, E>(value);
+    unsigned int bits = gpt2cupy_bit_cast<unsigned int>(value);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fff;  // NaN: the canonical NaN, as round_to_small gives
+    return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 // 2^power as a double, for -1022 <= power <= 1023: its bits written directly.
 __forceinline__ constexpr unsigned long long power_of_two_bits(int power) {
     return (unsigned long long)(power + 1023) << 52;
@@ -110,7 +121,7 @@ __forceinline__ double divide_as_gpu(double a, double b) {
         unsigned short __x;                                                                                      \
         T() = default;                                                                                           \
         constexpr T(const RAW& raw) : __x(raw.x) {}                                                              \
-        T(float value) : __x(gpt2cupy::round_to_small<M, E>(value)) {}                                           \
+        T(float value) : __x(gpt2cupy::round_float_to_small<M, E>(value)) {}                                     \
         T(double value) : __x(gpt2cupy::round_to_small<M, E>(value)) {}                                          \
         T(int value) : __x(gpt2cupy::round_to_small<M, E>(value)) {}                                             \
         T(unsigned int value) : __x(gpt2cupy::round_to_small<M, E>(value)) {}                                    \
@@ -120,7 +131,7 @@ __forceinline__ double divide_as_gpu(double a, double b) {
         T(unsigned long long value) : __x(gpt2cupy::round_to_small<M, E>((double)value)) {}                      \
         operator RAW() const { return RAW{__x}; }                                                                \
         operator float() const { return (float)gpt2cupy::widen_small<M, E>(__x); }                               \
-        T& operator=(float value) { __x = gpt2cupy::round_to_small<M, E>(value); return *this; }                 \
+        T& operator=(float value) { __x = gpt2cupy::round_float_to_small<M, E>(value); return *this; }           \
         T& operator=(double value) { __x = gpt2cupy::round_to_small<M, E>(value); return *this; }                \
         T& operator=(const RAW& raw) { __x = raw.x; return *this; }                                              \
     };                                                                                                           \
