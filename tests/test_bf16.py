@@ -68,6 +68,43 @@ def test_bfloat16_is_ml_dtypes_bfloat16_with_torch_names():
         x.to(torch.float16)
 
 
+def test_every_bf16_widens_exactly_into_a_new_array_into_out_from_a_view_and_at_graph_replays():
+    """converted(x, float32): each bf16's 16 bits followed by 16 zero bits (a NaN stays a NaN), as a new array,
+    into out=, from a transposed view, and under a CUDA graph: recorded at capture, run at each replay."""
+    from gpt2_cupy.elementwise import converted
+
+    xp = backend.xp
+    bits = np.arange(65536, dtype=np.uint32)
+    expected = (bits << 16).view(np.float32)
+
+    def bf16_array(selected_bits):
+        return xp.asarray(selected_bits.astype(np.uint16).view(BF16))
+
+    def assert_same_floats(got, want):
+        got = backend.asnumpy(got)
+        assert got.dtype == np.float32 and got.shape == want.shape
+        nan = np.isnan(want)
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+    x = bf16_array(bits)
+    assert_same_floats(converted(x, np.float32), expected)
+    out = xp.zeros(65536, dtype=np.float32)
+    assert converted(x, np.float32, out=out) is out
+    assert_same_floats(out, expected)
+    assert_same_floats(converted(x.reshape(256, 256).T, np.float32), expected.reshape(256, 256).T)
+
+    source, out = bf16_array(bits[:1024]), xp.zeros(1024, dtype=np.float32)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        converted(source, np.float32, out=out)
+    assert not backend.asnumpy(out).any()   # recorded, not run
+    for start in (0, 16000, 64512):
+        backend.copy_into(source, bf16_array(bits[start:start + 1024]))
+        g.replay()
+        assert_same_floats(out, expected[start:start + 1024])
+
+
 def test_to_bfloat16_rounds_as_ml_dtypes_and_converts_back_exactly(rng):
     """float32 -> bf16 rounds to nearest, ties to even, bit for bit as ml_dtypes does (the GPU's
     __float2bfloat16_rn); infinities and overflow to infinity kept; NaN stays NaN (its payload bits may

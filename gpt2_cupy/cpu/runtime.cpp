@@ -50,18 +50,18 @@ extern "C" void gpt2cupy_fiber_start();
 #endif
 
 #if defined(__x86_64__)
-// Saved on the fiber's stack, lowest address first: MXCSR and x87 control word, r15, r14, r13, r12,
-// rbx, rbp, return address.
-constexpr int saved_words = 8;
-constexpr int argument_word = 4;  // r12 carries fiber_main's argument into gpt2cupy_fiber_start
+// Saved on the fiber's stack, lowest address first: r15, r14, r13, r12, rbx, rbp, return address.
+// Not MXCSR and the x87 control word: storing and loading them took three quarters of a switch, and no
+// thread changes them (a kernel sees no fenv.h; conversions with a rounding mode round in software).
+// run_blocks sets them to their defaults once, for all the fibers it runs (FloatingPointDefaults).
+constexpr int saved_words = 7;
+constexpr int argument_word = 3;  // r12 carries fiber_main's argument into gpt2cupy_fiber_start
 asm(".text\n"
     ".globl " GPT2CUPY_SYMBOL(gpt2cupy_switch) "\n" GPT2CUPY_FUNCTION_TYPE(gpt2cupy_switch)
     GPT2CUPY_SYMBOL(gpt2cupy_switch) ":\n"
     "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
-    "  subq $8, %rsp\n  stmxcsr (%rsp)\n  fnstcw 4(%rsp)\n"
     "  movq %rsp, (%rdi)\n"
     "  movq %rsi, %rsp\n"
-    "  ldmxcsr (%rsp)\n  fldcw 4(%rsp)\n  addq $8, %rsp\n"
     "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
     "  ret\n"
     ".globl " GPT2CUPY_SYMBOL(gpt2cupy_fiber_start) "\n" GPT2CUPY_FUNCTION_TYPE(gpt2cupy_fiber_start)
@@ -262,7 +262,13 @@ private:
     Stack* take_stack();
     void start(Fiber& fiber);
     void resume(Fiber& fiber);
-    void yield_to_scheduler();
+    void wait_at_barrier();
+    void switch_to_scheduler();
+    Fiber* first_in_round();
+    void take_from_round(const Fiber& fiber);
+    Fiber* next_in_round();
+    Fiber* next_unstarted_in_round();
+    void note_where_stopped(Fiber& fiber);
     void run_ready_threads(bool reverse_order);
     bool release_warps();
     void release_group(unsigned warp, unsigned leader, unsigned group, bool orders_memory = true);
@@ -294,6 +300,10 @@ private:
     unsigned waiting_[warps_per_block];   // waiting in a warp operation
     unsigned at_tile_[warps_per_block];   // waiting in the sync() of a tile larger than a warp
     unsigned finished_[warps_per_block];  // returned from the kernel
+    // The round in progress: the lanes of each warp still to run in it, the warp it has reached, its order.
+    unsigned round_lanes_[warps_per_block];
+    unsigned round_warp_ = 0;
+    bool round_reversed_ = false;
     std::vector<Stack*> free_stacks_;
     std::vector<Stack*> all_stacks_;
     // One table per (warp, lowest lane of a group released together): lanes of one warp waiting at
@@ -474,9 +484,6 @@ void BlockRunner::start(Fiber& fiber) {
     void** frame = reinterpret_cast<void**>(top) - saved_words - 2;
     std::memset(frame, 0, (saved_words + 2) * sizeof(void*));
 #if defined(__x86_64__)
-    // Default MXCSR (all exceptions masked, round to nearest) and x87 control word.
-    unsigned int mxcsr_and_x87[2] = {0x1F80u, 0x037Fu};
-    std::memcpy(&frame[0], mxcsr_and_x87, sizeof(mxcsr_and_x87));
     frame[saved_words - 1] = reinterpret_cast<void*>(&gpt2cupy_fiber_start);
     frame[argument_word] = &fiber;
 #else
@@ -487,22 +494,95 @@ void BlockRunner::start(Fiber& fiber) {
     fiber.state = FiberState::ready;
 }
 
+// Runs `fiber`, and after it the threads it hands on to (wait_at_barrier), until one switches back here.
 void BlockRunner::resume(Fiber& fiber) {
     current_ = &fiber;
     resumes_ = resumes_ + 1;
     *current_thread_slot_ = &fiber.coordinates;
     gpt2cupy_switch(&scheduler_stack_pointer_, fiber.saved_stack_pointer);
+    Fiber& stopped = *current_;  // the last thread of that chain
     in_kernel_code = 0;
     current_ = nullptr;
-    if (fiber.state == FiberState::done && fiber.stack != nullptr) {
-        free_stacks_.push_back(fiber.stack);  // a finished thread's stack serves the next one
-        fiber.stack = nullptr;
+    note_where_stopped(stopped);
+    if (stopped.state == FiberState::done && stopped.stack != nullptr) {
+        free_stacks_.push_back(stopped.stack);  // a finished thread's stack serves the next one
+        stopped.stack = nullptr;
     }
 }
 
-void BlockRunner::yield_to_scheduler() {
+// The running thread stops at a barrier (its state says which): the round goes on with the next thread,
+// switched to directly, one switch where a round trip through the scheduler takes two. The order in which
+// threads run is the scheduler's own (next_in_round); only when the round is over does the scheduler
+// take over, to open barriers and release warps.
+void BlockRunner::wait_at_barrier() {
     Fiber* fiber = current_;
-    gpt2cupy_switch(&fiber->saved_stack_pointer, scheduler_stack_pointer_);  // resume() sets the coordinates
+    Fiber* next = next_in_round();
+    if (next == nullptr) {
+        switch_to_scheduler();
+        return;
+    }
+    note_where_stopped(*fiber);
+    current_ = next;
+    resumes_ = resumes_ + 1;
+    *current_thread_slot_ = &next->coordinates;
+    gpt2cupy_switch(&fiber->saved_stack_pointer, next->saved_stack_pointer);
+}
+
+// A finished or preempted thread, or the last of a round, goes back to the scheduler (resume() sets the
+// coordinates of the next one). A finished thread must: its stack is freed once nobody runs on it.
+void BlockRunner::switch_to_scheduler() {
+    Fiber* fiber = current_;
+    gpt2cupy_switch(&fiber->saved_stack_pointer, scheduler_stack_pointer_);
+}
+
+// The round's next thread, left in the round, or nullptr when the round is over.
+Fiber* BlockRunner::first_in_round() {
+    for (; round_warp_ < warp_count_; ++round_warp_) {
+        const unsigned warp = round_reversed_ ? warp_count_ - 1 - round_warp_ : round_warp_;
+        const unsigned lanes = round_lanes_[warp];
+        if (lanes != 0) return &fibers_[warp * 32 + (round_reversed_ ? 31 - __builtin_clz(lanes) : __builtin_ctz(lanes))];
+    }
+    return nullptr;
+}
+
+void BlockRunner::take_from_round(const Fiber& fiber) {
+    const unsigned index = linear_index(&fiber);
+    round_lanes_[index / 32] &= ~(1u << (index % 32));
+}
+
+// The next thread of the round that can run (started here if it has not been), taken out of the round, or
+// nullptr when the round is over. Threads that cannot run (whose stack could not be mapped) are noted as
+// they are passed.
+Fiber* BlockRunner::next_in_round() {
+    while (!block_failed_) {
+        Fiber* fiber = first_in_round();
+        if (fiber == nullptr) return nullptr;
+        take_from_round(*fiber);
+        if (fiber->state == FiberState::not_started) start(*fiber);
+        if (fiber->state == FiberState::ready) return fiber;
+        note_where_stopped(*fiber);
+    }
+    return nullptr;
+}
+
+// The round's next thread if it has not started yet (taken out of the round), else nullptr (left in it).
+Fiber* BlockRunner::next_unstarted_in_round() {
+    Fiber* fiber = first_in_round();
+    if (fiber == nullptr || fiber->state != FiberState::not_started) return nullptr;
+    take_from_round(*fiber);
+    return fiber;
+}
+
+// Puts a thread that has stopped into the set of where it stopped.
+void BlockRunner::note_where_stopped(Fiber& fiber) {
+    const unsigned index = linear_index(&fiber), warp = index / 32, bit = 1u << (index % 32);
+    switch (fiber.state) {
+        case FiberState::done: finished_[warp] |= bit; ++finished_count_; break;
+        case FiberState::at_block_barrier: at_block_[warp] |= bit; break;
+        case FiberState::at_warp_barrier: waiting_[warp] |= bit; break;
+        case FiberState::at_tile_barrier: at_tile_[warp] |= bit; break;
+        default: ready_[warp] |= bit; break;  // preempted, or it yielded: it goes on next round
+    }
 }
 
 // A thread that has run for a while without reaching a barrier (spinning on a flag that another warp
@@ -512,23 +592,37 @@ void BlockRunner::preempt_current() {
     Fiber* fiber = current_;
     fiber->state = FiberState::ready;
     in_kernel_code = 0;
-    gpt2cupy_switch(&fiber->saved_stack_pointer, scheduler_stack_pointer_);  // resume() sets the coordinates
+    switch_to_scheduler();
 }
 
 void BlockRunner::fiber_main(Fiber* fiber) {
-    try {
-        in_kernel_code = 1;
-        launch_->request().entry->invoke(launch_->request().packed_arguments);
-        in_kernel_code = 0;
-    } catch (int) {
-        // gpt2cupy_assert_failed (or another failure) has recorded what happened; the block stops.
-        block_failed_ = true;
-    } catch (...) {
-        launch_->fail(cpp_exception, &fiber->coordinates, "the kernel threw a C++ exception");
-        block_failed_ = true;
+    for (;;) {
+        try {
+            in_kernel_code = 1;
+            launch_->request().entry->invoke(launch_->request().packed_arguments);
+        } catch (int) {
+            // gpt2cupy_assert_failed (or another failure) has recorded what happened; the block stops.
+            block_failed_ = true;
+        } catch (...) {
+            launch_->fail(cpp_exception, &fiber->coordinates, "the kernel threw a C++ exception");
+            block_failed_ = true;
+        }
+        in_kernel_code = 0;  // (after a throw too): a finished thread is not to be preempted
+        fiber->state = FiberState::done;
+        // When the round's next thread has not started yet, it runs here, on this stack, which the finished
+        // thread needs no more: no switch and no new frame for each thread of a kernel without barriers.
+        Fiber* next = block_failed_ ? nullptr : next_unstarted_in_round();
+        if (next == nullptr) break;
+        note_where_stopped(*fiber);
+        next->stack = fiber->stack;
+        fiber->stack = nullptr;
+        next->state = FiberState::ready;
+        fiber = next;
+        current_ = next;
+        resumes_ = resumes_ + 1;
+        *current_thread_slot_ = &next->coordinates;
     }
-    fiber->state = FiberState::done;
-    yield_to_scheduler();  // never resumed
+    switch_to_scheduler();  // never resumed
 }
 
 void BlockRunner::fail_current(int failure, const std::string& message) {
@@ -538,7 +632,7 @@ void BlockRunner::fail_current(int failure, const std::string& message) {
 
 void BlockRunner::syncthreads() {
     current_->state = FiberState::at_block_barrier;
-    yield_to_scheduler();
+    wait_at_barrier();
     if (block_failed_) throw 0;  // another thread of this block failed: stop here
 }
 
@@ -547,7 +641,7 @@ const WarpExchange* BlockRunner::warp_exchange(unsigned mask, unsigned long long
     fiber->exchange_value = value;
     fiber->warp_wait_mask = mask | (1u << fiber->coordinates.lane);
     fiber->state = FiberState::at_warp_barrier;
-    yield_to_scheduler();
+    wait_at_barrier();
     if (block_failed_) throw 0;
     return fiber->exchange;
 }
@@ -561,7 +655,7 @@ unsigned BlockRunner::converged_lanes(const void* site) {
     fiber->converge_site = site;
     fiber->warp_wait_mask = 1u << fiber->coordinates.lane;
     fiber->state = FiberState::at_warp_barrier;
-    yield_to_scheduler();
+    wait_at_barrier();
     fiber->finding_converged_lanes = false;
     if (block_failed_) throw 0;
     return fiber->exchange->arrived;
@@ -574,7 +668,7 @@ void BlockRunner::tile_sync(unsigned first, unsigned count) {
     fiber->tile_first = first;
     fiber->tile_count = count;
     fiber->state = FiberState::at_tile_barrier;
-    yield_to_scheduler();
+    wait_at_barrier();
     if (block_failed_) throw 0;
 }
 
@@ -706,29 +800,16 @@ void BlockRunner::open_block_barrier() {
 // One round: every thread that can run runs until it finishes or reaches a barrier, in the order of
 // threadIdx (the race check: the opposite order); each lands in the set of where it stopped.
 void BlockRunner::run_ready_threads(bool reverse_order) {
-    unsigned to_run[warps_per_block];
     for (unsigned warp = 0; warp < warp_count_; ++warp) {
-        to_run[warp] = ready_[warp];
+        round_lanes_[warp] = ready_[warp];
         ready_[warp] = 0;
     }
-    for (unsigned k = 0; k < warp_count_; ++k) {
-        const unsigned warp = reverse_order ? warp_count_ - 1 - k : k;
-        for (unsigned lanes = to_run[warp]; lanes != 0 && !block_failed_;) {
-            const unsigned lane = reverse_order ? 31 - __builtin_clz(lanes) : __builtin_ctz(lanes);
-            lanes &= ~(1u << lane);
-            Fiber& fiber = fibers_[warp * 32 + lane];
-            if (fiber.state == FiberState::not_started) start(fiber);
-            if (fiber.state == FiberState::ready) resume(fiber);
-            const unsigned bit = 1u << lane;
-            switch (fiber.state) {
-                case FiberState::done: finished_[warp] |= bit; ++finished_count_; break;
-                case FiberState::at_block_barrier: at_block_[warp] |= bit; break;
-                case FiberState::at_warp_barrier: waiting_[warp] |= bit; break;
-                case FiberState::at_tile_barrier: at_tile_[warp] |= bit; break;
-                default: ready_[warp] |= bit; break;  // preempted, or it yielded: it goes on next round
-            }
-        }
-        if (block_failed_) return;
+    round_warp_ = 0;
+    round_reversed_ = reverse_order;
+    while (!block_failed_) {
+        Fiber* fiber = next_in_round();
+        if (fiber == nullptr) return;
+        resume(*fiber);
     }
 }
 
@@ -976,9 +1057,30 @@ void start_watchdog_once() {
     (void)started;
 }
 
+// The floating-point control a GPU thread computes with, set for the fibers an OS thread runs and put back
+// afterwards (the switch between fibers leaves it alone): round to nearest, no flush of subnormals to zero
+// (a library loaded into Python may have set FTZ/DAZ for its own thread), all exceptions masked.
+class FloatingPointDefaults {
+public:
+#if defined(__x86_64__)
+    FloatingPointDefaults() {
+        asm volatile("stmxcsr %0\n  fnstcw %1" : "=m"(mxcsr_), "=m"(x87_));
+        const unsigned int mxcsr = 0x1F80u;
+        const unsigned short x87 = 0x037Fu;
+        asm volatile("ldmxcsr %0\n  fldcw %1" : : "m"(mxcsr), "m"(x87));
+    }
+    ~FloatingPointDefaults() { asm volatile("ldmxcsr %0\n  fldcw %1" : : "m"(mxcsr_), "m"(x87_)); }
+
+private:
+    unsigned int mxcsr_ = 0;
+    unsigned short x87_ = 0;
+#endif
+};
+
 // Runs blocks of the launch until none are left; returns when done or failed.
 void run_blocks(Launch& launch) {
     BlockRunner& runner = runner_of_this_thread();
+    FloatingPointDefaults floating_point_defaults;
     use_alternate_signal_stack();
     sigjmp_buf recovery;
     if (sigsetjmp(recovery, 0) != 0) {

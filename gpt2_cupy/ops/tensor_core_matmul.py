@@ -166,9 +166,13 @@ def _small_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias):
         result = converted(out, numpy.float32) if accumulate else backend.xp.empty(out.shape, dtype=numpy.float32)
     launch_matmul(converted(a, numpy.float32), converted(b, numpy.float32), result, transpose_a, transpose_b,
                   accumulate)
-    if bias is not None:
-        elementwise("bias_add", "a + b", [result, bias], compute_dtype=numpy.float32, out=result)
-    if result is not out:
+    if result is out:
+        if bias is not None:
+            elementwise("bias_add", "a + b", [result, bias], compute_dtype=numpy.float32, out=result)
+    elif bias is not None:   # the float32 sum, rounded once to bf16 as it is stored: one pass for both
+        elementwise("bias_add_to_bf16", "a + b", [result, bias], compute_dtype=numpy.float32, out_dtype=out.dtype,
+                    out=out)
+    else:
         elementwise("float_to_bf16", "a", [result], compute_dtype=numpy.float32, out_dtype=out.dtype, out=out)
     return out
 

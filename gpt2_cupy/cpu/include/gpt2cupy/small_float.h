@@ -56,16 +56,39 @@ __forceinline__ unsigned short round_to_small(double value, char mode = 'n') {
     return (unsigned short)(sign | result);
 }
 
-// The exact value of 16 bits of that format.
+// A float rounded to nearest even as round_to_small does it, bit by bit where the format is bf16, whose
+// exponent is a float's: the upper 16 bits after adding just under half of the lower 16 bits' range, plus
+// the last kept bit (ties to even); overflow to infinity and subnormals come out of the same addition.
+template <int M, int E>
+__forceinline__ unsigned short round_float_to_small(float value) {
+    if (M != 7 || E != 8) return round_to_small<M, E>(value);
+    unsigned int bits = gpt2cupy_bit_cast<unsigned int>(value);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fff;  // NaN: the canonical NaN, as round_to_small gives
+    return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// 2^power as a double, for -1022 <= power <= 1023: its bits written directly.
+__forceinline__ constexpr unsigned long long power_of_two_bits(int power) {
+    return (unsigned long long)(power + 1023) << 52;
+}
+
+// The exact value of 16 bits of that format. A normal number's double is written bit by bit (the exponent
+// rebiased, the mantissa moved up), a subnormal's is its mantissa times a power of two: both exact, and
+// without a call of ldexp for each conversion.
 template <int M, int E>
 __forceinline__ double widen_small(unsigned short bits) {
     const int bias = (1 << (E - 1)) - 1;
     unsigned int exponent = (bits >> M) & ((1u << E) - 1u);
     unsigned int mantissa = bits & ((1u << M) - 1u);
     double magnitude;
-    if (exponent == (1u << E) - 1u) magnitude = mantissa ? __builtin_nan("") : __builtin_inf();
-    else if (exponent == 0) magnitude = ldexp((double)mantissa, 1 - bias - M);
-    else magnitude = ldexp((double)(mantissa | (1u << M)), (int)exponent - bias - M);
+    if (exponent == (1u << E) - 1u) {
+        magnitude = mantissa ? __builtin_nan("") : __builtin_inf();
+    } else if (exponent == 0) {
+        magnitude = (double)mantissa * gpt2cupy_bit_cast<double>(power_of_two_bits(1 - bias - M));
+    } else {
+        unsigned long long exponent_bits = (unsigned long long)((int)exponent - bias + 1023) << 52;
+        magnitude = gpt2cupy_bit_cast<double>(exponent_bits | ((unsigned long long)mantissa << (52 - M)));
+    }
     return (bits >> (M + E)) & 1u ? -magnitude : magnitude;
 }
 
@@ -98,7 +121,7 @@ __forceinline__ double divide_as_gpu(double a, double b) {
         unsigned short __x;                                                                                      \
         T() = default;                                                                                           \
         constexpr T(const RAW& raw) : __x(raw.x) {}                                                              \
-        T(float value) : __x(gpt2cupy::round_to_small<M, E>(value)) {}                                           \
+        T(float value) : __x(gpt2cupy::round_float_to_small<M, E>(value)) {}                                     \
         T(double value) : __x(gpt2cupy::round_to_small<M, E>(value)) {}                                          \
         T(int value) : __x(gpt2cupy::round_to_small<M, E>(value)) {}                                             \
         T(unsigned int value) : __x(gpt2cupy::round_to_small<M, E>(value)) {}                                    \
@@ -108,7 +131,7 @@ __forceinline__ double divide_as_gpu(double a, double b) {
         T(unsigned long long value) : __x(gpt2cupy::round_to_small<M, E>((double)value)) {}                      \
         operator RAW() const { return RAW{__x}; }                                                                \
         operator float() const { return (float)gpt2cupy::widen_small<M, E>(__x); }                               \
-        T& operator=(float value) { __x = gpt2cupy::round_to_small<M, E>(value); return *this; }                 \
+        T& operator=(float value) { __x = gpt2cupy::round_float_to_small<M, E>(value); return *this; }           \
         T& operator=(double value) { __x = gpt2cupy::round_to_small<M, E>(value); return *this; }                \
         T& operator=(const RAW& raw) { __x = raw.x; return *this; }                                              \
     };                                                                                                           \
