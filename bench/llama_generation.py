@@ -206,7 +206,11 @@ def measure(arguments):
         entry["bound_tokens_per_second"] = bandwidth / bound_bytes
         results["shapes"][shape] = entry
     if arguments.gemv:
-        results["gemv"] = gemv_products(torch)
+        results["gemv"], results["gemv_measured_on"] = gemv_products(torch), benchmark.measured_on()
+    elif "gemv" in stored:  # the table of a run with --gemv, kept with the device and date it was timed on
+        results["gemv"] = stored["gemv"]
+        results["gemv_measured_on"] = stored.get("gemv_measured_on",
+                                                 {"device": stored.get("device"), "date": stored.get("date")})
     return results
 
 
