@@ -268,11 +268,26 @@ __device__ __forceinline__ float logit_gradient(float x, int j, float log_sum_ex
 }
 
 // A counted row's gradient, its logits read from `source`. dlogits may be the logits themselves: every thread
-// reads its element before it writes it. floatX: how both are stored (a bf16 gradient is rounded once).
+// reads its elements before it writes them. floatX: how both are stored (a bf16 gradient is rounded once).
+// Rows that start on 16 bytes and hold whole 16-byte groups (V a multiple of 4 floats or 8 bf16, as GPT-2's
+// padded vocabulary of 50304) move a group per load and store (storage.cuh), with each element's value the
+// same as one at a time.
 template <typename floatX>
 __device__ void write_row_gradient(floatX* dlogits_row, const floatX* source, int V, float log_sum_exp, int target,
                                    float scale)
 {
+    constexpr int WIDTH = 16 / sizeof(floatX);
+    if (V % WIDTH == 0 && (unsigned long long)source % 16 == 0 && (unsigned long long)dlogits_row % 16 == 0) {
+        for (int group = threadIdx.x; group < V / WIDTH; group += ROW_THREADS) {
+            float x[WIDTH];
+            load_as_float<WIDTH>(x, source + WIDTH * group, true);
+            for (int w = 0; w < WIDTH; ++w) {
+                x[w] = logit_gradient(x[w], WIDTH * group + w, log_sum_exp, target, scale);
+            }
+            store_from_float<WIDTH>(dlogits_row + WIDTH * group, x);
+        }
+        return;
+    }
     for (int j = threadIdx.x; j < V; j += ROW_THREADS) {
         dlogits_row[j] = from_float<floatX>(logit_gradient(to_float(source[j]), j, log_sum_exp, target, scale));
     }

@@ -95,6 +95,29 @@ def test_arrays_off_16_bytes_take_the_kernel_that_reads_twice(rng, to_device, to
     assert relative_error(to_host(dlogits), dlogits_ref) < TOLERANCE
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_backward_by_16_byte_groups_gives_the_bits_of_one_at_a_time(dtype, rng, to_device, to_host):
+    """Rows of whole 16-byte groups on 16 bytes (V = 1032: 258 float4s, 129 groups of 8 bf16) take the grouped
+    gradient; the same logits one element into an allocation take the element-by-element loop. Every element
+    of dlogits has the same bits both ways, and is within the storage's rounding of float64."""
+    from ml_dtypes import bfloat16
+    N, V = 3, 1032
+    logits, targets = inputs(rng, N, V, ignored=())
+    logits = logits.astype(bfloat16 if dtype == "bfloat16" else np.float32)
+    aligned = to_device(logits)
+    storage = to_device(np.concatenate([np.zeros(1, logits.dtype), logits.ravel()]))
+    shifted = storage[1:].reshape(N, V)
+    t = to_device(targets)
+    _, lse = cross_entropy_forward(aligned, t, ignore_index=-1)
+    grouped = to_host(cross_entropy_backward(scalar(1.0), aligned, t, lse, ignore_index=-1))
+    single = to_host(cross_entropy_backward(scalar(1.0), shifted, t, lse, ignore_index=-1,
+                                            out=to_device(np.zeros(N * V + 1, logits.dtype))[1:].reshape(N, V)))
+    assert np.array_equal(grouped.view(np.uint8), single.view(np.uint8))
+    expected = reference(logits.astype(np.float64), targets, -1)[2]
+    unit = 2.0 ** -8 if dtype == "bfloat16" else 1e-6
+    assert np.all(np.abs(grouped.astype(np.float64) - expected) <= unit * np.abs(expected) + 1e-7)
+
+
 def test_in_place_gives_the_same_bits(rng, to_device, to_host):
     logits, targets = inputs(rng, 6, 50257, ignored=(2, 4))
     x, t = to_device(logits), to_device(targets)
