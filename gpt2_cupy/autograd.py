@@ -38,7 +38,8 @@ import numpy
 
 from gpt2_cupy import backend
 from gpt2_cupy.ops.arrays import storage_of
-from gpt2_cupy.elementwise import contiguous, converted as _as_dtype  # a float32 gradient buffer for a bf16 argument, say
+# converted: a float32 gradient buffer for a bf16 argument, say
+from gpt2_cupy.elementwise import contiguous, converted as _as_dtype
 
 _grad_enabled = True    # switched off inside `with no_grad():`
 _dropout_state = {}     # "rng": dropout's (seed, offset) device array; "init": numpy's generator for weights

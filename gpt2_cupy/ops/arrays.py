@@ -169,8 +169,11 @@ def element_strides(array):
 
 def rows_apart(array, row_axes=1):
     """How many elements apart the rows of `array` lie, a row being its last row_axes axes, when each row is
-    laid out as in a C-contiguous array and the rows are evenly spaced: a C-contiguous array, or the rows of
-    a slice of a wider one (q among q, k and v side by side). None for any other layout."""
+    laid out as in a C-contiguous array, the rows are evenly spaced and the array that holds them is
+    C-contiguous (a kernel is given that array and element_offset): a C-contiguous array, or the rows of a
+    slice of a wider one (q among q, k and v side by side). None for any other layout."""
+    if not storage_of(array).flags.c_contiguous:
+        return None
     shape, strides = array.shape, element_strides(array)
     expected = 1
     for axis in range(array.ndim - 1, array.ndim - 1 - row_axes, -1):

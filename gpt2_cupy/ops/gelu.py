@@ -18,7 +18,8 @@ import numpy as np
 
 from gpt2_cupy import kernels
 
-from .arrays import BFLOAT16, FLOAT32, THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output, storage_c_type, storage_dtype
+from .arrays import (BFLOAT16, FLOAT32, THREADS_PER_BLOCK, ceil_div, check, float4_aligned, output, storage_c_type,
+                     storage_dtype)
 
 APPROXIMATIONS = {"tanh": 0, "none": 1}  # the kernels' `exact` flag, named as in torch.nn.functional.gelu
 

@@ -24,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.elementwise import contiguous
+from gpt2_cupy.elementwise import contiguous, copy
 from gpt2_cupy.ops.arrays import (FLOAT32, THREADS_PER_BLOCK, ceil_div, check, check_views, element_offset, output,
                                   rows_apart, storage_c_type, storage_dtype, storage_of)
 
@@ -47,8 +47,7 @@ def rope_forward(x, *, theta=10000.0, start=0, interleaved=False, out=None):
     be a view whose (b, t) rows are evenly spaced, as q sliced from the q, k, v product's output is: the bf16
     kernel reads it where it lies; any other view is copied first."""
     if x.dtype == FLOAT32 and not isinstance(start, backend.xp.ndarray):
-        return _rotate("rope_forward", contiguous(x), theta, start,
-                       interleaved, out)
+        return _rotate("rope_forward", contiguous(x), theta, start, interleaved, out)
     return _rotate_stored("rope_forward", x, theta, start, interleaved, out)
 
 
@@ -81,8 +80,8 @@ def _rotate_stored(operation, x, theta, start, interleaved, out):
     dtype = storage_dtype(operation, "x", x)
     sizes = check_views(operation, x=(x, ("B", "T", "H", "D"), dtype))
     x_row = rows_apart(x, row_axes=2)
-    if x_row is None or not storage_of(x).flags.c_contiguous:
-        x = contiguous(x)
+    if x_row is None:
+        x = copy(operation, x)
         x_row = rows_apart(x, row_axes=2)
     B, T, H, D = (sizes[name] for name in "BTHD")
     if D % 2:

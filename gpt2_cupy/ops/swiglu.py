@@ -16,7 +16,7 @@ from gpt2_cupy import kernels
 from gpt2_cupy.elementwise import contiguous
 
 from .arrays import (FLOAT32, THREADS_PER_BLOCK, ceil_div, check, check_views, launch_elementwise, output,
-                     rows_apart, storage_c_type, storage_dtype, element_offset, storage_of)
+                     element_offset, rows_apart, storage_c_type, storage_dtype, storage_of)
 
 
 def swiglu_forward(gate, up, out=None):
@@ -28,8 +28,7 @@ def swiglu_forward(gate, up, out=None):
     check_views("swiglu_forward", gate=(gate, ("...",), dtype), up=(up, ("...",), dtype))
     out = output("swiglu_forward", out, gate.shape, dtype=dtype)
     row_stride = rows_apart(gate) if dtype != FLOAT32 and gate.ndim else None
-    if row_stride is None or rows_apart(up) != row_stride or not (
-            storage_of(gate).flags.c_contiguous and storage_of(up).flags.c_contiguous):
+    if row_stride is None or rows_apart(up) != row_stride:
         gate, up = contiguous(gate), contiguous(up)
         row_stride = gate.shape[-1] if gate.ndim else 1
     if dtype == FLOAT32:

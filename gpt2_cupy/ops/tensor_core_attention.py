@@ -10,7 +10,8 @@ of any strides whose rows (the last axis) are contiguous: the kernels read and w
 as PyTorch's flash attention does. So q, k, v can be the (B, H, T, d) views of one (B, T, 3 H d) product's
 output, and out is made as a (B, T, H d) array seen as (B, H, T, d): heads side by side again, as the next
 product reads them. dq, dk, dv are laid out as q, k, v are (arrays.empty_like_views). lse: (B, H, T)
-float32, C-contiguous, the log-sum-exp of each row of the scaled scores, which the backward needs. d = 32, 64 or 128. S = scale q kᵀ with scale = 1/√d unless given (PyTorch's
+float32, C-contiguous, the log-sum-exp of each row of the scaled scores, which the backward needs.
+d = 32, 64 or 128. S = scale q kᵀ with scale = 1/√d unless given (PyTorch's
 scaled_dot_product_attention's default); causal=True lets query t see keys 0..t; out = softmax(S) v.
 
 What is rounded (kernels/tensor_core_attention.cu, FlashAttention-2's scheme): the products run on tensor
