@@ -15,17 +15,21 @@
 // below, which also makes 3xTF32's operands.
 // Compiled for sm_90a: RawModule(code, options=("-arch=sm_90a",)).
 //
-// A block of 256 threads, two warpgroups, computes a 128 x BLOCK_N tile of C (BLOCK_N 256, or 128 where
-// 256-wide tiles would leave multiprocessors idle), walking along K one slice of 128 bytes per row at a time:
-//  - each slice of 64 bf16 (32 float32) along K travels to shared memory by cp.async, 16 bytes per copy, in
-//    the 128-byte swizzle the wgmma descriptors name: a K-major tile as rows of 128 bytes of k (chunk c of
-//    row r lands at chunk c ^ (r % 8) of the row), an MN-major tile as rows of 64 values of m or n, one row per k
-//    (chunk c of row k at chunk c ^ (k % 8)), in atoms of 64 x 8; copies past an edge write zeros;
-//  - STAGES slices live in shared memory: while the tensor cores multiply slice s, slices s + 1 and s + 2 are
-//    on their way;
-//  - warpgroup w multiplies rows 64w .. 64w + 63 of the tile by all BLOCK_N columns: per slice four wgmma
-//    m64nBLOCK_Nk16 (k = 0, 16, 32, 48; TF32: k8 at k = 0, 8, 16, 24), issued together and left running
-//    while the threads start the next copies; BLOCK_N / 2 float32 accumulators per thread;
+// A block computes a 128 x BLOCK_N tile of C (BLOCK_N 256, or 128 where 256-wide tiles would leave
+// multiprocessors idle), walking along K one slice of 128 bytes per row at a time, with warps of two trades:
+//  - one copy warp, of which one thread issues the copies: each slice of 64 bf16 (32 float32) along K travels
+//    to shared memory by the copy engine (TMA, kernels/include/tma.cuh), one bulk tensor copy per tile (per
+//    64 columns of an MN-major tile), in the 128-byte swizzle the wgmma descriptors name: a K-major tile as rows
+//    of 128 bytes of k (chunk c of row r at chunk c ^ (r % 8) of the row), an MN-major tile as rows of 64
+//    values of m or n, one row per k (chunk c of row k at chunk c ^ (k % 8)); the engine writes zeros past the
+//    matrix's edges;
+//  - a ring of STAGES slices in shared memory, each with two mbarriers: "full" completes when the copies'
+//    bytes have landed, "empty" when both consumer warpgroups are done multiplying it, so the copy warp may
+//    fill it again; the copy warp runs up to STAGES slices ahead;
+//  - two consumer warpgroups: warpgroup w multiplies rows 64w .. 64w + 63 of the tile by all BLOCK_N columns,
+//    per slice four wgmma m64nBLOCK_Nk16 (k = 0, 16, 32, 48; TF32: k8 at k = 0, 8, 16, 24) issued together
+//    and left running while it waits for the next slice; BLOCK_N / 2 float32 accumulators per thread. No
+//    thread of theirs spends an instruction on a copy, and no __syncthreads stops them;
 //  - blocks take their tiles down the columns of groups of GROUP_M rows of tiles, so that blocks running
 //    at the same time share tiles of A and B in the L2 cache;
 //  - split K (a grid of gridDim.y stretches of K, for a product with few tiles and a long K, the weight
@@ -33,106 +37,60 @@
 //    C + s M N; the launcher then adds the slabs in stretch order, so the result is the same every run
 //    (atomic adds would land in whatever order the blocks finish).
 #include <cuda_bf16.h>
+#include "tma.cuh"
 #include "wgmma.cuh"
 
-constexpr int BLOCK_M = 128;                // rows of C per block: one warpgroup per 64
+constexpr int BLOCK_M = 128;                // rows of C per block: one consumer warpgroup per 64
 constexpr int ROW_BYTES = 128;              // one swizzled row: a slice of K, 64 bf16 or 32 float32
 template <typename Element> constexpr int SLICE_K = ROW_BYTES / sizeof(Element);   // elements of K per slice
-constexpr int WARPGROUPS = BLOCK_M / 64;
-constexpr int THREADS = 128 * WARPGROUPS;
-constexpr int STAGES = 4;                   // slices in shared memory
-static_assert(STAGES >= 3, "a slice being multiplied, one whose products may still run, and one on its way");
+constexpr int CONSUMERS = BLOCK_M / 64;     // warpgroups that multiply
+constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+constexpr int THREADS = CONSUMER_THREADS + 32;   // and one warp that copies
+constexpr int STAGE_ROOM = 192 * 1024;      // shared memory for the stages: as many as fit in it
 constexpr int GROUP_M = 8;                  // rows of tiles per group of blocks
 constexpr int STORE_BATCH = 8;              // pairs of results per thread whose old values load together
-constexpr int ATOM_BYTES = 8 * ROW_BYTES;         // an MN-major swizzle atom: 64 values of m (n) by 8 of k
-static_assert(ATOM_BYTES == 1024, "an atom is one repeat of the 128-byte swizzle: tiles of atoms stay aligned to it");
+constexpr int ATOM_BYTES = 8 * ROW_BYTES;   // a swizzle atom: 8 rows of 128 bytes, one repeat of the pattern
+constexpr int MN_BOX = 64;                  // an MN-major box: 64 values of m (n) by 64 of k
+constexpr int MN_BOX_BYTES = MN_BOX * ROW_BYTES;
 static_assert(128 / 4 % STORE_BATCH == 0, "a thread's BLOCK_N / 4 pairs of results make whole batches");
 static_assert(GROUP_M >= 1, "a group of blocks holds at least one row of tiles");
 
 // Bytes of one slice of a tile of ROWS rows of A (or of B's columns): the same in both layouts and both types.
 __host__ __device__ constexpr int tile_bytes(int rows) { return rows * ROW_BYTES; }
-// Dynamic shared memory per block: the stages, and room to start them on 1024 bytes (193 KB for BLOCK_N 256,
-// 129 KB for 128). Every tile is a multiple of 1024 bytes, where the swizzle pattern repeats.
-__host__ __device__ constexpr int shared_bytes(int block_n)
-{
-    return STAGES * (tile_bytes(BLOCK_M) + tile_bytes(block_n)) + 1024;
-}
+__host__ __device__ constexpr int stage_bytes(int block_n) { return tile_bytes(BLOCK_M) + tile_bytes(block_n); }
+// Slices in shared memory: 4 of a 128 x 256 tile (48 KB each), 6 of a 128 x 128 one.
+__host__ __device__ constexpr int stages(int block_n) { return STAGE_ROOM / stage_bytes(block_n); }
+// Dynamic shared memory per block: the stages, and room to start them on 1024 bytes, where the swizzle
+// pattern repeats (every tile is a multiple of 1024 bytes, so each stays aligned to it).
+__host__ __device__ constexpr int shared_bytes(int block_n) { return stages(block_n) * stage_bytes(block_n) + 1024; }
 static_assert(shared_bytes(256) <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
 
-// Start copying rows first_row .. first_row + ROWS - 1, one slice of k from k0 of a K-major `matrix` (rows x K,
-// k contiguous) into the tile at shared address `tile`, swizzled. Eight threads copy one row's 128 bytes:
-// consecutive threads read consecutive global memory. A chunk outside the matrix, or at or past k_end (the
-// end of this block's stretch of K), is zero-filled (K is a multiple of a chunk's 8 bf16 or 4 float32: a
-// chunk is all in or all out).
-template <int ROWS, typename Element>
-__device__ __forceinline__ void copy_tile_k_major(unsigned tile, const Element* matrix, int rows, int K,
-                                                  int first_row, int k0, int k_end)
+// Start the copy of one operand's slice into `tile`: ROWS rows of A (m), or of B's columns (n), from `first`,
+// k from k0. A K-major operand (rows x K in memory) is one box of ROWS rows by one slice of k; each row lands as
+// 128 swizzled bytes, the layout matrix_descriptor_128b reads. An MN-major one (K x rows in memory) is ROWS / 64
+// boxes of 64 rows of k by 64 values of m (n), side by side: each box eight swizzle atoms of 8 values of k.
+template <int ROWS, bool MN_MAJOR>
+__device__ __forceinline__ void load_operand_slice(unsigned tile, const TensorMap& map, int first, int k0,
+                                                   unsigned barrier)
 {
-    constexpr int CHUNKS = ROWS * ROW_BYTES / 16, CHUNK_ELEMENTS = 16 / sizeof(Element);
-    static_assert(CHUNKS % THREADS == 0, "every thread copies the same number of chunks");
+    if (MN_MAJOR) {
 #pragma unroll
-    for (int i = 0; i < CHUNKS / THREADS; ++i) {
-        const int chunk = threadIdx.x + i * THREADS;
-        const int row = chunk / 8, column = chunk % 8;   // column: which 16 bytes of the row
-        const int matrix_row = first_row + row, k = k0 + CHUNK_ELEMENTS * column;
-        const bool inside = matrix_row < rows && k < k_end;
-        const Element* source = inside ? matrix + (long long)matrix_row * K + k : matrix;
-        cp_async_16(tile + row * ROW_BYTES + (column ^ (row % 8)) * 16, source, inside ? 16 : 0);
+        for (int box = 0; box < ROWS / MN_BOX; ++box)
+            tma_load_2d(tile + box * MN_BOX_BYTES, map, first + box * MN_BOX, k0, barrier);
+    } else {
+        tma_load_2d(tile, map, k0, first, barrier);
     }
 }
 
-// The same for an MN-major `matrix` (K x columns, each k's row of m or n contiguous): columns first_column ..
-// first_column + COLUMNS - 1 of rows k0 .. k0 + 63 into the tile, as swizzle atoms of 64 columns by 8 rows of
-// k (8 rows of 128 bytes): the COLUMNS / 64 atoms of rows k .. k + 7 side by side, then those of the next 8.
-// Consecutive threads copy consecutive 16 bytes of one row of the matrix. bf16 only (TF32 has no MN-major).
-template <int COLUMNS>
-__device__ __forceinline__ void copy_tile_mn_major(unsigned tile, const __nv_bfloat16* matrix, int columns,
-                                                   int first_column, int k0, int k_end)
-{
-    constexpr int CHUNKS_PER_K = COLUMNS / 8, CHUNKS = SLICE_K<__nv_bfloat16> * CHUNKS_PER_K;
-    static_assert(CHUNKS % THREADS == 0, "every thread copies the same number of chunks");
-#pragma unroll
-    for (int i = 0; i < CHUNKS / THREADS; ++i) {
-        const int chunk = threadIdx.x + i * THREADS;
-        const int k = chunk / CHUNKS_PER_K, piece = chunk % CHUNKS_PER_K;   // piece: 8 values of m (n)
-        const int atom = piece / 8, column = piece % 8;
-        const int matrix_column = first_column + 8 * piece, matrix_row = k0 + k;
-        const bool inside = matrix_column < columns && matrix_row < k_end;
-        const __nv_bfloat16* source = inside ? matrix + (long long)matrix_row * columns + matrix_column : matrix;
-        const unsigned atom_place = (k / 8 * (COLUMNS / 64) + atom) * ATOM_BYTES;
-        const unsigned place = atom_place + k % 8 * ROW_BYTES + (column ^ (k % 8)) * 16;
-        cp_async_16(tile + place, source, inside ? 16 : 0);
-    }
-}
-
-// One operand's slice: ROWS rows of A (m), or of B's columns (n), starting at `first`, in its layout; a
-// float32 operand (read as TF32) is K-major.
-template <int ROWS, bool MN_MAJOR>
-__device__ __forceinline__ void copy_operand_slice(unsigned tile, const __nv_bfloat16* matrix, int extent, int K,
-                                                   int first, int k0, int k_end)
-{
-    if (MN_MAJOR) copy_tile_mn_major<ROWS>(tile, matrix, extent, first, k0, k_end);
-    else copy_tile_k_major<ROWS>(tile, matrix, extent, K, first, k0, k_end);
-}
-
-template <int ROWS, bool MN_MAJOR>
-__device__ __forceinline__ void copy_operand_slice(unsigned tile, const float* matrix, int extent, int K,
-                                                   int first, int k0, int k_end)
-{
-    static_assert(!MN_MAJOR, "wgmma's .tf32 operands are K-major only");
-    copy_tile_k_major<ROWS>(tile, matrix, extent, K, first, k0, k_end);
-}
-
-// The descriptor of step `k_step` (16 bf16, or 8 TF32 values of k) of a slice's tile of ROWS rows (or
-// columns), for its rows `first_row` .. + 63 (A's warpgroup rows) or all of them (B). K-major: 32 bytes along
-// each swizzled row per step. MN-major: atoms ATOM_BYTES apart along m (n), ROWS / 64 atoms apart along k; a
-// step is two atoms of k.
-template <int ROWS, bool MN_MAJOR>
+// The descriptor of step `k_step` (16 bf16, or 8 TF32 values of k) of a slice's tile, for its rows
+// `first_row` .. + 63 (A's warpgroup rows) or all of them (B). K-major: 32 bytes along each swizzled row per
+// step. MN-major: boxes of 64 values of m (n) MN_BOX_BYTES apart, atoms of 8 values of k ATOM_BYTES apart
+// within a box; a step is two atoms.
+template <bool MN_MAJOR>
 __device__ __forceinline__ unsigned long long slice_descriptor(unsigned tile, int first_row, int k_step)
 {
-    constexpr int K_GROUP_BYTES = ROWS / 64 * ATOM_BYTES;   // from 8 values of k to the next
-    if (MN_MAJOR) return matrix_descriptor_128b_mn(tile + first_row / 64 * ATOM_BYTES + 2 * K_GROUP_BYTES * k_step,
-                                                   ATOM_BYTES, K_GROUP_BYTES);
+    if (MN_MAJOR) return matrix_descriptor_128b_mn(tile + first_row / MN_BOX * MN_BOX_BYTES + 2 * ATOM_BYTES * k_step,
+                                                   MN_BOX_BYTES, ATOM_BYTES);
     return matrix_descriptor_128b(tile + first_row * ROW_BYTES + 32 * k_step);
 }
 
@@ -184,77 +142,71 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* out, float x, float y)
     *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
 }
 
-// The whole product for one block (one tile of C, one stretch of K), into a float32 or bf16 C, from bf16 or
-// float32 (TF32) A and B. A_MN_MAJOR: A stored K x M (the weight gradient's dyᵀ), else M x K. B_MN_MAJOR: B
-// stored K x N (dy W, dyᵀ x), else N x K (x Wᵀ).
-template <int BLOCK_N, bool A_MN_MAJOR, bool B_MN_MAJOR, typename Output, typename Element>
-__device__ __forceinline__ void wgmma_block_product(Output* C, const Element* A, const Element* B, int M,
-                                                    int N, int K, int k_per_split, const float* bias, bool accumulate)
+template <int COUNT>
+__device__ __forceinline__ void zero_accumulators(float (&d)[COUNT])
 {
-    constexpr int BLOCK_K = SLICE_K<Element>;
-    constexpr int K_STEPS = ROW_BYTES / 32;     // wgmma per slice: each reads 32 bytes of every row (k16 bf16, k8 TF32)
-    constexpr int A_TILE_BYTES = tile_bytes(BLOCK_M), STAGE_BYTES = A_TILE_BYTES + tile_bytes(BLOCK_N);
-    extern __shared__ __align__(1024) unsigned char shared[];
-    // The swizzle acts on shared-memory address bits, so each stage starts on 1024 bytes of that address.
-    const unsigned stages = (shared_address(shared) + 1023) & ~1023u;
+#pragma unroll
+    for (int i = 0; i < COUNT; ++i) d[i] = 0.0f;
+    fence_accumulators(d);
+}
 
-    // This block's tile: groups of GROUP_M rows of tiles, numbered down each column of the group.
+// total += slice, then slice = 0 for its next products: called after the wgmma_wait_group that covers them.
+template <int COUNT>
+__device__ __forceinline__ void add_slice(float (&total)[COUNT], float (&slice)[COUNT])
+{
+    fence_accumulators(slice);
+#pragma unroll
+    for (int i = 0; i < COUNT; ++i) total[i] += slice[i];
+    zero_accumulators(slice);
+}
+
+// One item of work: a tile of C and a stretch of K. Items are numbered stretch by stretch; within a stretch,
+// tiles go in groups of GROUP_M rows of tiles, numbered down each column of the group, so that blocks working
+// at the same time share tiles of A and B in the L2 cache.
+struct WorkItem {
+    int m0, n0;          // the tile's first row and column of C
+    int stretch;         // which stretch of K: its partial sums go to slab `stretch` of C
+    int k_begin, slices; // where the stretch starts, and its slices
+};
+
+template <int BLOCK_N, int BLOCK_K>
+__device__ __forceinline__ WorkItem work_item(int index, int M, int N, int K, int k_per_split)
+{
     const int tiles_m = (M + BLOCK_M - 1) / BLOCK_M, tiles_n = (N + BLOCK_N - 1) / BLOCK_N;
-    const int per_group = GROUP_M * tiles_n, group = blockIdx.x / per_group, in_group = blockIdx.x % per_group;
+    const int tile = index % (tiles_m * tiles_n);
+    const int per_group = GROUP_M * tiles_n, group = tile / per_group, in_group = tile % per_group;
     const int first_tile_m = group * GROUP_M, group_rows = min(tiles_m - first_tile_m, GROUP_M);
-    const int m0 = (first_tile_m + in_group % group_rows) * BLOCK_M, n0 = in_group / group_rows * BLOCK_N;
-    const int warpgroup = threadIdx.x / 128;
-    // This block's stretch of K: all of it, or stretch blockIdx.y of k_per_split (a multiple of 64).
-    const int k_begin = blockIdx.y * k_per_split, k_end = min(K, k_begin + k_per_split);
+    WorkItem item;
+    item.m0 = (first_tile_m + in_group % group_rows) * BLOCK_M;
+    item.n0 = in_group / group_rows * BLOCK_N;
+    item.stretch = index / (tiles_m * tiles_n);
+    // A stretch is k_per_split long (a multiple of 64, so it ends where a slice ends: copies past K read
+    // zeros, and none reads into the next stretch), the last one what remains.
+    item.k_begin = item.stretch * k_per_split;
+    item.slices = (min(K, item.k_begin + k_per_split) - item.k_begin + BLOCK_K - 1) / BLOCK_K;
+    return item;
+}
 
-    auto a_tile = [&](int stage) { return stages + stage * STAGE_BYTES; };
-    auto b_tile = [&](int stage) { return stages + stage * STAGE_BYTES + A_TILE_BYTES; };
-    auto start_slice = [&](int s) {
-        const int k0 = k_begin + s * BLOCK_K;
-        copy_operand_slice<BLOCK_M, A_MN_MAJOR>(a_tile(s % STAGES), A, M, K, m0, k0, k_end);
-        copy_operand_slice<BLOCK_N, B_MN_MAJOR>(b_tile(s % STAGES), B, N, K, n0, k0, k_end);
-    };
+// Items in all: tiles times stretches of K (at least one, for an empty sum).
+template <int BLOCK_N>
+__device__ __forceinline__ int work_items(int M, int N, int K, int k_per_split)
+{
+    const int stretches = K > 0 ? (K + k_per_split - 1) / k_per_split : 1;
+    return (M + BLOCK_M - 1) / BLOCK_M * ((N + BLOCK_N - 1) / BLOCK_N) * stretches;
+}
 
-    float d[BLOCK_N / 2];
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / 2; ++i) d[i] = 0.0f;
-    fence_accumulators(d);
-
-    // Fill the pipeline: STAGES - 2 slices on their way. Every thread commits one group of copies per slice,
-    // even an empty one past the end, so that "all but the newest STAGES - 3 groups" means "up to slice s".
-    const int slices = (k_end - k_begin + BLOCK_K - 1) / BLOCK_K;
-    for (int s = 0; s < STAGES - 2; ++s) {
-        if (s < slices) start_slice(s);
-        cp_async_commit();
-    }
-    for (int s = 0; s < slices; ++s) {
-        cp_async_wait<STAGES - 3>();   // this thread's copies of slice s have landed,
-        fence_proxy_async_shared();     // where the tensor cores' own reads see them;
-        __syncthreads();                // everyone's too, and every warpgroup is done with slice s - 2
-        const int stage = s % STAGES;
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < K_STEPS; ++k) {
-            const unsigned long long a = slice_descriptor<BLOCK_M, A_MN_MAJOR>(a_tile(stage), 64 * warpgroup, k);
-            const unsigned long long b = slice_descriptor<BLOCK_N, B_MN_MAJOR>(b_tile(stage), 0, k);
-            wgmma_step<A_MN_MAJOR, B_MN_MAJOR>(d, a, b, A);
-        }
-        wgmma_commit_group();
-        // While they run: slice s + STAGES - 2 into the stage slice s - 2 had.
-        if (s + STAGES - 2 < slices) start_slice(s + STAGES - 2);
-        cp_async_commit();
-        wgmma_wait_group<1>();          // slice s - 1's products are done; slice s's may still run
-    }
-    wgmma_wait_group<0>();
-    fence_accumulators(d);
-
-    // d[i] of warp w (of this warpgroup), lane 4g + t: row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2t + i % 2.
-    // They go out STORE_BATCH pairs at a time: with accumulate, the batch's old values of C are all loaded before
-    // any is stored, so that the loads wait for memory together rather than one after another (a store to C
-    // might, as far as the compiler knows, change what a later load reads).
-    const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+// Stores a consumer warpgroup's 64 x BLOCK_N results d, rows m0 + 64 warpgroup .., columns n0 .., into C, float32
+// or bf16, adding bias and (accumulate) C's old values before the one rounding.
+// d[i] of warp w (of this warpgroup), lane 4g + t: row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2t + i % 2.
+// They go out STORE_BATCH pairs at a time: with accumulate, the batch's old values of C are all loaded before
+// any is stored, so that the loads wait for memory together rather than one after another (a store to C
+// might, as far as the compiler knows, change what a later load reads).
+template <int BLOCK_N, typename Output>
+__device__ __forceinline__ void store_results(Output* C, const float (&d)[BLOCK_N / 2], int m0, int n0, int M, int N,
+                                              const float* bias, bool accumulate)
+{
+    const int warpgroup = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
     const int first_row = m0 + warpgroup * 64 + warp * 16 + lane / 4, first_column = n0 + 2 * (lane % 4);
-    C += (long long)blockIdx.y * M * N;   // this stretch's slab (the only one without split K)
 #pragma unroll
     for (int batch = 0; batch < BLOCK_N / 2; batch += 2 * STORE_BATCH) {
         float old[2 * STORE_BATCH];
@@ -290,15 +242,145 @@ __device__ __forceinline__ void wgmma_block_product(Output* C, const Element* A,
     }
 }
 
-// Dynamic shared memory: shared_bytes(BLOCK_N). Grid: (one block per 128 x BLOCK_N tile of C, stretches of K).
-// Launched by name: wgmma_matmul<256, false, false, float, __nv_bfloat16> is the Linear forward x Wᵀ from bf16
-// into float32; wgmma_matmul<256, false, false, float, float> the same in TF32.
-template <int BLOCK_N, bool A_MN_MAJOR, bool B_MN_MAJOR, typename Output, typename Element>
-__global__ void __launch_bounds__(THREADS, 1) wgmma_matmul(
-    Output* __restrict__ C, const Element* __restrict__ A, const Element* __restrict__ B, int M, int N,
-    int K, int k_per_split, const float* __restrict__ bias, bool accumulate)
+// The whole product, each block taking items of work gridDim.x apart, into a float32 or bf16 C, from bf16 or
+// float32 (TF32) A and B, which the tensor maps describe. A_MN_MAJOR: A stored K x M (the weight gradient's
+// dyᵀ), else M x K. B_MN_MAJOR: B stored K x N (dy W, dyᵀ x), else N x K (x Wᵀ). The ring of stages runs on
+// from one item to the next: while the consumers store one tile, the copy warp fills the stages with the next.
+template <int BLOCK_N, bool A_MN_MAJOR, bool B_MN_MAJOR, bool SLICE_SUMS, typename Output, typename Element>
+__device__ __forceinline__ void wgmma_product(Output* C, const TensorMap& a_map, const TensorMap& b_map, int M, int N,
+                                              int K, int k_per_split, const float* bias, bool accumulate,
+                                              int k_apart, int slices_per_sum)
 {
-    wgmma_block_product<BLOCK_N, A_MN_MAJOR, B_MN_MAJOR>(C, A, B, M, N, K, k_per_split, bias, accumulate);
+    constexpr int BLOCK_K = SLICE_K<Element>;
+    constexpr int K_STEPS = ROW_BYTES / 32;     // wgmma per slice: each reads 32 bytes of every row (k16 bf16, k8 TF32)
+    constexpr int STAGES = stages(BLOCK_N), A_TILE_BYTES = tile_bytes(BLOCK_M), STAGE_BYTES = stage_bytes(BLOCK_N);
+    static_assert(STAGES >= 2, "a slice being multiplied and one on its way");
+    extern __shared__ __align__(1024) unsigned char shared[];
+    // full[s]: stage s holds its slice (the copy warp's arrival, and the bytes of its copies);
+    // empty[s]: both consumer warpgroups are done multiplying stage s (one arrival each).
+    __shared__ __align__(8) unsigned long long barriers[2 * STAGES];
+    // The swizzle acts on shared-memory address bits, so each stage starts on 1024 bytes of that address.
+    const unsigned stage_memory = (shared_address(shared) + 1023) & ~1023u;
+    const unsigned full = shared_address(barriers), empty = full + 8 * STAGES;
+    if (threadIdx.x == 0) {
+        for (int stage = 0; stage < STAGES; ++stage) {
+            mbarrier_init(full + 8 * stage, 1);
+            mbarrier_init(empty + 8 * stage, CONSUMERS);
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    auto a_tile = [&](int stage) { return stage_memory + stage * STAGE_BYTES; };
+    auto b_tile = [&](int stage) { return stage_memory + stage * STAGE_BYTES + A_TILE_BYTES; };
+    const int items = work_items<BLOCK_N>(M, N, K, k_per_split);
+
+    // Slice `it` of the block's whole walk (counted on across items) goes through stage it % STAGES, in round
+    // it / STAGES of the ring: its barriers' phases of parity (it / STAGES) % 2.
+    if (threadIdx.x >= CONSUMER_THREADS) {
+        // The copy warp: one thread walks the slices, each into the next stage of the ring once the consumers
+        // have released it (in the ring's first round every stage is free: parity 1 of a fresh barrier).
+        if (threadIdx.x == CONSUMER_THREADS) {
+            int it = 0;
+            for (int index = blockIdx.x; index < items; index += gridDim.x) {
+                const WorkItem item = work_item<BLOCK_N, BLOCK_K>(index, M, N, K, k_per_split);
+                for (int s = 0; s < item.slices; ++s, ++it) {
+                    const int stage = it % STAGES;
+                    mbarrier_wait(empty + 8 * stage, (it / STAGES & 1) ^ 1);
+                    mbarrier_arrive_expect_tx(full + 8 * stage, STAGE_BYTES);
+                    const int k0 = item.k_begin + s * BLOCK_K;
+                    load_operand_slice<BLOCK_M, A_MN_MAJOR>(a_tile(stage), a_map, item.m0, k0, full + 8 * stage);
+                    load_operand_slice<BLOCK_N, B_MN_MAJOR>(b_tile(stage), b_map, item.n0, k0, full + 8 * stage);
+                }
+            }
+        }
+        return;
+    }
+
+    // The consumers: warpgroup w multiplies rows 64w .. 64w + 63 of each tile by all BLOCK_N columns.
+    const int warpgroup = threadIdx.x / 128;
+    const bool releases = threadIdx.x % 128 == 0;   // the thread that says the warpgroup is done with a stage
+    int it = 0;
+    // Slice `it`'s four wgmma, into acc, issued as one group and left running.
+    auto issue_slice = [&](float (&acc)[BLOCK_N / 2]) {
+        const int stage = it % STAGES;
+        mbarrier_wait(full + 8 * stage, it / STAGES & 1);   // slice it has landed
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < K_STEPS; ++k) {
+            const unsigned long long a = slice_descriptor<A_MN_MAJOR>(a_tile(stage), 64 * warpgroup, k);
+            const unsigned long long b = slice_descriptor<B_MN_MAJOR>(b_tile(stage), 0, k);
+            wgmma_step<A_MN_MAJOR, B_MN_MAJOR>(acc, a, b, (const Element*)nullptr);
+        }
+        wgmma_commit_group();
+        ++it;
+    };
+    // Slice `slice` of the walk is done: its stage may be filled again.
+    auto release = [&](int slice) {
+        if (releases) mbarrier_arrive(empty + 8 * (slice % STAGES));
+    };
+    for (int index = blockIdx.x; index < items; index += gridDim.x) {
+        const WorkItem item = work_item<BLOCK_N, BLOCK_K>(index, M, N, K, k_per_split);
+        float d[BLOCK_N / 2];
+        zero_accumulators(d);
+        if (SLICE_SUMS) {
+            // 3xTF32: the slices of k before k_apart (the small corrections, whose sums stay small) go into total
+            // on the tensor cores. From k_apart on (big times big), each group of slices_per_sum slices is summed
+            // from zero by the tensor cores in d, then added to total on the CUDA cores, in float32 rounded to
+            // nearest; the tensor cores wait while that sum is taken.
+            float total[BLOCK_N / 2];
+            zero_accumulators(total);
+            int s = 0;
+            for (; s < item.slices && item.k_begin + s * BLOCK_K < k_apart; ++s) {
+                issue_slice(total);
+                wgmma_wait_group<1>();
+                if (s > 0) release(it - 2);
+            }
+            wgmma_wait_group<0>();
+            fence_accumulators(total);
+            if (s > 0) release(it - 1);
+            while (s < item.slices) {
+                const int first = s, end = min(item.slices, s + slices_per_sum);
+                for (; s < end; ++s) {
+                    issue_slice(d);
+                    wgmma_wait_group<1>();
+                    if (s > first) release(it - 2);
+                }
+                wgmma_wait_group<0>();
+                release(it - 1);
+                add_slice(total, d);
+            }
+#pragma unroll
+            for (int i = 0; i < BLOCK_N / 2; ++i) d[i] = total[i];
+        } else {
+            for (int s = 0; s < item.slices; ++s) {
+                issue_slice(d);
+                wgmma_wait_group<1>();          // the slice before it is done (this one's products may still run)
+                if (s > 0) release(it - 2);
+            }
+            wgmma_wait_group<0>();
+            fence_accumulators(d);
+            if (item.slices > 0) release(it - 1);   // the item's last slice
+        }
+        // This stretch's slab of C (the only one without split K).
+        store_results<BLOCK_N>(C + (long long)item.stretch * M * N, d, item.m0, item.n0, M, N, bias, accumulate);
+    }
+}
+
+// Dynamic shared memory: shared_bytes(BLOCK_N). Block: THREADS. Grid: at most one block per item of work (tile
+// of C and stretch of K); one per multiprocessor is the most that run at once. a_map: A's tensor map, boxes of
+// BLOCK_M rows by one slice of k (K-major) or of 64 x 64 (MN-major); b_map the same for B with BLOCK_N rows.
+// SLICE_SUMS (3xTF32; 128-wide tiles, for the registers of two sums): from k = k_apart on, groups of
+// slices_per_sum slices are summed apart on the tensor cores and added on the CUDA cores (a tensor core adding
+// into a large sum cuts off the low bits of what it adds); k_apart and slices_per_sum are unused without it. Launched by name: wgmma_matmul<256, false, false, false, float, __nv_bfloat16> is the Linear forward
+// x Wᵀ from bf16 into float32; wgmma_matmul<256, false, false, false, float, float> the same in TF32.
+template <int BLOCK_N, bool A_MN_MAJOR, bool B_MN_MAJOR, bool SLICE_SUMS, typename Output, typename Element>
+__global__ void __launch_bounds__(THREADS, 1) wgmma_matmul(
+    Output* __restrict__ C, const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
+    int M, int N, int K, int k_per_split, const float* __restrict__ bias, bool accumulate, int k_apart,
+    int slices_per_sum)
+{
+    wgmma_product<BLOCK_N, A_MN_MAJOR, B_MN_MAJOR, SLICE_SUMS, Output, Element>(C, a_map, b_map, M, N, K, k_per_split,
+                                                                                bias, accumulate, k_apart, slices_per_sum);
 }
 
 // The float32 operands of the TF32 products, K-major, in one pass: row r of `out` (rows x segments * segment_k)

@@ -23,8 +23,8 @@ Ampere). On a GPU that runs wgmma (H100, H200; and the CPU executor, which stand
 product (SMALL_PRODUCT multiply-adds or more; M and N at least MIN_COPIED_EXTENT where its operands are copied
 first) runs on kernels/wgmma_matmul.cu instead: "high" on its TF32 instruction (which reads each float32's
 upper 19 bits: rounded toward zero to TF32, not to nearest as mma.sync's kernel rounds), "highest" as 3xTF32
-on it (one pass splits each operand into TF32 parts, then one TF32 product over three times K), "medium" on
-its bf16 one.
+on it (one pass splits each operand into TF32 parts, then one TF32 product over three times K, whose big
+times big part is summed in float32 on the CUDA cores every few slices), "medium" on its bf16 one.
 
 The package's products come here through gpt2_cupy.ops.matmul.launch_matmul at the "high" and "medium"
 settings; at "highest" they stay on chapter 01's float32 kernel (gpt2_cupy.precision says why).
@@ -192,12 +192,10 @@ def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, a
         if precision == "medium":   # bf16 copies (as for mma.sync), then the bf16 wgmma (launch_bf16_product picks it)
             return launch_bf16_product(converted(a, BFLOAT16), converted(b, BFLOAT16), out, transpose_a, transpose_b,
                                        accumulate)
-        # "highest" stays on mma.sync: 3xTF32 on the wgmma, measured on an H200 at 4096³, erred 1.2e-5 against
-        # float64, four times cuBLAS float32's 2.9e-6, where mma.sync's 3xTF32 erred 6e-7.
-        # TF32 reads x Wᵀ as it lies; other layouts take a K-major copy first.
-        copied = transpose_a or not transpose_b
-        if precision == "high" and (not copied or min(M, N) >= MIN_COPIED_EXTENT):
-            return launch_tf32_wgmma_product(a, b, out, transpose_a, transpose_b, accumulate, 1)
+        # TF32 reads x Wᵀ as it lies; other layouts, and 3xTF32's parts, take a K-major copy first.
+        copied = transpose_a or not transpose_b or precision == "highest"
+        if not copied or min(M, N) >= MIN_COPIED_EXTENT:
+            return launch_tf32_wgmma_product(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
     if precision == "medium":
         return launch_bf16_matmul(to_bf16(a)[0], to_bf16(b)[0], out, K, transpose_a, transpose_b, accumulate)
     return launch_tf32_mma_sync(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])

@@ -24,9 +24,9 @@ gpt2_cupy.ops.tensor_core_matmul.to_bf16 makes them) pass too. Each operand's ro
 be whole 16-byte pieces, which the kernel moves: a multiple of 8 bf16, or 4 float32. Other sizes are free.
 
 The kernel is kernels/wgmma_matmul.cu, from chapters/15_tensor_cores.ipynb, section 4.8: 128 x 256 tiles of C
-(128 x 128 where that fills the GPU better) per block of two warpgroups, K in slices of 64 through a 4-stage
-cp.async pipeline into 128-byte swizzled shared memory (a slice of 64 bf16 or 32 float32 per row), wgmma.mma_async
-reading it by descriptor, K-major or MN-major (imm-trans, bf16 only). A float32 product with few tiles and a long
+(128 x 128 where that fills the GPU better) per block of two consumer warpgroups and a copy warp, K in slices
+of 64 copied by the copy engine (TMA, through tensor maps made here) into a ring of 128-byte swizzled stages
+guarded by mbarriers (a slice of 64 bf16 or 32 float32 per row), wgmma.mma_async reading them by descriptor, K-major or MN-major (imm-trans, bf16 only). A float32 product with few tiles and a long
 K (the weight gradient's sum over B*T rows) is split along K, each stretch into its own slab, the slabs then
 added in order: the same result every run.
 wgmma exists only on compute capability 9.0 (H100, H200), and compiles only for sm_90a; on another GPU this op
@@ -40,17 +40,23 @@ import numpy
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.elementwise import OPERAND_NAMES, elementwise
 from gpt2_cupy.ops.arrays import LARGEST_INT, ceil_div, check, float4_aligned, output
+from gpt2_cupy.tensor_map import TENSOR_MAP, tensor_map
 
 BLOCK_M = 128                      # rows of C per block (kernels/wgmma_matmul.cu: BLOCK_M)
 BLOCK_K = 64                       # bf16 of K per slice (SLICE_K<__nv_bfloat16>; 32 float32); splits of K are
                                    # multiples of it, so of a float32 slice too
-STAGES = 4                         # slices in shared memory (STAGES)
-THREADS = 256
+STAGE_ROOM = 192 * 1024           # shared memory for the ring of slices (STAGE_ROOM)
+THREADS = 256 + 32                 # two consumer warpgroups and a copy warp (THREADS)
+SLICE_SUMS_BLOCK_N = 128           # tile width with slice sums: room in the registers for two sums
+SLICES_PER_SUM = 8                 # slices summed by the tensor cores before a float32 addition (3xTF32)
+MN_BOX = 64                        # an MN-major operand's box: 64 of m (n) by 64 of k (MN_BOX)
 MAX_SPLITS = 6                     # stretches of K at most: with out and bias, the 8 operands of one generated sum
 MIN_K_PER_SPLIT = 1024             # elements of K per stretch at least: 16 slices, to keep the pipeline full
 TILE_SPEED = {256: 1.0, 128: 0.9}    # multiply-adds per second of a block, by tile width (measured on an H200)
+ROW_BYTES = 128                    # a slice of k in shared memory: 64 bf16 or 32 float32 a row (ROW_BYTES)
 ROW_MULTIPLE = {2: 8, 4: 4}        # rows of a and b in 16-byte pieces: 8 bf16, 4 float32 (by element bytes)
 TF32_ROW_MULTIPLE = ROW_MULTIPLE[4]
+TF32_SLICE_K = ROW_BYTES // 4       # float32 of K per slice: a 3xTF32 part fills whole slices
 PART_VALUE, PART_BIG, PART_SMALL = 0, 1, 2   # tf32_operand_rows' parts of a value (kernels/wgmma_matmul.cu)
 TRANSPOSE_TILE = 32                # rows and k of op(x) per block of tf32_operand_rows (TRANSPOSE_TILE)
 MAX_GRID_Y = 65535                 # CUDA's limit on a grid's y dimension (tf32_operand_rows' tiles of rows)
@@ -92,8 +98,18 @@ def _require_hopper(operation):
 
 
 def shared_bytes(block_n):
-    """Dynamic shared memory of one block: STAGES slices of A's and B's tiles, and 1024 bytes to align them."""
-    return STAGES * (BLOCK_M + block_n) * BLOCK_K * 2 + 1024
+    """Dynamic shared memory of one block: as many slices of A's and B's tiles (128 bytes a row) as fit in
+    STAGE_ROOM, and 1024 bytes to align them."""
+    stage = (BLOCK_M + block_n) * ROW_BYTES
+    return STAGE_ROOM // stage * stage + 1024
+
+
+def operand_map(x, rows, mn_major):
+    """x's tensor map for the kernel: boxes of `rows` rows (of m or n) by one 128-byte slice of k for a K-major
+    operand, of 64 rows of k by 64 values of m (n) for an MN-major one."""
+    if mn_major:
+        return tensor_map(x, MN_BOX, MN_BOX)
+    return tensor_map(x, rows, ROW_BYTES // x.dtype.itemsize)
 
 
 def _flag(value):
@@ -104,11 +120,12 @@ def _c_type(dtype):
     return "float" if dtype == numpy.dtype(numpy.float32) else "__nv_bfloat16"
 
 
-def _kernel(block_n, transpose_a, transpose_b, output_dtype, element_dtype):
+def _kernel(block_n, transpose_a, transpose_b, output_dtype, element_dtype, slice_sums=False):
     """The kernel for one tile width, layout, output type and element type (bf16, or float32 read as TF32). A is
-    MN-major when transposed (stored K x M); B is MN-major when not (stored K x N, as W in dy W)."""
-    name = (f"wgmma_matmul<{block_n}, {_flag(transpose_a)}, {_flag(not transpose_b)}, {_c_type(output_dtype)}, "
-            f"{_c_type(element_dtype)}>")
+    MN-major when transposed (stored K x M); B is MN-major when not (stored K x N, as W in dy W). slice_sums:
+    each slice of K summed apart, the slices added on the CUDA cores (3xTF32)."""
+    name = (f"wgmma_matmul<{block_n}, {_flag(transpose_a)}, {_flag(not transpose_b)}, {_flag(slice_sums)}, "
+            f"{_c_type(output_dtype)}, {_c_type(element_dtype)}>")
     kernel = kernels.function("wgmma_matmul", name, options=OPTIONS, name_expressions=(name,))
     if kernel.max_dynamic_shared_size_bytes < shared_bytes(block_n):
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
@@ -155,22 +172,41 @@ def _launch_shape(M, N, K, float32_out, processors):
     return block_n, ceil_div(K, k_per_split), k_per_split
 
 
-def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False, transpose_a=False, transpose_b=True, shape=None):
+def grid_blocks(items):
+    """Blocks for `items` items of work (tiles of C times stretches of K): one per multiprocessor at most, each
+    taking items gridDim.x apart, so that a block's copy warp fills its stages with the next tile's slices
+    while its consumers store the last one."""
+    return max(1, min(items, backend.multiprocessor_count()))
+
+
+def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False, transpose_a=False, transpose_b=True, shape=None,
+                        k_apart=None):
     """out = op(a) @ op(b) (+ bias), or out += ... Unchecked: a, b C-contiguous, both bf16 (or uint16 bf16 bits)
     or both float32 (read as TF32, K-major only: transpose_a False, transpose_b True), their rows whole 16-byte
     pieces starting on 16 bytes, out (M, N) float32 or bf16 apart from both, bias None or N float32s.
-    shape: (block_n, splits, k_per_split) instead of launch_shape's choice (for benchmarks)."""
+    shape: (block_n, splits, k_per_split) instead of launch_shape's choice (for benchmarks). k_apart (3xTF32):
+    from this k on, each SLICES_PER_SUM slices of K are summed apart by the tensor cores and added in float32 on
+    the CUDA cores, on 128-wide tiles (a tensor core adding into a large sum cuts off the low bits of what it
+    adds, which would lose the small corrections' share)."""
     M, N = out.shape
     K = a.shape[0] if transpose_a else a.shape[1]
     if out.size == 0:
         return out
     block_n, splits, k_per_split = shape or launch_shape(M, N, K, out.dtype == numpy.dtype(numpy.float32))
-    kernel = _kernel(block_n, transpose_a, transpose_b, out.dtype, a.dtype)
+    slice_sums = k_apart is not None
+    if slice_sums:
+        block_n = SLICE_SUMS_BLOCK_N
+    kernel = _kernel(block_n, transpose_a, transpose_b, out.dtype, a.dtype, slice_sums)
     # Split K: each stretch writes its partial sums to its own slab, added below in stretch order.
     target = out if splits == 1 else backend.xp.empty((splits, M, N), dtype=numpy.float32)
-    kernel((tiles(M, N, block_n), splits), (THREADS,),
-           (target, a, b, numpy.int32(M), numpy.int32(N), numpy.int32(K), numpy.int32(k_per_split),
-            0 if bias is None or splits > 1 else bias, numpy.bool_(accumulate and splits == 1)),
+    if K > 0:
+        a_map, b_map = operand_map(a, BLOCK_M, transpose_a), operand_map(b, block_n, not transpose_b)
+    else:   # an empty sum: no slice to copy (the driver maps no array of zero width)
+        a_map = b_map = numpy.zeros((), dtype=TENSOR_MAP)[()]
+    kernel((grid_blocks(tiles(M, N, block_n) * splits),), (THREADS,),
+           (target, a_map, b_map, numpy.int32(M), numpy.int32(N), numpy.int32(K), numpy.int32(k_per_split),
+            0 if bias is None or splits > 1 else bias, numpy.bool_(accumulate and splits == 1),
+            numpy.int32(k_apart if slice_sums else K), numpy.int32(SLICES_PER_SUM)),
            shared_mem=shared_bytes(block_n))
     if splits > 1:
         add_partial_sums(target, out, bias, accumulate)
@@ -196,14 +232,15 @@ def _tf32_rows_fit(x):
     return x.shape[-1] % TF32_ROW_MULTIPLE == 0 and float4_aligned(x)
 
 
-def tf32_operand_rows(x, k_contiguous, parts):
+def tf32_operand_rows(x, k_contiguous, parts, segment_multiple=TF32_ROW_MULTIPLE):
     """(rows, len(parts) * segment_k) float32: op(x)'s rows (x itself if k_contiguous, else x's transpose, read
-    as it lies), K-major, once per part, each padded with zeros to segment_k = K rounded up to a multiple of 4.
+    as it lies), K-major, once per part, each padded with zeros to segment_k = K rounded up to a multiple of
+    segment_multiple (4 at least: rows of whole 16-byte pieces).
     parts: PART_VALUE (the value), PART_BIG (rounded to TF32), PART_SMALL (the TF32 of what that leaves)."""
     rows, K = x.shape if k_contiguous else x.shape[::-1]
     if ceil_div(rows, TRANSPOSE_TILE) > MAX_GRID_Y:
         raise ValueError(f"tf32_operand_rows: {rows} rows need more than {MAX_GRID_Y} blocks along the grid's y")
-    segment_k = ceil_div(K, TF32_ROW_MULTIPLE) * TF32_ROW_MULTIPLE
+    segment_k = ceil_div(K, segment_multiple) * segment_multiple
     out = backend.xp.empty((rows, len(parts) * segment_k), dtype=numpy.float32)
     if out.size == 0:
         return out
@@ -217,23 +254,26 @@ def tf32_operand_rows(x, k_contiguous, parts):
 
 def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, products=1):
     """out = op(a) @ op(b), or out += ..., for 2-D float32 a and b on the TF32 wgmma: products=1 for TF32 (the
-    values' upper 19 bits), 3 for 3xTF32 (each value split into big + small, three products): float32's accuracy
-    on the CPU executor, but on an H200, measured at 4096³, 1.2e-5 against float64, four times cuBLAS float32's.
+    values' upper 19 bits), 3 for 3xTF32 (each value split into big + small, three products, each slice of K
+    summed apart and the slices added in float32 on the CUDA cores: float32's accuracy).
     Unchecked: a, b, out C-contiguous float32 of matching shapes, out apart from both.
 
     TF32 reads an operand as it lies when it is K-major (a not transposed, b transposed: x Wᵀ) with rows of a
     multiple of 4 floats on 16 bytes, else a K-major copy of it, both padded alike when K is not a multiple of 4
     (one pass: 8 bytes per element, against 2 N (or 2 M) flops per element of the product, which the wgmma runs
     about 3 times faster than mma.sync). 3xTF32 makes the operands' rows [small | big | big] and
-    [big | small | big] in one pass each, then one TF32 product over three times K."""
+    [big | small | big] in one pass each, each part padded to whole slices of K, then one TF32 product over
+    three times K, its slices summed apart."""
     if products == 3:
         a_parts, b_parts = THREE_PRODUCT_PARTS
-        a_rows = tf32_operand_rows(a, not transpose_a, a_parts)
-        b_rows = tf32_operand_rows(b, transpose_b, b_parts)
+        a_rows = tf32_operand_rows(a, not transpose_a, a_parts, TF32_SLICE_K)
+        b_rows = tf32_operand_rows(b, transpose_b, b_parts, TF32_SLICE_K)
     else:
         a_rows, b_rows = (x if k_contiguous and _tf32_rows_fit(x) else tf32_operand_rows(x, k_contiguous, (PART_VALUE,))
                           for x, k_contiguous in ((a, not transpose_a), (b, transpose_b)))
-    return launch_wgmma_matmul(a_rows, b_rows, out, None, accumulate, False, True)
+    # 3xTF32's third part, big times big, from k = 2 segment_k on: its sums are summed apart
+    k_apart = 2 * a_rows.shape[1] // 3 if products == 3 else None
+    return launch_wgmma_matmul(a_rows, b_rows, out, None, accumulate, False, True, k_apart=k_apart)
 
 
 @functools.lru_cache(maxsize=None)  # the Linear layer asks at every bf16 product
