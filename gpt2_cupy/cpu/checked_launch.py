@@ -56,7 +56,7 @@ def regions_of(arrays):
     return regions
 
 
-def launch_checked(function, grid, block, values, arrays, bounds, races):
+def launch_checked(function, grid, block, values, arrays, bounds, races, shared_mem=None):
     """Launch `function` (a kernel.Function) with the checks asked for; raise what they find."""
     regions = regions_of(arrays)
 
@@ -66,7 +66,7 @@ def launch_checked(function, grid, block, values, arrays, bounds, races):
                      for region, copy in zip(regions, copies) for index, array in region.members}
         ranges = [(copy.address, copy.address + copy.nbytes) for copy in copies] if track_races else ()
         result = function._launch(grid, block, function._with_addresses(values, addresses), reverse_order,
-                                  show_output, track_races, ranges)
+                                  show_output, track_races, ranges, shared_mem)
         return result, copies
 
     def above_guard(region):

@@ -173,6 +173,8 @@ struct gpt2cupy_launch_request {
     // touches is its block's shared memory (or a variable of its own), which the next block reuses.
     const unsigned long long* global_ranges;
     int global_range_count;
+    // The launch's dynamic shared memory in bytes (of the dynamic_shared_bytes a block may have at most).
+    unsigned long long dynamic_shared_bytes;
 };
 }
 
@@ -209,6 +211,7 @@ struct Fiber {
     bool finding_converged_lanes = false;
     const void* converge_site = nullptr;
     unsigned tile_first = 0, tile_count = 0;    // the threads of the tile whose sync() it waits in
+    bool spinning = false;                      // it yields in a wait on an mbarrier whose phase is incomplete
 };
 
 class Launch;
@@ -374,6 +377,9 @@ private:
     unsigned waiting_[warps_per_block];   // waiting in a warp operation
     unsigned at_tile_[warps_per_block];   // waiting in the sync() of a tile larger than a warp
     unsigned finished_[warps_per_block];  // returned from the kernel
+    // Of the ready threads, those spinning on an mbarrier: they do not hold barriers shut, since what they
+    // wait for may come from threads at a barrier (a warpgroup's wgmma, a __syncthreads() of others).
+    unsigned spinning_[warps_per_block];
     // The round in progress: the lanes of each warp still to run in it, the warp it has reached, its order.
     unsigned round_lanes_[warps_per_block];
     unsigned round_warp_ = 0;
@@ -656,7 +662,11 @@ void BlockRunner::note_where_stopped(Fiber& fiber) {
         case FiberState::at_block_barrier: at_block_[warp] |= bit; break;
         case FiberState::at_warp_barrier: waiting_[warp] |= bit; break;
         case FiberState::at_tile_barrier: at_tile_[warp] |= bit; break;
-        default: ready_[warp] |= bit; break;  // preempted, or it yielded: it goes on next round
+        default:  // preempted, or it yielded: it goes on next round
+            ready_[warp] |= bit;
+            if (fiber.spinning) spinning_[warp] |= bit;
+            fiber.spinning = false;
+            break;
     }
 }
 
@@ -877,7 +887,7 @@ void BlockRunner::open_block_barrier() {
 void BlockRunner::run_ready_threads(bool reverse_order) {
     for (unsigned warp = 0; warp < warp_count_; ++warp) {
         round_lanes_[warp] = ready_[warp];
-        ready_[warp] = 0;
+        ready_[warp] = spinning_[warp] = 0;
     }
     round_warp_ = 0;
     round_reversed_ = reverse_order;
@@ -910,6 +920,7 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
         fiber.exchange = nullptr;
         fiber.warp_syncs = 0;
         fiber.stack = nullptr;
+        fiber.spinning = false;
     }
     warp_count_ = (thread_count + 31) / 32;
     finished_count_ = 0;
@@ -917,7 +928,7 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
     for (unsigned warp = 0; warp < warps_per_block; ++warp) {
         unsigned lanes = warp < warp_count_ ? std::min(32u, thread_count - warp * 32) : 0;
         ready_[warp] = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
-        at_block_[warp] = waiting_[warp] = at_tile_[warp] = finished_[warp] = 0;
+        at_block_[warp] = waiting_[warp] = at_tile_[warp] = finished_[warp] = spinning_[warp] = 0;
     }
     block_linear_ = block_linear;
     epoch_ += 1;
@@ -928,10 +939,16 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
         run_ready_threads(request.reverse_order != 0);
         if (block_failed_ || launch.failed()) break;
         if (finished_count_ == thread_count) break;
-        if (any_lane(ready_)) continue;  // no barrier opens while a thread is still on its way to it
+        bool on_their_way = false, spinning = false;  // no barrier opens while a thread is still on its way to it
+        for (unsigned w = 0; w < warp_count_; ++w) {
+            on_their_way |= (ready_[w] & ~spinning_[w]) != 0;
+            spinning |= spinning_[w] != 0;
+        }
+        if (on_their_way) continue;
         const bool in_warp_operations = any_lane(waiting_), in_tiles = any_lane(at_tile_);
         if (in_warp_operations && release_warps()) continue;
         if (in_tiles && release_tiles()) continue;
+        if (spinning) continue;  // the spinning threads again: what they wait for may come from one of them
         if (!in_warp_operations && !in_tiles) {
             open_block_barrier();
             continue;
@@ -1726,11 +1743,13 @@ void bulk_copy(BlockRunner& runner, const gpt2cupy::BulkCopy& copy, unsigned lon
     initialized(book, barrier, "cp.async.bulk", line);
     const unsigned char* dynamic = static_cast<const unsigned char*>(gpt2cupy_dynamic_shared_memory());
     const unsigned long long bytes = (unsigned long long)copy.box_rows * copy.box_columns * copy.element_bytes;
+    const unsigned long long launched = std::min<unsigned long long>(runner.launch()->request().dynamic_shared_bytes,
+                                                                     dynamic_shared_bytes);
     if (copy.destination >= dynamic && copy.destination < dynamic + dynamic_shared_bytes &&
-        copy.destination + bytes > dynamic + dynamic_shared_bytes)
+        copy.destination + bytes > dynamic + launched)
         mbarrier_fail("cp.async.bulk: the copy of " + std::to_string(bytes) + " bytes at shared offset " +
                       std::to_string(copy.destination - dynamic) + " would write past the end of the block's " +
-                      "shared memory (" + std::to_string(dynamic_shared_bytes) + " bytes)", line);
+                      "dynamic shared memory (" + std::to_string(launched) + " bytes, the launch's shared_mem)", line);
     const unsigned issuer = runner.linear_index(runner.current_fiber());
     book.copies.push_back(PendingBulkCopy{copy, barrier, issuer});
     if (book.clock_dimension != 0) {  // the copy comes after what its issuer did and acquired
@@ -2003,7 +2022,10 @@ int gpt2cupy_mbarrier_test_wait(unsigned long long* barrier, unsigned parity, in
     BlockRunner* runner = this_thread_runner;
     runner->in_kernel_code = 0;
     const bool complete = mbarrier_test_wait(*runner, barrier, parity, line);
-    if (!complete) runner->preempt_current();  // the others run: the one that completes the phase among them
+    if (!complete) {  // the others run: the one that completes the phase among them
+        runner->current_fiber()->spinning = true;
+        runner->preempt_current();
+    }
     runner->in_kernel_code = 1;
     return complete;
 }
