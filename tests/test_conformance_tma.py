@@ -603,3 +603,71 @@ def test_setmaxnreg_compiles_for_counts_nvrtc_takes_and_refuses_others():
     for count in (100, 16, 264):
         with pytest.raises(CompileError, match=f"multiple of 8 in 24 .. 256, got {count}"):
             backend.RawKernel(SETMAXNREG.replace("COUNT", str(count)), "registers", options=OPTIONS).compile()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The race check: barrier waits order a copy's writes before the reads, arrivals order reads before the
+# next copy into the stage
+# ---------------------------------------------------------------------------------------------------------
+
+@cpu_only
+def test_the_ring_passes_the_race_check(rng):
+    """Every stage is written by a copy after both consumers arrived on its empty barrier, and read after the
+    full barrier's wait: nothing races, in either order of the threads."""
+    rounds = 7
+    array = rng.integers(-8, 9, (64 * rounds, 32)).astype(np.float32)
+    with backend.checks(races=True):
+        got = launch_ring_sum(array, rounds)
+    np.testing.assert_array_equal(got, ring_sum_expected(array, rounds))
+
+
+@cpu_only
+def test_a_consumer_that_reads_a_stage_without_waiting_is_a_race(rng):
+    from gpt2_cupy.cpu import RaceError
+    array = rng.integers(-8, 9, (64 * 3, 32)).astype(np.float32)   # one round per stage: no stage is reused
+    with pytest.raises(RaceError, match="race on shared memory"), backend.checks(races=True):
+        launch_ring_sum(array, 3, skip_wait=1)
+
+
+EARLY_READ = r"""
+#include "tma.cuh"
+
+// The box is copied into a tile of -1s; every thread reads its elements before any thread waits on the barrier,
+// then after its wait.
+extern "C" __global__ void early_read(float* before, float* after, const __grid_constant__ TensorMap map)
+{
+    extern __shared__ __align__(1024) unsigned char shared[];
+    __shared__ __align__(8) unsigned long long storage;
+    const unsigned base = (shared_address(shared) + 1023) & ~1023u;
+    float* tile = reinterpret_cast<float*>(shared + (base - shared_address(shared)));
+    const unsigned barrier = shared_address(&storage);
+    for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) tile[i] = -1.0f;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (threadIdx.x == 0) {
+        mbarrier_init(barrier, 1);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbarrier_arrive_expect_tx(barrier, 64 * 32 * 4);
+        tma_load_2d(base, map, 0, 0, barrier);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) before[i] = tile[i];
+    __syncthreads();
+    mbarrier_wait(barrier, 0);
+    for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) after[i] = tile[i];
+}
+"""
+
+
+@cpu_only
+def test_a_copy_lands_only_when_its_barrier_is_tested(rng):
+    """A GPU may land the copy any time before the wait sees its phase complete; the executor lands it at the
+    latest moment, the wait, so a kernel that reads the tile without waiting reads what was there before."""
+    array = rng.integers(0, 9, (64, 32)).astype(np.float32)
+    before, after = (backend.xp.zeros(64 * 32, dtype=np.float32) for _ in range(2))
+    run(EARLY_READ, "early_read", (1,), (128,), (before, after, tensor_map(backend.xp.asarray(array), 64, 32, 0)),
+        shared_mem=2048 + 64 * 32 * 4)
+    np.testing.assert_array_equal(backend.asnumpy(before), -1.0)
+    np.testing.assert_array_equal(backend.asnumpy(after), array.reshape(-1))
