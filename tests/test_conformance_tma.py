@@ -596,6 +596,7 @@ extern "C" __global__ void registers(int* out)
 
 @cpu_only
 def test_setmaxnreg_compiles_for_counts_nvrtc_takes_and_refuses_others():
+    """A multiple of 8 in 24 .. 256, for sm_90a only, as NVRTC takes it; no effect on the CPU."""
     from gpt2_cupy.cpu import CompileError
     out = backend.xp.zeros(128, dtype=np.int32)
     run(SETMAXNREG.replace("COUNT", "40"), "registers", (1,), (128,), (out,))
@@ -603,6 +604,8 @@ def test_setmaxnreg_compiles_for_counts_nvrtc_takes_and_refuses_others():
     for count in (100, 16, 264):
         with pytest.raises(CompileError, match=f"multiple of 8 in 24 .. 256, got {count}"):
             backend.RawKernel(SETMAXNREG.replace("COUNT", str(count)), "registers", options=OPTIONS).compile()
+    with pytest.raises(CompileError, match="needs the architecture sm_90a"):
+        backend.RawKernel(SETMAXNREG.replace("COUNT", "40"), "registers").compile()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 onl
              "mbarrier.{try_wait,test_wait}[.parity][.acquire.cta].shared[::cta].b64, fence.mbarrier_init.release.cluster, "
              "cp.async.bulk.tensor.{1d..5d}.shared::cluster.global[.tile].mbarrier::complete_tx::bytes[.L2::cache_hint] "
              "(maps from gpt2_cupy.tensor_map), cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-             "[.L2::cache_hint], prefetch.tensormap, setmaxnreg.{inc,dec}.sync.aligned.u32, elect.sync, "
+             "[.L2::cache_hint], prefetch.tensormap, setmaxnreg.{inc,dec}.sync.aligned.u32 (with -arch=sm_90a), "
+             "elect.sync, "
              "selp, bra[.uni] to labels of the statement, and .reg declarations")
 
 # wgmma exists only on sm_90a: NVRTC refuses it for sm_90, the architecture CuPy picks for an H100 or H200.
@@ -398,8 +399,9 @@ class _Body:
     def require_sm_90a(self, opcode):
         if self.architecture not in WGMMA_ARCHITECTURES:
             given = f"-arch={self.architecture}" if self.architecture else "no -arch option"
-            raise AsmError(f"'{opcode}' needs the architecture sm_90a ({given} here): NVRTC refuses wgmma for sm_90, "
-                           "the architecture it picks for an H100 or H200. Compile with options=(\"-arch=sm_90a\",)")
+            raise AsmError(f"'{opcode}' needs the architecture sm_90a ({given} here): NVRTC refuses wgmma and "
+                           "setmaxnreg for sm_90, the architecture it picks for an H100 or H200. Compile with "
+                           "options=(\"-arch=sm_90a\",)")
 
     def wgmma_mma(self, match, operands):
         self.require_sm_90a(match.group(0))
@@ -535,6 +537,7 @@ class _Body:
     def setmaxnreg(self, match, operands):
         # Moves registers between a block's warpgroups on a GPU; the CPU has none to move. NVRTC refuses a count
         # that is not a multiple of 8 in 24 .. 256.
+        self.require_sm_90a(match.group(0))
         self.expect(operands, 1, match.group(0))
         count = operands[0].strip()
         value = re.fullmatch(r"\d+", count) and int(count)
