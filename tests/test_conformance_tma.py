@@ -155,6 +155,7 @@ extern "C" __global__ void box(unsigned char* out, const __grid_constant__ Tenso
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+        asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
         mbarrier_arrive_expect_tx(barrier, expected_bytes);
         tma_load_2d(base, map, column, row, barrier);
     }
@@ -246,6 +247,43 @@ def test_the_swizzle_follows_the_shared_address(rng):
     array = bf16_bits(rng, (64, 64))
     got = copy_box(backend.xp.asarray(array), 0, 0, 64, 64, 128, offset=384)
     np.testing.assert_array_equal(got, expected_box(array, 0, 0, 64, 64, 128, offset=384))
+
+
+BULK = r"""
+#include "tma.cuh"
+
+// cp.async.bulk: `bytes` contiguous bytes of `source` into shared memory (filled with 0xAB first), completing
+// the barrier's transactions by mbarrier.expect_tx and a plain arrival; then copied out byte for byte.
+extern "C" __global__ void bulk(unsigned char* out, const unsigned char* source, int bytes, int room)
+{
+    extern __shared__ __align__(128) unsigned char tile[];
+    __shared__ __align__(8) unsigned long long storage;
+    const unsigned barrier = shared_address(&storage);
+    for (int i = threadIdx.x; i < room; i += blockDim.x) tile[i] = 0xAB;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (threadIdx.x == 0) {
+        mbarrier_init(barrier, 1);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(barrier), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(shared_address(tile)), "l"(source), "r"(bytes), "r"(barrier) : "memory");
+        mbarrier_arrive(barrier);
+    }
+    mbarrier_wait(barrier, 0);
+    for (int i = threadIdx.x; i < room; i += blockDim.x) out[i] = tile[i];
+}
+"""
+
+
+def test_a_plain_bulk_copy_moves_contiguous_bytes(rng):
+    """1008 bytes (a multiple of 16) land as they are; the bytes after them keep what was there."""
+    source = rng.integers(0, 256, 1024).astype(np.uint8)
+    out = backend.xp.zeros(1024, dtype=np.uint8)
+    run(BULK, "bulk", (1,), (64,), (out, backend.xp.asarray(source), np.int32(1008), np.int32(1024)), shared_mem=1024)
+    np.testing.assert_array_equal(backend.asnumpy(out), np.concatenate([source[:1008], np.full(16, 0xAB, np.uint8)]))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -559,14 +597,21 @@ extern "C" __global__ void misuse(int how)
         if (threadIdx.x < 3) mbarrier_arrive_expect_tx(barrier, 16);
         return;
     }
-    if (threadIdx.x == 0) mbarrier_init(barrier + 4, 1);   // how == 2: not on 8 bytes
+    if (how == 2 && threadIdx.x == 0) mbarrier_init(barrier + 4, 1);   // not on 8 bytes
+    if (how == 3 && threadIdx.x == 0) mbarrier_init(0x12345678u, 1);   // not shared memory
+    if (how == 4) {                      // used after mbarrier.inval
+        if (threadIdx.x == 0) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" :: "r"(barrier) : "memory");
+        __syncthreads();
+        mbarrier_arrive(barrier);
+    }
 }
 """
 
 
 @cpu_only
 @pytest.mark.parametrize("how, words", [(0, "before mbarrier.init"), (1, "more arrivals"),
-                                        (2, "not a multiple of 8 bytes")])
+                                        (2, "not a multiple of 8 bytes"), (3, "not a shared-memory address"),
+                                        (4, "after mbarrier.inval")])
 def test_barrier_misuses_are_reported(how, words):
     from gpt2_cupy.cpu import KernelError
     with pytest.raises(KernelError, match=words):
