@@ -25,7 +25,8 @@ def _is_hopper():
 
 pytestmark = pytest.mark.skipif(backend.name == "cuda" and not _is_hopper(),
                                 reason="mbarrier waits on parity and TMA need compute capability 9.0 (H100, H200)")
-cpu_only = pytest.mark.skipif(backend.name != "cpu", reason="the executor's report of a misuse a GPU hangs or faults on")
+cpu_only = pytest.mark.skipif(backend.name != "cpu",
+                              reason="the executor's report of a misuse a GPU hangs or faults on")
 
 OPTIONS = ("-arch=sm_90a",)
 

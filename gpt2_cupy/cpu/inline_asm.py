@@ -9,9 +9,11 @@ A GPU kernel reaches its tensor cores through inline PTX, as the public tutorial
 Here the statement is read (in the preprocessor's output, so asm in macros is found too) and rewritten:
 each operand becomes a local variable of its register's type ("r" 32 bits, "l" 64, "f" float, ...), each
 PTX instruction a C++ statement on those locals calling include/gpt2cupy/ptx.h, and the outputs are
-written back at the end. The replacement keeps the statement's line count, so later lines keep their
-numbers. An instruction outside the list below is a CompileError naming it and the kernel's line; so is
-a wgmma instruction in a module compiled without -arch=sm_90a, which NVRTC refuses too.
+written back at the end; labels and branches within the statement (a spin loop on an mbarrier, as CUTLASS
+writes it) become C++ labels and gotos, named apart for each statement and { } block. The replacement keeps
+the statement's line count, so later lines keep their numbers. An instruction outside the list below is a
+CompileError naming it and the kernel's line; so is a wgmma or setmaxnreg instruction in a module compiled
+without -arch=sm_90a, which NVRTC refuses too.
 """
 
 import re
@@ -32,8 +34,10 @@ SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 onl
              "fence.proxy.async, "
              "mbarrier.init/inval.shared[::cta].b64, mbarrier.arrive[.expect_tx][.release.cta].shared[::cta].b64, "
              "mbarrier.expect_tx[.relaxed.cta].shared[::cta].b64, "
-             "mbarrier.{try_wait,test_wait}[.parity][.acquire.cta].shared[::cta].b64, fence.mbarrier_init.release.cluster, "
-             "cp.async.bulk.tensor.{1d..5d}.shared::cluster.global[.tile].mbarrier::complete_tx::bytes[.L2::cache_hint] "
+             "mbarrier.{try_wait,test_wait}[.parity][.acquire.cta].shared[::cta].b64, "
+             "fence.mbarrier_init.release.cluster, "
+             "cp.async.bulk.tensor.{1d..5d}.shared::cluster.global[.tile].mbarrier::complete_tx::bytes"
+             "[.L2::cache_hint] "
              "(maps from gpt2_cupy.tensor_map), cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
              "[.L2::cache_hint], prefetch.tensormap, setmaxnreg.{inc,dec}.sync.aligned.u32 (with -arch=sm_90a), "
              "elect.sync, "
@@ -499,8 +503,9 @@ class _Body:
     def mbarrier_wait(self, match, operands):
         hint = match.group("kind") == "try_wait"   # try_wait may name a time limit, which the executor needs not
         if not 3 <= len(operands) <= 3 + hint:
-            raise AsmError(f"{match.group(0)}: expected a predicate, [address], "
-                           f"{'parity' if match.group('parity') else 'state'}{' and an optional time limit' if hint else ''}")
+            what = "parity" if match.group("parity") else "state"
+            raise AsmError(f"{match.group(0)}: expected a predicate, [address], {what}"
+                           f"{' and an optional time limit' if hint else ''}")
         address = self.address(operands[1], match.group(0))
         test = "mbarrier_test_wait" if match.group("parity") else "mbarrier_test_wait_state"
         return (f"{_NS}assign({self.scalar(operands[0])}, {_NS}{test}({address}, "
@@ -525,14 +530,16 @@ class _Body:
             raise AsmError(f"{match.group(0)}: expected the source as [tensorMap, {{coordinates}}], got '{source}'")
         coordinates = self.vector(parts[1].strip(), dimensions, match.group(0) + " coordinates")
         coordinate_list = ", ".join(f"(int){_NS}bits<unsigned>({c})" for c in coordinates)
+        map_address = f"{_NS}bits<unsigned long long>({self.scalar(parts[0])})"
         return (f"{{ const int gpt2cupy_coordinates[5] = {{{coordinate_list}}}; "
-                f"{_NS}bulk_tensor_copy({dimensions}, {destination}, {_NS}bits<unsigned long long>({self.scalar(parts[0])}), "
-                f"gpt2cupy_coordinates, {self.address(operands[2], match.group(0))}, {self.line}); }}")
+                f"{_NS}bulk_tensor_copy({dimensions}, {destination}, {map_address}, gpt2cupy_coordinates, "
+                f"{self.address(operands[2], match.group(0))}, {self.line}); }}")
 
     def bulk_copy(self, match, operands):
         self.expect(operands, 4 + bool(match.group("hint")), match.group(0))
-        return (f"{_NS}bulk_copy({self.address(operands[0], match.group(0))}, {self.address(operands[1], match.group(0))}, "
-                f"(unsigned long long){self.scalar(operands[2])}, {self.address(operands[3], match.group(0))}, {self.line});")
+        destination, source, barrier = (self.address(operands[k], match.group(0)) for k in (0, 1, 3))
+        return (f"{_NS}bulk_copy({destination}, {source}, (unsigned long long){self.scalar(operands[2])}, {barrier}, "
+                f"{self.line});")
 
     def setmaxnreg(self, match, operands):
         # Moves registers between a block's warpgroups on a GPU; the CPU has none to move. NVRTC refuses a count
@@ -583,13 +590,15 @@ class _Body:
         (rf"mbarrier\.init{_SHARED}\.b64", mbarrier_init),
         (rf"mbarrier\.arrive(?P<expect_tx>\.expect_tx)?(?:\.release\.cta)?{_SHARED}\.b64", mbarrier_arrive),
         (rf"mbarrier\.expect_tx(?:\.relaxed\.cta)?{_SHARED}\.b64", mbarrier_expect_tx),
-        (rf"mbarrier\.(?P<kind>try_wait|test_wait)(?P<parity>\.parity)?(?:\.acquire\.cta)?{_SHARED}\.b64", mbarrier_wait),
+        (rf"mbarrier\.(?P<kind>try_wait|test_wait)(?P<parity>\.parity)?(?:\.acquire\.cta)?{_SHARED}\.b64",
+         mbarrier_wait),
         (rf"mbarrier\.inval{_SHARED}\.b64", mbarrier_inval),
         (r"fence\.mbarrier_init\.release\.cluster", no_effect_here),
         (r"prefetch(?:\.param|\.const|\.global)?\.tensormap", no_effect_here),
         (r"cp\.async\.bulk\.tensor\.(?P<dimensions>[1-5])d\.shared::cluster\.global(?:\.tile)?"
          r"\.mbarrier::complete_tx::bytes(?P<hint>\.L2::cache_hint)?", bulk_tensor_copy),
-        (r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes(?P<hint>\.L2::cache_hint)?", bulk_copy),
+        (r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes(?P<hint>\.L2::cache_hint)?",
+         bulk_copy),
         (r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32", setmaxnreg),
         (r"elect\.sync", elect_sync),
     )

@@ -1456,7 +1456,8 @@ unsigned long long* clock_row(BlockMbarriers& book, unsigned thread) {
 
 bool acquired_through_mbarrier(const BlockMbarriers& book, unsigned now_thread, const Access& earlier) {
     if (book.clock_dimension == 0) return false;
-    const size_t at = (size_t)clock_column(book, now_thread) * book.clock_dimension + clock_column(book, earlier.thread);
+    const size_t at =
+        (size_t)clock_column(book, now_thread) * book.clock_dimension + clock_column(book, earlier.thread);
     return book.clocks[at] > earlier.sequence;
 }
 
@@ -1688,8 +1689,8 @@ unsigned mbarrier_update(BlockMbarriers& book, MbarrierRecord& record, unsigned 
 
 void mbarrier_init(BlockMbarriers& book, unsigned long long* barrier, unsigned arrivals, int line) {
     if (arrivals == 0 || arrivals > MbarrierState::count_limit)
-        mbarrier_fail("mbarrier.init: the expected arrival count must be 1 .. 2^20 - 1, got " + std::to_string(arrivals),
-                      line);
+        mbarrier_fail("mbarrier.init: the expected arrival count must be 1 .. 2^20 - 1, got " +
+                      std::to_string(arrivals), line);
     if (tracking_races && book.clock_dimension == 0) {
         book.clock_dimension = 2 * book.thread_count;  // the threads, then the copy engine acting for each
         book.clocks.assign((size_t)book.clock_dimension * book.clock_dimension, 0);
@@ -1720,7 +1721,9 @@ void land(BlockRunner& runner, const PendingBulkCopy& pending, int line) {
             const unsigned long long at = copy.destination_address + r * row_bytes + c * element;
             const unsigned long long swizzled = at ^ ((at >> 7) & chunk_mask) << 4;
             unsigned char* to = copy.destination + (swizzled - copy.destination_address);
-            if (row >= 0 && (unsigned long long)row < copy.rows && column >= 0 && (unsigned long long)column < copy.columns)
+            const bool inside = row >= 0 && (unsigned long long)row < copy.rows && column >= 0 &&
+                                (unsigned long long)column < copy.columns;
+            if (inside)
                 std::memcpy(to, copy.array + row * copy.row_stride + column * element, element);
             else
                 std::memset(to, 0, element);

@@ -91,9 +91,9 @@ def launch(entry_address, packed_arguments, grid, block, reverse_order=False, tr
     dynamic_shared_bytes: the launch's dynamic shared memory (None: all a block may have), where bulk copies land."""
     lib = library()
     ranges = (ctypes.c_ulonglong * max(1, 2 * len(global_ranges)))(*[bound for pair in global_ranges for bound in pair])
+    shared = 2**64 - 1 if dynamic_shared_bytes is None else dynamic_shared_bytes  # the runtime caps it at its own
     request = LaunchRequest(entry_address, packed_arguments, grid, block, int(reverse_order), worker_count(),
-                            int(track_races), ranges, len(global_ranges),
-                            ~0 % 2**64 if dynamic_shared_bytes is None else dynamic_shared_bytes)  # ~0: the runtime's most
+                            int(track_races), ranges, len(global_ranges), shared)
     result = LaunchResult()
     output = ctypes.c_void_p()
     output_length = ctypes.c_ulonglong()

@@ -1,7 +1,9 @@
 // The PTX instructions a kernel may write in inline `asm`, for the CPU executor: tensor-core products
 // (mma.sync, and Hopper's warpgroup-wide wgmma.mma_async from shared-memory descriptors), warp-wide matrix
-// loads (ldmatrix), asynchronous copies to shared memory (cp.async) and the conversion to TF32
-// (cvt.rna.tf32.f32). inline_asm.py turns each asm statement into calls of these.
+// loads (ldmatrix), asynchronous copies to shared memory (cp.async), the conversion to TF32
+// (cvt.rna.tf32.f32), and Hopper's shared-memory barriers (mbarrier) with the bulk copies that complete them
+// (cp.async.bulk, and cp.async.bulk.tensor: the Tensor Memory Accelerator), whose state the runtime keeps.
+// inline_asm.py turns each asm statement into calls of these.
 //
 // Shared-memory addresses. On a GPU, `__cvta_generic_to_shared(p)` and `cvta.to.shared` give a 32-bit offset
 // into the block's shared memory, which code then adds to and XOR-swizzles. Here shared memory is ordinary
@@ -524,7 +526,8 @@ inline void wgmma(float (&d)[n / 2], unsigned long long a_descriptor, unsigned l
 inline unsigned long long* mbarrier_at(unsigned long long address, int line) {
     unsigned char* barrier = from_shared(address, "mbarrier: the barrier's address is not a shared-memory address "
                                                   "(from __cvta_generic_to_shared or cvta.to.shared)", line);
-    if ((unsigned long long)barrier % 8 != 0) fail("mbarrier: the barrier's address is not a multiple of 8 bytes", line);
+    if ((unsigned long long)barrier % 8 != 0)
+        fail("mbarrier: the barrier's address is not a multiple of 8 bytes", line);
     return (unsigned long long*)barrier;
 }
 
@@ -532,7 +535,9 @@ inline void mbarrier_init(unsigned long long address, unsigned long long arrival
     gpt2cupy_mbarrier_init(mbarrier_at(address, line), (unsigned)arrivals, line);
 }
 
-inline void mbarrier_inval(unsigned long long address, int line) { gpt2cupy_mbarrier_inval(mbarrier_at(address, line), line); }
+inline void mbarrier_inval(unsigned long long address, int line) {
+    gpt2cupy_mbarrier_inval(mbarrier_at(address, line), line);
+}
 
 // `arrivals` arrivals (mbarrier.arrive{.expect_tx}) after `bytes` more transaction bytes (expect_tx); the
 // state token says which phase they belong to.
@@ -551,7 +556,8 @@ inline bool mbarrier_test_wait(unsigned long long address, unsigned long long pa
 
 // The state-token forms: the token of an arrival names the phase it belonged to (bit 63 marks a token).
 inline bool mbarrier_test_wait_state(unsigned long long address, unsigned long long state, int line) {
-    if (!(state >> 63)) fail("mbarrier.test_wait / try_wait: the state operand is not a token from mbarrier.arrive", line);
+    if (!(state >> 63))
+        fail("mbarrier.test_wait / try_wait: the state operand is not a token from mbarrier.arrive", line);
     return mbarrier_test_wait(address, state & 1, line);
 }
 
