@@ -671,6 +671,13 @@ def test_the_ring_passes_the_race_check(rng):
 
 
 @cpu_only
+@pytest.mark.parametrize("mn_major", [False, True], ids=["K-major", "MN-major"])
+def test_the_ring_feeding_wgmma_passes_the_race_check(mn_major, rng):
+    with backend.checks(races=True):
+        test_the_ring_feeds_wgmma_from_tma_tiles(mn_major, rng)
+
+
+@cpu_only
 def test_a_consumer_that_reads_a_stage_without_waiting_is_a_race(rng):
     from gpt2_cupy.cpu import RaceError
     array = rng.integers(-8, 9, (64 * 3, 32)).astype(np.float32)   # one round per stage: no stage is reused
