@@ -47,6 +47,18 @@ __device__ __forceinline__ void spin_wait(unsigned barrier, unsigned parity)
                  "}" :: "r"(barrier), "r"(parity) : "memory");
 }
 
+// The block's ordinary writes to shared memory ordered before a copy's (the async proxy's), and the barrier,
+// expecting one arrival, initialized by thread 0 for all.
+__device__ __forceinline__ void start_one_arrival_barrier(unsigned barrier)
+{
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (threadIdx.x == 0) {
+        mbarrier_init(barrier, 1);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+}
+
 __device__ __forceinline__ unsigned long long arrive_for_token(unsigned barrier, unsigned count)
 {
     unsigned long long state;
@@ -135,8 +147,7 @@ def test_mbarrier_phases_parities_and_tokens():
 # TMA: one box into shared memory
 # ---------------------------------------------------------------------------------------------------------
 
-BOX = r"""
-#include "tma.cuh"
+BOX = WAITS + r"""
 
 // One box of `map` at (column, row) into dynamic shared memory `offset` bytes past a 1024-byte boundary (filled
 // with 0xAB first, so bytes the copy leaves alone show), then copied out byte for byte.
@@ -149,12 +160,7 @@ extern "C" __global__ void box(unsigned char* out, const __grid_constant__ Tenso
     unsigned char* tile = shared + (base - shared_address(shared));
     const unsigned barrier = shared_address(&storage);
     for (int i = threadIdx.x; i < box_bytes; i += blockDim.x) tile[i] = 0xAB;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // those writes before the copy's
-    if (threadIdx.x == 0) {
-        mbarrier_init(barrier, 1);
-        fence_mbarrier_init();
-    }
-    __syncthreads();
+    start_one_arrival_barrier(barrier);
     if (threadIdx.x == 0) {
         asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
         mbarrier_arrive_expect_tx(barrier, expected_bytes);
@@ -250,8 +256,7 @@ def test_the_swizzle_follows_the_shared_address(rng):
     np.testing.assert_array_equal(got, expected_box(array, 0, 0, 64, 64, 128, offset=384))
 
 
-BULK = r"""
-#include "tma.cuh"
+BULK = WAITS + r"""
 
 // cp.async.bulk: `bytes` contiguous bytes of `source` into shared memory (filled with 0xAB first), completing
 // the barrier's transactions by mbarrier.expect_tx and a plain arrival; then copied out byte for byte.
@@ -261,12 +266,7 @@ extern "C" __global__ void bulk(unsigned char* out, const unsigned char* source,
     __shared__ __align__(8) unsigned long long storage;
     const unsigned barrier = shared_address(&storage);
     for (int i = threadIdx.x; i < room; i += blockDim.x) tile[i] = 0xAB;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (threadIdx.x == 0) {
-        mbarrier_init(barrier, 1);
-        fence_mbarrier_init();
-    }
-    __syncthreads();
+    start_one_arrival_barrier(barrier);
     if (threadIdx.x == 0) {
         asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(barrier), "r"(bytes) : "memory");
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -685,8 +685,7 @@ def test_a_consumer_that_reads_a_stage_without_waiting_is_a_race(rng):
         launch_ring_sum(array, 3, skip_wait=1)
 
 
-EARLY_READ = r"""
-#include "tma.cuh"
+EARLY_READ = WAITS + r"""
 
 // The box is copied into a tile of -1s; every thread reads its elements before any thread waits on the barrier,
 // then after its wait.
@@ -698,12 +697,7 @@ extern "C" __global__ void early_read(float* before, float* after, const __grid_
     float* tile = reinterpret_cast<float*>(shared + (base - shared_address(shared)));
     const unsigned barrier = shared_address(&storage);
     for (int i = threadIdx.x; i < 64 * 32; i += blockDim.x) tile[i] = -1.0f;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    if (threadIdx.x == 0) {
-        mbarrier_init(barrier, 1);
-        fence_mbarrier_init();
-    }
-    __syncthreads();
+    start_one_arrival_barrier(barrier);
     if (threadIdx.x == 0) {
         mbarrier_arrive_expect_tx(barrier, 64 * 32 * 4);
         tma_load_2d(base, map, 0, 0, barrier);
