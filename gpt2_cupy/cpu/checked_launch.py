@@ -56,7 +56,7 @@ def regions_of(arrays):
     return regions
 
 
-def launch_checked(function, grid, block, values, arrays, bounds, races):
+def launch_checked(function, grid, block, values, arrays, bounds, races, shared_mem=None):
     """Launch `function` (a kernel.Function) with the checks asked for; raise what they find."""
     regions = regions_of(arrays)
 
@@ -66,7 +66,7 @@ def launch_checked(function, grid, block, values, arrays, bounds, races):
                      for region, copy in zip(regions, copies) for index, array in region.members}
         ranges = [(copy.address, copy.address + copy.nbytes) for copy in copies] if track_races else ()
         result = function._launch(grid, block, function._with_addresses(values, addresses), reverse_order,
-                                  show_output, track_races, ranges)
+                                  show_output, track_races, ranges, shared_mem)
         return result, copies
 
     def above_guard(region):
@@ -166,16 +166,18 @@ _RACE_STORIES = {
         "{first} and {second} both write it between the same barriers: which value stays depends on an order "
         "CUDA does not promise. Let one thread write it, or use an atomic operation"),
     runtime.WRITE_THEN_READ: (
-        "{first} writes it and {second} reads it with no __syncthreads() (or __syncwarp() within a warp) "
-        "between them, so the read may come before the write"),
+        "{first} writes it and {second} reads it with no __syncthreads() (or __syncwarp() within a warp, or a "
+        "wait on the mbarrier the write arrived at or its bulk copy completed) between them, so the read may "
+        "come before the write"),
     runtime.WRITE_THEN_READ_WITHOUT_FENCE: (
         "{first} writes it and {second}, in another block, reads it after an atomic operation (the \"last block\" "
         "pattern), but {first} called no __threadfence() between its write and its block's atomic operation: on a "
         "GPU the write may not have reached memory when the other block reads it. Call __threadfence() after "
         "the write, before the atomic operation that counts the block as done"),
     runtime.READ_THEN_WRITE: (
-        "{first} reads it and {second} writes it with no __syncthreads() (or __syncwarp() within a warp) "
-        "between them, so the read may see the new value or the old one"),
+        "{first} reads it and {second} writes it with no __syncthreads() (or __syncwarp() within a warp, or a "
+        "wait on the mbarrier the read arrived at, before the write or the bulk copy that wrote) between them, "
+        "so the read may see the new value or the old one"),
     runtime.ATOMIC_AND_PLAIN: (
         "{first} and {second} touch it, one through an atomic operation and the other with a plain load or "
         "store, with no __syncthreads() (or __syncwarp() within a warp) between them: the plain access may come "

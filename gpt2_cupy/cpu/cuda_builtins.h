@@ -21,6 +21,9 @@
 #define __restrict__ __restrict
 #define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
+// A parameter the kernel never writes, kept where a GPU keeps parameters, so that its address (`&map`) is one
+// the copy engine can read it at: here each thread holds its own copy of the parameters, the same bytes.
+#define __grid_constant__
 // A block's threads run as fibers of one OS thread, so a thread_local variable is one per block:
 // exactly the lifetime and sharing of __shared__ memory. (extern __shared__ arrays are rewritten by
 // the compiler driver into a pointer to the block's dynamic shared memory.)

@@ -54,6 +54,22 @@ struct KernelEntry {
     void (*invoke)(const unsigned char* packed_arguments);
 };
 
+// A bulk copy from global into shared memory (PTX's cp.async.bulk and cp.async.bulk.tensor), as the runtime
+// keeps it from its issue until it lands: the box of box_rows x box_columns elements whose first element is
+// (row, column) of a rows x columns array, written row after row at `destination`, each element outside the
+// array as zeros, each 16-byte chunk of a row moved by the swizzle (swizzle_bytes 128: chunk c at chunk
+// c ^ ((shared address >> 7) & 7), from the address it would have had unswizzled). A plain bulk copy is one
+// row of `size` one-byte elements.
+struct BulkCopy {
+    unsigned char* destination;
+    unsigned long long destination_address;  // its shared address, whose bits the swizzle reads
+    const unsigned char* array;
+    unsigned long long rows, columns, row_stride;  // row_stride in bytes
+    unsigned element_bytes, swizzle_bytes;
+    unsigned box_rows, box_columns;
+    long long row, column;
+};
+
 }  // namespace gpt2cupy
 
 extern "C" {
@@ -80,4 +96,17 @@ void gpt2cupy_yield(void);
 // Grows by one each time a block starts on this OS thread: block-shared state kept by the built-ins
 // (in thread_local storage) can tell a new block from the one before, even one abandoned after a fault.
 unsigned long long gpt2cupy_block_serial(void);
+
+// Hopper's shared-memory barriers (mbarrier) and the bulk copies that complete them, for ptx.h: `barrier`
+// is the barrier's 8 bytes in shared memory, `line` the kernel's line for messages. A misuse stops the
+// launch with a message, as a GPU would fault or hang.
+void gpt2cupy_mbarrier_init(unsigned long long* barrier, unsigned arrivals, int line);
+void gpt2cupy_mbarrier_inval(unsigned long long* barrier, int line);
+// `arrivals` arrivals (0 for none) after adding `bytes` to the transaction count; returns the state token.
+unsigned long long gpt2cupy_mbarrier_arrive(unsigned long long* barrier, unsigned arrivals, unsigned long long bytes,
+                                            int line);
+// Whether the phase of parity `parity` has completed; when not, the block's other threads run first.
+int gpt2cupy_mbarrier_test_wait(unsigned long long* barrier, unsigned parity, int line);
+// Starts a copy whose bytes count against `barrier` when it lands.
+void gpt2cupy_bulk_copy(const gpt2cupy::BulkCopy* copy, unsigned long long* barrier, int line);
 }

@@ -9,9 +9,11 @@ A GPU kernel reaches its tensor cores through inline PTX, as the public tutorial
 Here the statement is read (in the preprocessor's output, so asm in macros is found too) and rewritten:
 each operand becomes a local variable of its register's type ("r" 32 bits, "l" 64, "f" float, ...), each
 PTX instruction a C++ statement on those locals calling include/gpt2cupy/ptx.h, and the outputs are
-written back at the end. The replacement keeps the statement's line count, so later lines keep their
-numbers. An instruction outside the list below is a CompileError naming it and the kernel's line; so is
-a wgmma instruction in a module compiled without -arch=sm_90a, which NVRTC refuses too.
+written back at the end; labels and branches within the statement (a spin loop on an mbarrier, as CUTLASS
+writes it) become C++ labels and gotos, named apart for each statement and { } block. The replacement keeps
+the statement's line count, so later lines keep their numbers. An instruction outside the list below is a
+CompileError naming it and the kernel's line; so is a wgmma or setmaxnreg instruction in a module compiled
+without -arch=sm_90a, which NVRTC refuses too.
 """
 
 import re
@@ -29,7 +31,17 @@ SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 onl
              "(K-major or MN-major: imm-trans-a/b 0 or 1), wgmma.mma_async.sync.aligned.m64n{8..256}k8.f32.tf32.tf32 "
              "with both matrices by descriptor (K-major only: no imm-trans operands), "
              "wgmma.fence/commit_group/wait_group.sync.aligned (these four with -arch=sm_90a), "
-             "fence.proxy.async, and .reg declarations")
+             "fence.proxy.async, "
+             "mbarrier.init/inval.shared[::cta].b64, mbarrier.arrive[.expect_tx][.release.cta].shared[::cta].b64, "
+             "mbarrier.expect_tx[.relaxed.cta].shared[::cta].b64, "
+             "mbarrier.{try_wait,test_wait}[.parity][.acquire.cta].shared[::cta].b64, "
+             "fence.mbarrier_init.release.cluster, "
+             "cp.async.bulk.tensor.{1d..5d}.shared::cluster.global[.tile].mbarrier::complete_tx::bytes"
+             "[.L2::cache_hint] "
+             "(maps from gpt2_cupy.tensor_map), cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+             "[.L2::cache_hint], prefetch.tensormap, setmaxnreg.{inc,dec}.sync.aligned.u32 (with -arch=sm_90a), "
+             "elect.sync, "
+             "selp, bra[.uni] to labels of the statement, and .reg declarations")
 
 # wgmma exists only on sm_90a: NVRTC refuses it for sm_90, the architecture CuPy picks for an H100 or H200.
 WGMMA_ARCHITECTURES = ("sm_90a", "compute_90a")
@@ -56,7 +68,7 @@ def translate(preprocessed, code, architecture=None):
     architecture: the -arch option's value (sm_90a, ...), which decides whether wgmma compiles."""
     from .source import SOURCE_NAME, source_location  # source imports this module
     pieces, position = [], 0
-    for match in _ASM.finditer(preprocessed):
+    for serial, match in enumerate(_ASM.finditer(preprocessed)):
         if match.start() < position:
             continue
         close = _closing_parenthesis(preprocessed, match.end() - 1)
@@ -64,7 +76,7 @@ def translate(preprocessed, code, architecture=None):
         if file is None or Path(file).resolve().is_relative_to(_EXECUTOR):
             continue  # the executor's own headers hold no PTX
         try:
-            replacement = _statement(preprocessed[match.end():close], line, architecture)
+            replacement = _statement(preprocessed[match.end():close], line, architecture, serial)
         except AsmError as error:
             if file == SOURCE_NAME:
                 lines = code.splitlines()
@@ -127,8 +139,9 @@ class _Operand:
         self.local = f"gpt2cupy_asm_{index}"
 
 
-def _statement(inside, line, architecture=None):
-    """The C++ block standing for one asm statement (the text between its parentheses)."""
+def _statement(inside, line, architecture=None, serial=0):
+    """The C++ block standing for one asm statement (the text between its parentheses); `serial` tells its labels
+    from those of the function's other statements."""
     sections = _split_top_level(inside, ":")
     template = "".join(bytes(s, "utf-8").decode("unicode_escape") for s in _STRING.findall(sections[0]))
     if len(sections) > 1:  # an asm statement with operands writes a register's % as %%
@@ -139,7 +152,7 @@ def _statement(inside, line, architecture=None):
     for operand in operands[:len(outputs)]:
         if not operand.constraint.startswith(("=", "+")):
             raise AsmError(f'asm output operand "{operand.constraint}" must start with "=" or "+"')
-    body = _Body(operands, line, architecture).translate(template)
+    body = _Body(operands, line, architecture, serial).translate(template)
     declarations = " ".join(f"{o.type} {o.local}{{}};" for o in operands)
     reads = " ".join(f"{o.local} = {_NS}bits<{o.type}>({o.expression});"
                      for o in operands if o.index >= len(outputs) or o.constraint.startswith("+"))
@@ -150,28 +163,70 @@ def _statement(inside, line, architecture=None):
 class _Body:
     """The PTX template of one asm statement, as C++ statements."""
 
-    def __init__(self, operands, line, architecture=None):
+    def __init__(self, operands, line, architecture=None, serial=0):
         self.operands = operands
         self.line = line
         self.architecture = architecture
+        self.serial = serial
         self.registers = {}  # PTX register name -> (C++ name, C++ type), from .reg declarations
+        self.labels = {}     # (scope, PTX label) -> C++ label
+        self.scopes = [0]    # the { } blocks the instruction in hand lies in, innermost last
 
     def translate(self, template):
         template = re.sub(r"//[^\n]*|/\*.*?\*/", " ", template, flags=re.S)
-        statements, index = [], 0
+        pieces = list(self.pieces(template))
+        # Labels are known in their { } block, also above the place they mark (a branch forward): first find them.
+        scopes, count = [0], 0
+        for kind, text in pieces:
+            if kind == "{":
+                count += 1
+                scopes.append(count)
+            elif kind == "}":
+                scopes.pop()
+            elif kind == "label":
+                self.labels[(scopes[-1], text)] = f"gpt2cupy_label_{self.serial}_{scopes[-1]}_{text.lstrip('$%')}"
+        statements, count = [], 0
+        for kind, text in pieces:
+            if kind == "{":
+                count += 1
+                self.scopes.append(count)
+                statements.append("{")
+            elif kind == "}":
+                self.scopes.pop()
+                statements.append("}")
+            elif kind == "label":
+                statements.append(f"{self.labels[(self.scopes[-1], text)]}: ;")
+            else:
+                statements.append(self.instruction(text))
+        return " ".join(statements)
+
+    @staticmethod
+    def pieces(template):
+        """The template's braces, labels (`NAME:`) and instructions, in order, as (kind, text)."""
+        index = 0
         while index < len(template):
             character = template[index]
+            label = re.compile(r"([A-Za-z_$%][\w$]*)\s*:(?!:)").match(template, index)
             if character.isspace():
                 index += 1
             elif character in "{}":
-                statements.append(character)
+                yield character, character
                 index += 1
+            elif label:
+                yield "label", label.group(1)
+                index = label.end()
             else:
                 end = template.find(";", index)
                 end = len(template) if end < 0 else end
-                statements.append(self.instruction(template[index:end].strip()))
+                yield "instruction", template[index:end].strip()
                 index = end + 1
-        return " ".join(statements)
+
+    def label(self, name):
+        """The C++ label a branch to PTX label `name` goes to: the one of the innermost block that has it."""
+        for scope in reversed(self.scopes):
+            if (scope, name) in self.labels:
+                return self.labels[(scope, name)]
+        raise AsmError(f"bra: no label '{name}' in the asm statement's blocks around the branch")
 
     def instruction(self, text):
         guard = re.match(r"@(!?)\s*(%?\w+)\s+", text)
@@ -348,8 +403,9 @@ class _Body:
     def require_sm_90a(self, opcode):
         if self.architecture not in WGMMA_ARCHITECTURES:
             given = f"-arch={self.architecture}" if self.architecture else "no -arch option"
-            raise AsmError(f"'{opcode}' needs the architecture sm_90a ({given} here): NVRTC refuses wgmma for sm_90, "
-                           "the architecture it picks for an H100 or H200. Compile with options=(\"-arch=sm_90a\",)")
+            raise AsmError(f"'{opcode}' needs the architecture sm_90a ({given} here): NVRTC refuses wgmma and "
+                           "setmaxnreg for sm_90, the architecture it picks for an H100 or H200. Compile with "
+                           "options=(\"-arch=sm_90a\",)")
 
     def wgmma_mma(self, match, operands):
         self.require_sm_90a(match.group(0))
@@ -405,6 +461,111 @@ class _Body:
         self.expect(operands, 0, match.group(0))
         return ";"
 
+    # ---- branches within the statement ----
+    def branch(self, match, operands):
+        self.expect(operands, 1, match.group(0))
+        return f"goto {self.label(operands[0])};"
+
+    def selp(self, match, operands):
+        self.expect(operands, 4, match.group(0))
+        cpp_type = _PTX_TYPES[match.group("type")]
+        chosen, other = (f"{_NS}bits<{cpp_type}>({self.scalar(o)})" for o in operands[1:3])
+        return f"{_NS}assign({self.scalar(operands[0])}, ({self.scalar(operands[3])}) ? {chosen} : {other});"
+
+    # ---- Hopper: mbarriers, bulk copies, warp specialization ----
+    def sink_or_scalar(self, text):
+        """None for the sink `_` (a result nobody reads), else the operand's C++ expression."""
+        return None if text.strip() == "_" else self.scalar(text)
+
+    def mbarrier_init(self, match, operands):
+        self.expect(operands, 2, match.group(0))
+        return (f"{_NS}mbarrier_init({self.address(operands[0], 'mbarrier.init')}, "
+                f"(unsigned long long){self.scalar(operands[1])}, {self.line});")
+
+    def mbarrier_arrive(self, match, operands):
+        expect_tx = bool(match.group("expect_tx"))
+        if expect_tx:
+            self.expect(operands, 3, match.group(0))
+        elif len(operands) not in (2, 3):
+            raise AsmError(f"{match.group(0)}: expected state (or _), [address] and an optional count")
+        address = self.address(operands[1], match.group(0))
+        arrivals = "1" if expect_tx or len(operands) == 2 else f"(unsigned long long){self.scalar(operands[2])}"
+        bytes_ = f"(unsigned long long){self.scalar(operands[2])}" if expect_tx else "0"
+        call = f"{_NS}mbarrier_arrive({address}, {arrivals}, {bytes_}, {self.line})"
+        state = self.sink_or_scalar(operands[0])
+        return f"{_NS}assign({state}, {call});" if state else f"{call};"
+
+    def mbarrier_expect_tx(self, match, operands):
+        self.expect(operands, 2, match.group(0))
+        return (f"{_NS}mbarrier_arrive({self.address(operands[0], match.group(0))}, 0, "
+                f"(unsigned long long){self.scalar(operands[1])}, {self.line});")
+
+    def mbarrier_wait(self, match, operands):
+        hint = match.group("kind") == "try_wait"   # try_wait may name a time limit, which the executor needs not
+        if not 3 <= len(operands) <= 3 + hint:
+            what = "parity" if match.group("parity") else "state"
+            raise AsmError(f"{match.group(0)}: expected a predicate, [address], {what}"
+                           f"{' and an optional time limit' if hint else ''}")
+        address = self.address(operands[1], match.group(0))
+        test = "mbarrier_test_wait" if match.group("parity") else "mbarrier_test_wait_state"
+        return (f"{_NS}assign({self.scalar(operands[0])}, {_NS}{test}({address}, "
+                f"(unsigned long long){self.scalar(operands[2])}, {self.line}));")
+
+    def mbarrier_inval(self, match, operands):
+        self.expect(operands, 1, match.group(0))
+        return f"{_NS}mbarrier_inval({self.address(operands[0], match.group(0))}, {self.line});"
+
+    def no_effect_here(self, match, operands):
+        # fence.mbarrier_init (a one-block cluster: the __syncthreads() after it does the ordering) and
+        # prefetch.tensormap (a hint)
+        return ";"
+
+    def bulk_tensor_copy(self, match, operands):
+        dimensions = int(match.group("dimensions"))
+        self.expect(operands, 3 + bool(match.group("hint")), match.group(0))
+        destination = self.address(operands[0], match.group(0))
+        source = operands[1].strip()
+        parts = _split_top_level(source[1:-1], ",") if source.startswith("[") and source.endswith("]") else []
+        if len(parts) != 2:
+            raise AsmError(f"{match.group(0)}: expected the source as [tensorMap, {{coordinates}}], got '{source}'")
+        coordinates = self.vector(parts[1].strip(), dimensions, match.group(0) + " coordinates")
+        coordinate_list = ", ".join(f"(int){_NS}bits<unsigned>({c})" for c in coordinates)
+        map_address = f"{_NS}bits<unsigned long long>({self.scalar(parts[0])})"
+        return (f"{{ const int gpt2cupy_coordinates[5] = {{{coordinate_list}}}; "
+                f"{_NS}bulk_tensor_copy({dimensions}, {destination}, {map_address}, gpt2cupy_coordinates, "
+                f"{self.address(operands[2], match.group(0))}, {self.line}); }}")
+
+    def bulk_copy(self, match, operands):
+        self.expect(operands, 4 + bool(match.group("hint")), match.group(0))
+        destination, source, barrier = (self.address(operands[k], match.group(0)) for k in (0, 1, 3))
+        return (f"{_NS}bulk_copy({destination}, {source}, (unsigned long long){self.scalar(operands[2])}, {barrier}, "
+                f"{self.line});")
+
+    def setmaxnreg(self, match, operands):
+        # Moves registers between a block's warpgroups on a GPU; the CPU has none to move. NVRTC refuses a count
+        # that is not a multiple of 8 in 24 .. 256.
+        self.require_sm_90a(match.group(0))
+        self.expect(operands, 1, match.group(0))
+        count = operands[0].strip()
+        value = re.fullmatch(r"\d+", count) and int(count)
+        if value is None or value is False:
+            raise AsmError(f"{match.group(0)}: the register count must be an immediate number, got '{count}'")
+        if value % 8 or not 24 <= value <= 256:
+            raise AsmError(f"{match.group(0)}: the register count must be a multiple of 8 in 24 .. 256, got {value}")
+        return ";"
+
+    def elect_sync(self, match, operands):
+        # elect.sync d|p, membermask (d or p may be the sink _)
+        self.expect(operands, 2, match.group(0))
+        results = operands[0].split("|")
+        if len(results) != 2:
+            raise AsmError(f"{match.group(0)}: expected the results as d|p (either may be _), got '{operands[0]}'")
+        leader, elected = (self.sink_or_scalar(r) for r in results)
+        call = (f"{_NS}elect_sync((unsigned long long){self.scalar(operands[1])}, gpt2cupy_elected, {self.line})")
+        return ("{ bool gpt2cupy_elected = false; "
+                + (f"{_NS}assign({leader}, {call}); " if leader else f"{call}; ")
+                + (f"{_NS}assign({elected}, gpt2cupy_elected); " if elected else "") + "}")
+
     _SHARED = r"\.shared(?:::cta)?"
     _INTEGER = r"u32|s32|b32|u64|s64|b64"
     INSTRUCTIONS = (
@@ -424,4 +585,20 @@ class _Body:
         (r"wgmma\.commit_group\.sync\.aligned", wgmma_commit_group),
         (r"wgmma\.wait_group\.sync\.aligned", wgmma_wait_group),
         (r"fence\.proxy\.async(?:\.shared::(?:cta|cluster)|\.global)?", fence_proxy_async),
+        (r"bra(?:\.uni)?", branch),
+        (r"selp\.(?P<type>b16|u16|s16|b32|u32|s32|b64|u64|s64|f32|f64)", selp),
+        (rf"mbarrier\.init{_SHARED}\.b64", mbarrier_init),
+        (rf"mbarrier\.arrive(?P<expect_tx>\.expect_tx)?(?:\.release\.cta)?{_SHARED}\.b64", mbarrier_arrive),
+        (rf"mbarrier\.expect_tx(?:\.relaxed\.cta)?{_SHARED}\.b64", mbarrier_expect_tx),
+        (rf"mbarrier\.(?P<kind>try_wait|test_wait)(?P<parity>\.parity)?(?:\.acquire\.cta)?{_SHARED}\.b64",
+         mbarrier_wait),
+        (rf"mbarrier\.inval{_SHARED}\.b64", mbarrier_inval),
+        (r"fence\.mbarrier_init\.release\.cluster", no_effect_here),
+        (r"prefetch(?:\.param|\.const|\.global)?\.tensormap", no_effect_here),
+        (r"cp\.async\.bulk\.tensor\.(?P<dimensions>[1-5])d\.shared::cluster\.global(?:\.tile)?"
+         r"\.mbarrier::complete_tx::bytes(?P<hint>\.L2::cache_hint)?", bulk_tensor_copy),
+        (r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes(?P<hint>\.L2::cache_hint)?",
+         bulk_copy),
+        (r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32", setmaxnreg),
+        (r"elect\.sync", elect_sync),
     )

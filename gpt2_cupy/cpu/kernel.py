@@ -175,10 +175,10 @@ class Function:
         values = self._argument_values(args)
         bounds, races = checks.wanted(check_bounds, check_races)
         if not (bounds or races):
-            self._raise_for(self._launch(grid, block, values))
+            self._raise_for(self._launch(grid, block, values, shared_mem=shared_mem))
             return
         arrays = [(i, a) for i, a in enumerate(args) if self.parameters[i].is_pointer and isinstance(a, numpy.ndarray)]
-        checked_launch.launch_checked(self, grid, block, values, arrays, bounds, races)
+        checked_launch.launch_checked(self, grid, block, values, arrays, bounds, races, shared_mem)
 
     # ---- checking a launch ---------------------------------------------------------------------------
     def _dimensions(self, what, value, limits):
@@ -304,12 +304,14 @@ class Function:
                         f"{parameter.c_type}: the kernel would read its bytes as garbage{fix}")
 
     # ---- launching -----------------------------------------------------------------------------------
-    def _launch(self, grid, block, values, reverse_order=False, show_output=True, track_races=False, global_ranges=()):
-        """track_races: run the build whose every memory access is checked (see checked_launch)."""
+    def _launch(self, grid, block, values, reverse_order=False, show_output=True, track_races=False, global_ranges=(),
+                shared_mem=None):
+        """track_races: run the build whose every memory access is checked (see checked_launch);
+        shared_mem: the launch's dynamic shared memory in bytes (None: as much as a block may have)."""
         entry_address = (self.race_check_entry_address() if track_races else None) or self._entry_address
         track_races = track_races and entry_address != self._entry_address
         result, output = runtime.launch(entry_address, self._pack(*values), grid, block, reverse_order, track_races,
-                                        global_ranges)
+                                        global_ranges, shared_mem)
         if output and show_output:
             sys.stdout.write(output)
             sys.stdout.flush()

@@ -173,6 +173,8 @@ struct gpt2cupy_launch_request {
     // touches is its block's shared memory (or a variable of its own), which the next block reuses.
     const unsigned long long* global_ranges;
     int global_range_count;
+    // The launch's dynamic shared memory in bytes (of the dynamic_shared_bytes a block may have at most).
+    unsigned long long dynamic_shared_bytes;
 };
 }
 
@@ -209,9 +211,84 @@ struct Fiber {
     bool finding_converged_lanes = false;
     const void* converge_site = nullptr;
     unsigned tile_first = 0, tile_count = 0;    // the threads of the tile whose sync() it waits in
+    bool spinning = false;                      // it yields in a wait on an mbarrier whose phase is incomplete
 };
 
 class Launch;
+
+// ---- Hopper's mbarriers and bulk copies: what one block has of them ------------------------------------
+// An mbarrier's 8 bytes of shared memory hold its state, as the executor encodes it (MbarrierState below).
+// Which barriers the block has initialized, the copies on their way and, for the race check, the clocks that
+// order threads through barriers are kept here: shared memory still holds an earlier block's bytes.
+struct MbarrierState {
+    // bits 0-19: arrivals each phase expects; 20-39: arrivals still to come in this phase; 40-60: transaction
+    // bytes still to come (signed: 21 bits); 61: the parity of the phase in progress. PTX bounds both counts
+    // by 2^20 - 1.
+    static constexpr unsigned long long count_limit = (1ull << 20) - 1;
+    unsigned long long expected = 0, pending = 0;
+    long long bytes = 0;
+    unsigned parity = 0;
+
+    static MbarrierState decode(unsigned long long bits) {
+        MbarrierState state;
+        state.expected = bits & count_limit;
+        state.pending = (bits >> 20) & count_limit;
+        state.bytes = (long long)((bits >> 40) & ((1ull << 21) - 1)) << 43 >> 43;  // sign-extended from 21 bits
+        state.parity = (bits >> 61) & 1;
+        return state;
+    }
+    unsigned long long encode() const {
+        return expected | pending << 20 | ((unsigned long long)bytes & ((1ull << 21) - 1)) << 40 |
+               (unsigned long long)parity << 61;
+    }
+};
+
+// A copy issued and not yet landed: it lands when a thread next tests its barrier (the latest moment a GPU
+// allows, so a kernel that reads the destination without waiting reads the old bytes, as it may on a GPU).
+// Copies still on their way when the block ends are dropped with its shared memory.
+struct PendingBulkCopy {
+    gpt2cupy::BulkCopy copy;
+    unsigned long long* barrier;
+    unsigned issuer;  // the issuing thread's linear index
+};
+
+struct MbarrierRecord {
+    unsigned long long* barrier;
+    // For the race check (clock_dimension entries each): the accesses released to the barrier by the
+    // arrivals of the phase in progress, and by those of the last phase completed (what a wait acquires).
+    std::vector<unsigned long long> arrived_clock, completed_clock;
+};
+
+struct BlockMbarriers {
+    std::vector<MbarrierRecord> records;
+    std::vector<PendingBulkCopy> copies;
+    // Waits that found their phase incomplete since the block's barriers last changed: when every thread
+    // still running only spins on barriers, nothing will change them, and past a bound the launch fails.
+    unsigned long long fruitless_waits = 0;
+    // The race check's vector clocks: row i, column j is the latest release of thread j (or of the copy
+    // engine acting for thread j, column thread_count + j) that thread i has acquired through a barrier.
+    // Kept only under the race check, once the block initializes a barrier.
+    unsigned thread_count = 0;
+    unsigned clock_dimension = 0;
+    std::vector<unsigned long long> clocks;
+
+    void start_block(unsigned threads) {
+        records.clear();
+        copies.clear();
+        fruitless_waits = 0;
+        thread_count = threads;
+        clock_dimension = 0;
+        clocks.clear();
+    }
+    MbarrierRecord* find(const unsigned long long* barrier) {
+        for (MbarrierRecord& record : records)
+            if (record.barrier == barrier) return &record;
+        return nullptr;
+    }
+};
+
+// The race check's thread number of the copy engine acting for thread `issuer`: past every real thread.
+constexpr unsigned copy_engine_thread(unsigned issuer) { return max_threads_per_block + issuer; }
 
 // One per OS thread that runs blocks: the fibers of the block in hand, their stacks, and the warps' tables.
 class BlockRunner {
@@ -300,6 +377,9 @@ private:
     unsigned waiting_[warps_per_block];   // waiting in a warp operation
     unsigned at_tile_[warps_per_block];   // waiting in the sync() of a tile larger than a warp
     unsigned finished_[warps_per_block];  // returned from the kernel
+    // Of the ready threads, those spinning on an mbarrier: they do not hold barriers shut, since what they
+    // wait for may come from threads at a barrier (a warpgroup's wgmma, a __syncthreads() of others).
+    unsigned spinning_[warps_per_block];
     // The round in progress: the lanes of each warp still to run in it, the warp it has reached, its order.
     unsigned round_lanes_[warps_per_block];
     unsigned round_warp_ = 0;
@@ -330,6 +410,7 @@ public:
                address < fiber->stack->top();
     }
     Launch* launch() const { return launch_; }
+    BlockMbarriers mbarriers;
 };
 
 thread_local BlockRunner* this_thread_runner = nullptr;
@@ -581,7 +662,11 @@ void BlockRunner::note_where_stopped(Fiber& fiber) {
         case FiberState::at_block_barrier: at_block_[warp] |= bit; break;
         case FiberState::at_warp_barrier: waiting_[warp] |= bit; break;
         case FiberState::at_tile_barrier: at_tile_[warp] |= bit; break;
-        default: ready_[warp] |= bit; break;  // preempted, or it yielded: it goes on next round
+        default:  // preempted, or it yielded: it goes on next round
+            ready_[warp] |= bit;
+            if (fiber.spinning) spinning_[warp] |= bit;
+            fiber.spinning = false;
+            break;
     }
 }
 
@@ -802,7 +887,7 @@ void BlockRunner::open_block_barrier() {
 void BlockRunner::run_ready_threads(bool reverse_order) {
     for (unsigned warp = 0; warp < warp_count_; ++warp) {
         round_lanes_[warp] = ready_[warp];
-        ready_[warp] = 0;
+        ready_[warp] = spinning_[warp] = 0;
     }
     round_warp_ = 0;
     round_reversed_ = reverse_order;
@@ -835,6 +920,7 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
         fiber.exchange = nullptr;
         fiber.warp_syncs = 0;
         fiber.stack = nullptr;
+        fiber.spinning = false;
     }
     warp_count_ = (thread_count + 31) / 32;
     finished_count_ = 0;
@@ -842,20 +928,27 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
     for (unsigned warp = 0; warp < warps_per_block; ++warp) {
         unsigned lanes = warp < warp_count_ ? std::min(32u, thread_count - warp * 32) : 0;
         ready_[warp] = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u);
-        at_block_[warp] = waiting_[warp] = at_tile_[warp] = finished_[warp] = 0;
+        at_block_[warp] = waiting_[warp] = at_tile_[warp] = finished_[warp] = spinning_[warp] = 0;
     }
     block_linear_ = block_linear;
     epoch_ += 1;
+    mbarriers.start_block(thread_count);
     if (tracking_races_) race_block_started(block_linear);
     this_thread_block_serial += 1;
     for (;;) {
         run_ready_threads(request.reverse_order != 0);
         if (block_failed_ || launch.failed()) break;
         if (finished_count_ == thread_count) break;
-        if (any_lane(ready_)) continue;  // no barrier opens while a thread is still on its way to it
+        bool on_their_way = false, spinning = false;  // no barrier opens while a thread is still on its way to it
+        for (unsigned w = 0; w < warp_count_; ++w) {
+            on_their_way |= (ready_[w] & ~spinning_[w]) != 0;
+            spinning |= spinning_[w] != 0;
+        }
+        if (on_their_way) continue;
         const bool in_warp_operations = any_lane(waiting_), in_tiles = any_lane(at_tile_);
         if (in_warp_operations && release_warps()) continue;
         if (in_tiles && release_tiles()) continue;
+        if (spinning) continue;  // the spinning threads again: what they wait for may come from one of them
         if (!in_warp_operations && !in_tiles) {
             open_block_barrier();
             continue;
@@ -1347,6 +1440,31 @@ unsigned long long released_at(const Access& earlier) {
     return at;
 }
 
+// -- ordering within a block through mbarriers (vector clocks) --
+// A thread's arrival releases its accesses so far (and what it had acquired) to the barrier's phase; a wait
+// that sees the phase completed acquires all of them. A bulk copy's writes are the copy engine's, acting for
+// the issuing thread: it acquires what the issuer had when it issued the copy, and its landing releases
+// the writes to the barrier it completes. Releases are numbered from race_sequence, so an access is
+// ordered before a thread when that thread has acquired a later release of the access's thread.
+unsigned clock_column(const BlockMbarriers& book, unsigned thread) {
+    return thread < max_threads_per_block ? thread : book.thread_count + (thread - max_threads_per_block);
+}
+
+unsigned long long* clock_row(BlockMbarriers& book, unsigned thread) {
+    return &book.clocks[(size_t)clock_column(book, thread) * book.clock_dimension];
+}
+
+bool acquired_through_mbarrier(const BlockMbarriers& book, unsigned now_thread, const Access& earlier) {
+    if (book.clock_dimension == 0) return false;
+    const size_t at =
+        (size_t)clock_column(book, now_thread) * book.clock_dimension + clock_column(book, earlier.thread);
+    return book.clocks[at] > earlier.sequence;
+}
+
+void merge_clock(unsigned long long* into, const unsigned long long* from, unsigned dimension) {
+    for (unsigned k = 0; k < dimension; ++k) into[k] = std::max(into[k], from[k]);
+}
+
 bool ordered(const BlockRunner& runner, const Access& earlier, unsigned now_thread, unsigned long long address) {
     // Shared memory is a new block's own; global memory is ordered between blocks by fences and atomics only.
     if (earlier.block != runner.block_linear_) {
@@ -1356,12 +1474,16 @@ bool ordered(const BlockRunner& runner, const Access& earlier, unsigned now_thre
         return seen != 0 && released_at(earlier) < seen;
     }
     if (earlier.epoch != runner.epoch_) return true;          // a __syncthreads() lies between
-    if (earlier.thread / 32 == now_thread / 32)               // the same warp: a warp operation of both between?
+    if (acquired_through_mbarrier(runner.mbarriers, now_thread, earlier)) return true;
+    if (earlier.thread < max_threads_per_block && now_thread < max_threads_per_block &&
+        earlier.thread / 32 == now_thread / 32)               // the same warp: a warp operation of both between?
         return runner.synced_with_[now_thread][earlier.thread % 32] > earlier.warp_syncs;
     return false;
 }
 
 void record_access_unpreempted(const volatile void* address, unsigned long long size, bool is_write, bool is_atomic);
+void record_access_by(const Access& now, const volatile void* address, unsigned long long size, bool is_write,
+                      bool is_atomic);
 
 // Called from kernel code, but runtime code itself: the watchdog must not switch threads in the middle.
 void record_access(const volatile void* address, unsigned long long size, bool is_write, bool is_atomic = false) {
@@ -1430,12 +1552,18 @@ void check_place(Granule& place, const Access& now, bool is_write, bool is_atomi
     if (kind != no_race && !reported && runner->launch() != nullptr) {
         // The other thread's coordinates, rebuilt from its block and linear index.
         const gpt2cupy_launch_request& request = runner->launch()->request();
-        const ThreadCoordinates& coordinates = runner->current_fiber()->coordinates;
-        ThreadCoordinates then = coordinates;
+        // (A bulk copy's writes are named by the thread that issued the copy.)
+        ThreadCoordinates coordinates = runner->current_fiber()->coordinates;
         unsigned bx = request.block[0], by = request.block[1], gx = request.grid[0], gy = request.grid[1];
+        const auto thread_idx = [&](unsigned thread) {
+            thread %= max_threads_per_block;
+            return uint3{thread % bx, (thread / bx) % by, thread / (bx * by)};
+        };
+        if (thread >= max_threads_per_block) coordinates.thread_idx = thread_idx(thread);
+        ThreadCoordinates then = coordinates;
         unsigned long long b = other->block;
         then.block_idx = uint3{(unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / ((unsigned long long)gx * gy))};
-        then.thread_idx = uint3{other->thread % bx, (other->thread / bx) % by, other->thread / (bx * by)};
+        then.thread_idx = thread_idx(other->thread);
         runner->launch()->report_race(kind, at, coordinates, then);
         reported = true;
     }
@@ -1461,8 +1589,14 @@ void record_access_unpreempted(const volatile void* address, unsigned long long 
     if (runner == nullptr || runner->current_fiber() == nullptr) return;
     const Fiber* fiber = runner->current_fiber();
     Access now{runner->block_linear_, runner->epoch_, race_sequence, runner->linear_index(fiber), fiber->warp_syncs, true};
+    if (runner->in_own_stack(const_cast<const void*>(address))) return;
+    record_access_by(now, address, size, is_write, is_atomic);
+}
+
+// An access by `now`'s thread (a kernel's thread, or the copy engine acting for one), checked and recorded.
+void record_access_by(const Access& now, const volatile void* address, unsigned long long size, bool is_write,
+                      bool is_atomic) {
     const unsigned long long begin = reinterpret_cast<unsigned long long>(address), end = begin + (size ? size : 1);
-    if (runner->in_own_stack(reinterpret_cast<const void*>(begin))) return;
     bool reported = false;
     for (unsigned long long key = begin / 4; key <= (end - 1) / 4; ++key) {
         Granule& word = race_shadow[key];
@@ -1477,6 +1611,198 @@ void record_access_unpreempted(const volatile void* address, unsigned long long 
         if (!word.split) split_word(word, word_address);
         for (unsigned long long byte = from; byte < to; ++byte) check_place(race_bytes[byte], now, is_write, is_atomic, byte, reported);
     }
+}
+
+// ---- Hopper's mbarriers and bulk copies --------------------------------------------------------------
+// PTX ISA, "Parallel Synchronization and Communication Instructions: mbarrier": a phase completes when its
+// expected arrivals have come and its transaction count (bytes that copies still have to write) is 0; the
+// barrier then expects as many arrivals again, in the next phase, of the other parity. These run as the
+// runtime's own code, out of reach of preemption, so each update is whole.
+
+// Where a barrier is, for messages: its byte in the block's dynamic shared memory, or its address.
+std::string barrier_place(const unsigned long long* barrier) {
+    const unsigned char* dynamic = static_cast<const unsigned char*>(gpt2cupy_dynamic_shared_memory());
+    const unsigned char* at = reinterpret_cast<const unsigned char*>(barrier);
+    char text[96];
+    if (at >= dynamic && at < dynamic + dynamic_shared_bytes)
+        std::snprintf(text, sizeof(text), "shared offset %llu (of the dynamic shared memory)",
+                      (unsigned long long)(at - dynamic));
+    else
+        std::snprintf(text, sizeof(text), "shared address %p (a static __shared__ variable)", (const void*)barrier);
+    return text;
+}
+
+[[noreturn]] void mbarrier_fail(const std::string& message, int line) {
+    gpt2cupy_assert_failed(message.c_str(), "kernel.cu", line);
+}
+
+MbarrierRecord& initialized(BlockMbarriers& book, unsigned long long* barrier, const char* instruction, int line) {
+    MbarrierRecord* record = book.find(barrier);
+    if (record == nullptr)
+        mbarrier_fail(std::string(instruction) + ": the barrier at " + barrier_place(barrier) + " is used before " +
+                      "mbarrier.init in this block (or after mbarrier.inval): one thread initializes it, then a " +
+                      "__syncthreads() lets the others use it", line);
+    return *record;
+}
+
+// The running thread's arrival (or a landing copy's completion) releases what it did to the phase.
+void release_to(BlockMbarriers& book, MbarrierRecord& record, unsigned thread) {
+    if (book.clock_dimension == 0) return;
+    const unsigned long long release = ++race_sequence;
+    merge_clock(record.arrived_clock.data(), clock_row(book, thread), book.clock_dimension);
+    unsigned long long& own = record.arrived_clock[clock_column(book, thread)];
+    own = std::max(own, release);
+}
+
+// `arrivals` arrivals and `bytes` more (or, negative, fewer) transaction bytes, by `thread`; returns the
+// parity of the phase they belong to (the state token's).
+unsigned mbarrier_update(BlockMbarriers& book, MbarrierRecord& record, unsigned long long arrivals, long long bytes,
+                         unsigned thread, const char* instruction, int line) {
+    MbarrierState state = MbarrierState::decode(*record.barrier);
+    const unsigned parity = state.parity;
+    state.bytes += bytes;
+    if (state.bytes < 0)
+        mbarrier_fail(std::string(instruction) + ": the barrier at " + barrier_place(record.barrier) + " got " +
+                      "more transaction bytes than its phase expects (its count went below 0): the bytes given " +
+                      "to mbarrier.expect_tx / arrive.expect_tx must be those its copies write", line);
+    if (state.bytes > (long long)MbarrierState::count_limit)
+        mbarrier_fail(std::string(instruction) + ": the barrier at " + barrier_place(record.barrier) + " expects " +
+                      "more than 2^20 - 1 transaction bytes in one phase", line);
+    if (arrivals > state.pending)
+        mbarrier_fail(std::string(instruction) + ": more arrivals on the barrier at " + barrier_place(record.barrier) +
+                      " than its phase expects (it was initialized for " + std::to_string(state.expected) +
+                      " per phase)", line);
+    state.pending -= arrivals;
+    if (arrivals != 0 || bytes < 0) release_to(book, record, thread);
+    if (state.pending == 0 && state.bytes == 0) {  // the phase completes; the next begins
+        state.pending = state.expected;
+        state.parity ^= 1;
+        if (book.clock_dimension != 0) {
+            record.completed_clock = record.arrived_clock;
+            std::fill(record.arrived_clock.begin(), record.arrived_clock.end(), 0ull);
+        }
+    }
+    *record.barrier = state.encode();
+    book.fruitless_waits = 0;
+    return parity;
+}
+
+void mbarrier_init(BlockMbarriers& book, unsigned long long* barrier, unsigned arrivals, int line) {
+    if (arrivals == 0 || arrivals > MbarrierState::count_limit)
+        mbarrier_fail("mbarrier.init: the expected arrival count must be 1 .. 2^20 - 1, got " +
+                      std::to_string(arrivals), line);
+    if (tracking_races && book.clock_dimension == 0) {
+        book.clock_dimension = 2 * book.thread_count;  // the threads, then the copy engine acting for each
+        book.clocks.assign((size_t)book.clock_dimension * book.clock_dimension, 0);
+    }
+    MbarrierRecord* record = book.find(barrier);
+    if (record == nullptr) {
+        book.records.push_back(MbarrierRecord{barrier, {}, {}});
+        record = &book.records.back();
+    }
+    record->arrived_clock.assign(book.clock_dimension, 0);
+    record->completed_clock.assign(book.clock_dimension, 0);
+    MbarrierState state;
+    state.expected = state.pending = arrivals;
+    *barrier = state.encode();
+    book.fruitless_waits = 0;
+}
+
+// The copy lands: the box's bytes into shared memory, then its bytes complete the barrier's transactions.
+void land(BlockRunner& runner, const PendingBulkCopy& pending, int line) {
+    const gpt2cupy::BulkCopy& copy = pending.copy;
+    const unsigned long long element = copy.element_bytes, row_bytes = copy.box_columns * element;
+    const unsigned long long chunk_mask = copy.swizzle_bytes != 0 ? copy.swizzle_bytes / 16 - 1 : 0;
+    for (unsigned r = 0; r < copy.box_rows; ++r) {
+        const long long row = copy.row + r;
+        for (unsigned c = 0; c < copy.box_columns; ++c) {
+            const long long column = copy.column + c;
+            // The swizzle moves 16-byte chunks by the shared address's bits 7.. (as the copy engine does).
+            const unsigned long long at = copy.destination_address + r * row_bytes + c * element;
+            const unsigned long long swizzled = at ^ ((at >> 7) & chunk_mask) << 4;
+            unsigned char* to = copy.destination + (swizzled - copy.destination_address);
+            const bool inside = row >= 0 && (unsigned long long)row < copy.rows && column >= 0 &&
+                                (unsigned long long)column < copy.columns;
+            if (inside)
+                std::memcpy(to, copy.array + row * copy.row_stride + column * element, element);
+            else
+                std::memset(to, 0, element);
+        }
+    }
+    BlockMbarriers& book = runner.mbarriers;
+    const unsigned engine = copy_engine_thread(pending.issuer);
+    const unsigned long long bytes = row_bytes * copy.box_rows;
+    if (book.clock_dimension != 0) {
+        // (A swizzle only moves chunks within 128-byte rows: the copy writes the same bytes unswizzled.)
+        Access now{runner.block_linear_, runner.epoch_, race_sequence, engine, 0, true};
+        record_access_by(now, copy.destination, bytes, true, false);
+    }
+    MbarrierRecord& record = initialized(book, pending.barrier, "a bulk copy's complete_tx", line);
+    mbarrier_update(book, record, 0, -(long long)bytes, engine, "a bulk copy's complete_tx", line);
+}
+
+void bulk_copy(BlockRunner& runner, const gpt2cupy::BulkCopy& copy, unsigned long long* barrier, int line) {
+    BlockMbarriers& book = runner.mbarriers;
+    initialized(book, barrier, "cp.async.bulk", line);
+    const unsigned char* dynamic = static_cast<const unsigned char*>(gpt2cupy_dynamic_shared_memory());
+    const unsigned long long bytes = (unsigned long long)copy.box_rows * copy.box_columns * copy.element_bytes;
+    const unsigned long long launched = std::min<unsigned long long>(runner.launch()->request().dynamic_shared_bytes,
+                                                                     dynamic_shared_bytes);
+    if (copy.destination >= dynamic && copy.destination < dynamic + dynamic_shared_bytes &&
+        copy.destination + bytes > dynamic + launched)
+        mbarrier_fail("cp.async.bulk: the copy of " + std::to_string(bytes) + " bytes at shared offset " +
+                      std::to_string(copy.destination - dynamic) + " would write past the end of the block's " +
+                      "dynamic shared memory (" + std::to_string(launched) + " bytes, the launch's shared_mem)", line);
+    const unsigned issuer = runner.linear_index(runner.current_fiber());
+    book.copies.push_back(PendingBulkCopy{copy, barrier, issuer});
+    if (book.clock_dimension != 0) {  // the copy comes after what its issuer did and acquired
+        unsigned long long* engine = clock_row(book, copy_engine_thread(issuer));
+        merge_clock(engine, clock_row(book, issuer), book.clock_dimension);
+        unsigned long long& issued = engine[clock_column(book, issuer)];
+        issued = std::max(issued, ++race_sequence);
+    }
+    book.fruitless_waits = 0;
+}
+
+// Whether the barrier's phase of parity `parity` has completed (the last phase completed has that parity),
+// after the copies that complete it have landed.
+bool mbarrier_test_wait(BlockRunner& runner, unsigned long long* barrier, unsigned parity, int line) {
+    BlockMbarriers& book = runner.mbarriers;
+    MbarrierRecord& record = initialized(book, barrier, "mbarrier.test_wait / try_wait", line);
+    for (size_t k = 0; k < book.copies.size();) {
+        if (book.copies[k].barrier != barrier) {
+            ++k;
+            continue;
+        }
+        const PendingBulkCopy pending = book.copies[k];
+        book.copies.erase(book.copies.begin() + k);
+        land(runner, pending, line);
+    }
+    const MbarrierState state = MbarrierState::decode(*barrier);
+    if (state.parity != (parity & 1)) {
+        if (book.clock_dimension != 0)
+            merge_clock(clock_row(book, runner.linear_index(runner.current_fiber())), record.completed_clock.data(),
+                        book.clock_dimension);
+        book.fruitless_waits = 0;
+        return true;
+    }
+    // Every thread still running may be spinning on barriers that nothing will complete: a GPU hangs. Past
+    // this many fruitless waits in a row (thousands of rounds of every thread's spin), the launch fails.
+    const unsigned long long limit = std::max<unsigned long long>(1ull << 20, 4096ull * book.thread_count);
+    if (++book.fruitless_waits > limit) {
+        char message[640];
+        std::snprintf(message, sizeof(message),
+                      "deadlock: the threads of the block wait on mbarriers that nothing will complete (%llu waits "
+                      "in a row found their phase incomplete, and no thread arrived or copied meanwhile); this "
+                      "thread waits for the phase of parity %u of the barrier at %s, which has %llu of its %llu "
+                      "arrivals and %lld transaction bytes still to come (a missing arrival, a wrong expect_tx "
+                      "byte count, or a wait on the wrong parity?)",
+                      book.fruitless_waits - 1, parity & 1, barrier_place(barrier).c_str(),
+                      (unsigned long long)state.pending, (unsigned long long)state.expected, (long long)state.bytes);
+        runner.fail_current(deadlock, message);
+        throw 0;
+    }
+    return false;
 }
 
 }  // namespace
@@ -1663,6 +1989,56 @@ void gpt2cupy_yield(void) {
 }
 
 unsigned long long gpt2cupy_block_serial(void) { return this_thread_block_serial; }
+
+void gpt2cupy_mbarrier_init(unsigned long long* barrier, unsigned arrivals, int line) {
+    BlockRunner* runner = this_thread_runner;
+    runner->in_kernel_code = 0;
+    mbarrier_init(runner->mbarriers, barrier, arrivals, line);
+    runner->in_kernel_code = 1;
+}
+
+void gpt2cupy_mbarrier_inval(unsigned long long* barrier, int line) {
+    BlockRunner* runner = this_thread_runner;
+    runner->in_kernel_code = 0;
+    BlockMbarriers& book = runner->mbarriers;
+    MbarrierRecord& record = initialized(book, barrier, "mbarrier.inval", line);
+    book.records.erase(book.records.begin() + (&record - book.records.data()));
+    runner->in_kernel_code = 1;
+}
+
+unsigned long long gpt2cupy_mbarrier_arrive(unsigned long long* barrier, unsigned arrivals, unsigned long long bytes,
+                                            int line) {
+    BlockRunner* runner = this_thread_runner;
+    runner->in_kernel_code = 0;
+    BlockMbarriers& book = runner->mbarriers;
+    const char* instruction = arrivals == 0 ? "mbarrier.expect_tx" : "mbarrier.arrive";
+    MbarrierRecord& record = initialized(book, barrier, instruction, line);
+    if (bytes > MbarrierState::count_limit)
+        mbarrier_fail(std::string(instruction) + ": a transaction count above 2^20 - 1 bytes", line);
+    const unsigned parity = mbarrier_update(book, record, arrivals, (long long)bytes,
+                                            runner->linear_index(runner->current_fiber()), instruction, line);
+    runner->in_kernel_code = 1;
+    return 1ull << 63 | parity;  // the state token: the parity of the phase the arrival belongs to
+}
+
+int gpt2cupy_mbarrier_test_wait(unsigned long long* barrier, unsigned parity, int line) {
+    BlockRunner* runner = this_thread_runner;
+    runner->in_kernel_code = 0;
+    const bool complete = mbarrier_test_wait(*runner, barrier, parity, line);
+    if (!complete) {  // the others run: the one that completes the phase among them
+        runner->current_fiber()->spinning = true;
+        runner->preempt_current();
+    }
+    runner->in_kernel_code = 1;
+    return complete;
+}
+
+void gpt2cupy_bulk_copy(const gpt2cupy::BulkCopy* copy, unsigned long long* barrier, int line) {
+    BlockRunner* runner = this_thread_runner;
+    runner->in_kernel_code = 0;
+    bulk_copy(*runner, *copy, barrier, line);
+    runner->in_kernel_code = 1;
+}
 
 void gpt2cupy_assert_failed(const char* condition, const char* file, int line) {
     this_thread_runner->in_kernel_code = 0;

@@ -28,7 +28,8 @@ class LaunchRequest(ctypes.Structure):
     _fields_ = [("entry", ctypes.c_void_p), ("packed_arguments", ctypes.c_char_p),
                 ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("reverse_order", ctypes.c_int), ("worker_count", ctypes.c_int), ("track_races", ctypes.c_int),
-                ("global_ranges", ctypes.POINTER(ctypes.c_ulonglong)), ("global_range_count", ctypes.c_int)]
+                ("global_ranges", ctypes.POINTER(ctypes.c_ulonglong)), ("global_range_count", ctypes.c_int),
+                ("dynamic_shared_bytes", ctypes.c_ulonglong)]
 
 
 class Race(ctypes.Structure):
@@ -82,14 +83,17 @@ def worker_count():
     return int(configured) if configured else 0
 
 
-def launch(entry_address, packed_arguments, grid, block, reverse_order=False, track_races=False, global_ranges=()):
+def launch(entry_address, packed_arguments, grid, block, reverse_order=False, track_races=False, global_ranges=(),
+           dynamic_shared_bytes=None):
     """Run a kernel to the end. Returns (LaunchResult, printf output as text).
     track_races: the kernel was built for the race check, and its accesses are to be checked;
-    global_ranges: then, the [start, end) addresses of its array arguments."""
+    global_ranges: then, the [start, end) addresses of its array arguments;
+    dynamic_shared_bytes: the launch's dynamic shared memory (None: all a block may have), where bulk copies land."""
     lib = library()
     ranges = (ctypes.c_ulonglong * max(1, 2 * len(global_ranges)))(*[bound for pair in global_ranges for bound in pair])
+    shared = 2**64 - 1 if dynamic_shared_bytes is None else dynamic_shared_bytes  # the runtime caps it at its own
     request = LaunchRequest(entry_address, packed_arguments, grid, block, int(reverse_order), worker_count(),
-                            int(track_races), ranges, len(global_ranges))
+                            int(track_races), ranges, len(global_ranges), shared)
     result = LaunchResult()
     output = ctypes.c_void_p()
     output_length = ctypes.c_ulonglong()

@@ -1,7 +1,9 @@
 // The PTX instructions a kernel may write in inline `asm`, for the CPU executor: tensor-core products
 // (mma.sync, and Hopper's warpgroup-wide wgmma.mma_async from shared-memory descriptors), warp-wide matrix
-// loads (ldmatrix), asynchronous copies to shared memory (cp.async) and the conversion to TF32
-// (cvt.rna.tf32.f32). inline_asm.py turns each asm statement into calls of these.
+// loads (ldmatrix), asynchronous copies to shared memory (cp.async), the conversion to TF32
+// (cvt.rna.tf32.f32), and Hopper's shared-memory barriers (mbarrier) with the bulk copies that complete them
+// (cp.async.bulk, and cp.async.bulk.tensor: the Tensor Memory Accelerator), whose state the runtime keeps.
+// inline_asm.py turns each asm statement into calls of these.
 //
 // Shared-memory addresses. On a GPU, `__cvta_generic_to_shared(p)` and `cvta.to.shared` give a 32-bit offset
 // into the block's shared memory, which code then adds to and XOR-swizzles. Here shared memory is ordinary
@@ -515,6 +517,106 @@ inline void wgmma(float (&d)[n / 2], unsigned long long a_descriptor, unsigned l
         for (int k = 0; k < depth; ++k) sum += row[k] * column[k];
         d[i] = (float)sum;
     }
+}
+
+// ---- mbarrier -------------------------------------------------------------------------------------------
+// The barrier's 8 bytes, by their 32-bit shared address; the runtime keeps each barrier's phases (and stops the
+// launch on a misuse: use before mbarrier.init, more arrivals or transaction bytes than the phase expects, a
+// wait nothing will complete).
+inline unsigned long long* mbarrier_at(unsigned long long address, int line) {
+    unsigned char* barrier = from_shared(address, "mbarrier: the barrier's address is not a shared-memory address "
+                                                  "(from __cvta_generic_to_shared or cvta.to.shared)", line);
+    if ((unsigned long long)barrier % 8 != 0)
+        fail("mbarrier: the barrier's address is not a multiple of 8 bytes", line);
+    return (unsigned long long*)barrier;
+}
+
+inline void mbarrier_init(unsigned long long address, unsigned long long arrivals, int line) {
+    gpt2cupy_mbarrier_init(mbarrier_at(address, line), (unsigned)arrivals, line);
+}
+
+inline void mbarrier_inval(unsigned long long address, int line) {
+    gpt2cupy_mbarrier_inval(mbarrier_at(address, line), line);
+}
+
+// `arrivals` arrivals (mbarrier.arrive{.expect_tx}) after `bytes` more transaction bytes (expect_tx); the
+// state token says which phase they belong to.
+inline unsigned long long mbarrier_arrive(unsigned long long address, unsigned long long arrivals,
+                                          unsigned long long bytes, int line) {
+    if (arrivals == 0 && bytes == 0) return 0;
+    return gpt2cupy_mbarrier_arrive(mbarrier_at(address, line), (unsigned)arrivals, bytes, line);
+}
+
+// test_wait and try_wait (whose wait the hardware may bound by a time limit: here it returns at once):
+// whether the phase of the parity has completed. When not, the block's other threads run first, so that a
+// spin loop lets the threads that complete the phase get there.
+inline bool mbarrier_test_wait(unsigned long long address, unsigned long long parity, int line) {
+    return gpt2cupy_mbarrier_test_wait(mbarrier_at(address, line), (unsigned)(parity & 1), line) != 0;
+}
+
+// The state-token forms: the token of an arrival names the phase it belonged to (bit 63 marks a token).
+inline bool mbarrier_test_wait_state(unsigned long long address, unsigned long long state, int line) {
+    if (!(state >> 63))
+        fail("mbarrier.test_wait / try_wait: the state operand is not a token from mbarrier.arrive", line);
+    return mbarrier_test_wait(address, state & 1, line);
+}
+
+// ---- bulk copies (the Tensor Memory Accelerator) -----------------------------------------------------------
+// A tensor map as gpt2_cupy.tensor_map writes it for the CPU executor (CPU_TENSOR_MAP there), in the 128 bytes
+// where the driver would write a CUtensorMap.
+struct CpuTensorMap {
+    unsigned magic, rank;
+    unsigned long long address;
+    unsigned element_bytes, swizzle_bytes;
+    unsigned long long columns, rows, row_stride;
+    unsigned box_columns, box_rows;
+};
+constexpr unsigned cpu_tensor_map_magic = 0x70616D74;  // "tmap"
+
+// cp.async.bulk.tensor.<dimensions>d: the box at `coordinates` (innermost first: column, then row) of the array
+// the map at generic address `map_address` describes, into shared memory at `destination`; its bytes complete
+// the transactions of the barrier at shared address `barrier` when it lands.
+inline void bulk_tensor_copy(int dimensions, unsigned long long destination, unsigned long long map_address,
+                             const int (&coordinates)[5], unsigned long long barrier, int line) {
+    const CpuTensorMap* map = (const CpuTensorMap*)map_address;
+    if (map_address % 64 != 0)
+        fail("cp.async.bulk.tensor: the tensor map's address is not a multiple of 64 bytes (pass the map as a "
+             "`const __grid_constant__ TensorMap` parameter and give its address)", line);
+    if (map->magic != cpu_tensor_map_magic)
+        fail("cp.async.bulk.tensor: the tensor map is not one the CPU executor can read: make it with "
+             "gpt2_cupy.tensor_map (a map the CUDA driver wrote means nothing here)", line);
+    if ((int)map->rank != dimensions)
+        fail("cp.async.bulk.tensor: the instruction's dimension count (.1d .. .5d) is not the tensor map's rank", line);
+    if (destination % 128 != 0)
+        fail("cp.async.bulk.tensor: the shared-memory destination is not a multiple of 128 bytes", line);
+    unsigned char* to = from_shared(destination, "cp.async.bulk.tensor: the destination is not a shared-memory "
+                                                 "address (from __cvta_generic_to_shared or cvta.to.shared)", line);
+    const BulkCopy copy{to, destination, (const unsigned char*)map->address, map->rows, map->columns,
+                        map->row_stride, map->element_bytes, map->swizzle_bytes, map->box_rows, map->box_columns,
+                        dimensions > 1 ? coordinates[1] : 0, coordinates[0]};
+    gpt2cupy_bulk_copy(&copy, mbarrier_at(barrier, line), line);
+}
+
+// cp.async.bulk: `bytes` contiguous bytes (a multiple of 16, both addresses on 16 bytes) from global memory.
+inline void bulk_copy(unsigned long long destination, unsigned long long source, unsigned long long bytes,
+                      unsigned long long barrier, int line) {
+    if (bytes % 16 != 0 || destination % 16 != 0 || source % 16 != 0)
+        fail("cp.async.bulk: the size and both addresses must be multiples of 16 bytes", line);
+    unsigned char* to = from_shared(destination, "cp.async.bulk: the destination is not a shared-memory address "
+                                                 "(from __cvta_generic_to_shared or cvta.to.shared)", line);
+    const BulkCopy copy{to, destination, (const unsigned char*)source, 1, bytes, bytes, 1, 0, 1, (unsigned)bytes, 0, 0};
+    gpt2cupy_bulk_copy(&copy, mbarrier_at(barrier, line), line);
+}
+
+// ---- elect.sync --------------------------------------------------------------------------------------------
+// The lanes of `members` meet (a .sync instruction); the lowest of them that is there is elected.
+inline unsigned elect_sync(unsigned long long members, bool& elected, int line) {
+    if (!(((unsigned)members >> lane()) & 1)) fail("elect.sync: the executing lane is not in the member mask", line);
+    const WarpExchange* table = gpt2cupy_warp_exchange((unsigned)members, 0);
+    const unsigned present = table->arrived & (unsigned)members;
+    const unsigned leader = __builtin_ctz(present);
+    elected = leader == lane();
+    return leader;
 }
 
 }  // namespace ptx
