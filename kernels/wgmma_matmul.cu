@@ -52,6 +52,7 @@ constexpr int STORE_BATCH = 8;              // pairs of results per thread whose
 constexpr int ATOM_BYTES = 8 * ROW_BYTES;   // a swizzle atom: 8 rows of 128 bytes, one repeat of the pattern
 constexpr int MN_BOX = 64;                  // an MN-major box: 64 values of m (n) by 64 of k
 constexpr int MN_BOX_BYTES = MN_BOX * ROW_BYTES;
+static_assert(MN_BOX_BYTES == MN_BOX / 8 * ATOM_BYTES, "an MN-major box is a column of atoms of 8 values of k");
 static_assert(128 / 4 % STORE_BATCH == 0, "a thread's BLOCK_N / 4 pairs of results make whole batches");
 static_assert(GROUP_M >= 1, "a group of blocks holds at least one row of tiles");
 
