@@ -164,9 +164,9 @@ def float32_kernel_error(op_a, op_b, exact, transpose_a, transpose_b, a, b):
 
 @pytest.mark.parametrize("transpose_a, transpose_b", LAYOUTS)
 def test_highest_stays_as_accurate_as_float32(transpose_a, transpose_b, rng, every_product_on_wgmma):
-    """"highest" (3xTF32 on mma.sync, also where wgmma runs) against float64: an error no larger than chapter 01's
-    float32 kernel's on the same inputs (with 20 % slack: both are float32 sums in different orders), and far
-    below one TF32 product's."""
+    """"highest" (3xTF32 on the wgmma, its big times big part summed on the CUDA cores) against float64: an error
+    no larger than chapter 01's float32 kernel's on the same inputs (with 20 % slack: both are float32 sums in
+    different orders), and far below one TF32 product's."""
     M, N, K = 70, 136, 300
     a, b, op_a, op_b = layout_operands(rng, M, N, K, transpose_a, transpose_b)
     exact = op_a.astype(np.float64) @ op_b.astype(np.float64)
@@ -181,8 +181,7 @@ def test_highest_stays_as_accurate_as_float32(transpose_a, transpose_b, rng, eve
 @pytest.mark.parametrize("transpose_a, transpose_b", [(False, True), (True, False)])
 def test_3xtf32_on_the_wgmma_is_far_more_accurate_than_tf32(transpose_a, transpose_b, rng):
     """The wgmma's 3xTF32 product (small·big + big·small + big·big over [small|big|big] rows): at least ten times
-    closer to float64 than one TF32 product. (Not float32's accuracy on an H200, which is why "highest" does not
-    take it: at 4096³ it erred 1.2e-5 against cuBLAS float32's 2.9e-6.)"""
+    closer to float64 than one TF32 product."""
     from gpt2_cupy.ops.wgmma_matmul import launch_tf32_wgmma_product
 
     a, b, op_a, op_b = layout_operands(rng, 70, 136, 300, transpose_a, transpose_b)

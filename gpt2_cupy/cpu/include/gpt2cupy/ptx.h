@@ -589,6 +589,11 @@ inline void bulk_tensor_copy(int dimensions, unsigned long long destination, uns
         fail("cp.async.bulk.tensor: the instruction's dimension count (.1d .. .5d) is not the tensor map's rank", line);
     if (destination % 128 != 0)
         fail("cp.async.bulk.tensor: the shared-memory destination is not a multiple of 128 bytes", line);
+    // The box's first element in global memory must lie on 16 bytes (an H200 stops the kernel with an illegal
+    // instruction otherwise), negative coordinates included.
+    if ((long long)coordinates[0] * map->element_bytes % 16 != 0)
+        fail("cp.async.bulk.tensor: the box's innermost coordinate times the element size is not a multiple of 16 "
+             "bytes: a box must start on 16 bytes along the array's contiguous dimension", line);
     unsigned char* to = from_shared(destination, "cp.async.bulk.tensor: the destination is not a shared-memory "
                                                  "address (from __cvta_generic_to_shared or cvta.to.shared)", line);
     const BulkCopy copy{to, destination, (const unsigned char*)map->address, map->rows, map->columns,
