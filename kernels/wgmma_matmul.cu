@@ -196,18 +196,18 @@ __device__ __forceinline__ int work_items(int M, int N, int K, int k_per_split)
     return (M + BLOCK_M - 1) / BLOCK_M * ((N + BLOCK_N - 1) / BLOCK_N) * stretches;
 }
 
-// Stores a consumer warpgroup's 64 x BLOCK_N results d, rows m0 + 64 warpgroup .., columns n0 .., into C, float32
-// or bf16, adding bias and (accumulate) C's old values before the one rounding.
+// Stores a consumer warpgroup's 64 x BLOCK_N results d, rows row0 .. row0 + 63, columns n0 .., into C, float32 or
+// bf16, adding bias and (accumulate) C's old values before the one rounding.
 // d[i] of warp w (of this warpgroup), lane 4g + t: row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2t + i % 2.
 // They go out STORE_BATCH pairs at a time: with accumulate, the batch's old values of C are all loaded before
 // any is stored, so that the loads wait for memory together rather than one after another (a store to C
 // might, as far as the compiler knows, change what a later load reads).
 template <int BLOCK_N, typename Output>
-__device__ __forceinline__ void store_results(Output* C, const float (&d)[BLOCK_N / 2], int m0, int n0, int M, int N,
-                                              const float* bias, bool accumulate)
+__device__ __forceinline__ void store_results(Output* C, const float (&d)[BLOCK_N / 2], int row0, int n0, int M,
+                                              int N, const float* bias, bool accumulate)
 {
-    const int warpgroup = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
-    const int first_row = m0 + warpgroup * 64 + warp * 16 + lane / 4, first_column = n0 + 2 * (lane % 4);
+    const int warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+    const int first_row = row0 + warp * 16 + lane / 4, first_column = n0 + 2 * (lane % 4);
 #pragma unroll
     for (int batch = 0; batch < BLOCK_N / 2; batch += 2 * STORE_BATCH) {
         float old[2 * STORE_BATCH];
@@ -247,7 +247,8 @@ __device__ __forceinline__ void store_results(Output* C, const float (&d)[BLOCK_
 // float32 (TF32) A and B, which the tensor maps describe. A_MN_MAJOR: A stored K x M (the weight gradient's
 // dyᵀ), else M x K. B_MN_MAJOR: B stored K x N (dy W, dyᵀ x), else N x K (x Wᵀ). The ring of stages runs on
 // from one item to the next: while the consumers store one tile, the copy warp fills the stages with the next.
-template <int BLOCK_N, bool A_MN_MAJOR, bool B_MN_MAJOR, bool SLICE_SUMS, typename Output, typename Element>
+template <int BLOCK_N, bool A_MN_MAJOR, bool B_MN_MAJOR, bool SLICE_SUMS, bool PING_PONG, typename Output,
+          typename Element>
 __device__ __forceinline__ void wgmma_product(Output* C, const TensorMap& a_map, const TensorMap& b_map, int M, int N,
                                               int K, int k_per_split, const float* bias, bool accumulate,
                                               int k_apart, int slices_per_sum)
@@ -256,18 +257,21 @@ __device__ __forceinline__ void wgmma_product(Output* C, const TensorMap& a_map,
     constexpr int K_STEPS = ROW_BYTES / 32;     // wgmma per slice: each reads 32 bytes of every row (k16 bf16, k8 TF32)
     constexpr int STAGES = stages(BLOCK_N), A_TILE_BYTES = tile_bytes(BLOCK_M), STAGE_BYTES = stage_bytes(BLOCK_N);
     static_assert(STAGES >= 2, "a slice being multiplied and one on its way");
+    static_assert(!(PING_PONG && SLICE_SUMS), "slice sums need the registers a ping-pong tile's 128 rows take");
     extern __shared__ __align__(1024) unsigned char shared[];
     // full[s]: stage s holds its slice (the copy warp's arrival, and the bytes of its copies);
-    // empty[s]: both consumer warpgroups are done multiplying stage s (one arrival each).
-    __shared__ __align__(8) unsigned long long barriers[2 * STAGES];
+    // empty[s]: the consumers are done multiplying stage s (one arrival from each warpgroup that reads it).
+    // turn_done (ping-pong): one phase per tile, completed when its warpgroup has issued the tile's products.
+    __shared__ __align__(8) unsigned long long barriers[2 * STAGES + 1];
     // The swizzle acts on shared-memory address bits, so each stage starts on 1024 bytes of that address.
     const unsigned stage_memory = (shared_address(shared) + 1023) & ~1023u;
-    const unsigned full = shared_address(barriers), empty = full + 8 * STAGES;
+    const unsigned full = shared_address(barriers), empty = full + 8 * STAGES, turn_done = empty + 8 * STAGES;
     if (threadIdx.x == 0) {
         for (int stage = 0; stage < STAGES; ++stage) {
             mbarrier_init(full + 8 * stage, 1);
-            mbarrier_init(empty + 8 * stage, CONSUMERS);
+            mbarrier_init(empty + 8 * stage, PING_PONG ? 1 : CONSUMERS);
         }
+        mbarrier_init(turn_done, 1);
         fence_mbarrier_init();
     }
     __syncthreads();
@@ -319,51 +323,99 @@ __device__ __forceinline__ void wgmma_product(Output* C, const TensorMap& a_map,
     auto release = [&](int slice) {
         if (releases) mbarrier_arrive(empty + 8 * (slice % STAGES));
     };
-    for (int index = blockIdx.x; index < items; index += gridDim.x) {
-        const WorkItem item = work_item<BLOCK_N, BLOCK_K>(index, M, N, K, k_per_split);
-        float d[BLOCK_N / 2];
-        zero_accumulators(d);
-        if (SLICE_SUMS) {
-            // 3xTF32: the slices of k before k_apart (the small corrections, whose sums stay small) go into total
-            // on the tensor cores. From k_apart on (big times big), each group of slices_per_sum slices is summed
-            // from zero by the tensor cores in d, then added to total on the CUDA cores, in float32 rounded to
-            // nearest; the tensor cores wait while that sum is taken.
-            float total[BLOCK_N / 2];
-            zero_accumulators(total);
-            int s = 0;
-            for (; s < item.slices && item.k_begin + s * BLOCK_K < k_apart; ++s) {
-                issue_slice(total);
+    if (PING_PONG) {
+        // The warpgroups take whole tiles in turn, each all 128 rows of its tile (two m64 wgmma per step of k),
+        // while the copy warp fills the ring in the order of the tiles: a warpgroup's slices land after the
+        // other's, so one multiplies while the other stores its results.
+        // A warpgroup starts its turn t once the other has issued all of turn t - 1's products (phase t - 1 of
+        // turn_done): it then waits for slices at most one round of the ring ahead, as a wait by parity needs.
+        float d[2][BLOCK_N / 2];
+        int turn = 0;
+        for (int index = blockIdx.x; index < items; index += gridDim.x, ++turn) {
+            const WorkItem item = work_item<BLOCK_N, BLOCK_K>(index, M, N, K, k_per_split);
+            if (turn % CONSUMERS != warpgroup) {   // the other warpgroup's tile: its slices go by
+                it += item.slices;
+                continue;
+            }
+            if (turn > 0) mbarrier_wait(turn_done, (turn - 1) & 1);
+            zero_accumulators(d[0]);
+            zero_accumulators(d[1]);
+            for (int s = 0; s < item.slices; ++s) {
+                const int stage = it % STAGES;
+                mbarrier_wait(full + 8 * stage, it / STAGES & 1);
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < K_STEPS; ++k) {
+                    const unsigned long long b = slice_descriptor<B_MN_MAJOR>(b_tile(stage), 0, k);
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const unsigned long long a = slice_descriptor<A_MN_MAJOR>(a_tile(stage), 64 * half, k);
+                        wgmma_step<A_MN_MAJOR, B_MN_MAJOR>(d[half], a, b, (const Element*)nullptr);
+                    }
+                }
+                wgmma_commit_group();
+                ++it;
                 wgmma_wait_group<1>();
                 if (s > 0) release(it - 2);
             }
+            if (releases) mbarrier_arrive(turn_done);   // the other warpgroup's turn may start
             wgmma_wait_group<0>();
-            fence_accumulators(total);
-            if (s > 0) release(it - 1);
-            while (s < item.slices) {
-                const int first = s, end = min(item.slices, s + slices_per_sum);
-                for (; s < end; ++s) {
-                    issue_slice(d);
+            fence_accumulators(d[0]);
+            fence_accumulators(d[1]);
+            if (item.slices > 0) release(it - 1);
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                store_results<BLOCK_N>(C + (long long)item.stretch * M * N, d[half], item.m0 + 64 * half, item.n0, M, N,
+                                       bias, accumulate);
+        }
+    } else {
+        for (int index = blockIdx.x; index < items; index += gridDim.x) {
+            const WorkItem item = work_item<BLOCK_N, BLOCK_K>(index, M, N, K, k_per_split);
+            float d[BLOCK_N / 2];
+            zero_accumulators(d);
+            if (SLICE_SUMS) {
+                // 3xTF32: the slices of k before k_apart (the small corrections, whose sums stay small) go into total
+                // on the tensor cores. From k_apart on (big times big), each group of slices_per_sum slices is summed
+                // from zero by the tensor cores in d, then added to total on the CUDA cores, in float32 rounded to
+                // nearest; the tensor cores wait while that sum is taken.
+                float total[BLOCK_N / 2];
+                zero_accumulators(total);
+                int s = 0;
+                for (; s < item.slices && item.k_begin + s * BLOCK_K < k_apart; ++s) {
+                    issue_slice(total);
                     wgmma_wait_group<1>();
-                    if (s > first) release(it - 2);
+                    if (s > 0) release(it - 2);
                 }
                 wgmma_wait_group<0>();
-                release(it - 1);
-                add_slice(total, d);
+                fence_accumulators(total);
+                if (s > 0) release(it - 1);
+                while (s < item.slices) {
+                    const int first = s, end = min(item.slices, s + slices_per_sum);
+                    for (; s < end; ++s) {
+                        issue_slice(d);
+                        wgmma_wait_group<1>();
+                        if (s > first) release(it - 2);
+                    }
+                    wgmma_wait_group<0>();
+                    release(it - 1);
+                    add_slice(total, d);
+                }
+    #pragma unroll
+                for (int i = 0; i < BLOCK_N / 2; ++i) d[i] = total[i];
+            } else {
+                for (int s = 0; s < item.slices; ++s) {
+                    issue_slice(d);
+                    wgmma_wait_group<1>();          // the slice before it is done (this one's products may still run)
+                    if (s > 0) release(it - 2);
+                }
+                wgmma_wait_group<0>();
+                fence_accumulators(d);
+                if (item.slices > 0) release(it - 1);   // the item's last slice
             }
-#pragma unroll
-            for (int i = 0; i < BLOCK_N / 2; ++i) d[i] = total[i];
-        } else {
-            for (int s = 0; s < item.slices; ++s) {
-                issue_slice(d);
-                wgmma_wait_group<1>();          // the slice before it is done (this one's products may still run)
-                if (s > 0) release(it - 2);
-            }
-            wgmma_wait_group<0>();
-            fence_accumulators(d);
-            if (item.slices > 0) release(it - 1);   // the item's last slice
+            // This stretch's slab of C (the only one without split K).
+            store_results<BLOCK_N>(C + (long long)item.stretch * M * N, d, item.m0 + 64 * warpgroup, item.n0, M, N, bias,
+                                   accumulate);
         }
-        // This stretch's slab of C (the only one without split K).
-        store_results<BLOCK_N>(C + (long long)item.stretch * M * N, d, item.m0, item.n0, M, N, bias, accumulate);
     }
 }
 
@@ -374,14 +426,15 @@ __device__ __forceinline__ void wgmma_product(Output* C, const TensorMap& a_map,
 // slices_per_sum slices are summed apart on the tensor cores and added on the CUDA cores (a tensor core adding
 // into a large sum cuts off the low bits of what it adds); k_apart and slices_per_sum are unused without it. Launched by name: wgmma_matmul<256, false, false, false, float, __nv_bfloat16> is the Linear forward
 // x Wᵀ from bf16 into float32; wgmma_matmul<256, false, false, false, float, float> the same in TF32.
-template <int BLOCK_N, bool A_MN_MAJOR, bool B_MN_MAJOR, bool SLICE_SUMS, typename Output, typename Element>
+template <int BLOCK_N, bool A_MN_MAJOR, bool B_MN_MAJOR, bool SLICE_SUMS, bool PING_PONG, typename Output,
+          typename Element>
 __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul(
     Output* __restrict__ C, const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
     int M, int N, int K, int k_per_split, const float* __restrict__ bias, bool accumulate, int k_apart,
     int slices_per_sum)
 {
-    wgmma_product<BLOCK_N, A_MN_MAJOR, B_MN_MAJOR, SLICE_SUMS, Output, Element>(C, a_map, b_map, M, N, K, k_per_split,
-                                                                                bias, accumulate, k_apart, slices_per_sum);
+    wgmma_product<BLOCK_N, A_MN_MAJOR, B_MN_MAJOR, SLICE_SUMS, PING_PONG, Output, Element>(
+        C, a_map, b_map, M, N, K, k_per_split, bias, accumulate, k_apart, slices_per_sum);
 }
 
 // The float32 operands of the TF32 products, K-major, in one pass: row r of `out` (rows x segments * segment_k)

@@ -236,11 +236,12 @@ def test_a_long_sum_with_few_tiles_is_split_by_the_launch(rng, monkeypatch):
 
 
 def test_launch_shape_on_gpt2_linear_shapes(monkeypatch):
-    """On 132 multiprocessors (an H100 or H200; the CPU reports the same): wide tiles where they fill the
-    rounds, 128-wide where 256-wide ones would leave much of the last round idle, and split K for the weight
-    gradients, whose few tiles sum over K = B*T = 8192; never for a bf16 out."""
+    """On 132 multiprocessors (an H100 or H200; the CPU reports the same): wide tiles where K is long and they
+    fill the rounds, 128-wide (ping-pong, storing while multiplying) where K is short or 256-wide ones would
+    leave much of the last round idle, and split K for the weight gradients, whose few tiles sum over
+    K = B*T = 8192; never for a bf16 out."""
     monkeypatch.setattr(backend, "multiprocessor_count", lambda: 132)
-    assert launch_shape(8192, 2304, 768, True) == (256, 1, 768)       # 576 tiles: 4.4 rounds
+    assert launch_shape(8192, 2304, 768, True) == (128, 1, 768)       # 576 wide tiles: 4.4 rounds of 12 slices
     assert launch_shape(8192, 768, 768, True) == (128, 1, 768)        # 192 wide tiles: 1.5 rounds; 384: 2.9
     assert launch_shape(8192, 768, 3072, False) == (128, 1, 3072)
     assert launch_shape(2304, 768, 8192, True) == (256, 2, 4096)      # dW: 27 x 2 tiles, 2 stretches
@@ -248,3 +249,17 @@ def test_launch_shape_on_gpt2_linear_shapes(monkeypatch):
     assert launch_shape(768, 768, 8192, False) == (128, 1, 8192)
     assert launch_shape(50304, 768, 8192, True) == (256, 1, 8192)     # 1179 tiles
     assert launch_shape(4096, 4096, 4096, True) == (256, 1, 4096)
+
+
+@hopper_or_cpu
+@pytest.mark.parametrize("block_n, ping_pong", [(256, False), (128, False), (128, True)])
+def test_one_block_takes_many_tiles_each_longer_than_the_ring(block_n, ping_pong, rng, monkeypatch):
+    """One block for all the tiles (the persistent loop; on a GPU a block takes every 132nd or so), each tile's K
+    three times as many slices as the ring has stages: the ring runs on from tile to tile, and with ping-pong
+    the warpgroups take the tiles in turn without reading another tile's slices."""
+    monkeypatch.setattr(wgmma_module, "grid_blocks", lambda items: 1)
+    M, N, K = 256, 2 * block_n + 8, 64 * 3 * wgmma_module.STAGE_ROOM // ((128 + block_n) * 128)
+    a, b, expected, tolerance = bf16_operands(rng, M, N, K)
+    out = backend.xp.full((M, N), np.nan, dtype=np.float32)
+    wgmma_module.launch_wgmma_matmul(a, b, out, shape=(block_n, 1, K), ping_pong=ping_pong)
+    assert_within(out, expected, tolerance)

@@ -24,7 +24,8 @@ gpt2_cupy.ops.tensor_core_matmul.to_bf16 makes them) pass too. Each operand's ro
 be whole 16-byte pieces, which the kernel moves: a multiple of 8 bf16, or 4 float32. Other sizes are free.
 
 The kernel is kernels/wgmma_matmul.cu, from chapters/15_tensor_cores.ipynb, section 4.8: 128 x 256 tiles of C
-(128 x 128 where that fills the GPU better) per block of two consumer warpgroups and a copy warp, K in slices
+(128 x 128, taken by the two warpgroups in turn, where K is short or that fills the GPU better) per block of
+two consumer warpgroups and a copy warp, K in slices
 of 64 copied by the copy engine (TMA, through tensor maps made here) into a ring of 128-byte swizzled stages
 guarded by mbarriers (a slice of 64 bf16 or 32 float32 per row), wgmma.mma_async reading them by descriptor, K-major or MN-major (imm-trans, bf16 only). A float32 product with few tiles and a long
 K (the weight gradient's sum over B*T rows) is split along K, each stretch into its own slab, the slabs then
@@ -48,11 +49,15 @@ BLOCK_K = 64                       # bf16 of K per slice (SLICE_K<__nv_bfloat16>
 STAGE_ROOM = 192 * 1024           # shared memory for the ring of slices (STAGE_ROOM)
 THREADS = 256 + 32                 # two consumer warpgroups and a copy warp (THREADS)
 SLICE_SUMS_BLOCK_N = 128           # tile width with slice sums: room in the registers for two sums
+PING_PONG_WIDTHS = (128,)          # tile widths whose warpgroups take whole tiles in turn (measured on an H200)
 SLICES_PER_SUM = 2                 # slices summed by the tensor cores before a float32 addition (3xTF32)
 MN_BOX = 64                        # an MN-major operand's box: 64 of m (n) by 64 of k (MN_BOX)
 MAX_SPLITS = 6                     # stretches of K at most: with out and bias, the 8 operands of one generated sum
 MIN_K_PER_SPLIT = 1024             # elements of K per stretch at least: 16 slices, to keep the pipeline full
-TILE_SPEED = {256: 1.0, 128: 0.9}    # multiply-adds per second of a block, by tile width (measured on an H200)
+TILE_SPEED = {256: 1.0, 128: 0.87}   # multiply-adds per second of a block, by tile width (measured on an H200)
+# Slices' worth of time a tile's stores hold its tensor cores: a 256-wide tile's two warpgroups store together;
+# 128-wide tiles are ping-pong, one warpgroup storing while the other multiplies (measured on an H200)
+STORE_SLICES = {256: 2, 128: 0}
 ROW_BYTES = 128                    # a slice of k in shared memory: 64 bf16 or 32 float32 a row (ROW_BYTES)
 ROW_MULTIPLE = {2: 8, 4: 4}        # rows of a and b in 16-byte pieces: 8 bf16, 4 float32 (by element bytes)
 TF32_ROW_MULTIPLE = ROW_MULTIPLE[4]
@@ -120,12 +125,13 @@ def _c_type(dtype):
     return "float" if dtype == numpy.dtype(numpy.float32) else "__nv_bfloat16"
 
 
-def _kernel(block_n, transpose_a, transpose_b, output_dtype, element_dtype, slice_sums=False):
+def _kernel(block_n, transpose_a, transpose_b, output_dtype, element_dtype, slice_sums=False, ping_pong=False):
     """The kernel for one tile width, layout, output type and element type (bf16, or float32 read as TF32). A is
     MN-major when transposed (stored K x M); B is MN-major when not (stored K x N, as W in dy W). slice_sums:
-    each slice of K summed apart, the slices added on the CUDA cores (3xTF32)."""
+    each slice of K summed apart, the slices added on the CUDA cores (3xTF32). ping_pong: the consumer warpgroups
+    take whole tiles in turn."""
     name = (f"wgmma_matmul<{block_n}, {_flag(transpose_a)}, {_flag(not transpose_b)}, {_flag(slice_sums)}, "
-            f"{_c_type(output_dtype)}, {_c_type(element_dtype)}>")
+            f"{_flag(ping_pong)}, {_c_type(output_dtype)}, {_c_type(element_dtype)}>")
     kernel = kernels.function("wgmma_matmul", name, options=OPTIONS, name_expressions=(name,))
     if kernel.max_dynamic_shared_size_bytes < shared_bytes(block_n):
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
@@ -149,15 +155,15 @@ def _launch_shape(M, N, K, float32_out, processors):
 
     A GPU of P multiprocessors runs one block per multiprocessor, in rounds of P blocks; a round only partly
     full takes about as long as a full one. A block's time is about its multiply-adds (block_n, and its
-    stretch's slices of K) over its speed: a 128-wide tile reads more shared memory per multiply-add, so it
-    runs at TILE_SPEED[128] of the 256-wide one's rate. The launch takes the tile width and number of
+    stretch's slices of K, plus STORE_SLICES for its stores) over its speed: a 128-wide tile reads more shared
+    memory per multiply-add, so it runs at TILE_SPEED[128] of the 256-wide one's rate. The launch takes the tile width and number of
     stretches with the least rounds x block time, or the fewest stretches within 15 % of it; it splits K (a
     float32 out only, each stretch at least MIN_K_PER_SPLIT long and a multiple of BLOCK_K) only where that
     saves a tenth of the time. The CPU executor reports an H100's 132 multiprocessors, so both backends take
     the same path."""
 
     def time(block_n, splits):
-        slices = ceil_div(ceil_div(K, splits), BLOCK_K)
+        slices = ceil_div(ceil_div(K, splits), BLOCK_K) + STORE_SLICES[block_n]
         return ceil_div(tiles(M, N, block_n) * splits, processors) * block_n * slices / TILE_SPEED[block_n]
 
     whole = min(TILE_SPEED, key=lambda block_n: (time(block_n, 1), -block_n))
@@ -180,7 +186,7 @@ def grid_blocks(items):
 
 
 def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False, transpose_a=False, transpose_b=True, shape=None,
-                        k_apart=None):
+                        k_apart=None, ping_pong=None):
     """out = op(a) @ op(b) (+ bias), or out += ... Unchecked: a, b C-contiguous, both bf16 (or uint16 bf16 bits)
     or both float32 (read as TF32, K-major only: transpose_a False, transpose_b True), their rows whole 16-byte
     pieces starting on 16 bytes, out (M, N) float32 or bf16 apart from both, bias None or N float32s.
@@ -196,7 +202,9 @@ def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False, transpose_a=Fals
     slice_sums = k_apart is not None
     if slice_sums:
         block_n = SLICE_SUMS_BLOCK_N
-    kernel = _kernel(block_n, transpose_a, transpose_b, out.dtype, a.dtype, slice_sums)
+    if ping_pong is None:
+        ping_pong = block_n in PING_PONG_WIDTHS and not slice_sums
+    kernel = _kernel(block_n, transpose_a, transpose_b, out.dtype, a.dtype, slice_sums, ping_pong)
     # Split K: each stretch writes its partial sums to its own slab, added below in stretch order.
     target = out if splits == 1 else backend.xp.empty((splits, M, N), dtype=numpy.float32)
     if K > 0:
