@@ -301,20 +301,30 @@ __device__ __forceinline__ void wgmma_product(Output* C, const TensorMap& a_map,
         return;
     }
 
-    // The consumers: warpgroup w multiplies rows 64w .. 64w + 63 of each tile by all BLOCK_N columns.
+    // The consumers. Without ping-pong, warpgroup w multiplies rows 64w .. 64w + 63 of each tile by all BLOCK_N
+    // columns. With it, the warpgroups take whole tiles in turn, each all 128 rows of its tile (two m64 wgmma
+    // per step of k), while the copy warp fills the ring in the order of the tiles: a warpgroup's slices land
+    // after the other's, so one multiplies while the other stores its results. A warpgroup starts its turn t
+    // once the other has issued all of turn t - 1's products (phase t - 1 of turn_done): it then waits for
+    // slices at most one round of the ring ahead, as a wait by parity needs.
+    constexpr int HALVES = PING_PONG ? 2 : 1;   // 64-row halves of a tile one warpgroup multiplies
     const int warpgroup = threadIdx.x / 128;
     const bool releases = threadIdx.x % 128 == 0;   // the thread that says the warpgroup is done with a stage
+    auto first_row = [&](int half) { return 64 * (PING_PONG ? half : warpgroup); };   // of acc[half], in the tile
     int it = 0;
-    // Slice `it`'s four wgmma, into acc, issued as one group and left running.
-    auto issue_slice = [&](float (&acc)[BLOCK_N / 2]) {
+    // Slice `it`'s wgmma into acc, four per half, issued as one group and left running.
+    auto issue_slice = [&](float (&acc)[HALVES][BLOCK_N / 2]) {
         const int stage = it % STAGES;
         mbarrier_wait(full + 8 * stage, it / STAGES & 1);   // slice it has landed
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < K_STEPS; ++k) {
-            const unsigned long long a = slice_descriptor<A_MN_MAJOR>(a_tile(stage), 64 * warpgroup, k);
             const unsigned long long b = slice_descriptor<B_MN_MAJOR>(b_tile(stage), 0, k);
-            wgmma_step<A_MN_MAJOR, B_MN_MAJOR>(acc, a, b, (const Element*)nullptr);
+#pragma unroll
+            for (int half = 0; half < HALVES; ++half) {
+                const unsigned long long a = slice_descriptor<A_MN_MAJOR>(a_tile(stage), first_row(half), k);
+                wgmma_step<A_MN_MAJOR, B_MN_MAJOR>(acc[half], a, b, (const Element*)nullptr);
+            }
         }
         wgmma_commit_group();
         ++it;
@@ -323,99 +333,62 @@ __device__ __forceinline__ void wgmma_product(Output* C, const TensorMap& a_map,
     auto release = [&](int slice) {
         if (releases) mbarrier_arrive(empty + 8 * (slice % STAGES));
     };
-    if (PING_PONG) {
-        // The warpgroups take whole tiles in turn, each all 128 rows of its tile (two m64 wgmma per step of k),
-        // while the copy warp fills the ring in the order of the tiles: a warpgroup's slices land after the
-        // other's, so one multiplies while the other stores its results.
-        // A warpgroup starts its turn t once the other has issued all of turn t - 1's products (phase t - 1 of
-        // turn_done): it then waits for slices at most one round of the ring ahead, as a wait by parity needs.
-        float d[2][BLOCK_N / 2];
-        int turn = 0;
-        for (int index = blockIdx.x; index < items; index += gridDim.x, ++turn) {
-            const WorkItem item = work_item<BLOCK_N, BLOCK_K>(index, M, N, K, k_per_split);
+    // The walk's next `count` slices into acc: each slice's stage released once its products are done, while
+    // the next slice's may still run. The last slice's products may still run on return: finish_slices waits.
+    auto issue_slices = [&](float (&acc)[HALVES][BLOCK_N / 2], int count) {
+        for (int s = 0; s < count; ++s) {
+            issue_slice(acc);
+            wgmma_wait_group<1>();
+            if (s > 0) release(it - 2);
+        }
+    };
+    auto finish_slices = [&](float (&acc)[HALVES][BLOCK_N / 2], int count) {
+        wgmma_wait_group<0>();
+#pragma unroll
+        for (int half = 0; half < HALVES; ++half) fence_accumulators(acc[half]);
+        if (count > 0) release(it - 1);
+    };
+    int turn = 0;
+    for (int index = blockIdx.x; index < items; index += gridDim.x, ++turn) {
+        const WorkItem item = work_item<BLOCK_N, BLOCK_K>(index, M, N, K, k_per_split);
+        if (PING_PONG) {
             if (turn % CONSUMERS != warpgroup) {   // the other warpgroup's tile: its slices go by
                 it += item.slices;
                 continue;
             }
             if (turn > 0) mbarrier_wait(turn_done, (turn - 1) & 1);
-            zero_accumulators(d[0]);
-            zero_accumulators(d[1]);
-            for (int s = 0; s < item.slices; ++s) {
-                const int stage = it % STAGES;
-                mbarrier_wait(full + 8 * stage, it / STAGES & 1);
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < K_STEPS; ++k) {
-                    const unsigned long long b = slice_descriptor<B_MN_MAJOR>(b_tile(stage), 0, k);
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const unsigned long long a = slice_descriptor<A_MN_MAJOR>(a_tile(stage), 64 * half, k);
-                        wgmma_step<A_MN_MAJOR, B_MN_MAJOR>(d[half], a, b, (const Element*)nullptr);
-                    }
-                }
-                wgmma_commit_group();
-                ++it;
-                wgmma_wait_group<1>();
-                if (s > 0) release(it - 2);
-            }
-            if (releases) mbarrier_arrive(turn_done);   // the other warpgroup's turn may start
-            wgmma_wait_group<0>();
-            fence_accumulators(d[0]);
-            fence_accumulators(d[1]);
-            if (item.slices > 0) release(it - 1);
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-                store_results<BLOCK_N>(C + (long long)item.stretch * M * N, d[half], item.m0 + 64 * half, item.n0, M, N,
-                                       bias, accumulate);
         }
-    } else {
-        for (int index = blockIdx.x; index < items; index += gridDim.x) {
-            const WorkItem item = work_item<BLOCK_N, BLOCK_K>(index, M, N, K, k_per_split);
-            float d[BLOCK_N / 2];
-            zero_accumulators(d);
-            if (SLICE_SUMS) {
-                // 3xTF32: the slices of k before k_apart (the small corrections, whose sums stay small) go into total
-                // on the tensor cores. From k_apart on (big times big), each group of slices_per_sum slices is summed
-                // from zero by the tensor cores in d, then added to total on the CUDA cores, in float32 rounded to
-                // nearest; the tensor cores wait while that sum is taken.
-                float total[BLOCK_N / 2];
-                zero_accumulators(total);
-                int s = 0;
-                for (; s < item.slices && item.k_begin + s * BLOCK_K < k_apart; ++s) {
-                    issue_slice(total);
-                    wgmma_wait_group<1>();
-                    if (s > 0) release(it - 2);
-                }
-                wgmma_wait_group<0>();
-                fence_accumulators(total);
-                if (s > 0) release(it - 1);
-                while (s < item.slices) {
-                    const int first = s, end = min(item.slices, s + slices_per_sum);
-                    for (; s < end; ++s) {
-                        issue_slice(d);
-                        wgmma_wait_group<1>();
-                        if (s > first) release(it - 2);
-                    }
-                    wgmma_wait_group<0>();
-                    release(it - 1);
-                    add_slice(total, d);
-                }
-    #pragma unroll
-                for (int i = 0; i < BLOCK_N / 2; ++i) d[i] = total[i];
-            } else {
-                for (int s = 0; s < item.slices; ++s) {
-                    issue_slice(d);
-                    wgmma_wait_group<1>();          // the slice before it is done (this one's products may still run)
-                    if (s > 0) release(it - 2);
-                }
-                wgmma_wait_group<0>();
-                fence_accumulators(d);
-                if (item.slices > 0) release(it - 1);   // the item's last slice
+        float d[HALVES][BLOCK_N / 2];
+#pragma unroll
+        for (int half = 0; half < HALVES; ++half) zero_accumulators(d[half]);
+        if (SLICE_SUMS) {
+            // 3xTF32: the slices of k before k_apart (the small corrections, whose sums stay small) go into total
+            // on the tensor cores. From k_apart on (big times big), each group of slices_per_sum slices is summed
+            // from zero by the tensor cores in d, then added to total on the CUDA cores, in float32 rounded to
+            // nearest; the tensor cores wait while that sum is taken.
+            float total[HALVES][BLOCK_N / 2];
+            zero_accumulators(total[0]);
+            const int small = min(item.slices, max(0, (k_apart - item.k_begin + BLOCK_K - 1) / BLOCK_K));
+            issue_slices(total, small);
+            finish_slices(total, small);
+            for (int s = small; s < item.slices; s += slices_per_sum) {
+                const int count = min(slices_per_sum, item.slices - s);
+                issue_slices(d, count);
+                finish_slices(d, count);
+                add_slice(total[0], d[0]);
             }
-            // This stretch's slab of C (the only one without split K).
-            store_results<BLOCK_N>(C + (long long)item.stretch * M * N, d, item.m0 + 64 * warpgroup, item.n0, M, N, bias,
-                                   accumulate);
+#pragma unroll
+            for (int i = 0; i < BLOCK_N / 2; ++i) d[0][i] = total[0][i];
+        } else {
+            issue_slices(d, item.slices);
+            if (PING_PONG && releases) mbarrier_arrive(turn_done);   // the other warpgroup's turn may start
+            finish_slices(d, item.slices);
         }
+        // This stretch's slab of C (the only one without split K).
+#pragma unroll
+        for (int half = 0; half < HALVES; ++half)
+            store_results<BLOCK_N>(C + (long long)item.stretch * M * N, d[half], item.m0 + first_row(half), item.n0,
+                                   M, N, bias, accumulate);
     }
 }
 
@@ -424,8 +397,10 @@ __device__ __forceinline__ void wgmma_product(Output* C, const TensorMap& a_map,
 // BLOCK_M rows by one slice of k (K-major) or of 64 x 64 (MN-major); b_map the same for B with BLOCK_N rows.
 // SLICE_SUMS (3xTF32; 128-wide tiles, for the registers of two sums): from k = k_apart on, groups of
 // slices_per_sum slices are summed apart on the tensor cores and added on the CUDA cores (a tensor core adding
-// into a large sum cuts off the low bits of what it adds); k_apart and slices_per_sum are unused without it. Launched by name: wgmma_matmul<256, false, false, false, float, __nv_bfloat16> is the Linear forward
-// x Wᵀ from bf16 into float32; wgmma_matmul<256, false, false, false, float, float> the same in TF32.
+// into a large sum cuts off the low bits of what it adds); k_apart and slices_per_sum are unused without it.
+// PING_PONG: the consumer warpgroups take whole tiles in turn. Launched by name: wgmma_matmul<256, false, false,
+// false, false, float, __nv_bfloat16> is the Linear forward x Wᵀ from bf16 into float32 on 256-wide tiles;
+// wgmma_matmul<256, false, false, false, false, float, float> the same in TF32.
 template <int BLOCK_N, bool A_MN_MAJOR, bool B_MN_MAJOR, bool SLICE_SUMS, bool PING_PONG, typename Output,
           typename Element>
 __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul(

@@ -25,11 +25,11 @@ be whole 16-byte pieces, which the kernel moves: a multiple of 8 bf16, or 4 floa
 
 The kernel is kernels/wgmma_matmul.cu, from chapters/15_tensor_cores.ipynb, section 4.8: 128 x 256 tiles of C
 (128 x 128, taken by the two warpgroups in turn, where K is short or that fills the GPU better) per block of
-two consumer warpgroups and a copy warp, K in slices
-of 64 copied by the copy engine (TMA, through tensor maps made here) into a ring of 128-byte swizzled stages
-guarded by mbarriers (a slice of 64 bf16 or 32 float32 per row), wgmma.mma_async reading them by descriptor, K-major or MN-major (imm-trans, bf16 only). A float32 product with few tiles and a long
-K (the weight gradient's sum over B*T rows) is split along K, each stretch into its own slab, the slabs then
-added in order: the same result every run.
+two consumer warpgroups and a copy warp, K in slices of 64 copied by the copy engine (TMA, through tensor maps
+made here) into a ring of 128-byte swizzled stages guarded by mbarriers (a slice of 64 bf16 or 32 float32 per
+row), wgmma.mma_async reading them by descriptor, K-major or MN-major (imm-trans, bf16 only). A float32 product
+with few tiles and a long K (the weight gradient's sum over B*T rows) is split along K, each stretch into its
+own slab, the slabs then added in order: the same result every run.
 wgmma exists only on compute capability 9.0 (H100, H200), and compiles only for sm_90a; on another GPU this op
 raises RuntimeError. The CPU executor emulates wgmma, so the op runs there too.
 """
@@ -156,11 +156,11 @@ def _launch_shape(M, N, K, float32_out, processors):
     A GPU of P multiprocessors runs one block per multiprocessor, in rounds of P blocks; a round only partly
     full takes about as long as a full one. A block's time is about its multiply-adds (block_n, and its
     stretch's slices of K, plus STORE_SLICES for its stores) over its speed: a 128-wide tile reads more shared
-    memory per multiply-add, so it runs at TILE_SPEED[128] of the 256-wide one's rate. The launch takes the tile width and number of
-    stretches with the least rounds x block time, or the fewest stretches within 15 % of it; it splits K (a
-    float32 out only, each stretch at least MIN_K_PER_SPLIT long and a multiple of BLOCK_K) only where that
-    saves a tenth of the time. The CPU executor reports an H100's 132 multiprocessors, so both backends take
-    the same path."""
+    memory per multiply-add, so it runs at TILE_SPEED[128] of the 256-wide one's rate. The launch takes the tile
+    width and number of stretches with the least rounds x block time, or the fewest stretches within 15 % of
+    it; it splits K (a float32 out only, each stretch at least MIN_K_PER_SPLIT long and a multiple of BLOCK_K)
+    only where that saves a tenth of the time. The CPU executor reports an H100's 132 multiprocessors, so both
+    backends take the same path."""
 
     def time(block_n, splits):
         slices = ceil_div(ceil_div(K, splits), BLOCK_K) + STORE_SLICES[block_n]

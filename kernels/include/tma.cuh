@@ -78,7 +78,8 @@ __device__ __forceinline__ void mbarrier_wait(unsigned barrier, unsigned parity)
 __device__ __forceinline__ void tma_load_2d(unsigned destination, const TensorMap& map, int column, int row,
                                             unsigned barrier)
 {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];"
                  :: "r"(destination), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(column), "r"(row),
                     "r"(barrier)
                  : "memory");
