@@ -1,5 +1,6 @@
-"""Attention on tensor cores in bf16 on a GPU: against chapter 08's float32 fused kernels and PyTorch's bf16
-scaled_dot_product_attention, causal, forward and forward + backward, in the same run.
+"""Attention on tensor cores in bf16 and TF32 on a GPU: against chapter 08's float32 fused kernels and PyTorch's
+scaled_dot_product_attention in bf16 and in float32 with TF32 allowed, causal, forward and forward + backward,
+in the same run.
 
     python -m bench.tensor_core_attention          prints a table and writes bench/tensor_core_attention.json
     python -m bench.tensor_core_attention --tiny   on any backend: every run once at small shapes, no timings,
@@ -12,14 +13,17 @@ does: 2 B H T² d forward (S and P V), 7 B H T² d forward + backward (the backw
 dV, dK, dQ). The kernel rows count the products each kernel does: the dk, dv pass 4 (S, dP, dV, dK), the
 dq pass 3 (S, dP again, dQ).
 
-  - ours: gpt2_cupy.ops.tensor_core_attention, with the tile shapes the op uses;
+  - ours: gpt2_cupy.ops.tensor_core_attention on bf16 and on float32 (TF32) arrays, with the tile shapes the
+    op uses;
   - chapter 08's fused float32 kernels (gpt2_cupy.ops.attention) where they run: d = 32 or 64, one key and
     value head per query head (the GPT-2 shape);
   - torch.nn.functional.scaled_dot_product_attention(is_causal=True) on bf16 tensors, where PyTorch is
-    installed (its flash kernel); for grouped-query attention with enable_gqa=True where this PyTorch has
-    it, else on K and V repeated per head beforehand (outside the timing, and said so);
-  - each kernel of ours alone, with every candidate tile shape (TILE_CANDIDATES), at the GPT-2 shape and
-    at Llama's B = 4: what the op's FORWARD_TILES, DK_DV_TILES and DQ_TILES were chosen from.
+    installed (its flash kernel), and on float32 ones with torch.backends.cuda.matmul.allow_tf32 and
+    cudnn.allow_tf32 set (its memory-efficient kernel); for grouped-query attention with enable_gqa=True
+    where this PyTorch has it, else on K and V repeated per head beforehand (outside the timing, and said so);
+  - each kernel of ours alone, in bf16 and TF32, with every candidate tile shape (TILE_CANDIDATES) whose
+    shared memory fits a block, at the GPT-2 shape and at Llama's B = 4: what the op's FORWARD_TILES,
+    DK_DV_TILES and DQ_TILES were chosen from.
 """
 
 import sys
@@ -30,7 +34,8 @@ from ml_dtypes import bfloat16
 
 from gpt2_cupy import backend, benchmark
 from gpt2_cupy.ops import tensor_core_attention as ops
-from gpt2_cupy.ops.attention import HEAD_SIZES as FLOAT32_HEAD_SIZES, attention_backward, attention_forward
+from gpt2_cupy.ops.attention import (HEAD_SIZES as FLOAT32_HEAD_SIZES, SHARED_BYTES_PER_BLOCK, attention_backward,
+                                     attention_forward)
 from gpt2_cupy.testing import torch_or_none
 
 # name: (B, H, H_kv, T, d)
@@ -43,6 +48,8 @@ TINY_SHAPES = {"GPT-2-like": (1, 2, 2, 80, 64), "Llama-like": (1, 4, 2, 80, 128)
 FORWARD, BOTH = "forward", "forward + backward"
 CAUSAL_HALF_PRODUCTS = {FORWARD: 2, BOTH: 7}
 KERNEL_PRODUCTS = {"forward": 2, "dk_dv": 4, "dq": 3, "row_dot": 0}
+FORMATS = {"bf16": bfloat16, "tf32": numpy.float32}   # our format's name: the arrays' dtype
+SHARED_BYTES = {"forward": ops.forward_shared_bytes, "dk_dv": ops.dk_dv_shared_bytes, "dq": ops.dq_shared_bytes}
 
 
 def causal_flop(shape, products):
@@ -51,24 +58,27 @@ def causal_flop(shape, products):
     return products * B * H * T * T * d
 
 
-def bf16_arrays(shape, seed=0):
-    """q, k, v, dout as bf16 backend arrays: q, dout (B, H, T, d), k, v (B, H_kv, T, d)."""
+def arrays(shape, dtype=bfloat16, seed=0):
+    """q, k, v, dout as backend arrays of dtype: q, dout (B, H, T, d), k, v (B, H_kv, T, d)."""
     B, H, H_kv, T, d = shape
     random = numpy.random.default_rng(seed)
-    return [backend.xp.asarray(random.standard_normal(s, dtype=numpy.float32).astype(bfloat16))
+    return [backend.xp.asarray(random.standard_normal(s, dtype=numpy.float32).astype(dtype))
             for s in ((B, H, T, d), (B, H_kv, T, d), (B, H_kv, T, d), (B, H, T, d))]
 
 
 def ours(shape):
-    """{name: run}: the op forward, and forward + backward."""
-    q, k, v, dout = bf16_arrays(shape)
+    """{name: run}: the op forward, and forward + backward, in bf16 and in TF32."""
+    runs = {}
+    for fmt, dtype in FORMATS.items():
+        q, k, v, dout = arrays(shape, dtype)
 
-    def both():
-        out, lse = ops.tensor_core_attention_forward(q, k, v)
-        ops.tensor_core_attention_backward(dout, q, k, v, out, lse)
+        def both(q=q, k=k, v=v, dout=dout):
+            out, lse = ops.tensor_core_attention_forward(q, k, v)
+            ops.tensor_core_attention_backward(dout, q, k, v, out, lse)
 
-    return {f"tensor cores bf16, {FORWARD}": lambda: ops.tensor_core_attention_forward(q, k, v),
-            f"tensor cores bf16, {BOTH}": both}
+        runs[f"tensor cores {fmt}, {FORWARD}"] = lambda q=q, k=k, v=v: ops.tensor_core_attention_forward(q, k, v)
+        runs[f"tensor cores {fmt}, {BOTH}"] = both
+    return runs
 
 
 def chapter_08(shape):
@@ -89,15 +99,24 @@ def chapter_08(shape):
 
 
 def torch_runs(shape):
-    """{name: run, or a note}: PyTorch's scaled_dot_product_attention on bf16 tensors; {} without PyTorch."""
+    """{name: run, or a note}: PyTorch's scaled_dot_product_attention on bf16 tensors and on float32 ones with
+    TF32 allowed; {} without PyTorch."""
     torch = torch_or_none()
     if torch is None or backend.name != "cuda":
         return {}
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    runs = {}
+    for fmt, dtype in (("bf16", torch.bfloat16), ("float32 (TF32 allowed)", torch.float32)):
+        runs.update(_torch_sdpa(torch, shape, fmt, dtype))
+    return runs
+
+
+def _torch_sdpa(torch, shape, fmt, dtype):
     B, H, H_kv, T, d = shape
     generator = torch.Generator(device="cuda").manual_seed(0)
 
     def tensor(heads):
-        return torch.randn(B, heads, T, d, device="cuda", generator=generator, dtype=torch.bfloat16)
+        return torch.randn(B, heads, T, d, device="cuda", generator=generator, dtype=dtype)
 
     q, k, v, dout = tensor(H), tensor(H_kv), tensor(H_kv), tensor(H)
     sdpa, options, how = torch.nn.functional.scaled_dot_product_attention, {}, ""
@@ -120,28 +139,41 @@ def torch_runs(shape):
         q.grad = k.grad = v.grad = None
         sdpa(q, k, v, is_causal=True, **options).backward(dout)
 
-    return {f"torch sdpa bf16{how}, {FORWARD}": forward, f"torch sdpa bf16{how}, {BOTH}": both}
+    return {f"torch sdpa {fmt}{how}, {FORWARD}": forward, f"torch sdpa {fmt}{how}, {BOTH}": both}
 
 
 def kernel_runs(shape):
-    """{name: (run, products)}: each of our kernels alone, with every candidate tile shape."""
+    """{name: (run, products), or a note}: each of our kernels alone, in each format, with every candidate tile
+    shape."""
+    runs = {}
+    for fmt, dtype in FORMATS.items():
+        runs.update(_format_kernel_runs(shape, fmt, dtype))
+    return runs
+
+
+def _format_kernel_runs(shape, fmt, dtype):
     B, H, H_kv, T, d = shape
-    q, k, v, dout = bf16_arrays(shape)
-    xp, scale = backend.xp, numpy.float32(d ** -0.5)
+    q, k, v, dout = arrays(shape, dtype)
+    xp, scale, element = backend.xp, numpy.float32(d ** -0.5), ops.ELEMENT[numpy.dtype(dtype)]
     out, lse = ops.tensor_core_attention_forward(q, k, v)
     row_dot = xp.empty((B, H, T), dtype=numpy.float32)
     dq, dk, dv = xp.empty_like(q), xp.empty_like(k), xp.empty_like(v)
-    defaults = {"forward": ops.FORWARD_TILES[d], "dk_dv": ops.DK_DV_TILES[d], "dq": ops.DQ_TILES[d]}
+    defaults = {"forward": ops.FORWARD_TILES[element][d], "dk_dv": ops.DK_DV_TILES[element][d],
+                "dq": ops.DQ_TILES[element][d]}
     launches = {"forward": lambda tiles: ops._forward(out, lse, q, k, v, True, scale, *tiles),
                 "dk_dv": lambda tiles: ops._dk_dv(dk, dv, dout, q, k, v, lse, row_dot, True, scale, *tiles),
                 "dq": lambda tiles: ops._dq(dq, dout, q, k, v, lse, row_dot, True, scale, *tiles)}
     other = {"forward": "keys", "dk_dv": "queries", "dq": "keys"}
-    runs = {"kernel row_dot": (lambda: ops._row_dot(row_dot, dout, out), KERNEL_PRODUCTS["row_dot"])}
+    runs = {f"kernel {fmt} row_dot": (lambda: ops._row_dot(row_dot, dout, out), KERNEL_PRODUCTS["row_dot"])}
     ops._row_dot(row_dot, dout, out)
     for kernel, candidates in ops.TILE_CANDIDATES.items():
         for warps, tile in candidates:
             used = " (the op's)" if (warps, tile) == defaults[kernel] else ""
-            name = f"kernel {kernel}, {warps} warps, {tile} {other[kernel]}{used}"
+            name = f"kernel {fmt} {kernel}, {warps} warps, {tile} {other[kernel]}{used}"
+            shared = SHARED_BYTES[kernel](d, warps, tile, numpy.dtype(dtype).itemsize)
+            if shared > SHARED_BYTES_PER_BLOCK:
+                runs[name] = f"not run: {shared // 1024} KB of shared memory, above a block's {SHARED_BYTES_PER_BLOCK // 1024}"
+                continue
             runs[name] = (lambda launch=launches[kernel], tiles=(warps, tile): launch(tiles), KERNEL_PRODUCTS[kernel])
     return runs
 
@@ -172,9 +204,9 @@ def measure_shape(shape, tiny=False):
 def measure_kernels(shape, tiny=False):
     """Each of our kernels alone, with every candidate tile shape, at one shape."""
     runs = kernel_runs(shape)
-    products = {name: count for name, (_, count) in runs.items()}
-    return timed({name: run for name, (run, _) in runs.items()}, lambda name: causal_flop(shape, products[name]),
-                 tiny)
+    products = {name: run[1] for name, run in runs.items() if not isinstance(run, str)}
+    return timed({name: run if isinstance(run, str) else run[0] for name, run in runs.items()},
+                 lambda name: causal_flop(shape, products[name]), tiny)
 
 
 def shape_report(shape_name, seconds, tflops):
@@ -187,12 +219,13 @@ def shape_report(shape_name, seconds, tflops):
             continue
         rate = f"{tflops[name]:7.1f} TFLOP/s" if tflops.get(name) else ""
         lines.append(f"    {name:<62s} {s * 1e3:9.3f} ms {rate}")
-    for other in ("torch sdpa bf16", "chapter 08 fused float32"):
+    for fmt, other in (("bf16", "torch sdpa bf16"), ("bf16", "chapter 08 fused float32"),
+                       ("tf32", "torch sdpa float32 (TF32 allowed)"), ("tf32", "chapter 08 fused float32")):
         for part in (FORWARD, BOTH):
-            mine = seconds.get(f"tensor cores bf16, {part}")
+            mine = seconds.get(f"tensor cores {fmt}, {part}")
             theirs = [s for name, s in seconds.items() if name.startswith(other) and name.endswith(f", {part}")]
             if mine and theirs and isinstance(theirs[0], float):
-                lines.append(f"    ours vs {other}, {part}: {theirs[0] / mine:.2f}x (above 1: ours faster)")
+                lines.append(f"    ours {fmt} vs {other}, {part}: {theirs[0] / mine:.2f}x (above 1: ours faster)")
     return lines
 
 
@@ -210,7 +243,7 @@ def main():
                 "shapes": {name: dict(zip(("B", "H", "H_kv", "T", "d"), shape)) for name, shape in SHAPES.items()},
                 "tiles": {"forward": ops.FORWARD_TILES, "dk_dv": ops.DK_DV_TILES, "dq": ops.DQ_TILES},
                 "seconds": {}, "tflops": {}}
-    print(f"{measured['device']}, {measured['date']}: causal attention, bf16 (chapter 08: float32), "
+    print(f"{measured['device']}, {measured['date']}: causal attention, bf16 and TF32 (chapter 08: float32), "
           f"PyTorch {measured['torch'] or 'not installed'}")
     path = Path(__file__).with_suffix(".json")
     # The comparisons at every shape first, then each kernel's candidates; the file is written after each

@@ -10,12 +10,14 @@
 
 The package's products read the setting in one place, gpt2_cupy.ops.matmul.launch_matmul: the Linear
 layer's forward, input gradient and weight gradient, and the batched products (attention's unfused path).
-At "highest" they run chapter 01's float32 kernels, the same on every GPU and on the CPU executor.
-tensor_core_matmul's 3xTF32 on an H100's or H200's wgmma is as accurate (measured on an H200: within 10 %
-of the float32 kernel's error at K = 300 and 1024, eight times smaller at 4096³) and faster there (45 to
-104 TFLOP/s on GPT-2's Linear products, against cuBLAS float32's 42 to 54: bench/tensor_cores.json), but
-it is not yet the package's "highest".
-The fused attention kernels (gpt2_cupy.ops.attention's flash path) stay float32 at every setting.
+At "highest" they run chapter 01's float32 kernels, except on an H100 or H200, where a large 2-D product
+(a Linear layer's, at GPT-2's sizes) runs tensor_core_matmul's 3xTF32 on the wgmma: as accurate (measured
+on an H200: within 10 % of the float32 kernel's error at K = 300 and 1024, eight times smaller at 4096³)
+and faster (45 to 104 TFLOP/s on GPT-2's Linear products, against cuBLAS float32's 42 to 54:
+bench/tensor_cores.json). The CPU executor keeps the float32 kernels.
+Attention (gpt2_cupy.nn.functional.scaled_dot_product_attention) follows the setting too: at "high" its
+tensor-core kernels run in TF32, at "medium" in bf16, where they take the shape; at "highest" chapter 08's
+float32 kernels run.
 
 gpt2_cupy.ops.tensor_core_matmul reads the setting when it is not given a precision, and there "highest"
 means 3xTF32; chapter 15 explains each format and measures its error against float64. An unknown name is
@@ -31,8 +33,8 @@ _precision = "highest"
 
 def set_float32_matmul_precision(precision):
     """Choose how float32 matrix products may use tensor cores: "highest", "high" or "medium" (see the
-    module's doc: at "highest" the package's products run float32 kernels, at "high" TF32, at "medium" bf16
-    inputs; sums are float32 in all three; the fused attention kernels stay float32)."""
+    module's doc: at "highest" the package's products run float32 kernels or 3xTF32, at "high" TF32, at
+    "medium" bf16 inputs; sums are float32 in all three; attention follows)."""
     global _precision
     if precision not in PRECISIONS:
         raise ValueError(f"set_float32_matmul_precision: {precision!r} is not one of "

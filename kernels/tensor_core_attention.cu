@@ -1,7 +1,7 @@
-// Attention on tensor cores, FlashAttention-2 style: bf16 inputs and outputs, float32 sums and softmax,
-// forward and backward, causal or not, with grouped-query attention.
-//   q, out, dout, dq: (B, H, T, D) bf16;  k, v, dk, dv: (B, H_kv, T, D) bf16;  lse, row_dot: (B, H, T) float32.
-// Each bf16 tensor is given as the array that holds it and a HeadLayout (below) that says where in it the
+// Attention on tensor cores, FlashAttention-2 style: bf16 or float32 (TF32) inputs and outputs, float32 sums and
+// softmax, forward and backward, causal or not, with grouped-query attention. Element is each kernel's storage type:
+//   q, out, dout, dq: (B, H, T, D) Element;  k, v, dk, dv: (B, H_kv, T, D) Element;  lse, row_dot: (B, H, T) float32.
+// Each Element tensor is given as the array that holds it and a HeadLayout (below) that says where in it the
 // tensor lies: contiguous (B, H, T, D) is one layout; q, k, v sliced from one (B, T, 3 H D) product's output
 // and out written into a (B, T, H D) array are others, read and written where they lie, without a copy.
 // Query head h reads key and value head h / (H / H_kv) of the same batch element (H_kv = H: one each).
@@ -9,20 +9,20 @@
 // lse = log Σ_j e^S of each row, which the backward uses to recompute P. Grid: blockIdx.x is the head (the
 // query head b H + h, or for the dk, dv pass the key/value head b H_kv + h_kv), blockIdx.y a tile of rows.
 //
-// Every product runs on mma.sync.m16n8k16 (kernels/include/mma.cuh), a warp-wide 16 x 8 += 16 x 16 · 16 x 8.
+// Every product runs in steps of a warp-wide 16 x 8 += 16 x 16 · 16 x 8 (Fragments, below): one
+// mma.sync.m16n8k16 in bf16, two mma.sync.m16n8k8 in TF32 (kernels/include/mma.cuh).
 // A warp owns 16 rows of each product: queries in the forward and in the dq pass, keys in the dk, dv pass.
 // A block of WARPS warps owns 16 WARPS rows and walks along the other axis a tile at a time.
-//  - Tiles live in shared memory as [row][D + 8] bf16, as in global memory plus 16 bytes: ldmatrix reads
-//    8 rows of 16 bytes at once, and rows D / 8 + 1 (an odd number of) 16-byte groups apart start on 8
-//    different groups of 4 banks (of the 8 a 128-byte line has), so the 8 rows are read in one pass.
+//  - Tiles live in shared memory as [row][D + PADDING] Element, as in global memory plus 16 bytes (bf16) or 32
+//    (float), so that the rows a warp reads at once start on different banks.
 //  - They arrive by cp.async, two stages: the next tile is in flight while the warps multiply this one.
-//  - A fragments come from shared memory by ldmatrix, B fragments by ldmatrix (tiles stored as B's
-//    columns, K in Q Kᵀ) or ldmatrix.trans (stored as B's rows, V in P V). The forward reads its queries'
-//    fragments once and keeps them in registers; the backward reads its A fragments again for each tile,
-//    where registers are short (the dk, dv pass holds two 16 x D sums).
+//  - A fragments are read from tiles stored as A's rows; B fragments from tiles stored as B's columns (K in
+//    Q Kᵀ) or as B's rows (V in P V). The forward reads its queries' fragments once and keeps them in
+//    registers; the backward reads its A fragments again for each tile, where registers are short (the dk,
+//    dv pass holds two 16 x D sums).
 //  - The FlashAttention-2 trick: the float32 result fragments of two neighbouring 16 x 8 products (S, or
-//    P after the softmax) hold, lane for lane, exactly the elements of the A fragment of the next
-//    m16n8k16 (16 x 16). P is rounded to bf16 in registers and multiplied by V without a trip through
+//    P after the softmax) hold, lane for lane, exactly the elements of the A fragment of the next 16 x 16
+//    step. P is rounded to the input format in registers and multiplied by V without a trip through
 //    shared memory.
 //  - The dk, dv pass computes the transposed products, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, so that its 16 keys are
 //    the rows of the result and Pᵀ, dSᵀ are again A fragments for dV += Pᵀ dO and dK += dSᵀ Q.
@@ -39,17 +39,6 @@
 
 typedef __nv_bfloat16 bfloat16;
 
-constexpr int ROW_PADDING = 8;     // bf16 after each row of a shared tile: 16 bytes
-static_assert(ROW_PADDING * sizeof(bfloat16) % 16 == 0, "padded rows must keep cp.async's 16-byte copies aligned");
-
-// Two floats rounded to bf16 (to nearest, ties to even) in one register, the first in the low half: the
-// order of an mma operand's two neighbours along k.
-__device__ __forceinline__ unsigned bf16_pair(float low, float high)
-{
-    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(low)) |
-           ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(high)) << 16);
-}
-
 // The key/value head that query head `head` (b * heads + h) reads: head h / (heads / kv_heads) of batch b.
 __device__ __forceinline__ long long kv_head_of(long long head, int heads, int kv_heads)
 {
@@ -58,8 +47,8 @@ __device__ __forceinline__ long long kv_head_of(long long head, int heads, int k
 
 // Where a (B, heads, T, D) tensor's elements lie in its array: head h of batch element b starts at element
 // offset + b batch + h head, its rows are `row` elements apart, and each row's D elements are contiguous.
-// The offset and the strides are multiples of 8 elements, so that every row starts on 16 bytes, as
-// cp.async's copies need.
+// The offset and the strides are multiples of 16 bytes, so that every row starts on 16 bytes, as cp.async's
+// copies need.
 struct HeadLayout {
     long long offset, batch, head, row;
 
@@ -71,18 +60,18 @@ struct HeadLayout {
 };
 
 // Start copying rows first_row .. first_row + ROWS - 1 of a (T, D) matrix whose rows are row_stride elements
-// apart into a shared tile, 16 bytes per cp.async; rows at or past T become zeros (a copy that reads 0
-// bytes fills its 16 with zeros).
-template <int ROWS, int D, int THREADS>
-__device__ __forceinline__ void copy_rows_async(bfloat16* tile, const bfloat16* matrix, long long row_stride,
+// apart into a shared tile whose rows are STRIDE apart, 16 bytes per cp.async; rows at or past T become
+// zeros (a copy that reads 0 bytes fills its 16 with zeros).
+template <int ROWS, int D, int STRIDE, int THREADS, typename Element>
+__device__ __forceinline__ void copy_rows_async(Element* tile, const Element* matrix, long long row_stride,
                                                 int first_row, int T)
 {
-    constexpr int STRIDE = D + ROW_PADDING, COPIES_PER_ROW = D / 8;
+    constexpr int PER_COPY = 16 / sizeof(Element), COPIES_PER_ROW = D / PER_COPY;
 #pragma unroll
     for (int copy = threadIdx.x; copy < ROWS * COPIES_PER_ROW; copy += THREADS) {
-        const int row = copy / COPIES_PER_ROW, column = copy % COPIES_PER_ROW * 8;
+        const int row = copy / COPIES_PER_ROW, column = copy % COPIES_PER_ROW * PER_COPY;
         const bool inside = first_row + row < T;
-        const bfloat16* source = inside ? matrix + (first_row + row) * row_stride + column : matrix;
+        const Element* source = inside ? matrix + (first_row + row) * row_stride + column : matrix;
         cp_async_16(shared_address(tile + row * STRIDE + column), source, inside ? 16 : 0);
     }
 }
@@ -97,45 +86,164 @@ __device__ __forceinline__ void copy_floats_async(float* tile, const float* vect
     }
 }
 
-// Fragments from shared tiles whose rows are D bf16 long. lane 8q + r names row r of ldmatrix's matrix q.
-// The A fragments of 16 rows (rows[0] .. rows[15]) for every 16 columns k0 = 16i: matrices q = rows 0-7
-// and 8-15 at k0, then at k0 + 8 (mma.cuh: a[0] = (g, 2t..2t+1), a[1] = (g + 8, ..), a[2], a[3] at k + 8).
-template <int D>
-__device__ __forceinline__ void row_fragments(unsigned (&a)[D / 16][4], const bfloat16* rows)
-{
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-        ldmatrix_x4(a[i], shared_address(rows + (lane % 16) * (D + ROW_PADDING) + 16 * i + lane / 16 * 8));
+// How a warp reads and multiplies tiles of each storage type, one 16 x 16 step of k at a time:
+//   rows(a, tile, k0)                 the A fragment of 16 rows of a tile, columns k0 .. k0 + 15
+//   columns(b, tile, k0)              B fragments of two n8 tiles (n = 0..7, 8..15) at k = k0 .. k0 + 15 from a
+//                                     tile whose rows are B's columns (K's rows are the columns of Kᵀ)
+//   columns_transposed(b, tile, n0)   the same from a tile whose rows are B's rows (V in P V: 16 keys are k,
+//                                     head dimensions n0 .. n0 + 15 are n)
+//   multiply(first, second, a, b)     first += a b (n = 0..7), second += a b (n = 8..15)
+//   weights(a, left, right)           the A fragment made of two neighbouring 16 x 8 float32 results: left
+//                                     (columns 0..7) and right (8..15), rounded to the input format
+// STRIDE is the tile's row stride in elements. Fragment element names: g = lane / 4, t = lane % 4.
+template <typename Element>
+struct Fragments;
+
+// bf16: ldmatrix reads 8 rows of 16 bytes at once; lane 8q + r names row r of ldmatrix's matrix q. Rows D / 8
+// + 1 (an odd number of) 16-byte groups apart start on 8 different groups of 4 banks (of the 8 a 128-byte
+// line has), so the 8 rows are read in one pass. The fragments are mma.cuh's mma_m16n8k16_bf16's.
+template <>
+struct Fragments<bfloat16> {
+    static constexpr int PADDING = 8;        // bf16 after each row: 16 bytes
+    static constexpr int A = 4, B = 4;       // registers of an A fragment, of two n8 tiles' B fragments
+
+    // Matrices q = rows 0-7 and 8-15 at k0, then at k0 + 8: a[0] = (g, 2t..2t+1), a[1] = (g + 8, ..), a[2],
+    // a[3] at k + 8.
+    template <int STRIDE>
+    static __device__ __forceinline__ void rows(unsigned (&a)[A], const bfloat16* tile, int k0)
+    {
+        const int lane = threadIdx.x % 32;
+        ldmatrix_x4(a, shared_address(tile + (lane % 16) * STRIDE + k0 + lane / 16 * 8));
     }
-}
 
-// B fragments of two neighbouring n8 tiles, b[0..1] for columns n = 0..7 and b[2..3] for n = 8..15, at
-// k = k0 .. k0 + 15, from a tile whose rows are B's columns (K's rows are the columns of Kᵀ): matrices q =
-// rows 0-7 at k0 and k0 + 8, then rows 8-15 at k0 and k0 + 8. b[0] = (2t..2t+1, g): row g, elements 2t, 2t+1.
-template <int D>
-__device__ __forceinline__ void column_fragments(unsigned (&b)[4], const bfloat16* rows, int k0)
-{
-    const int lane = threadIdx.x % 32;
-    ldmatrix_x4(b, shared_address(rows + (lane / 16 * 8 + lane % 8) * (D + ROW_PADDING) + k0 + lane / 8 % 2 * 8));
-}
+    // Matrices q = rows 0-7 at k0 and k0 + 8, then rows 8-15 at k0 and k0 + 8. b[0] = (2t..2t+1, g): row g,
+    // elements 2t, 2t+1.
+    template <int STRIDE>
+    static __device__ __forceinline__ void columns(unsigned (&b)[B], const bfloat16* tile, int k0)
+    {
+        const int lane = threadIdx.x % 32;
+        ldmatrix_x4(b, shared_address(tile + (lane / 16 * 8 + lane % 8) * STRIDE + k0 + lane / 8 % 2 * 8));
+    }
 
-// The same when the tile's rows are B's rows (V in P V: 16 keys are k, the head dimensions n0 .. n0 + 15
-// are n): ldmatrix.trans hands each lane two neighbours down a column, rows 2t and 2t + 1 of column g.
-template <int D>
-__device__ __forceinline__ void column_fragments_transposed(unsigned (&b)[4], const bfloat16* rows, int n0)
-{
-    const int lane = threadIdx.x % 32;
-    ldmatrix_x4_trans(b, shared_address(rows + (lane / 8 % 2 * 8 + lane % 8) * (D + ROW_PADDING) + n0 + lane / 16 * 8));
-}
+    // ldmatrix.trans hands each lane two neighbours down a column: rows 2t and 2t + 1 of column g.
+    template <int STRIDE>
+    static __device__ __forceinline__ void columns_transposed(unsigned (&b)[B], const bfloat16* tile, int n0)
+    {
+        const int lane = threadIdx.x % 32;
+        ldmatrix_x4_trans(b, shared_address(tile + (lane / 8 % 2 * 8 + lane % 8) * STRIDE + n0 + lane / 16 * 8));
+    }
 
-// first += a b[0..1], second += a b[2..3]: one A fragment against two n8 tiles.
-__device__ __forceinline__ void mma_two_tiles(float (&first)[4], float (&second)[4], const unsigned (&a)[4],
-                                              const unsigned (&b)[4])
+    static __device__ __forceinline__ void multiply(float (&first)[4], float (&second)[4], const unsigned (&a)[A],
+                                                    const unsigned (&b)[B])
+    {
+        const unsigned b_first[2] = {b[0], b[1]}, b_second[2] = {b[2], b[3]};
+        mma_m16n8k16_bf16(first, a, b_first);
+        mma_m16n8k16_bf16(second, a, b_second);
+    }
+
+    // a[0] = (g, 2t..2t+1) is elements 0, 1 of left, a[1] = (g + 8, 2t..2t+1) its elements 2, 3, and a[2],
+    // a[3] the same of right; each pair rounded to bf16 (to nearest, ties to even), the first in the low half.
+    static __device__ __forceinline__ void weights(unsigned (&a)[A], const float (&left)[4], const float (&right)[4])
+    {
+        a[0] = pair(left[0], left[1]);
+        a[1] = pair(left[2], left[3]);
+        a[2] = pair(right[0], right[1]);
+        a[3] = pair(right[2], right[3]);
+    }
+
+    static __device__ __forceinline__ unsigned pair(float low, float high)
+    {
+        return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(low)) |
+               ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(high)) << 16);
+    }
+};
+
+// float, on TF32's m16n8k8: a 16 x 16 step is two of them, and the order of k inside the step is ours to
+// choose, as long as A and B agree. Taking k = 2t and 2t + 1 (then 2t + 8, 2t + 9) where m16n8k8 puts t and
+// t + 4 gives each lane the same elements as bf16's layout: a row's two neighbours, one 8-byte load, and
+// the 16 x 8 results of S, in the order they lie, are the A fragment of P V. Operands read from shared
+// memory go in as they are (the tensor core reads a float's upper 19 bits: TF32 rounded toward zero, as
+// wgmma's TF32 does); P and dS, made in registers, are rounded to nearest (cvt.rna) on the way.
+// With rows D + 8 floats apart (8 banks on), the 16 lanes of a half warp read their 8 bytes from 16
+// different pairs of banks; a transposed read hits 2 lanes per bank.
+template <>
+struct Fragments<float> {
+    static constexpr int PADDING = 8;        // floats after each row: 32 bytes
+    static constexpr int A = 8, B = 8;
+
+    // a[0..3]: the first m16n8k8's (g, 2t), (g + 8, 2t), (g, 2t + 1), (g + 8, 2t + 1); a[4..7] the same at k + 8.
+    template <int STRIDE>
+    static __device__ __forceinline__ void rows(unsigned (&a)[A], const float* tile, int k0)
+    {
+        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int row = 0; row < 2; ++row) {
+                const float2 pair = *reinterpret_cast<const float2*>(tile + (g + 8 * row) * STRIDE + k0 + 8 * half + 2 * t);
+                a[4 * half + row] = __float_as_uint(pair.x);
+                a[4 * half + row + 2] = __float_as_uint(pair.y);
+            }
+    }
+
+    // b[0..1]: column g of the first n8 tile at k = 2t, 2t + 1; b[2..3] at 2t + 8, 2t + 9; b[4..7] the same
+    // for the second tile (rows g + 8).
+    template <int STRIDE>
+    static __device__ __forceinline__ void columns(unsigned (&b)[B], const float* tile, int k0)
+    {
+        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float2 pair = *reinterpret_cast<const float2*>(tile + (g + 8 * n) * STRIDE + k0 + 8 * half + 2 * t);
+                b[4 * n + 2 * half] = __float_as_uint(pair.x);
+                b[4 * n + 2 * half + 1] = __float_as_uint(pair.y);
+            }
+    }
+
+    template <int STRIDE>
+    static __device__ __forceinline__ void columns_transposed(unsigned (&b)[B], const float* tile, int n0)
+    {
+        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                b[4 * n + k] = __float_as_uint(tile[(2 * t + k % 2 + 8 * (k / 2)) * STRIDE + n0 + 8 * n + g]);
+            }
+    }
+
+    static __device__ __forceinline__ void multiply(float (&first)[4], float (&second)[4], const unsigned (&a)[A],
+                                                    const unsigned (&b)[B])
+    {
+        const unsigned a_low[4] = {a[0], a[1], a[2], a[3]}, a_high[4] = {a[4], a[5], a[6], a[7]};
+        const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]}, b2[2] = {b[4], b[5]}, b3[2] = {b[6], b[7]};
+        mma_m16n8k8_tf32(first, a_low, b0);
+        mma_m16n8k8_tf32(first, a_high, b1);
+        mma_m16n8k8_tf32(second, a_low, b2);
+        mma_m16n8k8_tf32(second, a_high, b3);
+    }
+
+    // A result's elements are (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1): reordered as rows() reads.
+    static __device__ __forceinline__ void weights(unsigned (&a)[A], const float (&left)[4], const float (&right)[4])
+    {
+        const float* halves[2] = {left, right};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            a[4 * half] = to_tf32(halves[half][0]);
+            a[4 * half + 1] = to_tf32(halves[half][2]);
+            a[4 * half + 2] = to_tf32(halves[half][1]);
+            a[4 * half + 3] = to_tf32(halves[half][3]);
+        }
+    }
+};
+
+// The row stride of a shared tile of rows of D elements.
+template <typename Element, int D>
+__host__ __device__ constexpr int tile_stride()
 {
-    const unsigned b_first[2] = {b[0], b[1]}, b_second[2] = {b[2], b[3]};
-    mma_m16n8k16_bf16(first, a, b_first);
-    mma_m16n8k16_bf16(second, a, b_second);
+    return D + Fragments<Element>::PADDING;
 }
 
 // product (16 x COLUMNS, as COLUMNS / 8 result fragments) = the warp's 16 rows of length D (their A
@@ -143,10 +251,13 @@ __device__ __forceinline__ void mma_two_tiles(float (&first)[4], float (&second)
 // in [begin, end); the other chunks are left at zero. Loops run over compile-time bounds, fully unrolled,
 // so that the fragments stay in registers (an array indexed at run time goes to local memory); the chunk
 // range is a condition inside.
-template <int D, int COLUMNS>
-__device__ __forceinline__ void multiply_by_rows(float (&product)[COLUMNS / 8][4], const unsigned (&a)[D / 16][4],
-                                                 const bfloat16* b_rows, int begin, int end)
+template <int D, int COLUMNS, typename Element>
+__device__ __forceinline__ void multiply_by_rows(float (&product)[COLUMNS / 8][4],
+                                                 const unsigned (&a)[D / 16][Fragments<Element>::A],
+                                                 const Element* b_rows, int begin, int end)
 {
+    using F = Fragments<Element>;
+    constexpr int STRIDE = tile_stride<Element, D>();
 #pragma unroll
     for (int j = 0; j < COLUMNS / 8; ++j)
 #pragma unroll
@@ -156,53 +267,73 @@ __device__ __forceinline__ void multiply_by_rows(float (&product)[COLUMNS / 8][4
 #pragma unroll
         for (int c = 0; c < COLUMNS / 16; ++c) {
             if (c < begin || c >= end) continue;
-            unsigned b[4];
-            column_fragments<D>(b, b_rows + 16 * c * (D + ROW_PADDING), 16 * i);
-            mma_two_tiles(product[2 * c], product[2 * c + 1], a[i], b);
+            unsigned b[F::B];
+            F::template columns<STRIDE>(b, b_rows + 16 * c * STRIDE, 16 * i);
+            F::multiply(product[2 * c], product[2 * c + 1], a[i], b);
         }
     }
 }
 
-// The same with the 16 rows' A fragments read from a shared tile first (a_rows: the first of them).
-template <int D, int COLUMNS>
-__device__ __forceinline__ void multiply_shared_rows(float (&product)[COLUMNS / 8][4], const bfloat16* a_rows,
-                                                     const bfloat16* b_rows, int begin, int end)
+// The A fragments of 16 rows of length D of a shared tile (rows: the first of them), for every 16 columns.
+template <int D, typename Element>
+__device__ __forceinline__ void row_fragments(unsigned (&a)[D / 16][Fragments<Element>::A], const Element* rows)
 {
-    unsigned a[D / 16][4];
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+        Fragments<Element>::template rows<tile_stride<Element, D>()>(a[i], rows, 16 * i);
+    }
+}
+
+// multiply_by_rows with the 16 rows' A fragments read from a shared tile first (a_rows: the first of them).
+template <int D, int COLUMNS, typename Element>
+__device__ __forceinline__ void multiply_shared_rows(float (&product)[COLUMNS / 8][4], const Element* a_rows,
+                                                     const Element* b_rows, int begin, int end)
+{
+    unsigned a[D / 16][Fragments<Element>::A];
     row_fragments<D>(a, a_rows);
     multiply_by_rows<D, COLUMNS>(product, a, b_rows, begin, end);
 }
 
 // sum (16 x D) += weights (16 x COLUMNS, the result fragments of multiply_by_rows) times value_rows
-// (COLUMNS rows of length D), over the chunks of 16 columns c in [begin, end). Fragments 2c and 2c + 1
-// of the weights, rounded to bf16, are the A fragment of chunk c: a[0] = (g, 2t..2t+1) is elements 0, 1
-// of fragment 2c, a[1] = (g + 8, 2t..2t+1) its elements 2, 3, and a[2], a[3] the same of fragment 2c + 1.
-template <int D, int COLUMNS>
+// (COLUMNS rows of length D), over the chunks of 16 columns c in [begin, end): fragments 2c and 2c + 1 of
+// the weights are the A fragment of chunk c.
+template <int D, int COLUMNS, typename Element>
 __device__ __forceinline__ void accumulate_weighted_rows(float (&sum)[D / 8][4], const float (&weights)[COLUMNS / 8][4],
-                                                         const bfloat16* value_rows, int begin, int end)
+                                                         const Element* value_rows, int begin, int end)
 {
+    using F = Fragments<Element>;
+    constexpr int STRIDE = tile_stride<Element, D>();
 #pragma unroll
     for (int c = 0; c < COLUMNS / 16; ++c) {
         if (c < begin || c >= end) continue;
-        const float(&left)[4] = weights[2 * c];
-        const float(&right)[4] = weights[2 * c + 1];
-        const unsigned a[4] = {bf16_pair(left[0], left[1]), bf16_pair(left[2], left[3]),
-                               bf16_pair(right[0], right[1]), bf16_pair(right[2], right[3])};
+        unsigned a[F::A];
+        F::weights(a, weights[2 * c], weights[2 * c + 1]);
 #pragma unroll
         for (int n0 = 0; n0 < D; n0 += 16) {
-            unsigned b[4];
-            column_fragments_transposed<D>(b, value_rows + 16 * c * (D + ROW_PADDING), n0);
-            mma_two_tiles(sum[n0 / 8], sum[n0 / 8 + 1], a, b);
+            unsigned b[F::B];
+            F::template columns_transposed<STRIDE>(b, value_rows + 16 * c * STRIDE, n0);
+            F::multiply(sum[n0 / 8], sum[n0 / 8 + 1], a, b);
         }
     }
 }
 
-// Write the warp's 16 rows of a 16 x D sum, times `factor`, to rows first_row + ... of a (T, D) matrix in
-// bf16, its rows row_stride elements apart. Result element e of fragment n is row g + 8 (e / 2), column 8n + 2t + e % 2: elements 0, 1 and
-// 2, 3 are neighbours, one bf16 pair each.
-template <int D>
-__device__ __forceinline__ void store_rows_bf16(bfloat16* matrix, long long row_stride, const float (&sum)[D / 8][4],
-                                                int first_row, int T, float factor)
+// Two neighbouring elements of a row stored at once, each rounded once to the storage type.
+__device__ __forceinline__ void store_pair(float* destination, float first, float second)
+{
+    *reinterpret_cast<float2*>(destination) = make_float2(first, second);
+}
+
+__device__ __forceinline__ void store_pair(bfloat16* destination, float first, float second)
+{
+    *reinterpret_cast<__nv_bfloat162*>(destination) = __floats2bfloat162_rn(first, second);
+}
+
+// Write the warp's 16 rows of a 16 x D sum, times `factor`, to rows first_row + ... of a (T, D) matrix whose
+// rows are row_stride elements apart. Result element e of fragment n is row g + 8 (e / 2), column 8n + 2t + e % 2:
+// elements 0, 1 and 2, 3 are neighbours, one store each.
+template <int D, typename Element>
+__device__ __forceinline__ void store_rows(Element* matrix, long long row_stride, const float (&sum)[D / 8][4],
+                                           int first_row, int T, float factor)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -211,8 +342,7 @@ __device__ __forceinline__ void store_rows_bf16(bfloat16* matrix, long long row_
         if (row >= T) continue;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
-            *reinterpret_cast<__nv_bfloat162*>(matrix + row * row_stride + 8 * n + 2 * t) =
-                __floats2bfloat162_rn(factor * sum[n][2 * half], factor * sum[n][2 * half + 1]);
+            store_pair(matrix + row * row_stride + 8 * n + 2 * t, factor * sum[n][2 * half], factor * sum[n][2 * half + 1]);
         }
     }
 }
@@ -223,18 +353,18 @@ __device__ __forceinline__ void store_rows_bf16(bfloat16* matrix, long long row_
 // 16 queries (warp_query ..) see some of its keys runs work(first_key, k_tile, v_tile, chunks, masked):
 // the chunks of 16 keys (from the first) that it sees, and whether some key is hidden from some of its
 // queries (past T, or causal past the query) so that the scores need masking.
-template <int D, int ROWS, int KEYS, typename Work>
-__device__ __forceinline__ void for_each_visible_key_tile(bfloat16* k_tiles, bfloat16* v_tiles, const bfloat16* k,
-                                                          const bfloat16* v, long long k_row, long long v_row,
+template <int D, int ROWS, int KEYS, typename Element, typename Work>
+__device__ __forceinline__ void for_each_visible_key_tile(Element* k_tiles, Element* v_tiles, const Element* k,
+                                                          const Element* v, long long k_row, long long v_row,
                                                           int first_query, int T, int causal, Work work)
 {
-    constexpr int THREADS = 2 * ROWS, TILE_ELEMENTS = KEYS * (D + ROW_PADDING);
+    constexpr int THREADS = 2 * ROWS, STRIDE = tile_stride<Element, D>(), TILE_ELEMENTS = KEYS * STRIDE;
     const int warp_query = first_query + 16 * (threadIdx.x / 32);
     const int tiles = ((causal ? min(first_query + ROWS, T) : T) + KEYS - 1) / KEYS;
     auto start_tile = [&](int tile) {
         const int stage = tile % 2;
-        copy_rows_async<KEYS, D, THREADS>(k_tiles + stage * TILE_ELEMENTS, k, k_row, tile * KEYS, T);
-        copy_rows_async<KEYS, D, THREADS>(v_tiles + stage * TILE_ELEMENTS, v, v_row, tile * KEYS, T);
+        copy_rows_async<KEYS, D, STRIDE, THREADS>(k_tiles + stage * TILE_ELEMENTS, k, k_row, tile * KEYS, T);
+        copy_rows_async<KEYS, D, STRIDE, THREADS>(v_tiles + stage * TILE_ELEMENTS, v, v_row, tile * KEYS, T);
     };
     start_tile(0);
     cp_async_commit();
@@ -264,10 +394,10 @@ __device__ __forceinline__ void for_each_visible_key_tile(bfloat16* k_tiles, bfl
 // MASKED: the tile reaches past T or (causal) past the warp's first query, so scores are masked one by
 // one. The warp sees the first `chunks` chunks of 16 keys; the rest are hidden from all 16 rows and not
 // multiplied.
-template <int D, int KEYS, bool MASKED>
+template <int D, int KEYS, bool MASKED, typename Element>
 __device__ __forceinline__ void forward_tile(float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
-                                             const unsigned (&q_fragments)[D / 16][4], const bfloat16* k_tile,
-                                             const bfloat16* v_tile, int chunks, int first_key, int first_query, int T,
+                                             const unsigned (&q_fragments)[D / 16][Fragments<Element>::A],
+                                             const Element* k_tile, const Element* v_tile, int chunks, int first_key, int first_query, int T,
                                              int causal, float scale_log2)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -306,25 +436,25 @@ __device__ __forceinline__ void forward_tile(float (&o)[D / 8][4], float (&row_m
 #pragma unroll
             for (int e = 2 * half; e < 2 * half + 2; ++e) {
                 s[j][e] = exp2f(s[j][e] - base);
-                row_sum[half] += s[j][e];  // from the float32 weights; P V uses them rounded to bf16
+                row_sum[half] += s[j][e];  // from the float32 weights; P V uses them rounded to the input format
             }
     }
     accumulate_weighted_rows<D, KEYS>(o, s, v_tile, 0, chunks);
 }
 
 // out, lse from q, k, v. Dynamic shared memory: the query tile, then two stages of K and of V.
-template <int D, int WARPS, int KEYS>
+template <typename Element, int D, int WARPS, int KEYS>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
-    bfloat16* __restrict__ out, float* __restrict__ lse, const bfloat16* __restrict__ q,
-    const bfloat16* __restrict__ k, const bfloat16* __restrict__ v, int T, int heads, int kv_heads, float scale,
+    Element* __restrict__ out, float* __restrict__ lse, const Element* __restrict__ q,
+    const Element* __restrict__ k, const Element* __restrict__ v, int T, int heads, int kv_heads, float scale,
     int causal, HeadLayout out_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at)
 {
     static_assert(D % 16 == 0 && KEYS % 16 == 0, "fragments are 16 wide");
-    constexpr int ROWS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = D + ROW_PADDING;
+    constexpr int ROWS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = tile_stride<Element, D>();
     extern __shared__ __align__(16) unsigned char shared_bytes[];
-    bfloat16* q_tile = reinterpret_cast<bfloat16*>(shared_bytes);
-    bfloat16* k_tiles = q_tile + ROWS * STRIDE;
-    bfloat16* v_tiles = k_tiles + 2 * KEYS * STRIDE;
+    Element* q_tile = reinterpret_cast<Element*>(shared_bytes);
+    Element* k_tiles = q_tile + ROWS * STRIDE;
+    Element* v_tiles = k_tiles + 2 * KEYS * STRIDE;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const long long head = blockIdx.x, kv_head = kv_head_of(head, heads, kv_heads);
     const int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS;  // causal: the longest rows start first
@@ -335,10 +465,10 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
 
     float o[D / 8][4] = {};
     float row_max[2] = {NEGATIVE_INFINITY, NEGATIVE_INFINITY}, row_sum[2] = {0.0f, 0.0f};
-    unsigned q_fragments[D / 16][4];  // the warp's queries, read from shared memory once (every warp sees key 0)
-    copy_rows_async<ROWS, D, THREADS>(q_tile, q, q_at.row, first_query, T);
+    unsigned q_fragments[D / 16][Fragments<Element>::A];  // the warp's queries, read once (every warp sees key 0)
+    copy_rows_async<ROWS, D, STRIDE, THREADS>(q_tile, q, q_at.row, first_query, T);
     for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, k_at.row, v_at.row, first_query, T, causal,
-        [&](int first_key, const bfloat16* k_tile, const bfloat16* v_tile, int chunks, bool masked) {
+        [&](int first_key, const Element* k_tile, const Element* v_tile, int chunks, bool masked) {
             if (first_key == 0) row_fragments<D>(q_fragments, q_tile + 16 * warp * STRIDE);
             if (masked)
                 forward_tile<D, KEYS, true>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks, first_key,
@@ -364,7 +494,7 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
             o[n][2 * half + 1] *= inverse_sum[half];
         }
     }
-    store_rows_bf16<D>(out, out_at.row, o, warp_query, T, 1.0f);
+    store_rows<D>(out, out_at.row, o, warp_query, T, 1.0f);
 }
 
 // ---- backward ---------------------------------------------------------------------------------------
@@ -373,11 +503,11 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
 // over queries) and dq (a block per tile of queries, looping over keys); S and dP are computed in both.
 
 // row_dot[i] = Σ_d dout[i][d] out[i][d] for each of `rows` = B heads T rows of length d, in float32, reading
-// dout and out where dout_at and out_at say. A row takes d / 8 lanes, each moving 8 bf16 (16 bytes) of
-// both by one load (storage.cuh's groups): a warp takes 32 / (d / 8) rows.
-extern "C" __global__ void tensor_core_attention_row_dot(float* row_dot, const bfloat16* dout, const bfloat16* out,
-                                                         int rows, int d, int T, int heads, HeadLayout dout_at,
-                                                         HeadLayout out_at)
+// dout and out where dout_at and out_at say. A row takes d / 8 lanes, each moving 8 elements of both
+// (storage.cuh's groups: 16 bytes of bf16, 32 of float): a warp takes 32 / (d / 8) rows.
+template <typename Element>
+__global__ void tensor_core_attention_row_dot(float* row_dot, const Element* dout, const Element* out, int rows, int d,
+                                              int T, int heads, HeadLayout dout_at, HeadLayout out_at)
 {
     constexpr int GROUP = 8;
     const int lanes = d / GROUP, part = threadIdx.x % lanes;
@@ -401,10 +531,10 @@ extern "C" __global__ void tensor_core_attention_row_dot(float* row_dot, const b
 // (rows = keys, columns = queries), Pᵀ = 2^(Sᵀ scale log2 e - lse log2 e), dSᵀ = Pᵀ ⊙ (dPᵀ - row_dot),
 // then dV += Pᵀ dO and dK += dSᵀ Q. lse_tile and dot_tile hold the tile's queries' lse and row_dot.
 // Chunks of 16 queries c in [begin, end) are multiplied; the others are hidden from all 16 keys.
-template <int D, int QUERIES, bool MASKED>
+template <int D, int QUERIES, bool MASKED, typename Element>
 __device__ __forceinline__ void dk_dv_tile(float (&dk_sum)[D / 8][4], float (&dv_sum)[D / 8][4],
-                                           const bfloat16* k_rows, const bfloat16* v_rows, const bfloat16* q_tile,
-                                           const bfloat16* dout_tile, const float* lse_tile, const float* dot_tile,
+                                           const Element* k_rows, const Element* v_rows, const Element* q_tile,
+                                           const Element* dout_tile, const float* lse_tile, const float* dot_tile,
                                            int begin, int end, int first_key, int first_query, int T, int causal,
                                            float scale_log2)
 {
@@ -430,22 +560,22 @@ __device__ __forceinline__ void dk_dv_tile(float (&dk_sum)[D / 8][4], float (&dv
 // dk, dv of one key/value head's tile of 16 WARPS keys, summed over every query head of its group and
 // every query tile that sees them. Dynamic shared memory: the K and V tiles, two stages of Q and dO
 // tiles, then two stages of QUERIES floats of lse and of row_dot.
-template <int D, int WARPS, int QUERIES>
+template <typename Element, int D, int WARPS, int QUERIES>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_dv(
-    bfloat16* __restrict__ dk, bfloat16* __restrict__ dv, const bfloat16* __restrict__ dout,
-    const bfloat16* __restrict__ q, const bfloat16* __restrict__ k, const bfloat16* __restrict__ v,
+    Element* __restrict__ dk, Element* __restrict__ dv, const Element* __restrict__ dout,
+    const Element* __restrict__ q, const Element* __restrict__ k, const Element* __restrict__ v,
     const float* __restrict__ lse, const float* __restrict__ row_dot, int T, int heads, int kv_heads, float scale,
     int causal, HeadLayout dk_at, HeadLayout dv_at, HeadLayout dout_at, HeadLayout q_at, HeadLayout k_at,
     HeadLayout v_at)
 {
     static_assert(D % 16 == 0 && QUERIES % 16 == 0, "fragments are 16 wide");
-    constexpr int KEYS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = D + ROW_PADDING;
+    constexpr int KEYS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = tile_stride<Element, D>();
     constexpr int TILE_ELEMENTS = QUERIES * STRIDE;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
-    bfloat16* k_tile = reinterpret_cast<bfloat16*>(shared_bytes);
-    bfloat16* v_tile = k_tile + KEYS * STRIDE;
-    bfloat16* q_tiles = v_tile + KEYS * STRIDE;
-    bfloat16* dout_tiles = q_tiles + 2 * TILE_ELEMENTS;
+    Element* k_tile = reinterpret_cast<Element*>(shared_bytes);
+    Element* v_tile = k_tile + KEYS * STRIDE;
+    Element* q_tiles = v_tile + KEYS * STRIDE;
+    Element* dout_tiles = q_tiles + 2 * TILE_ELEMENTS;
     float* lse_tiles = reinterpret_cast<float*>(dout_tiles + 2 * TILE_ELEMENTS);
     float* dot_tiles = lse_tiles + 2 * QUERIES;
     const int warp = threadIdx.x / 32;
@@ -460,15 +590,15 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
     auto start_step = [&](int step) {
         const long long head = first_head + step / tiles_per_head;
         const int first_query = (first_tile + step % tiles_per_head) * QUERIES, stage = step % 2;
-        copy_rows_async<QUERIES, D, THREADS>(q_tiles + stage * TILE_ELEMENTS, q + q_at.start(head, heads), q_at.row,
+        copy_rows_async<QUERIES, D, STRIDE, THREADS>(q_tiles + stage * TILE_ELEMENTS, q + q_at.start(head, heads), q_at.row,
                                              first_query, T);
-        copy_rows_async<QUERIES, D, THREADS>(dout_tiles + stage * TILE_ELEMENTS, dout + dout_at.start(head, heads),
+        copy_rows_async<QUERIES, D, STRIDE, THREADS>(dout_tiles + stage * TILE_ELEMENTS, dout + dout_at.start(head, heads),
                                              dout_at.row, first_query, T);
         copy_floats_async<QUERIES, THREADS>(lse_tiles + stage * QUERIES, lse + head * T, first_query, T);
         copy_floats_async<QUERIES, THREADS>(dot_tiles + stage * QUERIES, row_dot + head * T, first_query, T);
     };
-    copy_rows_async<KEYS, D, THREADS>(k_tile, k + k_at.start(kv_head, kv_heads), k_at.row, first_key, T);
-    copy_rows_async<KEYS, D, THREADS>(v_tile, v + v_at.start(kv_head, kv_heads), v_at.row, first_key, T);
+    copy_rows_async<KEYS, D, STRIDE, THREADS>(k_tile, k + k_at.start(kv_head, kv_heads), k_at.row, first_key, T);
+    copy_rows_async<KEYS, D, STRIDE, THREADS>(v_tile, v + v_at.start(kv_head, kv_heads), v_at.row, first_key, T);
     start_step(0);
     cp_async_commit();
 
@@ -483,10 +613,10 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
         const int begin = causal ? max(0, (warp_key - first_query) / 16) : 0;
         const int end = min(QUERIES / 16, (T - first_query + 15) / 16);
         if (warp_key < T && begin < end) {
-            const bfloat16* k_rows = k_tile + 16 * warp * STRIDE;
-            const bfloat16* v_rows = v_tile + 16 * warp * STRIDE;
-            const bfloat16* q_rows = q_tiles + stage * TILE_ELEMENTS;
-            const bfloat16* dout_rows = dout_tiles + stage * TILE_ELEMENTS;
+            const Element* k_rows = k_tile + 16 * warp * STRIDE;
+            const Element* v_rows = v_tile + 16 * warp * STRIDE;
+            const Element* q_rows = q_tiles + stage * TILE_ELEMENTS;
+            const Element* dout_rows = dout_tiles + stage * TILE_ELEMENTS;
             const float* lse_tile = lse_tiles + stage * QUERIES;
             const float* dot_tile = dot_tiles + stage * QUERIES;
             if (first_query + QUERIES > T || (causal && first_query < warp_key + 15))
@@ -498,15 +628,15 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
         }
         __syncthreads();
     }
-    store_rows_bf16<D>(dk + dk_at.start(kv_head, kv_heads), dk_at.row, dk_sum, warp_key, T, scale);
-    store_rows_bf16<D>(dv + dv_at.start(kv_head, kv_heads), dv_at.row, dv_sum, warp_key, T, 1.0f);
+    store_rows<D>(dk + dk_at.start(kv_head, kv_heads), dk_at.row, dk_sum, warp_key, T, scale);
+    store_rows<D>(dv + dv_at.start(kv_head, kv_heads), dv_at.row, dv_sum, warp_key, T, 1.0f);
 }
 
 // One key tile of the dq pass for the warp's 16 queries: S = Q Kᵀ, dP = dO Vᵀ, P from lse, dS, dQ += dS K.
 // lse2 and dot: the lane's rows g and g + 8, lse in log2 units.
-template <int D, int KEYS, bool MASKED>
-__device__ __forceinline__ void dq_tile(float (&dq_sum)[D / 8][4], const bfloat16* q_rows, const bfloat16* dout_rows,
-                                        const bfloat16* k_tile, const bfloat16* v_tile, const float (&lse2)[2],
+template <int D, int KEYS, bool MASKED, typename Element>
+__device__ __forceinline__ void dq_tile(float (&dq_sum)[D / 8][4], const Element* q_rows, const Element* dout_rows,
+                                        const Element* k_tile, const Element* v_tile, const float (&lse2)[2],
                                         const float (&dot)[2], int chunks, int first_key, int first_query, int T,
                                         int causal, float scale_log2)
 {
@@ -528,20 +658,20 @@ __device__ __forceinline__ void dq_tile(float (&dq_sum)[D / 8][4], const bfloat1
 
 // dq of one tile of 16 WARPS queries of one head. Dynamic shared memory: the Q and dO tiles, then two
 // stages of K and of V.
-template <int D, int WARPS, int KEYS>
+template <typename Element, int D, int WARPS, int KEYS>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
-    bfloat16* __restrict__ dq, const bfloat16* __restrict__ dout, const bfloat16* __restrict__ q,
-    const bfloat16* __restrict__ k, const bfloat16* __restrict__ v, const float* __restrict__ lse,
+    Element* __restrict__ dq, const Element* __restrict__ dout, const Element* __restrict__ q,
+    const Element* __restrict__ k, const Element* __restrict__ v, const float* __restrict__ lse,
     const float* __restrict__ row_dot, int T, int heads, int kv_heads, float scale, int causal, HeadLayout dq_at,
     HeadLayout dout_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at)
 {
     static_assert(D % 16 == 0 && KEYS % 16 == 0, "fragments are 16 wide");
-    constexpr int ROWS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = D + ROW_PADDING;
+    constexpr int ROWS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = tile_stride<Element, D>();
     extern __shared__ __align__(16) unsigned char shared_bytes[];
-    bfloat16* q_tile = reinterpret_cast<bfloat16*>(shared_bytes);
-    bfloat16* dout_tile = q_tile + ROWS * STRIDE;
-    bfloat16* k_tiles = dout_tile + ROWS * STRIDE;
-    bfloat16* v_tiles = k_tiles + 2 * KEYS * STRIDE;
+    Element* q_tile = reinterpret_cast<Element*>(shared_bytes);
+    Element* dout_tile = q_tile + ROWS * STRIDE;
+    Element* k_tiles = dout_tile + ROWS * STRIDE;
+    Element* v_tiles = k_tiles + 2 * KEYS * STRIDE;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
     const long long head = blockIdx.x, kv_head = kv_head_of(head, heads, kv_heads);
     const int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS, warp_query = first_query + 16 * warp;
@@ -558,12 +688,12 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
         dot[half] = query < T ? row_dot[query] : 0.0f;
     }
     float dq_sum[D / 8][4] = {};
-    copy_rows_async<ROWS, D, THREADS>(q_tile, q, q_at.row, first_query, T);
-    copy_rows_async<ROWS, D, THREADS>(dout_tile, dout, dout_at.row, first_query, T);
+    copy_rows_async<ROWS, D, STRIDE, THREADS>(q_tile, q, q_at.row, first_query, T);
+    copy_rows_async<ROWS, D, STRIDE, THREADS>(dout_tile, dout, dout_at.row, first_query, T);
     for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, k_at.row, v_at.row, first_query, T, causal,
-        [&](int first_key, const bfloat16* k_tile, const bfloat16* v_tile, int chunks, bool masked) {
-            const bfloat16* q_rows = q_tile + 16 * warp * STRIDE;
-            const bfloat16* dout_rows = dout_tile + 16 * warp * STRIDE;
+        [&](int first_key, const Element* k_tile, const Element* v_tile, int chunks, bool masked) {
+            const Element* q_rows = q_tile + 16 * warp * STRIDE;
+            const Element* dout_rows = dout_tile + 16 * warp * STRIDE;
             if (masked)
                 dq_tile<D, KEYS, true>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks, first_key,
                                        warp_query, T, causal, scale_log2);
@@ -571,5 +701,5 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
                 dq_tile<D, KEYS, false>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks, first_key,
                                         warp_query, T, causal, scale_log2);
         });
-    store_rows_bf16<D>(dq, dq_at.row, dq_sum, warp_query, T, scale);
+    store_rows<D>(dq, dq_at.row, dq_sum, warp_query, T, scale);
 }

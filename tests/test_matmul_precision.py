@@ -12,14 +12,20 @@ Sizes stay under 64: the CPU executor runs each mma.sync warp by warp, in Python
 
 import numpy as np
 import pytest
+from ml_dtypes import bfloat16
 
 import gpt2_cupy
 from gpt2_cupy import checkpoint
 from gpt2_cupy import train as training
+from gpt2_cupy.autograd import Tensor
+from gpt2_cupy.nn import functional as F
+from gpt2_cupy.ops.attention import attention_forward
+from gpt2_cupy.ops.tensor_core_attention import tensor_core_attention_forward
 from gpt2_cupy.ops.linear import linear_backward, linear_forward
 from gpt2_cupy.ops.matmul import batched_matmul
 from gpt2_cupy.precision import PRECISIONS, bf16_bits, bf16_values, tf32_values
 from gpt2_cupy.testing import relative_error
+from tests.test_tensor_core_attention import reference_backward, reference_forward
 
 TOLERANCE = {"highest": 1e-4, "high": 2e-3, "medium": 2e-2}
 SUMMATION_TOLERANCE = 1e-5
@@ -80,6 +86,57 @@ def test_batched_products_follow_the_precision(rng, to_device, to_host, precisio
 
     assert_product(got, product(a.astype(np.float64), b.astype(np.float64)),
                    product(AS_READ[precision](a), AS_READ[precision](b)), precision)
+
+
+ATTENTION_TOLERANCE = {"highest": 1e-5, "high": 4e-3, "medium": 3e-2}   # of out, dq, dk, dv against float64
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_attention_follows_the_precision(rng, to_device, to_host, precision):
+    """F.scaled_dot_product_attention of float32 heads large enough for the tensor-core kernels (B H T² d =
+    2^24 multiply-adds): at "highest" chapter 08's float32 kernels, at "high" the tensor-core kernels in
+    TF32, at "medium" in bf16 (inputs rounded, out widened back): the same bits as those kernels called
+    directly, and out and the gradients within the precision's tolerance of float64 (max |error| / max |ref|)."""
+    B, H, T, d = 1, 4, 256, 64
+    q, k, v, dout = (rng.standard_normal((B, H, T, d)).astype(np.float32) for _ in range(4))
+    gpt2_cupy.set_float32_matmul_precision(precision)
+    inputs = [Tensor(to_device(x), requires_grad=True) for x in (q, k, v)]
+    out = F.scaled_dot_product_attention(*inputs, is_causal=True)
+    out.backward(Tensor(to_device(dout)))
+    assert out.dtype == np.float32 and all(x.grad.dtype == np.float32 for x in inputs)
+
+    if precision == "highest":
+        direct, _ = attention_forward(*(to_device(x) for x in (q, k, v)), causal=True)
+    elif precision == "high":
+        direct, _ = tensor_core_attention_forward(*(to_device(x) for x in (q, k, v)))
+    else:
+        direct, _ = tensor_core_attention_forward(*(to_device(x.astype(bfloat16)) for x in (q, k, v)))
+        direct = to_device(to_host(direct).astype(np.float32))
+    assert np.array_equal(to_host(out.data), to_host(direct))
+    wide = [x.astype(np.float64) for x in (q, k, v, dout)]
+    references = [reference_forward(*wide[:3])[0], *reference_backward(wide[3], *wide[:3])]
+    for name, got, reference in zip(("out", "dq", "dk", "dv"), [out.data] + [x.grad for x in inputs], references):
+        assert relative_error(to_host(got), reference) < ATTENTION_TOLERANCE[precision], name
+
+
+def test_highest_runs_large_products_as_3xtf32_on_hopper(rng, to_device, to_host):
+    """At "highest", a Linear-sized product (512 x 512 x 1024, 2^28 multiply-adds) runs as 3xTF32 on an H100's
+    or H200's wgmma: the bits of tensor_core_matmul's "highest", within float32's tolerance of float64. The
+    CPU executor, and other GPUs, keep chapter 01's float32 kernel."""
+    from gpt2_cupy.ops.matmul import matmul
+    from gpt2_cupy.ops.tensor_core_matmul import highest_on_tensor_cores, tensor_core_matmul
+    from gpt2_cupy.ops.wgmma_matmul import wgmma_runs
+    M, N, K = 512, 512, 1024
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K)).astype(np.float32)
+    out = to_device(np.empty((M, N), np.float32))
+    on_tensor_cores = highest_on_tensor_cores(out, K)
+    assert on_tensor_cores == (gpt2_cupy.backend.name == "cuda" and wgmma_runs())
+    got = to_host(matmul(to_device(a), to_device(b), transpose_b=True, out=out))
+    assert relative_error(got, a.astype(np.float64) @ b.T.astype(np.float64)) < TOLERANCE["highest"]
+    if on_tensor_cores:
+        expected = to_host(tensor_core_matmul(to_device(a), to_device(b), transpose_b=True, precision="highest"))
+        assert np.array_equal(got, expected)
 
 
 def test_allow_tf32_reads_and_writes_the_precision():

@@ -1,8 +1,9 @@
-"""Attention on tensor cores in bf16 (gpt2_cupy.ops.tensor_core_attention) against float64 numpy.
+"""Attention on tensor cores in bf16 and TF32 (gpt2_cupy.ops.tensor_core_attention) against float64 numpy.
 
-The reference computes exactly, in float64, from the same bf16 inputs. The kernels round in known places,
-and every element of every result must lie within what those roundings can do (first order, times 1.01
-for the second-order terms), with u = 2⁻⁸, bf16's unit roundoff (8 significant bits, to nearest):
+The reference computes exactly, in float64, from the same bf16 (or float32) inputs. The kernels round in
+known places, and every element of every result must lie within what those roundings can do (first order,
+times 1.01 for the second-order terms). In bf16, with u = 2⁻⁸, bf16's unit roundoff (8 significant bits,
+to nearest):
 
   out   P is rounded to bf16 before P V, each weight by at most u of itself: u Σ_j P_ij |v_j|; then the
         result is rounded to bf16: u |out_i|.
@@ -11,12 +12,17 @@ for the second-order terms), with u = 2⁻⁸, bf16's unit roundoff (8 significa
   dq    dS = P ⊙ (dP - row_dot) is rounded to bf16 before dS K and dSᵀ Q: u |dS_ij| per term; row_dot
   dk    comes from the bf16 out the forward returned, not the exact O: P_ij |dout_i · (out_i - O_i)| per
         term; then the output's rounding, u |dq_i| (u |dk_j|).
-Besides, every float32 sum of bf16 products on a tensor core is within MMA_UNIT of the sum of its terms'
+In TF32 (float32 inputs, Format TF32 below) the tensor cores read q, k, v and dout cut toward zero to 11
+significant bits: the reference starts from those values (tf32_read), as the bf16 one starts from the bf16
+inputs. P and dS are rounded to TF32 to nearest (u = 2⁻¹¹), and the outputs are float32 (FLOAT32_SLACK).
+row_dot alone reads the whole float32 dout: 2⁻¹⁰ of Σ |dout ⊙ out| apart from what the reference's uses.
+Besides, every float32 sum of products on a tensor core is within MMA_UNIT of the sum of its terms'
 magnitudes per mma.sync (as in tests/test_tensor_core_gemm.py), which moves each score by δS and each
 weight P by δS relative; the rest of the float32 work (exp2f, sums over T, the online rescaling) stays
 within FLOAT32_SLACK relative. On the CPU executor the largest error of each result is 0.25 to 0.9 of
 its bound (lse: far less, its bound allows float32 sums over T in any order); a kernel that cuts P toward
-zero instead of rounding it to nearest, skips a rescaling of the running sum, or is 0.4 % off fails.
+zero instead of rounding it to nearest, skips a rescaling of the running sum, or is 0.4 % off fails (in
+TF32: cuts P toward zero, or is 0.05 % off).
 
 Sequence lengths 1, 17, 33, 50, 100 and 200 are not multiples of the kernels' 16-row fragments or 32- and
 64-row tiles; 200 keys are four tiles, so the two-stage pipeline refills each stage. Grouped-query attention:
@@ -24,6 +30,7 @@ H = 4 query heads over H_kv = 1 or 2 key/value heads.
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -38,6 +45,26 @@ BF16_UNIT = 2.0 ** -8         # bf16's unit roundoff
 MMA_UNIT = 2.0 ** -20         # a tensor core's float32 sum, of the sum of magnitudes, per mma.sync
 FLOAT32_SLACK = 2.0 ** -16    # the rest of the float32 work, relative
 SECOND_ORDER = 1.01
+
+
+def tf32_read(x):
+    """float32 x as a TF32 tensor core reads it: its upper 19 bits (rounded toward zero), as float64."""
+    return (np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+
+class Format(NamedTuple):
+    """How the kernels of one element type read their inputs and where they round, as relative errors."""
+    dtype: type
+    read: object           # an input as the tensor cores read it, as float64
+    input_unit: float      # of that reading, relative (row_dot reads the whole input)
+    weight_unit: float     # P and dS, rounded as the next product's input
+    output_unit: float     # out, dq, dk, dv as stored
+    k_per_mma: int         # elements of k one mma.sync sums
+
+
+BF16 = Format(bfloat16, lambda x: np.asarray(x, np.float64), 0.0, BF16_UNIT, BF16_UNIT, 16)
+TF32 = Format(np.float32, tf32_read, 2.0 ** -10, 2.0 ** -11, FLOAT32_SLACK, 8)
+FORMATS = {"bf16": BF16, "tf32": TF32}
 
 
 # ---- the float64 reference --------------------------------------------------------------------------------
@@ -85,10 +112,15 @@ def reference_backward(dout, q, k, v, causal=True, scale=None):
     return scale * ds @ k_heads, group_sum(scale * np.swapaxes(ds, -1, -2) @ q, H_kv), group_sum(dv, H_kv)
 
 
-def score_errors(q, k, scale):
-    """δS (B, H, T, T): how far a score of bf16 q, k summed on tensor cores may be from the exact one."""
-    mmas = q.shape[-1] // 16 + 1
-    return MMA_UNIT * mmas * abs(scale) * np.abs(q) @ np.swapaxes(np.abs(k), -1, -2)
+def product_errors(a, b, fmt):
+    """How far each element of a bᵀ summed on tensor cores may be from the exact one: a float32 sum per mma.sync."""
+    mmas = a.shape[-1] // fmt.k_per_mma + 1
+    return MMA_UNIT * mmas * np.abs(a) @ np.swapaxes(np.abs(b), -1, -2)
+
+
+def score_errors(q, k, scale, fmt=BF16):
+    """δS (B, H, T, T): how far a score of q, k summed on tensor cores may be from the exact one."""
+    return abs(scale) * product_errors(q, k, fmt)
 
 
 def weight_errors(p, lse, score_error):
@@ -98,21 +130,21 @@ def weight_errors(p, lse, score_error):
     return score_error + row_error + FLOAT32_SLACK * (1 + np.abs(lse[..., None]))
 
 
-def forward_bounds(q, k, v, causal, scale):
-    """(out, lse, bound on out, bound on lse), float64, from float64 copies of the bf16 inputs."""
+def forward_bounds(q, k, v, causal, scale, fmt=BF16):
+    """(out, lse, bound on out, bound on lse), float64, from float64 copies of the inputs."""
     H = q.shape[1]
     k_heads, v_heads = repeat_kv(k, H), repeat_kv(v, H)
     p, lse = reference_probabilities(q, k_heads, causal, scale)
     out = p @ v_heads
-    score_error = score_errors(q, k_heads, scale)
+    score_error = score_errors(q, k_heads, scale, fmt)
     eta = weight_errors(p, lse, score_error)
-    out_bound = (p * (BF16_UNIT + eta)) @ np.abs(v_heads) + BF16_UNIT * np.abs(out)
+    out_bound = (p * (fmt.weight_unit + eta)) @ np.abs(v_heads) + fmt.output_unit * np.abs(out)
     lse_bound = (p * score_error).sum(axis=-1) + FLOAT32_SLACK * (1 + np.abs(lse))
     return out, lse, SECOND_ORDER * out_bound, SECOND_ORDER * lse_bound
 
 
-def backward_bounds(dout, q, k, v, kernel_out, causal, scale):
-    """(dq, dk, dv) and a bound on each, float64; kernel_out is the bf16 out the backward is given."""
+def backward_bounds(dout, q, k, v, kernel_out, causal, scale, fmt=BF16):
+    """(dq, dk, dv) and a bound on each, float64; kernel_out is the out the backward is given."""
     H, H_kv, T = q.shape[1], k.shape[1], q.shape[2]
     k_heads, v_heads = repeat_kv(k, H), repeat_kv(v, H)
     p, lse = reference_probabilities(q, k_heads, causal, scale)
@@ -120,20 +152,20 @@ def backward_bounds(dout, q, k, v, kernel_out, causal, scale):
     dp = dout @ np.swapaxes(v_heads, -1, -2)
     row_dot = (dout * exact_out).sum(axis=-1, keepdims=True)
     ds = p * (dp - row_dot)
-    eta = weight_errors(p, lse, score_errors(q, k_heads, scale))
+    eta = weight_errors(p, lse, score_errors(q, k_heads, scale, fmt))
     # row_dot as the kernel forms it: from kernel_out, in float32
     row_dot_error = np.abs((dout * (kernel_out - exact_out)).sum(axis=-1, keepdims=True))
-    row_dot_error += FLOAT32_SLACK * (np.abs(dout) * np.abs(kernel_out)).sum(axis=-1, keepdims=True)
-    dp_error = MMA_UNIT * (q.shape[-1] // 16 + 1) * np.abs(dout) @ np.swapaxes(np.abs(v_heads), -1, -2)
-    sum_error = MMA_UNIT * (T // 16 + 1)   # of a sum over T on tensor cores, relative to its magnitudes
-    ds_error = (BF16_UNIT + eta + sum_error) * np.abs(ds) + p * (dp_error + row_dot_error)
+    row_dot_error += (FLOAT32_SLACK + fmt.input_unit) * (np.abs(dout) * np.abs(kernel_out)).sum(axis=-1, keepdims=True)
+    dp_error = product_errors(dout, v_heads, fmt)
+    sum_error = MMA_UNIT * (T // fmt.k_per_mma + 1)   # of a sum over T on tensor cores, relative to its magnitudes
+    ds_error = (fmt.weight_unit + eta + sum_error) * np.abs(ds) + p * (dp_error + row_dot_error)
     dq = scale * ds @ k_heads
     dk = group_sum(scale * np.swapaxes(ds, -1, -2) @ q, H_kv)
     dv = group_sum(np.swapaxes(p, -1, -2) @ dout, H_kv)
-    dq_bound = abs(scale) * ds_error @ np.abs(k_heads) + BF16_UNIT * np.abs(dq)
-    dk_bound = group_sum(abs(scale) * np.swapaxes(ds_error, -1, -2) @ np.abs(q), H_kv) + BF16_UNIT * np.abs(dk)
-    dv_weights = (BF16_UNIT + eta + sum_error) * p
-    dv_bound = group_sum(np.swapaxes(dv_weights, -1, -2) @ np.abs(dout), H_kv) + BF16_UNIT * np.abs(dv)
+    dq_bound = abs(scale) * ds_error @ np.abs(k_heads) + fmt.output_unit * np.abs(dq)
+    dk_bound = group_sum(abs(scale) * np.swapaxes(ds_error, -1, -2) @ np.abs(q), H_kv) + fmt.output_unit * np.abs(dk)
+    dv_weights = (fmt.weight_unit + eta + sum_error) * p
+    dv_bound = group_sum(np.swapaxes(dv_weights, -1, -2) @ np.abs(dout), H_kv) + fmt.output_unit * np.abs(dv)
     return (dq, dk, dv), tuple(SECOND_ORDER * b for b in (dq_bound, dk_bound, dv_bound))
 
 
@@ -144,10 +176,10 @@ def assert_within(name, got, expected, bound):
                                     f"{worst}; largest error {error.max():.3g}")
 
 
-def bf16_inputs(rng, B, H, H_kv, T, d):
-    """q, k, v, dout as bf16 numpy arrays (q, dout: (B, H, T, d); k, v: (B, H_kv, T, d))."""
+def bf16_inputs(rng, B, H, H_kv, T, d, dtype=bfloat16):
+    """q, k, v, dout as bf16 (or dtype) numpy arrays (q, dout: (B, H, T, d); k, v: (B, H_kv, T, d))."""
     shapes = [(B, H, T, d), (B, H_kv, T, d), (B, H_kv, T, d), (B, H, T, d)]
-    return [rng.standard_normal(shape).astype(bfloat16) for shape in shapes]
+    return [rng.standard_normal(shape).astype(dtype) for shape in shapes]
 
 
 def wide(*arrays):
@@ -177,22 +209,29 @@ CASES += [(2, 4, 1, 100, 64, True), (2, 4, 2, 17, 128, True), (1, 4, 2, 64, 128,
           (1, 2, 1, 200, 64, False), (1, 2, 2, 200, 128, True), (2, 2, 1, 33, 32, True), (1, 4, 2, 50, 32, False)]
 
 
-@pytest.mark.parametrize("B, H, H_kv, T, d, causal", CASES)
-def test_matches_float64_within_the_rounding_bounds(rng, to_device, to_host, B, H, H_kv, T, d, causal):
-    q, k, v, dout = bf16_inputs(rng, B, H, H_kv, T, d)
+# TF32 on fewer cases: the CPU executor runs its twice as many mma.sync twice as long
+TF32_CASES = [(1, 2, 2, 17, 64, True), (1, 2, 2, 100, 128, False), (2, 4, 1, 100, 64, True), (1, 2, 1, 200, 64, False),
+              (2, 2, 1, 33, 32, True), (1, 4, 2, 64, 128, True)]
+
+
+@pytest.mark.parametrize("fmt, B, H, H_kv, T, d, causal",
+                         [("bf16", *case) for case in CASES] + [("tf32", *case) for case in TF32_CASES])
+def test_matches_float64_within_the_rounding_bounds(rng, to_device, to_host, fmt, B, H, H_kv, T, d, causal):
+    fmt = FORMATS[fmt]
+    q, k, v, dout = bf16_inputs(rng, B, H, H_kv, T, d, fmt.dtype)
     device_q, device_k, device_v, device_dout = (to_device(a) for a in (q, k, v, dout))
     out, lse = tensor_core_attention_forward(device_q, device_k, device_v, causal=causal)
-    assert out.dtype == bfloat16 and out.shape == q.shape and lse.dtype == np.float32 and lse.shape == (B, H, T)
+    assert out.dtype == fmt.dtype and out.shape == q.shape and lse.dtype == np.float32 and lse.shape == (B, H, T)
     scale = 1.0 / math.sqrt(d)
-    q64, k64, v64, dout64 = wide(q, k, v, dout)
-    expected_out, expected_lse, out_bound, lse_bound = forward_bounds(q64, k64, v64, causal, scale)
+    q64, k64, v64, dout64 = (fmt.read(x) for x in (q, k, v, dout))
+    expected_out, expected_lse, out_bound, lse_bound = forward_bounds(q64, k64, v64, causal, scale, fmt)
     assert_within("out", to_host(out), expected_out, out_bound)
     assert_within("lse", to_host(lse), expected_lse, lse_bound)
 
     grads = tensor_core_attention_backward(device_dout, device_q, device_k, device_v, out, lse, causal=causal)
-    expected, bounds = backward_bounds(dout64, q64, k64, v64, wide(to_host(out))[0], causal, scale)
+    expected, bounds = backward_bounds(dout64, q64, k64, v64, wide(to_host(out))[0], causal, scale, fmt)
     for name, got, reference, bound, like in zip(("dq", "dk", "dv"), grads, expected, bounds, (q, k, v)):
-        assert got.dtype == bfloat16 and got.shape == like.shape
+        assert got.dtype == fmt.dtype and got.shape == like.shape
         assert_within(name, to_host(got), reference, bound)
 
 
@@ -265,37 +304,39 @@ def test_keys_past_the_block_are_never_read(rng, to_device, to_host):
     assert_within("dq", to_host(dq)[:, :, :rows], expected_dq, dq_bound)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "tf32"])
 @pytest.mark.parametrize("kernel", ["forward", "dk_dv", "dq"])
-def test_every_tile_choice(rng, to_device, to_host, kernel):
+def test_every_tile_choice(rng, to_device, to_host, kernel, fmt):
     """Each kernel launched directly with every candidate shape that bench/tensor_core_attention.py times
-    (the op uses one per d), on 100 positions (causal) and 2 query heads per key/value head; the backward
-    passes from the op's forward."""
+    (the op uses one per element type and d), on 100 positions (causal) and 2 query heads per key/value
+    head; the backward passes from the op's forward."""
     B, H, H_kv, T, d = 1, 4, 2, 100, 64
-    q, k, v, dout = bf16_inputs(rng, B, H, H_kv, T, d)
+    fmt = FORMATS[fmt]
+    q, k, v, dout = bf16_inputs(rng, B, H, H_kv, T, d, fmt.dtype)
     xp, scale = backend.xp, np.float32(1 / math.sqrt(d))
     device_q, device_k, device_v, device_dout = (to_device(a) for a in (q, k, v, dout))
-    q64, k64, v64, dout64 = wide(q, k, v, dout)
+    q64, k64, v64, dout64 = (fmt.read(x) for x in (q, k, v, dout))
     out, lse = tensor_core_attention_forward(device_q, device_k, device_v)
     row_dot = xp.empty((B, H, T), np.float32)
     attention_ops._row_dot(row_dot, device_dout, out)
-    expected_out, expected_lse, out_bound, lse_bound = forward_bounds(q64, k64, v64, True, scale)
+    expected_out, expected_lse, out_bound, lse_bound = forward_bounds(q64, k64, v64, True, scale, fmt)
     (expected_dq, expected_dk, expected_dv), (dq_bound, dk_bound, dv_bound) = backward_bounds(
-        dout64, q64, k64, v64, wide(to_host(out))[0], True, scale)
+        dout64, q64, k64, v64, wide(to_host(out))[0], True, scale, fmt)
     for warps, tile in attention_ops.TILE_CANDIDATES[kernel]:
         shape = f"{warps} warps, tile {tile}"
         if kernel == "forward":
-            out, lse = xp.empty(q.shape, bfloat16), xp.empty((B, H, T), np.float32)
+            out, lse = xp.empty(q.shape, fmt.dtype), xp.empty((B, H, T), np.float32)
             attention_ops._forward(out, lse, device_q, device_k, device_v, True, scale, warps, tile)
             assert_within(f"out, {shape}", to_host(out), expected_out, out_bound)
             assert_within(f"lse, {shape}", to_host(lse), expected_lse, lse_bound)
         elif kernel == "dk_dv":
-            dk, dv = xp.empty(k.shape, bfloat16), xp.empty(v.shape, bfloat16)
+            dk, dv = xp.empty(k.shape, fmt.dtype), xp.empty(v.shape, fmt.dtype)
             attention_ops._dk_dv(dk, dv, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale,
                                  warps, tile)
             assert_within(f"dk, {shape}", to_host(dk), expected_dk, dk_bound)
             assert_within(f"dv, {shape}", to_host(dv), expected_dv, dv_bound)
         else:
-            dq = xp.empty(q.shape, bfloat16)
+            dq = xp.empty(q.shape, fmt.dtype)
             attention_ops._dq(dq, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale, warps, tile)
             assert_within(f"dq, {shape}", to_host(dq), expected_dq, dq_bound)
 
@@ -403,7 +444,10 @@ def test_bad_arguments(to_device):
         return to_device(np.zeros(shape, dtype))
 
     q, kv = zeros((1, 4, 8, 64)), zeros((1, 2, 8, 64))
-    with pytest.raises(TypeError, match="tensor_core_attention_forward: q has dtype float32; it must be bfloat16"):
+    with pytest.raises(TypeError, match="tensor_core_attention_forward: q has dtype float16; it must be bfloat16 or "
+                                        "float32"):
+        tensor_core_attention_forward(zeros((1, 4, 8, 64), np.float16), kv, kv)
+    with pytest.raises(TypeError, match="tensor_core_attention_forward: k has dtype bfloat16"):
         tensor_core_attention_forward(zeros((1, 4, 8, 64), np.float32), kv, kv)
     with pytest.raises(ValueError, match="head size d .* must be one of"):
         tensor_core_attention_forward(*(zeros((1, 2, 8, 48)),) * 3)

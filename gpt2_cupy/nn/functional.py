@@ -20,8 +20,13 @@ blocks (autograd.Function hands them contiguous copies of views). split copies i
 
 bf16: every op here takes bf16 activations and returns bf16 (parameters stay float32; LayerNorm's statistics
 and cross-entropy's loss are float32). Inside gpt2_cupy.autocast, linear takes its input and weight in
-bf16 and embedding returns bf16 rows (gpt2_cupy.amp). softmax and scaled_dot_product_attention run bf16
-inputs through their float32 kernels, converted on the way in and rounded once on the way out.
+bf16 and embedding returns bf16 rows (gpt2_cupy.amp). softmax, and scaled_dot_product_attention where its
+tensor-core kernels do not take the shape, run bf16 inputs through their float32 kernels, converted on the
+way in and rounded once on the way out.
+
+float32 attention follows gpt2_cupy.set_float32_matmul_precision as the products do: at "high" it runs on the
+tensor-core kernels in TF32, at "medium" on them in bf16 (q, k, v rounded to bf16, out rounded once, widened
+back to float32), where they take the shape; at "highest", and elsewhere, on chapter 08's float32 kernels.
 """
 
 import math
@@ -37,6 +42,7 @@ from gpt2_cupy.ops.attention import attention_backward, attention_forward
 from gpt2_cupy.ops.tensor_core_attention import (HEAD_SIZES as TENSOR_CORE_HEAD_SIZES, SMALL_ATTENTION as
                                                  TENSOR_CORE_ATTENTION_WORK, tensor_core_attention_backward,
                                                  tensor_core_attention_forward)
+from gpt2_cupy.precision import get_float32_matmul_precision
 from gpt2_cupy.ops.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gpt2_cupy.ops.dropout import advance_rng_state, dropout_backward, dropout_forward
 from gpt2_cupy.ops.dyt import dyt_backward, dyt_forward
@@ -277,9 +283,10 @@ class Attention(Function):
 
 
 class TensorCoreAttention(Function):
-    """bf16 attention on tensor cores (chapter 16): bf16 q, k, v, out and gradients, float32 softmax. The kernels
-    read and write by strides: heads split from the q, k, v product's output are read where they lie, out
-    is made with its heads side by side, and the gradients lie as q, k, v do."""
+    """Attention on tensor cores (chapter 16): q, k, v, out and gradients all bf16, or all float32 (TF32
+    products), float32 softmax. The kernels read and write by strides: heads split from the q, k, v product's
+    output are read where they lie, out is made with its heads side by side, and the gradients lie as q, k,
+    v do."""
     accepts_strided = True
 
     @staticmethod
@@ -296,18 +303,27 @@ class TensorCoreAttention(Function):
         return dq, dk, dv, None, None
 
 
-def _on_tensor_cores(q, k, v, attn_mask, dropout_p, enable_gqa):
-    """Whether bf16 attention runs on the tensor-core kernels: (B, H, T, d) heads of a size they take, k and v
-    of one shape with as many keys as queries, H_kv = H or (enable_gqa) dividing it, no mask, no dropout,
-    and at least TENSOR_CORE_ATTENTION_WORK multiply-adds (below that the float32 kernels are as fast)."""
-    if attn_mask is not None or dropout_p != 0.0 or not (q.dtype == k.dtype == v.dtype == BFLOAT16):
-        return False
+def _tensor_core_format(q, k, v, attn_mask, dropout_p, enable_gqa):
+    """The format attention runs in on the tensor-core kernels, "bf16" or "tf32", or None for not there: bf16
+    q, k, v; float32 ones at the "high" (TF32) or "medium" (bf16) float32 matmul precision. The kernels take
+    (B, H, T, d) heads of a size they know, k and v of one shape with as many keys as queries, H_kv = H or
+    (enable_gqa) dividing it, no mask, no dropout, and at least TENSOR_CORE_ATTENTION_WORK multiply-adds
+    (below that the float32 kernels are as fast)."""
+    if attn_mask is not None or dropout_p != 0.0 or not q.dtype == k.dtype == v.dtype:
+        return None
+    if q.dtype == BFLOAT16:
+        fmt = "bf16"
+    else:
+        fmt = {"high": "tf32", "medium": "bf16"}.get(get_float32_matmul_precision()) if q.dtype == FLOAT32 else None
+    if fmt is None:
+        return None
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-        return False
+        return None
     B, H, T, d = q.shape
     H_kv = k.shape[1]
     grouped_fits = H_kv == H or (enable_gqa and H % H_kv == 0)
-    return d in TENSOR_CORE_HEAD_SIZES and grouped_fits and B * H * T * T * d >= TENSOR_CORE_ATTENTION_WORK
+    fits = d in TENSOR_CORE_HEAD_SIZES and grouped_fits and B * H * T * T * d >= TENSOR_CORE_ATTENTION_WORK
+    return fmt if fits else None
 
 
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -320,13 +336,18 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     attn_mask: a bool tensor (True: take part) or a float one added to the scores, broadcastable to (B, H, T, S).
     A query whose every key is masked gets 0 (and zero gradients), as in PyTorch's math backend (_safe_softmax).
 
+    bf16 q, k, v, and float32 ones at set_float32_matmul_precision("high") (TF32) or ("medium") (bf16), run on
+    the tensor-core kernels of chapter 16 where they take the shape (see _tensor_core_format).
     The fused kernels of chapter 08 run head sizes FUSED_ATTENTION_HEAD_SIZES (1 to 256) with as many keys as
     queries: any scale, a bool or float32 mask (read in place, broadcast through strides), dropout (its mask
     regenerated in the backward from Philox, as F.dropout's), grouped heads read without a copy. Anything else
     (T != S, a mask that requires grad, other head sizes) runs PyTorch's "math" path, written with Tensor
     operations (chapter 11b). Both draw dropout's numbers for the same elements of (B, H, T, S) the same way.
     """
-    if _on_tensor_cores(q, k, v, attn_mask, dropout_p, enable_gqa):
+    tensor_core_format = _tensor_core_format(q, k, v, attn_mask, dropout_p, enable_gqa)
+    if tensor_core_format == "bf16" and q.dtype == FLOAT32:   # "medium": bf16 inputs, out rounded once
+        return TensorCoreAttention.apply(*(x.to(BFLOAT16) for x in (q, k, v)), bool(is_causal), scale).float()
+    if tensor_core_format is not None:
         return TensorCoreAttention.apply(q, k, v, bool(is_causal), scale)
     if BFLOAT16 in (q.dtype, k.dtype, v.dtype):  # other bf16 attention: the float32 kernels, converted around
         return in_float32(scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

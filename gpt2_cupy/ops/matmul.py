@@ -28,7 +28,9 @@ and must not overlap a or b. The kernel is kernels/matmul.cu, from chapters/01_m
 
 Every product of the package comes through launch_matmul (the Linear layer, the batched products of
 attention's unfused path, these two ops), and that is where gpt2_cupy.set_float32_matmul_precision is
-read: at "highest" (the default) the float32 kernel above runs; at "high" and "medium" the product goes to
+read: at "highest" (the default) the float32 kernel above runs, except for large 2-D products on a Hopper
+GPU, which go to gpt2_cupy.ops.tensor_core_matmul's 3xTF32, as accurate and faster there
+(tensor_core_matmul.highest_on_tensor_cores); at "high" and "medium" the product goes to
 gpt2_cupy.ops.tensor_core_matmul, in TF32 or with bf16 inputs, with float32 sums in both.
 
 bf16 arrays (gpt2_cupy.amp's products) are multiplied on tensor cores whatever the setting: a and b both
@@ -153,10 +155,10 @@ def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=Fa
         if not accumulate:
             backend.fill_zero(out)
         return out
+    # Imported here: tensor_core_matmul imports this module for its checks.
+    from gpt2_cupy.ops.tensor_core_matmul import highest_on_tensor_cores, launch_tensor_core_matmul
     precision = get_float32_matmul_precision()
-    if precision != "highest":
-        # Imported here: tensor_core_matmul imports this module for its checks.
-        from gpt2_cupy.ops.tensor_core_matmul import launch_tensor_core_matmul
+    if precision != "highest" or highest_on_tensor_cores(out, K):
         return launch_tensor_core_matmul(a, b, out, transpose_a, transpose_b, accumulate, precision)
     # float4 loads and stores need rows of a multiple of 4 floats and 16-byte aligned starting addresses.
     vector_loads = (a.shape[-1] % 4 == 0 and b.shape[-1] % 4 == 0 and N % 4 == 0

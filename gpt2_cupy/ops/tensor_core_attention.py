@@ -1,33 +1,37 @@
-"""Attention on tensor cores in bf16, forward and backward, with grouped-query attention.
+"""Attention on tensor cores in bf16 or TF32, forward and backward, with grouped-query attention.
 
     out, lse = tensor_core_attention_forward(q, k, v, causal=True, scale=None, out=None)
     dq, dk, dv = tensor_core_attention_backward(dout, q, k, v, out, lse, causal=True, scale=None)
 
 q, out, dout, dq: (B, H, T, d); k, v, dk, dv: (B, H_kv, T, d), with H a multiple of H_kv: query head h
 reads key/value head h // (H // H_kv) (grouped-query attention; H_kv = H is multi-head attention, H_kv = 1
-multi-query), and no copy of K and V is made per query head. All of them ml_dtypes.bfloat16 backend arrays
-of any strides whose rows (the last axis) are contiguous: the kernels read and write them where they lie,
-as PyTorch's flash attention does. So q, k, v can be the (B, H, T, d) views of one (B, T, 3 H d) product's
-output, and out is made as a (B, T, H d) array seen as (B, H, T, d): heads side by side again, as the next
-product reads them. dq, dk, dv are laid out as q, k, v are (arrays.empty_like_views). lse: (B, H, T)
-float32, C-contiguous, the log-sum-exp of each row of the scaled scores, which the backward needs.
-d = 32, 64 or 128. S = scale q kᵀ with scale = 1/√d unless given (PyTorch's
-scaled_dot_product_attention's default); causal=True lets query t see keys 0..t; out = softmax(S) v.
+multi-query), and no copy of K and V is made per query head. All of them one dtype, ml_dtypes.bfloat16 or
+float32, backend arrays of any strides whose rows (the last axis) are contiguous: the kernels read and
+write them where they lie, as PyTorch's flash attention does. So q, k, v can be the (B, H, T, d) views of
+one (B, T, 3 H d) product's output, and out is made as a (B, T, H d) array seen as (B, H, T, d): heads side
+by side again, as the next product reads them. dq, dk, dv are laid out as q, k, v are
+(arrays.empty_like_views). lse: (B, H, T) float32, C-contiguous, the log-sum-exp of each row of the scaled
+scores, which the backward needs. d = 32, 64 or 128. S = scale q kᵀ with scale = 1/√d unless given
+(PyTorch's scaled_dot_product_attention's default); causal=True lets query t see keys 0..t; out = softmax(S) v.
 
 What is rounded (kernels/tensor_core_attention.cu, FlashAttention-2's scheme): the products run on tensor
-cores with bf16 inputs and float32 sums, the softmax in float32; P, and dS in the backward, are rounded
-to bf16 as the next product's input; every output is rounded to bf16 once, at the end. dk and dv of a
-key/value head are summed over the query heads of its group in float32 before that rounding.
+cores with float32 sums, the softmax in float32.
+  - bf16: P, and dS in the backward, are rounded to bf16 as the next product's input; every output is
+    rounded to bf16 once, at the end.
+  - float32 (TF32, gpt2_cupy.set_float32_matmul_precision("high")): the tensor cores read q, k, v and dout
+    as TF32 (a float's upper 19 bits, rounded toward zero); P and dS are rounded to TF32 to nearest; the
+    outputs are float32.
+dk and dv of a key/value head are summed over the query heads of its group in float32 before they are stored.
 
 The backward is deterministic, as gpt2_cupy.ops.attention's default: a small kernel forms
 row_dot = rowsum(dout ⊙ out); then one pass computes dk, dv (a block per tile of keys, looping over the
 queries of every head of the group) and another dq (a block per tile of queries, looping over keys). No
 atomics: the same bits on every run.
 
-Each kernel takes its shape as template parameters: warps per block (a warp owns 16 rows: queries, or
-keys in the dk, dv pass) and the tile of the other axis a block takes at a time. FORWARD_TILES,
-DK_DV_TILES and DQ_TILES say what the op launches for each d; bench/tensor_core_attention.py times other
-candidates through the same launchers.
+Each kernel takes its element type and shape as template parameters: warps per block (a warp owns 16 rows:
+queries, or keys in the dk, dv pass) and the tile of the other axis a block takes at a time. FORWARD_TILES,
+DK_DV_TILES and DQ_TILES say what the op launches for each element type and d; bench/tensor_core_attention.py
+times other candidates through the same launchers.
 """
 
 import math
@@ -41,49 +45,61 @@ from gpt2_cupy.ops.arrays import (LARGEST_GRID_Y, ceil_div, check, check_views, 
                                   empty_like_views, float4_aligned, storage_of)
 
 HEAD_SIZES = (32, 64, 128)
-# Multiply-adds (B·H·T²·d) below which F.scaled_dot_product_attention keeps bf16 attention on chapter 08's
-# float32 kernels: that small, it is bound by its launches on a GPU, and the CPU executor runs it faster.
+DTYPES = (numpy.dtype(bfloat16), numpy.dtype(numpy.float32))
+ELEMENT = {numpy.dtype(bfloat16): "bfloat16", numpy.dtype(numpy.float32): "float"}   # the kernels' Element
+# Multiply-adds (B·H·T²·d) below which F.scaled_dot_product_attention keeps attention on chapter 08's float32
+# kernels: that small, it is bound by its launches on a GPU, and the CPU executor runs it faster.
 SMALL_ATTENTION = 1 << 24
-ROW_PADDING = 8                 # bf16 after each row of a shared tile (ROW_PADDING in the kernel file)
-BF16, FLOAT = 2, 4              # bytes
+ROW_PADDING = 8                 # elements after each row of a shared tile (Fragments<Element>::PADDING)
+FLOAT = 4                       # bytes
 ROWS_PER_WARP = 16
-ROW_DOT_THREADS = 256           # per block of the row_dot kernel (d / 8 threads a row)
-ROW_ALIGNMENT = 8               # bf16 in 16 bytes: every row of every tensor must start on 16 bytes
+ROW_DOT_THREADS = 256           # per block of the row_dot kernel
+ROW_DOT_GROUP = 8               # elements of a row per row_dot lane: d / 8 lanes a row
+ROW_ALIGNMENT_BYTES = 16        # every row of every tensor must start on 16 bytes (cp.async's copies)
 HEAD_LAYOUT = numpy.dtype([("offset", numpy.int64), ("batch", numpy.int64), ("head", numpy.int64),
                            ("row", numpy.int64)])   # the kernels' struct HeadLayout
 # (warps per block, keys per tile) of the forward and of the dq pass; (warps per block, queries per tile)
-# of the dk, dv pass: the fastest of TILE_CANDIDATES measured by bench/tensor_core_attention.py on an H200
-# at GPT-2's shape (d = 64) and Llama's (d = 128, grouped heads). The dk, dv pass holds two 16 x d sums, d
-# registers per lane, besides the tile's two 16 x tile products (tile / 4 registers each), so dq takes
-# half the tile at d = 128, to leave room for its fragments of Q and dO.
-FORWARD_TILES = {32: (4, 64), 64: (4, 64), 128: (8, 128)}
-DK_DV_TILES = {32: (4, 32), 64: (4, 32), 128: (4, 64)}
-DQ_TILES = {32: (4, 64), 64: (4, 64), 128: (4, 32)}
+# of the dk, dv pass, for each element type and d: the fastest of TILE_CANDIDATES measured by
+# bench/tensor_core_attention.py on an H200 at GPT-2's shape (d = 64) and Llama's (d = 128, grouped heads).
+# The dk, dv pass holds two 16 x d sums, d registers per lane, besides the tile's two 16 x tile products
+# (tile / 4 registers each), so dq takes half the tile at d = 128, to leave room for its fragments of Q
+# and dO. TF32's fragments take twice the registers of bf16's, and its tiles twice the shared memory.
+FORWARD_TILES = {"bfloat16": {32: (4, 64), 64: (4, 64), 128: (8, 128)},
+                 "float": {32: (4, 32), 64: (4, 32), 128: (8, 64)}}
+DK_DV_TILES = {"bfloat16": {32: (4, 32), 64: (4, 32), 128: (4, 64)},
+               "float": {32: (4, 32), 64: (4, 32), 128: (8, 32)}}
+DQ_TILES = {"bfloat16": {32: (4, 64), 64: (4, 64), 128: (4, 32)},
+            "float": {32: (4, 32), 64: (4, 32), 128: (8, 32)}}
 # The shapes bench/tensor_core_attention.py times for each kernel (and tests check), the ones above among them.
-TILE_CANDIDATES = {"forward": ((4, 64), (8, 64), (4, 128), (8, 128)),
+TILE_CANDIDATES = {"forward": ((4, 32), (4, 64), (8, 64), (4, 128), (8, 128)),
                    "dk_dv": ((4, 32), (4, 64), (8, 32), (8, 64)),
                    "dq": ((4, 32), (4, 64), (8, 32), (8, 64))}
 
 
-def forward_shared_bytes(d, warps, keys):
+def _tile_bytes(d, element_bytes):
+    """Bytes of one padded row of a shared tile."""
+    return (d + ROW_PADDING) * element_bytes
+
+
+def forward_shared_bytes(d, warps, keys, element_bytes=2):
     """The forward's dynamic shared memory: the query tile and two stages of K and of V."""
-    return (ROWS_PER_WARP * warps + 4 * keys) * (d + ROW_PADDING) * BF16
+    return (ROWS_PER_WARP * warps + 4 * keys) * _tile_bytes(d, element_bytes)
 
 
-def dk_dv_shared_bytes(d, warps, queries):
+def dk_dv_shared_bytes(d, warps, queries, element_bytes=2):
     """The dk, dv pass's: the K and V tiles, two stages of Q and dO, two of lse and of row_dot."""
-    return (2 * ROWS_PER_WARP * warps + 4 * queries) * (d + ROW_PADDING) * BF16 + 4 * queries * FLOAT
+    return (2 * ROWS_PER_WARP * warps + 4 * queries) * _tile_bytes(d, element_bytes) + 4 * queries * FLOAT
 
 
-def dq_shared_bytes(d, warps, keys):
+def dq_shared_bytes(d, warps, keys, element_bytes=2):
     """The dq pass's: the Q and dO tiles and two stages of K and of V."""
-    return (2 * ROWS_PER_WARP * warps + 4 * keys) * (d + ROW_PADDING) * BF16
+    return (2 * ROWS_PER_WARP * warps + 4 * keys) * _tile_bytes(d, element_bytes)
 
 
-def _kernel(name, d, warps, tile, shared):
+def _kernel(name, element, d, warps, tile, shared):
     """One instantiation of a kernel template, its dynamic shared memory allowed (one module each, so that a
-    run compiles only the versions it uses)."""
-    full_name = f"{name}<{d}, {warps}, {tile}>"
+    run compiles only the versions it uses). element: "bfloat16" or "float"."""
+    full_name = f"{name}<{element}, {d}, {warps}, {tile}>"
     kernel = kernels.function("tensor_core_attention", full_name, name_expressions=(full_name,))
     if kernel.max_dynamic_shared_size_bytes < shared:
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
@@ -91,13 +107,23 @@ def _kernel(name, d, warps, tile, shared):
     return kernel
 
 
+def _dtype(operation, q):
+    """q's dtype, which every other tensor of the op shares: bf16 or float32."""
+    dtype = getattr(q, "dtype", None)
+    if dtype not in DTYPES:
+        raise TypeError(f"{operation}: q has dtype {dtype}; it must be bfloat16 or float32 (k, v and the "
+                        "gradients the same)")
+    return numpy.dtype(dtype)
+
+
 def _sizes(operation, q, k, v, others=()):
-    """(B, H, H_kv, T, d) after checking q, k, v and others ((name, array, pattern, dtype) each; lse and
-    row_dot C-contiguous, the bf16 tensors of any layout)."""
+    """(B, H, H_kv, T, d) after checking q, k, v and others ((name, array, pattern, dtype) each, dtype None
+    for q's; lse and row_dot C-contiguous, the others of any layout)."""
     pattern, kv_pattern = ("B", "H", "T", "d"), ("B", "H_kv", "T", "d")
-    arrays = {"q": (q, pattern, bfloat16), "k": (k, kv_pattern, bfloat16), "v": (v, kv_pattern, bfloat16)}
-    arrays.update({name: (array, shape, dtype) for name, array, shape, dtype in others})
-    check(operation, **{name: spec for name, spec in arrays.items() if spec[2] != bfloat16})
+    dtype = _dtype(operation, q)
+    arrays = {"q": (q, pattern, dtype), "k": (k, kv_pattern, dtype), "v": (v, kv_pattern, dtype)}
+    arrays.update({name: (array, shape, dtype if kind is None else kind) for name, array, shape, kind in others})
+    check(operation, **{name: arrays[name] for name, _, _, kind in others if kind is not None})  # contiguous
     sizes = check_views(operation, **arrays)
     B, H, H_kv, T, d = (sizes[name] for name in ("B", "H", "H_kv", "T", "d"))
     if d not in HEAD_SIZES:
@@ -120,7 +146,8 @@ def _readable(array):
     in an array that is C-contiguous itself), else a C-contiguous copy."""
     strides = element_strides(array)
     rows_fit = strides[-1] == 1 or array.shape[-1] == 1
-    aligned = all(stride % ROW_ALIGNMENT == 0 for stride, size in zip(strides[:-1], array.shape) if size > 1)
+    aligned = all(stride * array.itemsize % ROW_ALIGNMENT_BYTES == 0
+                  for stride, size in zip(strides[:-1], array.shape) if size > 1)
     if rows_fit and aligned and storage_of(array).flags.c_contiguous:
         return array
     return copy("tensor_core_attention_input", array)
@@ -136,9 +163,9 @@ def head_layout(array):
     return storage_of(array), layout[()]
 
 
-def _empty_output(B, H, T, d):
+def _empty_output(B, H, T, d, dtype):
     """out as (B, T, H d) memory seen as (B, H, T, d): what y.transpose(1, 2).view(B, T, C) reads without a copy."""
-    return backend.xp.empty((B, T, H, d), dtype=bfloat16).transpose(0, 2, 1, 3)
+    return backend.xp.empty((B, T, H, d), dtype=dtype).transpose(0, 2, 1, 3)
 
 
 def _scale(scale, d):
@@ -146,27 +173,28 @@ def _scale(scale, d):
 
 
 def tensor_core_attention_forward(q, k, v, causal=True, scale=None, out=None):
-    """(out, lse): attention of q (B, H, T, d) over k, v (B, H_kv, T, d), bf16; lse (B, H, T) float32. out, when
-    given, may be a view of any layout the kernels can write (rows contiguous and 16-byte aligned)."""
+    """(out, lse): attention of q (B, H, T, d) over k, v (B, H_kv, T, d), bf16 or float32 (TF32 products), out
+    of their dtype; lse (B, H, T) float32. out, when given, may be a view of any layout the kernels can write
+    (rows contiguous and 16-byte aligned)."""
     name = "tensor_core_attention_forward"
-    B, H, H_kv, T, d = _sizes(name, q, k, v, [("out", out, ("B", "H", "T", "d"), bfloat16)])
+    B, H, H_kv, T, d = _sizes(name, q, k, v, [("out", out, ("B", "H", "T", "d"), None)])
     q, k, v = (_readable(x) for x in (q, k, v))
     if out is None:
-        out = _empty_output(B, H, T, d)
+        out = _empty_output(B, H, T, d, q.dtype)
     elif _readable(out) is not out:
         raise ValueError(f"{name}: out (strides {out.strides}) must have contiguous rows that start on 16 bytes")
     lse = backend.xp.empty((B, H, T), dtype=numpy.float32)
     if q.size:
-        _forward(out, lse, q, k, v, causal, _scale(scale, d), *FORWARD_TILES[d])
+        _forward(out, lse, q, k, v, causal, _scale(scale, d), *FORWARD_TILES[ELEMENT[q.dtype]][d])
     return out, lse
 
 
 def tensor_core_attention_backward(dout, q, k, v, out, lse, causal=True, scale=None):
-    """(dq, dk, dv), bf16 in the shapes of q, k, v: the gradients given dout = dL/dout and the forward's out
+    """(dq, dk, dv) in the shapes and dtype of q, k, v: the gradients given dout = dL/dout and the forward's out
     and lse, with the same causal and scale."""
     name = "tensor_core_attention_backward"
     pattern = ("B", "H", "T", "d")
-    B, H, H_kv, T, d = _sizes(name, q, k, v, [("dout", dout, pattern, bfloat16), ("out", out, pattern, bfloat16),
+    B, H, H_kv, T, d = _sizes(name, q, k, v, [("dout", dout, pattern, None), ("out", out, pattern, None),
                                              ("lse", lse, ("B", "H", "T"), numpy.float32)])
     dout, q, k, v, out = (_readable(x) for x in (dout, q, k, v, out))
     dq, dk, dv = empty_like_views(q, k, v)
@@ -174,8 +202,9 @@ def tensor_core_attention_backward(dout, q, k, v, out, lse, causal=True, scale=N
         row_dot = backend.xp.empty((B, H, T), dtype=numpy.float32)
         scale = _scale(scale, d)
         _row_dot(row_dot, dout, out)
-        _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, *DK_DV_TILES[d])
-        _dq(dq, dout, q, k, v, lse, row_dot, causal, scale, *DQ_TILES[d])
+        element = ELEMENT[q.dtype]
+        _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, *DK_DV_TILES[element][d])
+        _dq(dq, dout, q, k, v, lse, row_dot, causal, scale, *DQ_TILES[element][d])
     return dq, dk, dv
 
 
@@ -189,8 +218,8 @@ def _head_sizes(q, k):
 
 def _forward(out, lse, q, k, v, causal, scale, warps, keys):
     heads, H, H_kv, T, d = _head_sizes(q, k)
-    shared = forward_shared_bytes(d, warps, keys)
-    kernel = _kernel("tensor_core_attention_forward", d, warps, keys, shared)
+    shared = forward_shared_bytes(d, warps, keys, q.itemsize)
+    kernel = _kernel("tensor_core_attention_forward", ELEMENT[q.dtype], d, warps, keys, shared)
     (out, out_at), (q, q_at), (k, k_at), (v, v_at) = (head_layout(x) for x in (out, q, k, v))
     kernel((heads, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
            (out, lse, q, k, v, numpy.int32(T), numpy.int32(H), numpy.int32(H_kv), numpy.float32(scale),
@@ -199,16 +228,17 @@ def _forward(out, lse, q, k, v, causal, scale, warps, keys):
 
 def _row_dot(row_dot, dout, out):
     rows, (_, H, T, d) = row_dot.size, dout.shape
+    name = f"tensor_core_attention_row_dot<{ELEMENT[dout.dtype]}>"
     (dout, dout_at), (out, out_at) = head_layout(dout), head_layout(out)
-    kernels.function("tensor_core_attention", "tensor_core_attention_row_dot")(
-        (ceil_div(rows * (d // ROW_ALIGNMENT), ROW_DOT_THREADS),), (ROW_DOT_THREADS,),
+    kernels.function("tensor_core_attention", name, name_expressions=(name,))(
+        (ceil_div(rows * (d // ROW_DOT_GROUP), ROW_DOT_THREADS),), (ROW_DOT_THREADS,),
         (row_dot, dout, out, numpy.int32(rows), numpy.int32(d), numpy.int32(T), numpy.int32(H), dout_at, out_at))
 
 
 def _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, warps, queries):
     heads, H, H_kv, T, d = _head_sizes(q, k)
-    shared = dk_dv_shared_bytes(d, warps, queries)
-    kernel = _kernel("tensor_core_attention_backward_dk_dv", d, warps, queries, shared)
+    shared = dk_dv_shared_bytes(d, warps, queries, q.itemsize)
+    kernel = _kernel("tensor_core_attention_backward_dk_dv", ELEMENT[q.dtype], d, warps, queries, shared)
     (dk, dk_at), (dv, dv_at), (dout, dout_at), (q, q_at), (k, k_at), (v, v_at) = (
         head_layout(x) for x in (dk, dv, dout, q, k, v))
     kernel((heads // H * H_kv, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
@@ -219,8 +249,8 @@ def _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, warps, queries):
 
 def _dq(dq, dout, q, k, v, lse, row_dot, causal, scale, warps, keys):
     heads, H, H_kv, T, d = _head_sizes(q, k)
-    shared = dq_shared_bytes(d, warps, keys)
-    kernel = _kernel("tensor_core_attention_backward_dq", d, warps, keys, shared)
+    shared = dq_shared_bytes(d, warps, keys, q.itemsize)
+    kernel = _kernel("tensor_core_attention_backward_dq", ELEMENT[q.dtype], d, warps, keys, shared)
     (dq, dq_at), (dout, dout_at), (q, q_at), (k, k_at), (v, v_at) = (head_layout(x) for x in (dq, dout, q, k, v))
     kernel((heads, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
            (dq, dout, q, k, v, lse, row_dot, numpy.int32(T), numpy.int32(H), numpy.int32(H_kv),

@@ -27,7 +27,8 @@ on it (one pass splits each operand into TF32 parts, then one TF32 product over 
 times big part is summed in float32 on the CUDA cores every few slices), "medium" on its bf16 one.
 
 The package's products come here through gpt2_cupy.ops.matmul.launch_matmul at the "high" and "medium"
-settings; at "highest" they stay on chapter 01's float32 kernel (gpt2_cupy.precision says why).
+settings, and at "highest" where highest_on_tensor_cores says so (large 2-D products on a Hopper GPU); other
+products at "highest" stay on chapter 01's float32 kernel.
 
 bf16 arrays (a model trained in bf16, gpt2_cupy.amp) are multiplied as they are, whatever the precision
 setting: launch_bf16_product takes bf16 a and b, a float32 or bf16 out (a bf16 out is rounded once, after
@@ -175,6 +176,18 @@ def _small_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias):
     else:
         elementwise("float_to_bf16", "a", [result], compute_dtype=numpy.float32, out_dtype=out.dtype, out=out)
     return out
+
+
+def highest_on_tensor_cores(out, K):
+    """Whether a float32 product into out (M, N) over K runs at "highest" as 3xTF32 on the wgmma instead of on
+    chapter 01's float32 kernel: on a GPU that runs wgmma (H100, H200), for a 2-D product of at least
+    SMALL_PRODUCT multiply-adds with M and N at least MIN_COPIED_EXTENT (3xTF32 copies both operands into their
+    parts first). Both are as accurate as float32 (gpt2_cupy.precision); 3xTF32 is the faster there. The CPU
+    executor keeps the float32 kernel: it emulates the tensor cores lane by lane, three products at 40 times
+    the float32 kernel's time."""
+    M, N = out.shape[-2:]
+    return (backend.name == "cuda" and out.ndim == 2 and wgmma_runs() and M * N * K >= SMALL_PRODUCT
+            and min(M, N) >= MIN_COPIED_EXTENT)
 
 
 def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False,
