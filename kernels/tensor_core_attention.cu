@@ -317,22 +317,11 @@ __device__ __forceinline__ void accumulate_weighted_rows(float (&sum)[D / 8][4],
     }
 }
 
-// Two neighbouring elements of a row stored at once, each rounded once to the storage type.
-__device__ __forceinline__ void store_pair(float* destination, float first, float second)
-{
-    *reinterpret_cast<float2*>(destination) = make_float2(first, second);
-}
-
-__device__ __forceinline__ void store_pair(bfloat16* destination, float first, float second)
-{
-    *reinterpret_cast<__nv_bfloat162*>(destination) = __floats2bfloat162_rn(first, second);
-}
-
 // Write the warp's 16 rows of a 16 x D sum, times `factor`, to rows first_row + ... of a (T, D) matrix whose
 // rows are row_stride elements apart. Result element e of fragment n is row g + 8 (e / 2), column 8n + 2t + e % 2:
-// elements 0, 1 and 2, 3 are neighbours, one store each.
+// elements 0, 1 and 2, 3 are neighbours, one store each (storage.cuh's store_pair).
 template <int D, typename Element>
-__device__ __forceinline__ void store_rows(Element* matrix, long long row_stride, const float (&sum)[D / 8][4],
+__device__ __forceinline__ void store_fragment_rows(Element* matrix, long long row_stride, const float (&sum)[D / 8][4],
                                            int first_row, int T, float factor)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -494,7 +483,7 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
             o[n][2 * half + 1] *= inverse_sum[half];
         }
     }
-    store_rows<D>(out, out_at.row, o, warp_query, T, 1.0f);
+    store_fragment_rows<D>(out, out_at.row, o, warp_query, T, 1.0f);
 }
 
 // ---- backward ---------------------------------------------------------------------------------------
@@ -628,8 +617,8 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
         }
         __syncthreads();
     }
-    store_rows<D>(dk + dk_at.start(kv_head, kv_heads), dk_at.row, dk_sum, warp_key, T, scale);
-    store_rows<D>(dv + dv_at.start(kv_head, kv_heads), dv_at.row, dv_sum, warp_key, T, 1.0f);
+    store_fragment_rows<D>(dk + dk_at.start(kv_head, kv_heads), dk_at.row, dk_sum, warp_key, T, scale);
+    store_fragment_rows<D>(dv + dv_at.start(kv_head, kv_heads), dv_at.row, dv_sum, warp_key, T, 1.0f);
 }
 
 // One key tile of the dq pass for the warp's 16 queries: S = Q Kᵀ, dP = dO Vᵀ, P from lse, dS, dQ += dS K.
@@ -701,5 +690,5 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
                 dq_tile<D, KEYS, false>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks, first_key,
                                         warp_query, T, causal, scale_log2);
         });
-    store_rows<D>(dq, dq_at.row, dq_sum, warp_query, T, scale);
+    store_fragment_rows<D>(dq, dq_at.row, dq_sum, warp_query, T, scale);
 }

@@ -37,6 +37,7 @@
 //    C + s M N; the launcher then adds the slabs in stretch order, so the result is the same every run
 //    (atomic adds would land in whatever order the blocks finish).
 #include <cuda_bf16.h>
+#include "storage.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -126,23 +127,6 @@ __device__ __forceinline__ void wgmma_step(float (&d)[64], unsigned long long a,
     wgmma_m64n128k8_tf32(d, a, b);
 }
 
-// Stores into C, float32 or bf16 (rounded to nearest, ties to even). A pair of neighbours in a row is one
-// 8-byte (4-byte) store; it needs an even N, so that every row starts on a multiple of that size.
-__device__ __forceinline__ float load_one(const float* in) { return *in; }
-__device__ __forceinline__ float load_one(const __nv_bfloat16* in) { return __bfloat162float(*in); }
-__device__ __forceinline__ void store_one(float* out, float x) { *out = x; }
-__device__ __forceinline__ void store_one(__nv_bfloat16* out, float x) { *out = __float2bfloat16_rn(x); }
-
-__device__ __forceinline__ void store_pair(float* out, float x, float y)
-{
-    *reinterpret_cast<float2*>(out) = make_float2(x, y);
-}
-
-__device__ __forceinline__ void store_pair(__nv_bfloat16* out, float x, float y)
-{
-    *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
-}
-
 template <int COUNT>
 __device__ __forceinline__ void zero_accumulators(float (&d)[COUNT])
 {
@@ -216,8 +200,8 @@ __device__ __forceinline__ void store_results(Output* C, const float (&d)[BLOCK_
             const int row = first_row + 8 * ((batch + j) / 2 % 2), column = first_column + 8 * ((batch + j) / 4);
             const Output* out = C + (long long)row * N + column;
             const bool inside = accumulate && row < M && column < N;
-            old[j] = inside ? load_one(out) : 0.0f;
-            old[j + 1] = inside && column + 1 < N ? load_one(out + 1) : 0.0f;
+            old[j] = inside ? to_float(out[0]) : 0.0f;
+            old[j + 1] = inside && column + 1 < N ? to_float(out[1]) : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < 2 * STORE_BATCH; j += 2) {
@@ -233,11 +217,13 @@ __device__ __forceinline__ void store_results(Output* C, const float (&d)[BLOCK_
             }
             x += old[j];
             y += old[j + 1];
+            // C float32 or bf16 (rounded to nearest, ties to even). A pair of neighbours in a row is one 8-byte
+            // (4-byte) store; it needs an even N, so that every row starts on a multiple of that size.
             if (N % 2 == 0) {
                 store_pair(out, x, y);   // column is even, so column + 1 < N too
             } else {
-                store_one(out, x);
-                if (second) store_one(out + 1, y);
+                out[0] = from_float<Output>(x);
+                if (second) out[1] = from_float<Output>(y);
             }
         }
     }
@@ -293,8 +279,13 @@ __device__ __forceinline__ void wgmma_product(Output* C, const TensorMap& a_map,
                     mbarrier_wait(empty + 8 * stage, (it / STAGES & 1) ^ 1);
                     mbarrier_arrive_expect_tx(full + 8 * stage, STAGE_BYTES);
                     const int k0 = item.k_begin + s * BLOCK_K;
-                    load_operand_slice<BLOCK_M, A_MN_MAJOR>(a_tile(stage), a_map, item.m0, k0, full + 8 * stage);
-                    load_operand_slice<BLOCK_N, B_MN_MAJOR>(b_tile(stage), b_map, item.n0, k0, full + 8 * stage);
+                    // 3xTF32's A is [small | big] and B [big | small], each part k_apart / 2 long: the third
+                    // part of the product, big times big from k_apart on, reads both big parts again.
+                    const bool third = SLICE_SUMS && k0 >= k_apart;
+                    load_operand_slice<BLOCK_M, A_MN_MAJOR>(a_tile(stage), a_map, item.m0,
+                                                            third ? k0 - k_apart / 2 : k0, full + 8 * stage);
+                    load_operand_slice<BLOCK_N, B_MN_MAJOR>(b_tile(stage), b_map, item.n0, third ? k0 - k_apart : k0,
+                                                            full + 8 * stage);
                 }
             }
         }
@@ -395,8 +386,10 @@ __device__ __forceinline__ void wgmma_product(Output* C, const TensorMap& a_map,
 // Dynamic shared memory: shared_bytes(BLOCK_N). Block: THREADS. Grid: at most one block per item of work (tile
 // of C and stretch of K); one per multiprocessor is the most that run at once. a_map: A's tensor map, boxes of
 // BLOCK_M rows by one slice of k (K-major) or of 64 x 64 (MN-major); b_map the same for B with BLOCK_N rows.
-// SLICE_SUMS (3xTF32; 128-wide tiles, for the registers of two sums): from k = k_apart on, groups of
-// slices_per_sum slices are summed apart on the tensor cores and added on the CUDA cores (a tensor core adding
+// SLICE_SUMS (3xTF32; 128-wide tiles, for the registers of two sums): A's rows are [small | big] and B's
+// [big | small] (tf32_operand_rows), each part k_apart / 2 long, and the product runs over K = 3 k_apart / 2:
+// small·big, big·small, then big·big from k = k_apart on, reading the big parts again. Those last slices are
+// summed apart, slices_per_sum at a time, on the tensor cores and added on the CUDA cores (a tensor core adding
 // into a large sum cuts off the low bits of what it adds); k_apart and slices_per_sum are unused without it.
 // PING_PONG: the consumer warpgroups take whole tiles in turn. Launched by name: wgmma_matmul<256, false, false,
 // false, false, float, __nv_bfloat16> is the Linear forward x Wᵀ from bf16 into float32 on 256-wide tiles;
@@ -419,8 +412,9 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul(
 //   PART_BIG    big = cvt.rna.tf32(x)   (mma.cuh's split_tf32)
 //   PART_SMALL  small = cvt.rna.tf32(x - big)
 // One segment of PART_VALUE is a K-major copy, for an operand that does not lie K-major. For 3xTF32, A's rows
-// become [small | big | big] and B's [big | small | big]: one TF32 product over 3 segment_k sums small·big,
-// then big·small, then big·big (the small corrections first, while the sum is small); small·small is dropped.
+// become [small | big] and B's [big | small]: one TF32 product over 3 segment_k sums small·big, then
+// big·small, then big·big, reading the big parts again (the small corrections first, while the sum is small);
+// small·small is dropped.
 // in: rows x K, k contiguous, or (k_contiguous false: a transposed operand, read as it lies) K x rows.
 // Block (32, 8), one 32 x 32 tile of rows by k per block, grid (ceil(segment_k / 32), ceil(rows / 32)): the
 // tile is read along in's contiguous dimension, and written along k, through shared memory.

@@ -180,7 +180,7 @@ def test_highest_stays_as_accurate_as_float32(transpose_a, transpose_b, rng, eve
 
 @pytest.mark.parametrize("transpose_a, transpose_b", [(False, True), (True, False)])
 def test_3xtf32_on_the_wgmma_is_far_more_accurate_than_tf32(transpose_a, transpose_b, rng):
-    """The wgmma's 3xTF32 product (small·big + big·small + big·big over [small|big|big] rows): at least ten times
+    """The wgmma's 3xTF32 product (small·big + big·small + big·big over [small | big] and [big | small] rows): at least ten times
     closer to float64 than one TF32 product."""
     from gpt2_cupy.ops.wgmma_matmul import launch_tf32_wgmma_product
 
@@ -240,8 +240,9 @@ def test_a_copied_operand_needs_wide_products(rng, monkeypatch):
 
 
 def test_tf32_operand_rows_split_and_pad(rng):
-    """The one pass before 3xTF32: rows [small | big | big] of op(x), each padded to K rounded up to 4, where
-    big is x rounded to nearest TF32 and small the TF32 of x - big; transposed input read as it lies."""
+    """The one pass before a TF32 or 3xTF32 product: rows of op(x) made of parts one after another (here
+    [small | big | value]), each padded to K rounded up to 4, where big is x rounded to nearest TF32 and small
+    the TF32 of x - big; transposed input read as it lies."""
     x = operand(rng, (37, 50))    # stored K x rows: op(x) = xᵀ is 50 x 37
     parts = (wgmma_module.PART_SMALL, wgmma_module.PART_BIG, wgmma_module.PART_VALUE)
     got = backend.asnumpy(wgmma_module.tf32_operand_rows(backend.xp.asarray(x), False, parts))

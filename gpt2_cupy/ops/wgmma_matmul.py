@@ -65,8 +65,9 @@ TF32_SLICE_K = ROW_BYTES // 4       # float32 of K per slice: a 3xTF32 part fill
 PART_VALUE, PART_BIG, PART_SMALL = 0, 1, 2   # tf32_operand_rows' parts of a value (kernels/wgmma_matmul.cu)
 TRANSPOSE_TILE = 32                # rows and k of op(x) per block of tf32_operand_rows (TRANSPOSE_TILE)
 MAX_GRID_Y = 65535                 # CUDA's limit on a grid's y dimension (tf32_operand_rows' tiles of rows)
-# 3xTF32 as one TF32 product over three times K: A's rows [small | big | big], B's [big | small | big]
-THREE_PRODUCT_PARTS = ((PART_SMALL, PART_BIG, PART_BIG), (PART_BIG, PART_SMALL, PART_BIG))
+# 3xTF32 as one TF32 product over three times K: A's rows [small | big], B's [big | small], whose big parts the
+# kernel reads a second time for the third product, big times big (kernels/wgmma_matmul.cu's SLICE_SUMS)
+THREE_PRODUCT_PARTS = ((PART_SMALL, PART_BIG), (PART_BIG, PART_SMALL))
 OPTIONS = ("-arch=sm_90a",)        # wgmma compiles for sm_90a only (NVRTC refuses it for plain sm_90)
 
 
@@ -191,11 +192,12 @@ def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False, transpose_a=Fals
     or both float32 (read as TF32, K-major only: transpose_a False, transpose_b True), their rows whole 16-byte
     pieces starting on 16 bytes, out (M, N) float32 or bf16 apart from both, bias None or N float32s.
     shape: (block_n, splits, k_per_split) instead of launch_shape's choice (for benchmarks). k_apart (3xTF32):
-    from this k on, each SLICES_PER_SUM slices of K are summed apart by the tensor cores and added in float32 on
-    the CUDA cores, on 128-wide tiles (a tensor core adding into a large sum cuts off the low bits of what it
-    adds, which would lose the small corrections' share)."""
+    a's rows are [small | big] and b's [big | small], k_apart / 2 each, and the product runs over K = 3 k_apart / 2,
+    its third part (big times big) reading the big parts again; from k_apart on, each SLICES_PER_SUM slices of K
+    are summed apart by the tensor cores and added in float32 on the CUDA cores, on 128-wide tiles (a tensor core
+    adding into a large sum cuts off the low bits of what it adds, which would lose the small corrections' share)."""
     M, N = out.shape
-    K = a.shape[0] if transpose_a else a.shape[1]
+    K = (a.shape[0] if transpose_a else a.shape[1]) if k_apart is None else 3 * k_apart // 2
     if out.size == 0:
         return out
     block_n, splits, k_per_split = shape or launch_shape(M, N, K, out.dtype == numpy.dtype(numpy.float32))
@@ -269,9 +271,9 @@ def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, a
     TF32 reads an operand as it lies when it is K-major (a not transposed, b transposed: x Wᵀ) with rows of a
     multiple of 4 floats on 16 bytes, else a K-major copy of it, both padded alike when K is not a multiple of 4
     (one pass: 8 bytes per element, against 2 N (or 2 M) flops per element of the product, which the wgmma runs
-    about 3 times faster than mma.sync). 3xTF32 makes the operands' rows [small | big | big] and
-    [big | small | big] in one pass each, each part padded to whole slices of K, then one TF32 product over
-    three times K, its slices summed apart."""
+    about 3 times faster than mma.sync). 3xTF32 makes the operands' rows [small | big] and [big | small] in one
+    pass each, each part padded to whole slices of K, then one TF32 product over three times K (small·big,
+    big·small, big·big), the last part's slices summed apart."""
     if products == 3:
         a_parts, b_parts = THREE_PRODUCT_PARTS
         a_rows = tf32_operand_rows(a, not transpose_a, a_parts, TF32_SLICE_K)
@@ -280,7 +282,7 @@ def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, a
         a_rows, b_rows = (x if k_contiguous and _tf32_rows_fit(x) else tf32_operand_rows(x, k_contiguous, (PART_VALUE,))
                           for x, k_contiguous in ((a, not transpose_a), (b, transpose_b)))
     # 3xTF32's third part, big times big, from k = 2 segment_k on: its sums are summed apart
-    k_apart = 2 * a_rows.shape[1] // 3 if products == 3 else None
+    k_apart = a_rows.shape[1] if products == 3 else None
     return launch_wgmma_matmul(a_rows, b_rows, out, None, accumulate, False, True, k_apart=k_apart)
 
 

@@ -83,4 +83,16 @@ __device__ __forceinline__ void store_from_float(__nv_bfloat16* destination, con
     *reinterpret_cast<Bf16Group<WIDTH>*>(destination) = group;
 }
 
+// Two neighbours of a row stored at once, each rounded once: one 8-byte store of float, 4-byte of bf16 (the
+// destination a multiple of that size).
+__device__ __forceinline__ void store_pair(float* destination, float first, float second)
+{
+    *reinterpret_cast<float2*>(destination) = make_float2(first, second);
+}
+
+__device__ __forceinline__ void store_pair(__nv_bfloat16* destination, float first, float second)
+{
+    *reinterpret_cast<__nv_bfloat162*>(destination) = __floats2bfloat162_rn(first, second);
+}
+
 #endif
