@@ -180,8 +180,8 @@ def test_highest_stays_as_accurate_as_float32(transpose_a, transpose_b, rng, eve
 
 @pytest.mark.parametrize("transpose_a, transpose_b", [(False, True), (True, False)])
 def test_3xtf32_on_the_wgmma_is_far_more_accurate_than_tf32(transpose_a, transpose_b, rng):
-    """The wgmma's 3xTF32 product (small·big + big·small + big·big over [small | big] and [big | small] rows): at least ten times
-    closer to float64 than one TF32 product."""
+    """The wgmma's 3xTF32 product (small·big + big·small + big·big over [small | big] and [big | small] rows,
+    the big parts read twice): at least ten times closer to float64 than one TF32 product."""
     from gpt2_cupy.ops.wgmma_matmul import launch_tf32_wgmma_product
 
     a, b, op_a, op_b = layout_operands(rng, 70, 136, 300, transpose_a, transpose_b)
