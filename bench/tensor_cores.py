@@ -22,7 +22,7 @@ os.environ["CUPY_TF32"] = "0"  # before CuPy is imported: cupy.matmul is cuBLAS 
 import numpy  # noqa: E402
 
 from gpt2_cupy import backend, benchmark, kernels  # noqa: E402
-from gpt2_cupy.ops.matmul import matmul  # noqa: E402
+from gpt2_cupy.ops.matmul import launch_float32_matmul  # noqa: E402
 from gpt2_cupy.ops.tensor_core_matmul import (launch_bf16_matmul, launch_tf32_mma_sync, tensor_core_matmul,  # noqa: E402
                                                to_bf16)
 from gpt2_cupy.ops.wgmma_matmul import launch_tf32_wgmma_product, wgmma_matmul  # noqa: E402
@@ -79,7 +79,7 @@ def square_versions(a, b, c):
                                                                                       transpose_b=True)),
         "bf16 with conversion (tensor_core_matmul, medium)": ("medium", lambda: tensor_core_matmul(
             a, b, transpose_b=True, out=c, precision="medium")),
-        "float32 (gpt2_cupy matmul, chapter 01)": ("float32", lambda: matmul(a, b, transpose_b=True, out=c)),
+        "float32 (chapter 01's kernel)": ("float32", lambda: launch_float32_matmul(a, b, c, transpose_b=True)),
     }
     if _has_wgmma():
         versions["bf16 wgmma (wgmma_matmul on bf16 copies)"] = ("medium", lambda: wgmma_matmul(a16, b16, out=c))

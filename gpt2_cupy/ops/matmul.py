@@ -160,6 +160,14 @@ def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=Fa
     precision = get_float32_matmul_precision()
     if precision != "highest" or highest_on_tensor_cores(out, K):
         return launch_tensor_core_matmul(a, b, out, transpose_a, transpose_b, accumulate, precision)
+    return launch_float32_matmul(a, b, out, transpose_a, transpose_b, accumulate)
+
+
+def launch_float32_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False):
+    """launch_matmul on chapter 01's float32 kernel whatever the precision setting (unchecked as it, K at least 1)."""
+    M, N = out.shape[-2:]
+    K = a.shape[-2] if transpose_a else a.shape[-1]
+    batch = a.shape[0] if a.ndim == 3 else 1
     # float4 loads and stores need rows of a multiple of 4 floats and 16-byte aligned starting addresses.
     vector_loads = (a.shape[-1] % 4 == 0 and b.shape[-1] % 4 == 0 and N % 4 == 0
                     and float4_aligned(a, b, out))
