@@ -171,16 +171,23 @@ struct Fragments<float> {
     static constexpr int PADDING = 8;        // floats after each row: 32 bytes
     static constexpr int A = 8, B = 8;
 
+    // The lane's two neighbours of row g + 8 eighth, at k = k0 + 8 half + 2t and the next: one 8-byte load.
+    template <int STRIDE>
+    static __device__ __forceinline__ float2 neighbours(const float* tile, int eighth, int k0, int half)
+    {
+        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+        return *reinterpret_cast<const float2*>(tile + (g + 8 * eighth) * STRIDE + k0 + 8 * half + 2 * t);
+    }
+
     // a[0..3]: the first m16n8k8's (g, 2t), (g + 8, 2t), (g, 2t + 1), (g + 8, 2t + 1); a[4..7] the same at k + 8.
     template <int STRIDE>
     static __device__ __forceinline__ void rows(unsigned (&a)[A], const float* tile, int k0)
     {
-        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
             for (int row = 0; row < 2; ++row) {
-                const float2 pair = *reinterpret_cast<const float2*>(tile + (g + 8 * row) * STRIDE + k0 + 8 * half + 2 * t);
+                const float2 pair = neighbours<STRIDE>(tile, row, k0, half);
                 a[4 * half + row] = __float_as_uint(pair.x);
                 a[4 * half + row + 2] = __float_as_uint(pair.y);
             }
@@ -191,12 +198,11 @@ struct Fragments<float> {
     template <int STRIDE>
     static __device__ __forceinline__ void columns(unsigned (&b)[B], const float* tile, int k0)
     {
-        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
         for (int n = 0; n < 2; ++n)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const float2 pair = *reinterpret_cast<const float2*>(tile + (g + 8 * n) * STRIDE + k0 + 8 * half + 2 * t);
+                const float2 pair = neighbours<STRIDE>(tile, n, k0, half);
                 b[4 * n + 2 * half] = __float_as_uint(pair.x);
                 b[4 * n + 2 * half + 1] = __float_as_uint(pair.y);
             }

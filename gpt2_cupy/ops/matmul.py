@@ -146,9 +146,7 @@ def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=Fa
     if a.dtype == BFLOAT16:
         from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
         return launch_bf16_product(a, b, out, transpose_a, transpose_b, accumulate)
-    M, N = out.shape[-2:]
     K = a.shape[-2] if transpose_a else a.shape[-1]
-    batch = a.shape[0] if a.ndim == 3 else 1
     if out.size == 0:
         return out
     if K == 0:  # an empty sum

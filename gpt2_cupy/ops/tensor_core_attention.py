@@ -45,8 +45,8 @@ from gpt2_cupy.ops.arrays import (LARGEST_GRID_Y, ceil_div, check, check_views, 
                                   empty_like_views, float4_aligned, storage_of)
 
 HEAD_SIZES = (32, 64, 128)
-DTYPES = (numpy.dtype(bfloat16), numpy.dtype(numpy.float32))
 ELEMENT = {numpy.dtype(bfloat16): "bfloat16", numpy.dtype(numpy.float32): "float"}   # the kernels' Element
+DTYPES = tuple(ELEMENT)
 # Multiply-adds (B·H·T²·d) below which F.scaled_dot_product_attention keeps attention on chapter 08's float32
 # kernels: that small, it is bound by its launches on a GPU, and the CPU executor runs it faster.
 SMALL_ATTENTION = 1 << 24

@@ -178,6 +178,19 @@ def _small_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias):
     return out
 
 
+def _large_on_wgmma(out, K):
+    """Whether a product into out over K runs on the wgmma: a 2-D one of at least SMALL_PRODUCT multiply-adds, on
+    a backend that runs wgmma."""
+    M, N = out.shape[-2:]
+    return out.ndim == 2 and wgmma_runs() and M * N * K >= SMALL_PRODUCT
+
+
+def _copy_pays(out):
+    """Whether copying an operand K-major first (TF32's other layouts, 3xTF32's parts) costs less than the wgmma
+    saves: M and N at least MIN_COPIED_EXTENT."""
+    return min(out.shape[-2:]) >= MIN_COPIED_EXTENT
+
+
 def highest_on_tensor_cores(out, K):
     """Whether a float32 product into out (M, N) over K runs at "highest" as 3xTF32 on the wgmma instead of on
     chapter 01's float32 kernel: on a GPU that runs wgmma (H100, H200), for a 2-D product of at least
@@ -185,9 +198,7 @@ def highest_on_tensor_cores(out, K):
     parts first). Both are as accurate as float32 (gpt2_cupy.precision); 3xTF32 is the faster there. The CPU
     executor keeps the float32 kernel: it emulates the tensor cores lane by lane, three products at 40 times
     the float32 kernel's time."""
-    M, N = out.shape[-2:]
-    return (backend.name == "cuda" and out.ndim == 2 and wgmma_runs() and M * N * K >= SMALL_PRODUCT
-            and min(M, N) >= MIN_COPIED_EXTENT)
+    return backend.name == "cuda" and _large_on_wgmma(out, K) and _copy_pays(out)
 
 
 def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False,
@@ -200,14 +211,13 @@ def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, a
     K = a.shape[-2] if transpose_a else a.shape[-1]
     if out.size == 0 or K == 0:  # nothing to multiply: the float32 op fills or keeps out as it should
         return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)
-    M, N = out.shape[-2:]
-    if out.ndim == 2 and wgmma_runs() and M * N * K >= SMALL_PRODUCT:
+    if _large_on_wgmma(out, K):
         if precision == "medium":   # bf16 copies (as for mma.sync), then the bf16 wgmma (launch_bf16_product picks it)
             return launch_bf16_product(converted(a, BFLOAT16), converted(b, BFLOAT16), out, transpose_a, transpose_b,
                                        accumulate)
         # TF32 reads x Wᵀ as it lies; other layouts, and 3xTF32's parts, take a K-major copy first.
         copied = transpose_a or not transpose_b or precision == "highest"
-        if not copied or min(M, N) >= MIN_COPIED_EXTENT:
+        if not copied or _copy_pays(out):
             return launch_tf32_wgmma_product(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
     if precision == "medium":
         return launch_bf16_matmul(to_bf16(a)[0], to_bf16(b)[0], out, K, transpose_a, transpose_b, accumulate)
