@@ -3,7 +3,7 @@
     python -m bench.llama_generation [--shape 1b 7b] [--prompt 512] [--new-tokens 128] [--prefill 2048]
 
 Two shapes, random weights (the speed does not depend on them), built in bf16 on the device:
-    1b  Llama 3.2 1B: 16 layers, 2048 channels, 32 query and 8 key-value heads of 128, MLP 8192, vocabulary
+    1b  Llama 3.2 1B: 16 layers, 2048 channels, 32 query and 8 key-value heads of 64, MLP 8192, vocabulary
         128256, tied embeddings;
     7b  Llama 2 7B: 32 layers, 4096 channels, 32 heads of 128, MLP 11008, vocabulary 32000 (13.5 GB in bf16).
 Greedy decoding from a random prompt, batch 1, the next token chosen on the device (argmax):
@@ -134,7 +134,8 @@ def ours(shape, prompts, new_tokens):
 def transformers_run(torch, shape, prompts, new_tokens):
     import transformers
 
-    config = transformers.LlamaConfig(**SHAPES[shape], head_dim=128)
+    head_dim = SHAPES[shape]["hidden_size"] // SHAPES[shape]["num_attention_heads"]   # as ours: 64 for 1b
+    config = transformers.LlamaConfig(**SHAPES[shape], head_dim=head_dim)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()

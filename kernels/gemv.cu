@@ -9,21 +9,33 @@
 // reuse to win, and the tile's rows past R are wasted loads and multiplies. The whole cost is reading W once:
 // 2 N K bytes in bf16, 13.5 GB per token for a 7B model. So the kernel is built around the weight's bytes:
 // - each weight row is read once, by WARPS_PER_OUTPUT warps, in 16-byte loads (8 bf16 or 4 floats per lane);
-// - a lane loads LOADS_IN_FLIGHT such groups before it multiplies any, so that many bytes are on their way at once
-//   (a kernel that only streams memory needs about 40 KB in flight per multiprocessor to keep up with HBM). Two
-//   are enough: with 64 warps per multiprocessor that is 64 KB. Measured on an H200 with the weights cold in L2,
-//   four or eight took 10 to 60 % longer: their registers leave room for fewer warps;
+// - a lane loads LOADS such groups before it multiplies any, so that many bytes are on their way at once (a
+//   kernel that only streams memory needs about 40 KB in flight per multiprocessor to keep up with HBM). The
+//   launch chooses LOADS (gpt2_cupy/ops/gemv.py): more loads per lane mean fewer round trips to memory along a
+//   short row, but more registers, and so fewer warps, on a long one;
 // - the R rows of x are read at the same columns as the weight group: small, they stay in L1 and L2, and
 //   every weight element read is multiplied by all R rows (R products for 2 or 4 bytes of weight);
 // - the lanes' partial sums meet by warp_sum, the warps of one output by shared memory.
 // grid = ⌈N / outputs per block⌉ blocks of 8 warps; WARPS_PER_OUTPUT (1, 2, 4 or 8) warps share an output
 // when N is small (a 512-row k_proj would otherwise give too few blocks to fill the GPU).
 // WIDTH elements per load: 8 (bf16) or 4 (float) when K and both arrays allow 16-byte loads, else 1.
+//
+// Two more things the same launch can do, because at batch 1 every small kernel between the products costs
+// more time (its launch, its ramp up and down) than its bytes:
+// - NORMALIZED: x is RMSNorm'd on the way in, y = (x / rms(x) ∘ g) Wᵀ with rms(x) = sqrt(mean(x²) + eps) and g
+//   the norm's weight (normT, K elements). 1 / rms(x) is one number per row, so it comes out of the sum:
+//   y = (Σ_k W_nk x_k g_k) / rms(x). The lanes already read every x_k once per output, so they add up x_k² on
+//   the way and the warps of an output meet with both sums; no block waits for a norm before its weight loads.
+//   (The normalized x is not rounded to x's type before the product, as a separate norm kernel would store it.)
+// - GATED: W holds two matrices, rows 0 .. N/2 - 1 (gate) and N/2 .. N - 1 (up), and y (R, N/2) =
+//   silu(x W_gateᵀ) * (x W_upᵀ), SwiGLU (swiglu.cuh). A block computes gate rows and the up rows of the same
+//   outputs; each product is rounded to y's type as it would be stored, then SwiGLU is taken and rounded once:
+//   the bits of the two products followed by kernels/swiglu.cu's forward.
 #include "storage.cuh"
+#include "swiglu.cuh"
 #include "warp.cuh"
 
 #define GEMV_WARPS 8
-#define LOADS_IN_FLIGHT 2
 
 // WIDTH elements of a row into floats; float rows in float4 groups where WIDTH allows, bf16 rows in one load.
 template <int WIDTH, typename T>
@@ -36,41 +48,57 @@ __device__ __forceinline__ void load_elements(float* destination, const T* sourc
     }
 }
 
-template <int ROWS, int WIDTH, typename weightT, typename floatX>
+template <int ROWS, int WIDTH, typename weightT, typename floatX, int LOADS = 2, typename normT = float,
+          bool NORMALIZED = false, bool GATED = false>
 __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv(floatX* y, const floatX* x, const weightT* weight,
-    const float* bias, const floatX* residual, int rows, int N, int K, int warps_per_output)
+    const float* bias, const floatX* residual, const normT* norm_weight, float eps, int rows, int N, int K,
+    int warps_per_output)
 {
-    __shared__ float warp_sums[GEMV_WARPS][ROWS];
+    __shared__ float warp_sums[GEMV_WARPS][ROWS], warp_squares[GEMV_WARPS][ROWS];
+    __shared__ float products[GEMV_WARPS][ROWS];   // GATED: each output's product, as stored, for SwiGLU
     int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     int outputs_per_block = GEMV_WARPS / warps_per_output;
-    int output = blockIdx.x * outputs_per_block + warp / warps_per_output;
+    int slot = warp / warps_per_output;            // which of the block's outputs this warp works on
     int part = warp % warps_per_output;            // which of the output's warps this is
+    // GATED: the block's first half of slots take gate rows, the second half the up rows N/2 further on.
+    int pairs = outputs_per_block / 2;
+    int output = GATED ? blockIdx.x * pairs + slot % pairs + slot / pairs * (N / 2)
+                       : blockIdx.x * outputs_per_block + slot;
+    bool inside = GATED ? blockIdx.x * pairs + slot % pairs < N / 2 : output < N;
     const weightT* weight_row = weight + (long long)min(output, N - 1) * K;
     int groups = K / WIDTH;                        // WIDTH-element groups of a row
     int stride = warps_per_output * WARP_SIZE;     // the output's lanes, side by side along the row
 
-    float sums[ROWS];
+    float sums[ROWS], squares[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) sums[r] = 0.0f;
+    for (int r = 0; r < ROWS; r++) sums[r] = squares[r] = 0.0f;
 
-    for (int first = part * WARP_SIZE + lane; first < groups; first += LOADS_IN_FLIGHT * stride) {
-        float w[LOADS_IN_FLIGHT][WIDTH];
+    for (int first = part * WARP_SIZE + lane; first < groups; first += LOADS * stride) {
+        float w[LOADS][WIDTH];
 #pragma unroll
-        for (int u = 0; u < LOADS_IN_FLIGHT; u++) {         // only loads: LOADS_IN_FLIGHT x 16 bytes in flight per lane
+        for (int u = 0; u < LOADS; u++) {         // only loads: LOADS x 16 bytes in flight per lane
             int group = first + u * stride;
             if (group < groups) load_elements<WIDTH>(w[u], weight_row + (long long)group * WIDTH);
         }
 #pragma unroll
-        for (int u = 0; u < LOADS_IN_FLIGHT; u++) {
+        for (int u = 0; u < LOADS; u++) {
             int group = first + u * stride;
             if (group >= groups) break;
+            float gain[WIDTH];
+            if (NORMALIZED) load_elements<WIDTH>(gain, norm_weight + (long long)group * WIDTH);
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 if (r < rows) {
                     float xs[WIDTH];
                     load_elements<WIDTH>(xs, x + (long long)r * K + (long long)group * WIDTH);
 #pragma unroll
-                    for (int e = 0; e < WIDTH; e++) sums[r] += w[u][e] * xs[e];
+                    for (int e = 0; e < WIDTH; e++) {
+                        if (NORMALIZED) {
+                            squares[r] += xs[e] * xs[e];
+                            xs[e] *= gain[e];
+                        }
+                        sums[r] += w[u][e] * xs[e];
+                    }
                 }
             }
         }
@@ -79,19 +107,41 @@ __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv(floatX* y, const 
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         float total = warp_sum(sums[r]);
-        if (lane == 0) warp_sums[warp][r] = total;
+        float total_squares = NORMALIZED ? warp_sum(squares[r]) : 0.0f;
+        if (lane == 0) {
+            warp_sums[warp][r] = total;
+            warp_squares[warp][r] = total_squares;
+        }
     }
     __syncthreads();
-    // The first warp of each output adds its warps' sums in a fixed order, then the bias, and rounds once
-    // (then adds the residual and rounds again).
-    if (part == 0 && output < N) {
+    // The first warp of each output adds its warps' sums in a fixed order, divides by rms(x), adds the bias,
+    // and rounds once (then adds the residual and rounds again, or leaves the product for SwiGLU).
+    if (part == 0 && inside) {
         for (int r = lane; r < rows && r < ROWS; r += WARP_SIZE) {
-            float total = 0.0f;
-            for (int p = 0; p < warps_per_output; p++) total += warp_sums[warp + p][r];
+            float total = 0.0f, total_squares = 0.0f;
+            for (int p = 0; p < warps_per_output; p++) {
+                total += warp_sums[warp + p][r];
+                total_squares += warp_squares[warp + p][r];
+            }
+            if (NORMALIZED) total *= rsqrtf(total_squares / K + eps);
             if (bias != nullptr) total += bias[output];
+            if (GATED) {
+                products[slot][r] = to_float(from_float<floatX>(total));
+                continue;
+            }
             long long at = (long long)r * N + output;
             y[at] = residual == nullptr ? from_float<floatX>(total)
                                         : from_float<floatX>(to_float(from_float<floatX>(total)) + to_float(residual[at]));
+        }
+    }
+    if (GATED) {
+        __syncthreads();
+        // Thread (pair, r) joins the gate and up products of one output of row r.
+        for (int entry = threadIdx.x; entry < pairs * rows; entry += blockDim.x) {
+            int pair = entry % pairs, r = entry / pairs, column = blockIdx.x * pairs + pair;
+            if (r < ROWS && column < N / 2) {
+                y[(long long)r * (N / 2) + column] = from_float<floatX>(swiglu(products[pair][r], products[pair + pairs][r]));
+            }
         }
     }
 }

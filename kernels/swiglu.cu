@@ -8,23 +8,7 @@
 // gate and up may be rows of `columns` elements, row_stride apart, starting gate_offset and up_offset
 // elements into the arrays passed (the two halves of one product's output).
 #include "storage.cuh"
-
-__device__ __forceinline__ float sigmoid(float g)
-{
-    return 1.0f / (1.0f + expf(-g));  // expf(-g) = inf for g < -88: sigmoid 0, as it should be
-}
-
-__device__ __forceinline__ float swiglu(float g, float u)
-{
-    return g * sigmoid(g) * u;
-}
-
-__device__ __forceinline__ void swiglu_gradients(float* dgate, float* dup, float d, float g, float u)
-{
-    float s = sigmoid(g);
-    *dgate = d * u * s * (1.0f + g * (1.0f - s));
-    *dup = d * g * s;
-}
+#include "swiglu.cuh"
 
 extern "C" __global__ void swiglu_forward(float* y, const float* gate, const float* up, int n)
 {
