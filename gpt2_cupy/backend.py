@@ -15,6 +15,10 @@ Everything else imports the names below and never asks which backend is active:
     RawModule(code=..., options=(), name_expressions=None) with .get_function(name)
                   CuPy's own (or the executor's), with kernels/include/ on the include path, so that any
                   kernel, a chapter's cell as well as a file of kernels/, may `#include "warp.cuh"`
+    launch_dependent(kernel, grid, block, args, shared_mem=0)
+                  a launch that may start before the kernel ahead of it has ended (CUDA's programmatic
+                  dependent launch, compute capability 9.0 on; kernels/include/dependent_launch.cuh); an
+                  ordinary launch on older GPUs, on the CPU, or with DEPENDENT_LAUNCHES = False
     fill_zero(a)  a[...] = 0, on the device
     copy_into(dst, src)      dst[...] = src, on the device (src may be a numpy array: one host-to-device copy)
 
@@ -68,6 +72,9 @@ def _choose():
 
 
 _cupy = _choose()
+
+# launch_dependent's overlap on or off: False makes every such launch an ordinary one (to measure what it brings).
+DEPENDENT_LAUNCHES = True
 
 # ---- CUDA graph capture: set by gpt2_cupy.graphs while a `with graph(g):` block runs ---------------------
 
@@ -157,6 +164,21 @@ if _cupy is not None:
         """Bytes of shared memory one block may have once its kernel opts in: 227 KiB on an H100."""
         return _cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
 
+    @lru_cache(maxsize=None)
+    def _has_dependent_launch(device):
+        return int(_cupy.cuda.Device(device).compute_capability) >= 90
+
+    def launch_dependent(kernel, grid, block, args, shared_mem=0):
+        """kernel(grid, block, args, shared_mem), free to start before the kernel ahead of it in the stream
+        has ended. CuPy's launch takes no launch attributes, so this one goes to the driver's
+        cuLaunchKernelEx (through ctypes, as gpt2_cupy.tensor_map reaches the driver)."""
+        if not (DEPENDENT_LAUNCHES and _has_dependent_launch(_cupy.cuda.Device().id)):
+            return kernel(grid, block, args, shared_mem=shared_mem)
+        from gpt2_cupy.driver_launch import launch_with_programmatic_serialization
+
+        launch_with_programmatic_serialization(kernel.kernel.ptr, grid, block, args, shared_mem,
+                                               _cupy.cuda.get_current_stream().ptr)
+
 else:
     name = "cpu"
     xp = numpy
@@ -201,6 +223,11 @@ else:
 
     def multiprocessor_count():
         return 132  # an H100's: kernels sized by it split their work as they would on one
+
+    def launch_dependent(kernel, grid, block, args, shared_mem=0):
+        """An ordinary launch: the executor runs each launch to its end before the next starts, so there is no
+        tail to overlap (kernels/include/dependent_launch.cuh's instructions do nothing here)."""
+        kernel(grid, block, args, shared_mem)
 
     def shared_memory_per_block():
         """The executor's limit for one block after the opt-in, an H100's."""

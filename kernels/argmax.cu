@@ -6,7 +6,9 @@
 // vocabulary) took 62 µs on an H200, 5 % of a 1B model's whole token. Here a row is cut into stretches of
 // ELEMENTS_PER_BLOCK, one block each (argmax_partial), and one warp per row reduces the blocks' winners
 // (argmax_rows): two launches of a few microseconds. Every comparison keeps the same winner whatever the
-// order, so the result does not depend on how the work is split.
+// order, so the result does not depend on how the work is split. Both are launched dependent
+// (dependent_launch.cuh): each starts while the kernel before it ends, and waits before it reads.
+#include "dependent_launch.cuh"
 #include "storage.cuh"
 #include "warp.cuh"
 
@@ -42,6 +44,8 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_partial(float* partial_
 {
     __shared__ float warp_values[ARGMAX_THREADS / WARP_SIZE];
     __shared__ long long warp_indices[ARGMAX_THREADS / WARP_SIZE];
+    let_next_kernel_start();
+    wait_for_previous_kernel();
     const floatX* row = logits + (long long)blockIdx.y * V;
     int first = blockIdx.x * ELEMENTS_PER_BLOCK, end = min(first + ELEMENTS_PER_BLOCK, V);
     float best = to_float(row[first]);
@@ -76,6 +80,7 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_partial(float* partial_
 extern "C" __global__ void argmax_rows(long long* index, const float* partial_values,
                                        const long long* partial_indices, int blocks)
 {
+    wait_for_previous_kernel();
     const float* values = partial_values + (long long)blockIdx.x * blocks;
     const long long* indices = partial_indices + (long long)blockIdx.x * blocks;
     float best = values[0];

@@ -19,6 +19,8 @@
 // grid = ⌈N / outputs per block⌉ blocks of 8 warps; WARPS_PER_OUTPUT (1, 2, 4 or 8) warps share an output
 // when N is small (a 512-row k_proj would otherwise give too few blocks to fill the GPU).
 // WIDTH elements per load: 8 (bf16) or 4 (float) when K and both arrays allow 16-byte loads, else 1.
+// Launched dependent (dependent_launch.cuh): a lane's first weight loads go out before the wait for the kernel
+// before, whose output x is, so that the memory is busy from the moment the blocks start.
 //
 // Two more things the same launch can do, because at batch 1 every small kernel between the products costs
 // more time (its launch, its ramp up and down) than its bytes:
@@ -31,6 +33,7 @@
 //   silu(x W_gateᵀ) * (x W_upᵀ), SwiGLU (swiglu.cuh). A block computes gate rows and the up rows of the same
 //   outputs; each product is rounded to y's type as it would be stored, then SwiGLU is taken and rounded once:
 //   the bits of the two products followed by kernels/swiglu.cu's forward.
+#include "dependent_launch.cuh"
 #include "storage.cuh"
 #include "swiglu.cuh"
 #include "warp.cuh"
@@ -73,13 +76,20 @@ __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv(floatX* y, const 
 #pragma unroll
     for (int r = 0; r < ROWS; r++) sums[r] = squares[r] = 0.0f;
 
-    for (int first = part * WARP_SIZE + lane; first < groups; first += LOADS * stride) {
-        float w[LOADS][WIDTH];
+    // LOADS groups of the row, stride apart from `first`: only loads, LOADS x 16 bytes in flight per lane.
+    float w[LOADS][WIDTH];
+    auto load_weights = [&](int first) {
 #pragma unroll
-        for (int u = 0; u < LOADS; u++) {         // only loads: LOADS x 16 bytes in flight per lane
+        for (int u = 0; u < LOADS; u++) {
             int group = first + u * stride;
             if (group < groups) load_elements<WIDTH>(w[u], weight_row + (long long)group * WIDTH);
         }
+    };
+    let_next_kernel_start();
+    int first = part * WARP_SIZE + lane;
+    load_weights(first);               // weights: written by no kernel launched dependent
+    wait_for_previous_kernel();        // x, residual: written by the kernels before
+    for (; first < groups; first += LOADS * stride) {
 #pragma unroll
         for (int u = 0; u < LOADS; u++) {
             int group = first + u * stride;
@@ -102,6 +112,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv(floatX* y, const 
                 }
             }
         }
+        load_weights(first + LOADS * stride);
     }
 
 #pragma unroll

@@ -13,6 +13,7 @@
 // rounded once; the angle is float32 either way. y is contiguous; x's rows (b, t) are x_row elements apart,
 // H D when it is contiguous too, more when x is a slice of a wider array (q or k among q, k, v side by side),
 // and x starts x_offset elements into the array passed.
+#include "dependent_launch.cuh"
 #include "storage.cuh"
 
 // The channels of frequency i in a head of D: (i, i + D/2) for rotate_half, (2i, 2i + 1) interleaved.
@@ -83,12 +84,15 @@ __global__ void rope_forward_stored(floatX* y, const floatX* x, long long x_offs
 //       the three weights' rows gives them;
 //   q_out (B, H, n, D); keys, values (B, H_kv, capacity, D).
 // One thread per pair of channels of q's, k's and v's heads (v's pairs are copied, not turned): the same
-// rotation and rounding as rope_forward_stored, then the copy that decode_attention_store makes.
+// rotation and rounding as rope_forward_stored, then the copy that decode_attention_store makes. Launched
+// dependent (dependent_launch.cuh): it starts while the product before it ends, and waits before it reads.
 template <typename floatX>
 __global__ void rope_store_new_positions(floatX* q_out, floatX* keys, floatX* values, const floatX* qkv,
     const float* inv_freq, const int* device_start, int B, int n, int H, int H_kv, int D, int capacity,
     int interleaved)
 {
+    let_next_kernel_start();
+    wait_for_previous_kernel();
     int half = D / 2, heads = H + 2 * H_kv;
     long long pair = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (pair >= (long long)B * n * heads * half) {

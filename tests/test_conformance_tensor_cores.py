@@ -545,7 +545,7 @@ UNKNOWN_INSTRUCTION = r"""
 extern "C" __global__ void fence(float* out)
 {
     out[threadIdx.x] = 1.0f;
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    asm volatile("tcgen05.fence::before_thread_sync;\n" ::: "memory");
 }
 """
 
@@ -561,7 +561,7 @@ extern "C" __global__ void hopper(float* out)
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("code, name, instruction, line", [(UNKNOWN_INSTRUCTION, "fence", "griddepcontrol.launch_dependents", 5),
+@pytest.mark.parametrize("code, name, instruction, line", [(UNKNOWN_INSTRUCTION, "fence", "tcgen05.fence::before_thread_sync", 5),
                                                           (CLUSTER_BARRIER, "hopper", "barrier.cluster.arrive", 5)])
 def test_unknown_ptx_instruction_is_a_compile_error_naming_it_and_its_line(code, name, instruction, line):
     from gpt2_cupy.cpu import CompileError
@@ -677,7 +677,7 @@ def test_inline_ptx_in_an_included_header_runs_and_its_errors_name_the_header(tm
     if backend.name == "cpu":
         from gpt2_cupy.cpu import CompileError
 
-        (tmp_path / "unknown.cuh").write_text('__device__ void fence() {\n    asm volatile("griddepcontrol.launch_dependents;");\n}\n')
+        (tmp_path / "unknown.cuh").write_text('__device__ void fence() {\n    asm volatile("tcgen05.fence::before_thread_sync;");\n}\n')
         unknown = '#include "unknown.cuh"\nextern "C" __global__ void k() { fence(); }\n'
-        with pytest.raises(CompileError, match=r"unknown\.cuh:2: error: .*griddepcontrol\.launch_dependents"):
+        with pytest.raises(CompileError, match=r"unknown\.cuh:2: error: .*tcgen05\.fence::before_thread_sync"):
             backend.RawKernel(unknown, "k", options=(f"-I{tmp_path}",))((1,), (32,), ())

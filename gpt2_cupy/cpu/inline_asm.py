@@ -40,7 +40,7 @@ SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 onl
              "[.L2::cache_hint] "
              "(maps from gpt2_cupy.tensor_map), cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
              "[.L2::cache_hint], prefetch.tensormap, setmaxnreg.{inc,dec}.sync.aligned.u32 (with -arch=sm_90a), "
-             "elect.sync, "
+             "elect.sync, griddepcontrol.{wait,launch_dependents}, "
              "selp, bra[.uni] to labels of the statement, and .reg declarations")
 
 # wgmma exists only on sm_90a: NVRTC refuses it for sm_90, the architecture CuPy picks for an H100 or H200.
@@ -516,8 +516,10 @@ class _Body:
         return f"{_NS}mbarrier_inval({self.address(operands[0], match.group(0))}, {self.line});"
 
     def no_effect_here(self, match, operands):
-        # fence.mbarrier_init (a one-block cluster: the __syncthreads() after it does the ordering) and
-        # prefetch.tensormap (a hint)
+        # fence.mbarrier_init (a one-block cluster: the __syncthreads() after it does the ordering),
+        # prefetch.tensormap (a hint), and griddepcontrol: the executor runs a launch to its end before the
+        # next starts, so a kernel's wait for the one before it has always been answered, and letting the
+        # next one start early changes nothing
         return ";"
 
     def bulk_tensor_copy(self, match, operands):
@@ -601,4 +603,5 @@ class _Body:
          bulk_copy),
         (r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32", setmaxnreg),
         (r"elect\.sync", elect_sync),
+        (r"griddepcontrol\.(?:wait|launch_dependents)", no_effect_here),
     )

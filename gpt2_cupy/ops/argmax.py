@@ -38,8 +38,8 @@ def argmax_forward(logits, out=None):
     partial_values = backend.xp.empty((rows, blocks), dtype=np.float32)
     partial_indices = backend.xp.empty((rows, blocks), dtype=np.int64)
     kernel_name = f"argmax_partial<{storage_c_type(dtype)}>"
-    kernels.function("argmax", kernel_name, name_expressions=(kernel_name,))(
-        (blocks, rows), (THREADS,), (partial_values, partial_indices, logits, np.int32(V)))
-    kernels.function("argmax", "argmax_rows")((rows,), (WARP_SIZE,), (out, partial_values, partial_indices,
-                                                                        np.int32(blocks)))
+    backend.launch_dependent(kernels.function("argmax", kernel_name, name_expressions=(kernel_name,)),
+                             (blocks, rows), (THREADS,), (partial_values, partial_indices, logits, np.int32(V)))
+    backend.launch_dependent(kernels.function("argmax", "argmax_rows"), (rows,), (WARP_SIZE,),
+                             (out, partial_values, partial_indices, np.int32(blocks)))
     return out

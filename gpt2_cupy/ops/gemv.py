@@ -82,8 +82,8 @@ def gemv_forward(x, weight, bias=None, out=None, residual=None, *, norm_weight=N
     kernel_name = f"gemv<{', '.join(template)}>"
     outputs_per_block = WARPS_PER_BLOCK // warps_per_output
     blocks = ceil_div(outputs, outputs_per_block // 2) if gated else ceil_div(N, outputs_per_block)
-    kernels.function("gemv", kernel_name, name_expressions=(kernel_name,))(
-        (blocks,), (WARPS_PER_BLOCK * WARP_SIZE,),
+    backend.launch_dependent(
+        kernels.function("gemv", kernel_name, name_expressions=(kernel_name,)), (blocks,), (WARPS_PER_BLOCK * WARP_SIZE,),
         (out, x, weight, 0 if bias is None else bias, 0 if residual is None else residual,
          0 if norm_weight is None else norm_weight, np.float32(eps), np.int32(row_count), np.int32(N), np.int32(K),
          np.int32(warps_per_output)))

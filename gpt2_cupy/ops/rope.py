@@ -141,7 +141,8 @@ def rope_store_new_positions(qkv, keys, values, n_heads, *, theta=10000.0, start
     pairs = B * n * width // 2
     if pairs:
         kernel_name = f"rope_store_new_positions<{storage_c_type(dtype)}>"
-        kernels.function("rope", kernel_name, name_expressions=(kernel_name,))(
+        backend.launch_dependent(
+            kernels.function("rope", kernel_name, name_expressions=(kernel_name,)),
             (ceil_div(pairs, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
             (q_heads, keys, values, qkv, _inverse_frequencies(D, float(theta)), device_start, np.int32(B),
              np.int32(n), np.int32(n_heads), np.int32(H_kv), np.int32(D), np.int32(capacity),
