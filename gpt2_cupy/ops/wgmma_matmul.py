@@ -24,12 +24,13 @@ gpt2_cupy.ops.tensor_core_matmul.to_bf16 makes them) pass too. Each operand's ro
 be whole 16-byte pieces, which the kernel moves: a multiple of 8 bf16, or 4 float32. Other sizes are free.
 
 The kernel is kernels/wgmma_matmul.cu, from chapters/15_tensor_cores.ipynb, section 4.8: 128 x 256 tiles of C
-(128 x 128, taken by the two warpgroups in turn, where K is short or that fills the GPU better) per block of
+(128 x 128, taken by the two warpgroups in turn, where that fills the GPU better) per block of
 two consumer warpgroups and a copy warp, K in slices of 64 copied by the copy engine (TMA, through tensor maps
 made here) into a ring of 128-byte swizzled stages guarded by mbarriers (a slice of 64 bf16 or 32 float32 per
 row), wgmma.mma_async reading them by descriptor, K-major or MN-major (imm-trans, bf16 only). A float32 product
-with few tiles and a long K (the weight gradient's sum over B*T rows) is split along K, each stretch into its
-own slab, the slabs then added in order: the same result every run.
+with few tiles and a long K (the weight gradients' sum over B*T rows, the output layer's input gradient's over
+the vocabulary) is split along K, each stretch into its own slab, the slabs then added in order: the same result
+every run.
 wgmma exists only on compute capability 9.0 (H100, H200), and compiles only for sm_90a; on another GPU this op
 raises RuntimeError. The CPU executor emulates wgmma, so the op runs there too.
 """
@@ -54,10 +55,19 @@ SLICES_PER_SUM = 2                 # slices summed by the tensor cores before a 
 MN_BOX = 64                        # an MN-major operand's box: 64 of m (n) by 64 of k (MN_BOX)
 MAX_SPLITS = 6                     # stretches of K at most: with out and bias, the 8 operands of one generated sum
 MIN_K_PER_SPLIT = 1024             # elements of K per stretch at least: 16 slices, to keep the pipeline full
-TILE_SPEED = {256: 1.0, 128: 0.87}   # multiply-adds per second of a block, by tile width (measured on an H200)
+# Multiply-adds per second of a block, by tile width: on an H100, over the GPT-2 Linear products whose rounds are
+# full at either width (the output layer's bf16 weight gradient: 533 TFLOP/s on 128-wide tiles, 718 on 256-wide)
+TILE_SPEED = {256: 1.0, 128: 0.74}
+WIDEST = max(TILE_SPEED)
 # Slices' worth of time a tile's stores hold its tensor cores: a 256-wide tile's two warpgroups store together;
-# 128-wide tiles are ping-pong, one warpgroup storing while the other multiplies (measured on an H200)
+# 128-wide tiles are ping-pong, one warpgroup storing while the other multiplies (measured on an H200; the
+# products of K = 768 on an H100 agree)
 STORE_SLICES = {256: 2, 128: 0}
+# Bytes the GPU's memory moves in the time a 128 x 256 tile multiplies one slice: the unit of split K's partial
+# sums (each stretch's slab written, then read back by add_partial_sums). On an H100, 8192 x 768 x 2304 in bf16
+# took 59.6 µs on 256-wide tiles unsplit (76 slices' time) and 83.6 µs in two stretches (60 slices' time and
+# 100 MB of slabs): about 2 MB a slice.
+SLICE_BYTES = 2 * 1024 * 1024
 ROW_BYTES = 128                    # a slice of k in shared memory: 64 bf16 or 32 float32 a row (ROW_BYTES)
 ROW_MULTIPLE = {2: 8, 4: 4}        # rows of a and b in 16-byte pieces: 8 bf16, 4 float32 (by element bytes)
 TF32_ROW_MULTIPLE = ROW_MULTIPLE[4]
@@ -144,39 +154,43 @@ def tiles(M, N, block_n):
     return ceil_div(M, BLOCK_M) * ceil_div(N, block_n)
 
 
-def launch_shape(M, N, K, float32_out):
-    """(block_n, splits, k_per_split) for an M x N x K product; see _launch_shape."""
-    return _launch_shape(M, N, K, float32_out, backend.multiprocessor_count())
+def launch_shape(M, N, K, float32_out, widths=tuple(TILE_SPEED)):
+    """(block_n, splits, k_per_split) for an M x N x K product, block_n one of widths; see _launch_shape."""
+    return _launch_shape(M, N, K, float32_out, backend.multiprocessor_count(), widths)
 
 
 @functools.lru_cache(maxsize=None)   # asked at every launch, with the few shapes of a model
-def _launch_shape(M, N, K, float32_out, processors):
-    """(block_n, splits, k_per_split) for an M x N x K product: how wide a block's tile of C is, and into how many
-    stretches of K (of k_per_split each) the sum is split.
+def _launch_shape(M, N, K, float32_out, processors, widths=tuple(TILE_SPEED)):
+    """(block_n, splits, k_per_split) for an M x N x K product: how wide a block's tile of C is (one of widths),
+    and into how many stretches of K (of k_per_split each) the sum is split.
 
     A GPU of P multiprocessors runs one block per multiprocessor, in rounds of P blocks; a round only partly
     full takes about as long as a full one. A block's time is about its multiply-adds (block_n, and its
     stretch's slices of K, plus STORE_SLICES for its stores) over its speed: a 128-wide tile reads more shared
-    memory per multiply-add, so it runs at TILE_SPEED[128] of the 256-wide one's rate. The launch takes the tile
-    width and number of stretches with the least rounds x block time, or the fewest stretches within 15 % of
-    it; it splits K (a float32 out only, each stretch at least MIN_K_PER_SPLIT long and a multiple of BLOCK_K)
-    only where that saves a tenth of the time. The CPU executor reports an H100's 132 multiprocessors, so both
-    backends take the same path."""
+    memory per multiply-add, so it runs at TILE_SPEED[128] of the 256-wide one's rate. Split K (a float32 out
+    only, each stretch at least MIN_K_PER_SPLIT long and a multiple of BLOCK_K) adds its slabs' traffic, in
+    SLICE_BYTES a slice. The launch takes the shape of least rounds x block time + slab traffic, the fewest
+    stretches and then the wider tile on a tie. Of every width and number of stretches, timed on an H100 for
+    GPT-2 small's 15 Linear products (8192 rows) in bf16 and TF32, this picks the fastest, or one within 4 %
+    of it (128-wide tiles without ping-pong on the products of N = 768 and K of 768 to 3072, and the attention's
+    qkv weight gradient on 128-wide tiles unsplit, are that much faster). 3xTF32 runs on 128-wide tiles only
+    (widths=(128,)): its stretches come from the same times, not from a timing of its own. The CPU executor
+    reports an H100's 132 multiprocessors, so both backends take the same path."""
 
-    def time(block_n, splits):
-        slices = ceil_div(ceil_div(K, splits), BLOCK_K) + STORE_SLICES[block_n]
-        return ceil_div(tiles(M, N, block_n) * splits, processors) * block_n * slices / TILE_SPEED[block_n]
+    def stretch(splits):
+        k_per_split = K if splits == 1 else ceil_div(K, splits * BLOCK_K) * BLOCK_K
+        return (ceil_div(K, k_per_split) if splits > 1 else 1), k_per_split
 
-    whole = min(TILE_SPEED, key=lambda block_n: (time(block_n, 1), -block_n))
-    most_splits = min(MAX_SPLITS, K // MIN_K_PER_SPLIT) if float32_out else 1
-    shapes = [(b, s) for s in range(1, max(1, most_splits) + 1) for b in TILE_SPEED]
-    best = min(time(*shape) for shape in shapes)
-    # the fewest stretches within 15 % of the best: each stretch adds M x N floats into out
-    block_n, splits = next(shape for shape in shapes if time(*shape) <= 1.15 * best)
-    if splits == 1 or time(block_n, splits) > 0.9 * time(whole, 1):
-        return whole, 1, K
-    k_per_split = ceil_div(K, splits * BLOCK_K) * BLOCK_K
-    return block_n, ceil_div(K, k_per_split), k_per_split
+    def time(block_n, stretches, k_per_split):
+        rounds = ceil_div(tiles(M, N, block_n) * stretches, processors)
+        slices = ceil_div(k_per_split, BLOCK_K) + STORE_SLICES[block_n]
+        blocks = rounds * block_n / WIDEST * slices / TILE_SPEED[block_n]
+        slabs = 2 * stretches * M * N * numpy.dtype(numpy.float32).itemsize   # written, then read back
+        return blocks + (slabs / SLICE_BYTES if stretches > 1 else 0)
+
+    most_splits = max(1, min(MAX_SPLITS, K // MIN_K_PER_SPLIT)) if float32_out else 1
+    shapes = {(block_n, *stretch(splits)) for splits in range(1, most_splits + 1) for block_n in widths}
+    return min(shapes, key=lambda shape: (time(*shape), shape[1], -shape[0]))
 
 
 def grid_blocks(items):
@@ -200,8 +214,9 @@ def launch_wgmma_matmul(a, b, out, bias=None, accumulate=False, transpose_a=Fals
     K = (a.shape[0] if transpose_a else a.shape[1]) if k_apart is None else 3 * k_apart // 2
     if out.size == 0:
         return out
-    block_n, splits, k_per_split = shape or launch_shape(M, N, K, out.dtype == numpy.dtype(numpy.float32))
     slice_sums = k_apart is not None
+    widths = (SLICE_SUMS_BLOCK_N,) if slice_sums else tuple(TILE_SPEED)
+    block_n, splits, k_per_split = shape or launch_shape(M, N, K, out.dtype == numpy.dtype(numpy.float32), widths)
     if slice_sums:
         block_n = SLICE_SUMS_BLOCK_N
     if ping_pong is None:
