@@ -73,7 +73,8 @@ ROW_MULTIPLE = {2: 8, 4: 4}        # rows of a and b in 16-byte pieces: 8 bf16, 
 TF32_ROW_MULTIPLE = ROW_MULTIPLE[4]
 TF32_SLICE_K = ROW_BYTES // 4       # float32 of K per slice: a 3xTF32 part fills whole slices
 PART_VALUE, PART_BIG, PART_SMALL = 0, 1, 2   # tf32_operand_rows' parts of a value (kernels/wgmma_matmul.cu)
-TRANSPOSE_TILE = 32                # rows and k of op(x) per block of tf32_operand_rows (TRANSPOSE_TILE)
+OPERAND_TILE = 64                  # rows and k of op(x) per block of tf32_operand_rows (OPERAND_TILE)
+OPERAND_THREADS = 256              # threads per block of tf32_operand_rows (OPERAND_THREADS)
 MAX_GRID_Y = 65535                 # CUDA's limit on a grid's y dimension (tf32_operand_rows' tiles of rows)
 # 3xTF32 as one TF32 product over three times K: A's rows [small | big], B's [big | small], whose big parts the
 # kernel reads a second time for the third product, big times big (kernels/wgmma_matmul.cu's SLICE_SUMS)
@@ -263,7 +264,7 @@ def tf32_operand_rows(x, k_contiguous, parts, segment_multiple=TF32_ROW_MULTIPLE
     segment_multiple (4 at least: rows of whole 16-byte pieces).
     parts: PART_VALUE (the value), PART_BIG (rounded to TF32), PART_SMALL (the TF32 of what that leaves)."""
     rows, K = x.shape if k_contiguous else x.shape[::-1]
-    if ceil_div(rows, TRANSPOSE_TILE) > MAX_GRID_Y:
+    if ceil_div(rows, OPERAND_TILE) > MAX_GRID_Y:
         raise ValueError(f"tf32_operand_rows: {rows} rows need more than {MAX_GRID_Y} blocks along the grid's y")
     segment_k = ceil_div(K, segment_multiple) * segment_multiple
     out = backend.xp.empty((rows, len(parts) * segment_k), dtype=numpy.float32)
@@ -271,7 +272,7 @@ def tf32_operand_rows(x, k_contiguous, parts, segment_multiple=TF32_ROW_MULTIPLE
         return out
     code = sum(part << 2 * segment for segment, part in enumerate(parts))
     kernel = kernels.function("wgmma_matmul", "tf32_operand_rows", options=OPTIONS)
-    kernel((ceil_div(segment_k, TRANSPOSE_TILE), ceil_div(rows, TRANSPOSE_TILE)), (TRANSPOSE_TILE, 8),
+    kernel((ceil_div(segment_k, OPERAND_TILE), ceil_div(rows, OPERAND_TILE)), (OPERAND_THREADS,),
            (out, x, numpy.int32(rows), numpy.int32(K), numpy.int32(segment_k), numpy.bool_(k_contiguous),
             numpy.int32(len(parts)), numpy.int32(code)))
     return out
