@@ -3,10 +3,13 @@ with the KV cache, which runs it at every step after the prompt, against generat
 sequence at every step.
 
 The reference repeats each key-value head for its group and masks, for new position i of n, the keys after
-position length - n + i. Cases: head sizes on and between the tile widths (1, 48, 64, 80, 128, 200, 256), grouped
-heads (4 query heads per key head, 1 key head for 8), several new positions at once, caches filled to less than
-their capacity, lengths that split into several chunks of keys (and one that does not), and the length given as
-a device array.
+position length - n + i. Cases, in float32 and in bf16 (within one rounding of the output): head sizes on and
+between the tile widths (1, 32, 37, 48, 64, 80, 128, 200, 256), grouped heads (3 or 4 query heads per key head, 1
+key head for 8), several new positions at once, caches filled to less than their capacity, Llama 3.2 1B's and
+Llama 2 7B's heads, lengths that split into several chunks of keys (and one that does not), the length given as a
+device array and through a captured graph replayed as it grows, every way of cutting the keys (warps per block,
+steps per warp, chunks merged by their last block or by a second launch), arrays that do not start on 16 bytes,
+and the CPU executor's race and bounds checks.
 """
 
 import math
@@ -15,10 +18,11 @@ import numpy as np
 import pytest
 
 import gpt2_cupy
-from gpt2_cupy import backend
+from gpt2_cupy import backend, kernels
 from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.ops import decode_attention as decode_ops
+from gpt2_cupy.ops.arrays import BFLOAT16
 from gpt2_cupy.ops.decode_attention import decode_attention_forward
 from gpt2_cupy.testing import relative_error
 
@@ -57,32 +61,105 @@ CASES = [  # (B, H, H_kv, n, capacity, length, d)
     (1, 4, 1, 3, 30, 30, 64),        # 12 rows (4 heads x 3 new positions): two blocks of 8
     (1, 2, 2, 2, 50, 2, 1),          # the prompt's own keys only; a head of one float
     (1, 4, 2, 1, 600, 517, 200),
+    (1, 32, 8, 1, 700, 600, 64),     # Llama 3.2 1B: groups of 4, 11 chunks of 64 keys
+    (1, 32, 8, 3, 700, 600, 64),     # ... with 3 new positions: 12 rows
+    (1, 32, 32, 1, 650, 600, 128),   # Llama 2 7B: no grouping
+    (1, 4, 2, 2, 90, 70, 32),
+    (1, 6, 2, 1, 130, 129, 37),      # an odd head size, 3 heads a group
 ]
+BF16_ROUNDING = 2.0 ** -8
+DTYPES = [np.float32, BFLOAT16]
 
 
+def case_arrays(rng, B, H, key_heads, n, capacity, length, d, dtype=np.float32):
+    """q, keys, values as numpy arrays of dtype; past the length the cache holds NaN, which must never be read."""
+    q = rng.normal(size=(B, H, n, d)).astype(dtype)
+    keys, values = (rng.normal(size=(B, key_heads, capacity, d)).astype(dtype) for _ in range(2))
+    keys[:, :, length:] = values[:, :, length:] = np.nan
+    return q, keys, values
+
+
+def tolerance(dtype):
+    """float32: the float32 sums' error; bf16: one rounding of the output (float32 inside), as a bound."""
+    return TOLERANCE if dtype == np.float32 else 2 * BF16_ROUNDING
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bf16"])
 @pytest.mark.parametrize("B, H, key_heads, n, capacity, length, d", CASES)
-def test_decode_matches_float64(rng, to_device, to_host, B, H, key_heads, n, capacity, length, d):
-    q = rng.normal(size=(B, H, n, d)).astype(np.float32)
-    keys, values = (rng.normal(size=(B, key_heads, capacity, d)).astype(np.float32) for _ in range(2))
-    keys[:, :, length:] = values[:, :, length:] = np.nan   # past the length: never read, or the result would show it
+def test_decode_matches_float64(rng, to_device, to_host, B, H, key_heads, n, capacity, length, d, dtype):
+    q, keys, values = case_arrays(rng, B, H, key_heads, n, capacity, length, d, dtype)
     expected = reference(q, keys, values, length)
     out = decode_attention_forward(to_device(q), to_device(keys), to_device(values), length)
-    assert relative_error(to_host(out), expected) < TOLERANCE
+    assert out.dtype == dtype
+    assert relative_error(to_host(out), expected) < tolerance(dtype)
     on_device = decode_attention_forward(to_device(q), to_device(keys), to_device(values),
                                          to_device(np.array([length], np.int32)))
-    assert relative_error(to_host(on_device), expected) < TOLERANCE
+    assert relative_error(to_host(on_device), expected) < tolerance(dtype)
 
 
 def test_keys_split_into_chunks_as_the_grid_needs():
-    # About 8 blocks per multiprocessor (132 on an H100 and on the CPU executor): 8 key heads and 4096 keys
-    # make 128 chunks of 32 keys (the shortest chunk); Llama 7B's 32 key heads make 32 chunks of 128; short
-    # caches take chunks of at least 32 keys.
-    assert decode_ops.BLOCKS_PER_MULTIPROCESSOR == 8 and decode_ops.SMALLEST_CHUNK == 32
-    assert decode_ops.key_chunks(4096, 8) == (128, 32)
-    assert decode_ops.key_chunks(4096, 32) == (32, 128)
-    assert decode_ops.key_chunks(100, 1) == (4, 32)
-    assert decode_ops.key_chunks(5, 1) == (1, 16)
+    # A warp takes 16 keys a step at Llama's shapes in bf16: 4 loads of 4 keys (d = 64, 8 lanes a key) for a
+    # group of 4 rows, 8 loads of 2 keys (d = 128, 16 lanes a key) for one row; float32 rows of 64 take 16 lanes.
+    assert decode_ops.keys_per_warp_step(64, 4, 2) == 16 and decode_ops.keys_per_warp_step(128, 1, 2) == 16
+    assert decode_ops.keys_per_warp_step(64, 4, 4) == 8 and decode_ops.keys_per_warp_step(32, 8, 2) == 16
+    assert decode_ops.keys_per_warp_step(256, 8, 4) == 1 and decode_ops.keys_per_warp_step(256, 1, 4) == 4
+    # Fewer warps only where their merge space would pass 48 KiB of shared memory.
+    assert decode_ops.warps_per_block(256, 8, 8) == 5 and decode_ops.warps_per_block(64, 4, 8) == 8
+    # A chunk is one step of every warp where there is room: a cache of 700 positions is 11 chunks of 64 for 4
+    # warps, at Llama 3.2 1B's 8 key heads and at Llama 2 7B's 32. At most 32 chunks a head (longer chunks for a
+    # long cache), about 4 blocks per multiprocessor (132 on an H100 and on the CPU executor: 128 heads leave room
+    # for 5 chunks, of which 4 of 192 keys cover the cache), and one chunk for a short cache.
+    assert decode_ops.BLOCKS_PER_MULTIPROCESSOR == 4 and decode_ops.MOST_SPLITS == 32
+    assert decode_ops.key_chunks(700, 64, 8) == (11, 64) and decode_ops.key_chunks(700, 64, 32) == (11, 64)
+    assert decode_ops.key_chunks(8192, 64, 8) == (32, 256)
+    assert decode_ops.key_chunks(700, 64, 128) == (4, 192)
+    assert decode_ops.key_chunks(5, 64, 1) == (1, 64)
     assert decode_ops.rows_per_block(3) == 4 and decode_ops.rows_per_block(12) == 8   # 12 rows: 2 blocks
+    source = kernels.source("decode_attention")   # the constants the op shares with the kernels
+    for name in ("MOST_WARPS", "SPLITS_AT_ONCE", "COMBINE_THREADS"):
+        assert f"#define {name} {getattr(decode_ops, name)} " in source.replace("\n", " \n")
+
+    def launch(B, key_heads, group, d, capacity):
+        shape = decode_ops.Launch(BFLOAT16, d, B * key_heads, group, capacity, True)
+        return shape.warps, shape.splits, shape.chunk, shape.merge_in_last_block
+
+    # Llama 3.2 1B: blocks of 8 warps fit one per multiprocessor (8 x 6 of them), and the last block of a head
+    # merges its 4 rows x 64 columns with its 256 threads. Llama 2 7B: 8 warps would make 32 x 6 blocks, so 4 warps,
+    # and 128 threads for its row of 128. At batch 8, or with a long cache, a second launch merges.
+    assert launch(1, 8, 4, 64, 700) == (8, 6, 128, True)
+    assert launch(1, 32, 1, 128, 650) == (4, 11, 64, True)
+    assert launch(8, 8, 4, 64, 700) == (4, 6, 128, False)
+    assert launch(1, 8, 4, 64, 4096) == (4, 32, 128, False)
+
+
+POLICIES = {  # name: {attribute of the op's module: value} for the launch
+    "as is": {},
+    "1 warp a block": {"WIDE_WARPS": 1, "WARPS": 1},
+    "4 warps a block": {"WIDE_WARPS": 4},
+    "8 warps a block": {"WARPS": 8},
+    "2 chunks: several steps per warp": {"MOST_SPLITS": 2},
+    "one chunk: no merge": {"MOST_SPLITS": 1},
+    "merged by a second launch": {"MERGE_IN_LAST_BLOCK": False},
+    "merged in the last block, several elements a thread": {"merge_in_last_block": lambda splits, *_: splits > 1},
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bf16"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("B, H, key_heads, n, capacity, length, d",
+                         [(1, 8, 2, 1, 700, 600, 64), (1, 4, 4, 2, 300, 257, 128), (2, 4, 1, 1, 200, 199, 80)])
+def test_every_chunking_gives_the_same_attention(rng, to_device, to_host, monkeypatch, policy, dtype, B, H,
+                                                 key_heads, n, capacity, length, d):
+    # The merge by log-sum-exp gives the same attention however the keys are cut: between warps, between the
+    # steps of a warp, between chunks (merged by the last block of a head, or by decode_attention_combine), or not
+    # at all (one chunk writes out itself).
+    for name, value in POLICIES[policy].items():
+        monkeypatch.setattr(decode_ops, name, value)
+    q, keys, values = case_arrays(rng, B, H, key_heads, n, capacity, length, d, dtype)
+    expected = reference(q, keys, values, length)
+    for given in (length, to_device(np.array([length], np.int32))):
+        out = decode_attention_forward(to_device(q), to_device(keys), to_device(values), given)
+        assert relative_error(to_host(out), expected) < tolerance(dtype)
 
 
 def test_many_chunks_merge_to_the_same_attention(rng, to_device, to_host, monkeypatch):
@@ -91,11 +168,69 @@ def test_many_chunks_merge_to_the_same_attention(rng, to_device, to_host, monkey
     q = rng.normal(size=(1, 2, 1, 32)).astype(np.float32)
     keys, values = (rng.normal(0, 3, size=(1, 2, 700, 32)).astype(np.float32) for _ in range(2))
     expected = reference(q, keys, values, 700)
+    assert decode_ops.key_chunks(700, 128, 2) == (6, 128)   # 4 warps of 32 keys (d = 32 in float32: 8 lanes a key)
     many = to_host(decode_attention_forward(to_device(q), to_device(keys), to_device(values), 700))
     monkeypatch.setattr(backend, "multiprocessor_count", lambda: 1)
-    assert decode_ops.key_chunks(700, 2)[0] == 4
+    assert decode_ops.key_chunks(700, 128, 2) == (2, 384)
     few = to_host(decode_attention_forward(to_device(q), to_device(keys), to_device(values), 700))
     assert relative_error(many, expected) < TOLERANCE and relative_error(few, expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bf16"])
+def test_arrays_off_16_bytes_are_read_element_by_element(rng, to_device, to_host, dtype):
+    # A view that starts one element into its allocation cannot be read 16 bytes at a time, even with d = 64.
+    q, keys, values = case_arrays(rng, 1, 4, 2, 2, 90, 75, 64, dtype)
+    expected = reference(q, keys, values, 75)
+
+    def shifted(array):
+        whole = to_device(np.concatenate([np.zeros(1, dtype), array.ravel()]))
+        return whole[1:].reshape(array.shape)
+
+    assert not decode_ops.float4_aligned(shifted(keys))
+    out = decode_attention_forward(shifted(q), shifted(keys), shifted(values), 75)
+    assert relative_error(to_host(out), expected) < tolerance(dtype)
+
+
+def merged_in_last_block(monkeypatch, in_last_block):
+    """Every launch with chunks merged by their last block (True) or by decode_attention_combine (False)."""
+    monkeypatch.setattr(decode_ops, "merge_in_last_block", lambda splits, *_: in_last_block and splits > 1)
+
+
+@pytest.mark.parametrize("in_last_block", [True, False], ids=["merged in the last block", "merged by a launch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bf16"])
+def test_a_captured_graph_follows_the_device_length(rng, to_device, to_host, monkeypatch, dtype, in_last_block):
+    # One capture, replayed as the cache grows: the grid covers the capacity, chunks past the length do nothing,
+    # and the last block of each head leaves its counter at zero for the next replay.
+    from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
+
+    merged_in_last_block(monkeypatch, in_last_block)
+
+    B, H, key_heads, n, capacity, d = 1, 8, 2, 1, 300, 64
+    q, keys, values = case_arrays(rng, B, H, key_heads, n, capacity, capacity, d, dtype)
+    q_device, keys_device, values_device = to_device(q), to_device(keys), to_device(values)
+    length = to_device(np.array([1], np.int32))
+    pool, captured = graph_pool_handle(), CUDAGraph()
+    with use_pool(pool):
+        out = decode_attention_forward(q_device, keys_device, values_device, length)
+    with graph(captured, pool=pool):
+        decode_attention_forward(q_device, keys_device, values_device, length, out=out)
+    for grown in (1, 63, 64, 65, 200, 300, 300):
+        backend.copy_into(length, np.array([grown], np.int32))
+        captured.replay()
+        assert relative_error(to_host(out), reference(q, keys, values, grown)) < tolerance(dtype)
+    assert not decode_ops.counters(1).any()
+
+
+@pytest.mark.parametrize("in_last_block", [True, False], ids=["merged in the last block", "merged by a launch"])
+def test_no_races_and_nothing_read_out_of_bounds(rng, monkeypatch, in_last_block):
+    # The CPU executor's checks: every load and store of each launch, between the threads of a block (the warps'
+    # merge in shared memory) and between blocks (the partial results, ordered by __threadfence and the ticket).
+    merged_in_last_block(monkeypatch, in_last_block)
+    for B, H, key_heads, n, capacity, length, d in [(1, 8, 2, 1, 300, 250, 64), (1, 4, 1, 3, 90, 61, 80)]:
+        q, keys, values = (backend.xp.asarray(a) for a in case_arrays(rng, B, H, key_heads, n, capacity, length, d))
+        with backend.checks(bounds=True, races=True):
+            out = decode_attention_forward(q, keys, values, backend.xp.asarray(np.array([length], np.int32)))
+        assert relative_error(backend.asnumpy(out), reference(q, keys, values, length)) < TOLERANCE
 
 
 def test_bad_arguments(to_device):

@@ -12,26 +12,46 @@ out = softmax(q kᵀ / √d) v over those keys, (B, H, n, d). q, keys, values an
 (a model generating in bf16): scores, softmax and sums are float32 either way, out rounded once.
 
 Kernels (kernels/decode_attention.cu): decode_attention_partial cuts the keys into chunks, one block per
-(key-value head, chunk), each writing its rows' partial maximum, sum and unnormalised output;
-decode_attention_combine merges the chunks by their log-sum-exp, a block per output row. The chunks are sized so that about
-BLOCKS_PER_MULTIPROCESSOR blocks per multiprocessor run: at batch 1 there are only H_kv heads to spread.
-With a device length the chunks cover the whole capacity (blocks past the end do nothing), so that the grid
-does not change from step to step.
+(key-value head, chunk), each writing its rows' partial maximum, sum and unnormalised output; then the chunks are
+merged by their log-sum-exp, either by the last block of each head to finish, in the same launch (a counter per
+head that the kernel leaves at zero: counters()), or by decode_attention_combine, a thread per output element, in
+a second launch. At batch 1 the work is latency, not bandwidth, so a chunk is what the block's warps take in one
+step each (every load of a warp in flight at once): each warp waits for memory once. Only a long cache, or many
+heads, gives a warp several steps: the chunks grow so that there are at most MOST_SPLITS of them per head and
+about BLOCKS_PER_MULTIPROCESSOR blocks per multiprocessor. One chunk writes out directly. With a device length the
+chunks cover the whole capacity (blocks past the end do nothing), so that the grid does not change from step to
+step.
+
+Choices, from bench/decode_attention.py on an H100 (bf16, one new token, a cache of 700 filled to 600, the
+launches replayed from a CUDA graph, the cache cold in L2):
+- blocks of WIDE_WARPS warps where their grid fits one block per multiprocessor (fewer, fatter chunks, and a
+  thread for each element of the merge), else of WARPS: Llama 3.2 1B's heads, 6 chunks of 128 keys, 6.8 µs a
+  forward, against 7.5 µs with 11 chunks of 64 in blocks of 4 warps;
+- the merge in the last block only where it is one round trip to memory: an output element per thread and every
+  chunk loaded at once (at most SPLITS_AT_ONCE); otherwise a block merging several elements per thread in turn
+  is slower than the second launch (Llama 3.2 1B's heads at batch 8: 11.1 µs with the second launch, 12.0 µs
+  without; Llama 2 7B's heads at batch 1, one element per thread: 9.0 µs in the last block, 9.3 µs with the
+  second launch). The kernel before this design took 15.4 µs and 14.4 µs at the 1B and 7B shapes.
 """
 
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import (FLOAT32, LARGEST_GRID_Y, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check, output,
-                                  storage_c_type, storage_dtype)
+from gpt2_cupy.ops.arrays import (FLOAT32, LARGEST_GRID_Y, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check,
+                                  float4_aligned, output, storage_c_type, storage_dtype)
 from gpt2_cupy.ops.attention import HEAD_SIZES, tile_width  # the fused attention's tiles: D = 32, 64, 128, 256
 
 ROW_CHOICES = (1, 2, 4, 8)         # rows (query heads of a group x new positions) per block, a template parameter
-WARPS = 4                          # per block (kernels/decode_attention.cu's WARPS)
-COMBINE_THREADS = 128             # per block of the combining kernel (kernels/decode_attention.cu)
-KEYS_PER_STEP = 4 * WARPS          # keys a block takes at once: KEYS_AT_ONCE per warp
-SMALLEST_CHUNK = 2 * KEYS_PER_STEP
-BLOCKS_PER_MULTIPROCESSOR = 8       # measured on an H200 with the caches cold in L2, as in generation
+WARPS = 4                          # per block of decode_attention_partial...
+WIDE_WARPS = 8                     # ...or this many, where such blocks fit one per multiprocessor
+MOST_WARPS = 8                     # kernels/decode_attention.cu's MOST_WARPS (its launch bounds)
+STATIC_SHARED_BYTES = 48 * 1024    # shared memory a block may have without opting in
+COMBINE_THREADS = 128              # per block of decode_attention_combine (kernels/decode_attention.cu)
+SPLITS_AT_ONCE = 16                # chunks the merge loads at once (kernels/decode_attention.cu)
+MOST_SPLITS = 2 * SPLITS_AT_ONCE   # chunks per head
+BLOCKS_PER_MULTIPROCESSOR = 4      # as many blocks of 4 warps as fit beside each other (128 to 168 registers)
+MERGE_IN_LAST_BLOCK = True         # where it is one round trip (Launch); False: always decode_attention_combine
+_counters = {}                     # per device: the zeroed counters of the last-block merge, reset by the kernel
 
 
 def rows_per_block(rows):
@@ -39,13 +59,38 @@ def rows_per_block(rows):
     return next((r for r in ROW_CHOICES if r >= rows), ROW_CHOICES[-1])
 
 
-def key_chunks(keys_bound, blocks_per_chunk):
-    """(splits, chunk): `splits` chunks of `chunk` keys (a multiple of KEYS_PER_STEP) covering keys_bound keys,
-    as many as make about BLOCKS_PER_MULTIPROCESSOR blocks per multiprocessor, none shorter than SMALLEST_CHUNK."""
-    wanted = ceil_div(BLOCKS_PER_MULTIPROCESSOR * backend.multiprocessor_count(), blocks_per_chunk)
-    splits = max(1, min(wanted, ceil_div(keys_bound, SMALLEST_CHUNK), LARGEST_GRID_Y))
-    chunk = ceil_div(ceil_div(keys_bound, splits), KEYS_PER_STEP) * KEYS_PER_STEP
+def keys_per_warp_step(width, block_rows, itemsize):
+    """Keys a warp takes in one step: kernels/decode_attention.cu's KeyLayout<D, ROWS, floatX>::KEYS_PER_STEP.
+    A lane loads 16 bytes of a row, so a row of `width` elements takes min(32, width * itemsize / 16) lanes; a
+    step is 8, 4 or 2 such loads per lane for 1-2, 4 or 8 rows (half as many for float32 rows of 256)."""
+    vector = 16 // itemsize
+    lanes_per_key = min(WARP_SIZE, width // vector)
+    pieces = width // (lanes_per_key * vector)
+    loads = max(1, min(8, 16 // block_rows) // pieces)
+    return loads * (WARP_SIZE // lanes_per_key)
+
+
+def warps_per_block(width, block_rows, warps):
+    """`warps`, or fewer where their merge space, warps x rows x (D + 2) floats, would pass STATIC_SHARED_BYTES."""
+    return max(1, min(warps, MOST_WARPS, STATIC_SHARED_BYTES // (4 * block_rows * (width + 2))))
+
+
+def key_chunks(keys_bound, block_keys, blocks_per_chunk):
+    """(splits, chunk): `splits` chunks of `chunk` keys covering keys_bound keys. A chunk is a multiple of
+    block_keys, the keys a block takes in one step of each warp: as short as that where there is room, longer
+    where the chunks would pass MOST_SPLITS per head or about BLOCKS_PER_MULTIPROCESSOR blocks per
+    multiprocessor (blocks_per_chunk blocks read each chunk: heads x blocks of rows)."""
+    room = max(1, ceil_div(BLOCKS_PER_MULTIPROCESSOR * backend.multiprocessor_count(), blocks_per_chunk))
+    splits = max(1, min(ceil_div(keys_bound, block_keys), MOST_SPLITS, room, LARGEST_GRID_Y))
+    chunk = ceil_div(ceil_div(keys_bound, splits), block_keys) * block_keys
     return ceil_div(keys_bound, chunk), chunk
+
+
+def merge_in_last_block(splits, block_rows, d, warps):
+    """Whether the last block of each head merges the chunks (else decode_attention_combine, a second launch):
+    where there are chunks to merge and the merge is one round trip to memory, an output element per thread
+    (block_rows x d of them) and every chunk loaded at once (at most SPLITS_AT_ONCE)."""
+    return MERGE_IN_LAST_BLOCK and 1 < splits <= SPLITS_AT_ONCE and block_rows * d <= warps * WARP_SIZE
 
 
 def decode_attention_forward(q, keys, values, length, *, out=None):
@@ -65,28 +110,93 @@ def decode_attention_forward(q, keys, values, length, *, out=None):
     out = output(name, out, q.shape, dtype=dtype)
     if out.size == 0:
         return out
-    rows = H // key_heads * n                         # a key-value head's queries: its group's heads x n positions
-    width = tile_width(d)
-    block_rows = rows_per_block(rows)
-    heads, batches = B * key_heads, ceil_div(rows, block_rows)
-    if batches > LARGEST_GRID_Y:
+    launch = Launch.of(q, keys, values, d, B * key_heads, H // key_heads * n, capacity, device_length, host_length)
+    if launch.batches > LARGEST_GRID_Y:
         raise ValueError(f"{name}: {n} new positions are too many for one launch; the fused attention "
                          "(gpt2_cupy.ops.attention) is made for long runs of queries")
-    splits, chunk = key_chunks(capacity if device_length is not None else host_length, heads * batches)
-    partial_out = backend.xp.empty((heads, splits, rows, d), dtype=np.float32)
-    partial_max, partial_sum = (backend.xp.empty((heads, splits, rows), dtype=np.float32) for _ in range(2))
-    storage = "" if dtype == FLOAT32 else f", {storage_c_type(dtype)}"
-    kernel_name = f"decode_attention_partial<{width}, {block_rows}{storage}>"
-    kernels.function("decode_attention", kernel_name, name_expressions=(kernel_name,))(
-        (heads, splits, batches), (WARPS * WARP_SIZE,),
-        (partial_out, partial_max, partial_sum, q, keys, values, 0 if device_length is None else device_length,
-         np.int32(host_length), np.int32(rows), np.int32(n), np.int32(capacity), np.int32(chunk), np.int32(d)))
-    combine_name = f"decode_attention_combine<{storage_c_type(dtype)}>"
-    kernels.function("decode_attention", combine_name, name_expressions=(combine_name,))(
-        (heads * rows,), (COMBINE_THREADS,),
-        (out, partial_out, partial_max, partial_sum, np.int32(rows), np.int32(splits), np.int32(d)),
-        shared_mem=4 * splits)
+    partials = launch.partial_buffers()
+    merge_counters = counters(launch.heads * launch.batches) if launch.merge_in_last_block else None
+    _partial(launch, out, *partials, merge_counters, q, keys, values, device_length, host_length, n)
+    if launch.splits > 1 and not launch.merge_in_last_block:
+        _combine(launch, out, *partials)
     return out
+
+
+def counters(count):
+    """`count` zeroed unsigned ints on the current device, the same ones on every call: the kernel leaves them at
+    zero, so a captured graph replays with them. A launch that needs more gets new ones, and the old stay (a graph
+    captured with them may replay). Two launches that use them must not run at the same time (on two streams of
+    one device), or their counts would mix."""
+    device = backend.xp.cuda.Device().id if backend.name == "cuda" else -1
+    held = _counters.setdefault(device, [])
+    if not held or held[-1].size < count:
+        held.append(backend.xp.zeros(max(count, 256), dtype=np.uint32))
+    return held[-1]
+
+
+class Launch:
+    """The launch shape of one decode: heads (B x H_kv), rows per head, blocks of rows, warps, chunks, and who
+    merges the chunks."""
+
+    def __init__(self, dtype, d, heads, rows, keys_bound, vector_loads):
+        self.dtype, self.d, self.heads, self.rows, self.vector_loads = dtype, d, heads, rows, vector_loads
+        self.width = tile_width(d)
+        self.block_rows = rows_per_block(rows)
+        self.batches = ceil_div(rows, self.block_rows)
+        warp_keys = keys_per_warp_step(self.width, self.block_rows, dtype.itemsize)
+        for warps in (WIDE_WARPS, WARPS):  # wide blocks where their grid fits one block per multiprocessor
+            self.warps = warps_per_block(self.width, self.block_rows, warps)
+            self.splits, self.chunk = key_chunks(keys_bound, self.warps * warp_keys, heads * self.batches)
+            if heads * self.batches * self.splits <= backend.multiprocessor_count():
+                break
+        self.merge_in_last_block = merge_in_last_block(self.splits, self.block_rows, d, self.warps)
+
+    @classmethod
+    def of(cls, q, keys, values, d, heads, rows, capacity, device_length, host_length):
+        keys_bound = capacity if device_length is not None else host_length
+        vector_loads = d == tile_width(d) and float4_aligned(q, keys, values)  # every row on 16 bytes
+        return cls(q.dtype, d, heads, rows, keys_bound, vector_loads)
+
+    def partial_buffers(self):
+        """partial_out, partial_max, partial_sum for the chunks to merge (None with one chunk)."""
+        if self.splits == 1:
+            return None, None, None
+        partial_out = backend.xp.empty((self.heads, self.splits, self.rows, self.d), dtype=np.float32)
+        partial_max, partial_sum = (backend.xp.empty((self.heads, self.splits, self.rows), dtype=np.float32)
+                                    for _ in range(2))
+        return partial_out, partial_max, partial_sum
+
+
+def _partial(launch, out, partial_out, partial_max, partial_sum, merge_counters, q, keys, values, device_length,
+             host_length, new_positions):
+    """decode_attention_partial: the chunks' partial results, merged in its last blocks where merge_counters is
+    not None (else by _combine), or out itself with one chunk."""
+    storage = "" if launch.dtype == FLOAT32 else f", {storage_c_type(launch.dtype)}"
+    vector = "true" if launch.vector_loads else "false"
+    kernel_name = f"decode_attention_partial<{launch.width}, {launch.block_rows}, {vector}{storage}>"
+    capacity = keys.shape[2]
+    backend.launch_dependent(
+        kernels.function("decode_attention", kernel_name, name_expressions=(kernel_name,)),
+        (launch.heads, launch.splits, launch.batches), (launch.warps * WARP_SIZE,),
+        (out, _pointer(partial_out), _pointer(partial_max), _pointer(partial_sum), _pointer(merge_counters), q, keys,
+         values, _pointer(device_length), np.int32(host_length), np.int32(launch.rows), np.int32(new_positions),
+         np.int32(capacity), np.int32(launch.chunk), np.int32(launch.d)),
+        shared_mem=4 * launch.warps * launch.block_rows * (launch.width + 2))
+
+
+def _combine(launch, out, partial_out, partial_max, partial_sum):
+    """decode_attention_combine: out from the chunks' partial results, a thread per element."""
+    combine_name = f"decode_attention_combine<{storage_c_type(launch.dtype)}>"
+    backend.launch_dependent(
+        kernels.function("decode_attention", combine_name, name_expressions=(combine_name,)),
+        (ceil_div(launch.heads * launch.rows * launch.d, COMBINE_THREADS),), (COMBINE_THREADS,),
+        (out, partial_out, partial_max, partial_sum, np.int32(launch.heads), np.int32(launch.rows),
+         np.int32(launch.splits), np.int32(launch.d)))
+
+
+def _pointer(array):
+    """An array as a kernel argument, or a null pointer for None."""
+    return 0 if array is None else array
 
 
 def decode_attention_store(keys, values, k, v, length):
