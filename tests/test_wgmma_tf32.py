@@ -275,17 +275,16 @@ def operand_rows_reference(rows_of_x, parts, segment_k):
 
 def awkward_floats(rng, size):
     """float32 values spread over 40 binades, with ties of the TF32 rounding (the 13 dropped bits 1000...0,
-    rounded away from zero), signed zeros and subnormals among them. The subnormals are ones that cvt.rna rounds
-    toward -infinity (x - big >= 0): where x - big is a negative subnormal that rounds to zero, tf32_split says
-    small = -0 and an H200 gave other bits (+0, it seems), which is the rounding's business, not this pass's."""
+    rounded away from zero), signed zeros, subnormals of either sign, and normal values just above the smallest
+    normal, whose x - big is subnormal (the kernel's subtraction flushes it: tf32_split models that)."""
     x = (rng.standard_normal(size) * 2.0 ** rng.integers(-20, 20, size)).astype(np.float32)
     bits = x.view(np.uint32)
     kind = rng.integers(0, 10, size)
     bits[kind == 0] = (bits[kind == 0] & 0xFFFFE000) | 0x1000
-    subnormal = rng.integers(1, 0x800000, size).astype(np.uint32)
-    subnormal = np.where(bits & 0x80000000, 0x80000000 | subnormal | 0x1000, subnormal & ~np.uint32(0x1000))
-    bits[kind == 1] = subnormal[kind == 1]
+    sign = bits & 0x80000000
+    bits[kind == 1] = (sign | rng.integers(1, 0x800000, size).astype(np.uint32))[kind == 1]
     bits[kind == 2] &= 0x80000000
+    bits[kind == 3] = (sign | rng.integers(0x800000, 0x1800000, size).astype(np.uint32))[kind == 3]
     return x
 
 

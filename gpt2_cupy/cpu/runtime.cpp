@@ -1151,14 +1151,17 @@ void start_watchdog_once() {
 }
 
 // The floating-point control a GPU thread computes with, set for the fibers an OS thread runs and put back
-// afterwards (the switch between fibers leaves it alone): round to nearest, no flush of subnormals to zero
-// (a library loaded into Python may have set FTZ/DAZ for its own thread), all exceptions masked.
+// afterwards (the switch between fibers leaves it alone): round to nearest, all exceptions masked, and
+// subnormals flushed to zero, in and out (MXCSR's DAZ and FTZ bits), as a CuPy kernel computes: CuPy compiles
+// every kernel with -ftz=true, so a float32 add, multiply or fma on a GPU reads a subnormal as a zero of its sign
+// and writes a zero of its sign for a subnormal result (measured on an H100: -2^-149 - (-0) gives +0). The
+// GPU keeps subnormal doubles, which MXCSR cannot tell apart: on the executor they are flushed too.
 class FloatingPointDefaults {
 public:
 #if defined(__x86_64__)
     FloatingPointDefaults() {
         asm volatile("stmxcsr %0\n  fnstcw %1" : "=m"(mxcsr_), "=m"(x87_));
-        const unsigned int mxcsr = 0x1F80u;
+        const unsigned int mxcsr = 0x1F80u | 1u << 15 | 1u << 6;   // exceptions masked, FTZ, DAZ
         const unsigned short x87 = 0x037Fu;
         asm volatile("ldmxcsr %0\n  fldcw %1" : : "m"(mxcsr), "m"(x87));
     }

@@ -10,9 +10,9 @@ typedef __nv_bfloat162 nv_bfloat162;
 __forceinline__ __nv_bfloat16 __float2bfloat16(float a) { return __nv_bfloat16(a); }
 __forceinline__ __nv_bfloat16 __float2bfloat16_rn(float a) { return __nv_bfloat16(a); }
 __forceinline__ __nv_bfloat16 __double2bfloat16(double a) { return __nv_bfloat16(a); }
-__forceinline__ __nv_bfloat16 __float2bfloat16_rz(float a) { return __nv_bfloat16_raw{gpt2cupy::round_to_small<7, 8>(a, 'z')}; }
-__forceinline__ __nv_bfloat16 __float2bfloat16_rd(float a) { return __nv_bfloat16_raw{gpt2cupy::round_to_small<7, 8>(a, 'd')}; }
-__forceinline__ __nv_bfloat16 __float2bfloat16_ru(float a) { return __nv_bfloat16_raw{gpt2cupy::round_to_small<7, 8>(a, 'u')}; }
+__forceinline__ __nv_bfloat16 __float2bfloat16_rz(float a) { return __nv_bfloat16_raw{gpt2cupy::round_float_exactly<7, 8>(a, 'z')}; }
+__forceinline__ __nv_bfloat16 __float2bfloat16_rd(float a) { return __nv_bfloat16_raw{gpt2cupy::round_float_exactly<7, 8>(a, 'd')}; }
+__forceinline__ __nv_bfloat16 __float2bfloat16_ru(float a) { return __nv_bfloat16_raw{gpt2cupy::round_float_exactly<7, 8>(a, 'u')}; }
 __forceinline__ float __bfloat162float(__nv_bfloat16 a) { return (float)a; }
 __forceinline__ __nv_bfloat16 __int2bfloat16_rn(int a) { return __nv_bfloat16(a); }
 __forceinline__ int __bfloat162int_rn(__nv_bfloat16 a) { return __float2int_rn((float)a); }

@@ -10,9 +10,9 @@ typedef __half2 half2;
 __forceinline__ __half __float2half(float a) { return __half(a); }
 __forceinline__ __half __float2half_rn(float a) { return __half(a); }
 __forceinline__ __half __double2half(double a) { return __half(a); }
-__forceinline__ __half __float2half_rz(float a) { return __half_raw{gpt2cupy::round_to_small<10, 5>(a, 'z')}; }
-__forceinline__ __half __float2half_rd(float a) { return __half_raw{gpt2cupy::round_to_small<10, 5>(a, 'd')}; }
-__forceinline__ __half __float2half_ru(float a) { return __half_raw{gpt2cupy::round_to_small<10, 5>(a, 'u')}; }
+__forceinline__ __half __float2half_rz(float a) { return __half_raw{gpt2cupy::round_float_exactly<10, 5>(a, 'z')}; }
+__forceinline__ __half __float2half_rd(float a) { return __half_raw{gpt2cupy::round_float_exactly<10, 5>(a, 'd')}; }
+__forceinline__ __half __float2half_ru(float a) { return __half_raw{gpt2cupy::round_float_exactly<10, 5>(a, 'u')}; }
 __forceinline__ float __half2float(__half a) { return (float)a; }
 __forceinline__ __half __int2half_rn(int a) { return __half(a); }
 __forceinline__ __half __uint2half_rn(unsigned int a) { return __half(a); }

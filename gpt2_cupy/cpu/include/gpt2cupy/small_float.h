@@ -56,20 +56,37 @@ __forceinline__ unsigned short round_to_small(double value, char mode = 'n') {
     return (unsigned short)(sign | result);
 }
 
+// 2^power as a double, for -1022 <= power <= 1023: its bits written directly.
+__forceinline__ constexpr unsigned long long power_of_two_bits(int power) {
+    return (unsigned long long)(power + 1023) << 52;
+}
+
+// A float's exact value as a double, subnormals included. Kernels run with subnormal float arithmetic flushed
+// to zero, as a GPU's under CuPy's -ftz=true, and the CPU's flag for that (DAZ) would read a subnormal float
+// as 0 in a plain conversion too; a GPU's conversion to a 16-bit format reads it whole. So a subnormal's
+// value is built from its bits: its mantissa times 2^-149, both normal doubles.
+__forceinline__ double exact_double(float value) {
+    unsigned int bits = gpt2cupy_bit_cast<unsigned int>(value);
+    if ((bits & 0x7f800000u) != 0 || (bits & 0x7fffffu) == 0) return (double)value;  // no subnormal to read
+    double magnitude = (double)(bits & 0x7fffffu) * gpt2cupy_bit_cast<double>(power_of_two_bits(-149));
+    return bits >> 31 ? -magnitude : magnitude;
+}
+
+// round_to_small of a float: its exact value, subnormal or not.
+template <int M, int E>
+__forceinline__ unsigned short round_float_exactly(float value, char mode = 'n') {
+    return round_to_small<M, E>(exact_double(value), mode);
+}
+
 // A float rounded to nearest even as round_to_small does it, bit by bit where the format is bf16, whose
 // exponent is a float's: the upper 16 bits after adding just under half of the lower 16 bits' range, plus
 // the last kept bit (ties to even); overflow to infinity and subnormals come out of the same addition.
 template <int M, int E>
 __forceinline__ unsigned short round_float_to_small(float value) {
-    if (M != 7 || E != 8) return round_to_small<M, E>(value);
+    if (M != 7 || E != 8) return round_float_exactly<M, E>(value);
     unsigned int bits = gpt2cupy_bit_cast<unsigned int>(value);
     if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fff;  // NaN: the canonical NaN, as round_to_small gives
     return (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-// 2^power as a double, for -1022 <= power <= 1023: its bits written directly.
-__forceinline__ constexpr unsigned long long power_of_two_bits(int power) {
-    return (unsigned long long)(power + 1023) << 52;
 }
 
 // The exact value of 16 bits of that format. A normal number's double is written bit by bit (the exponent
@@ -90,6 +107,15 @@ __forceinline__ double widen_small(unsigned short bits) {
         magnitude = gpt2cupy_bit_cast<double>(exponent_bits | ((unsigned long long)mantissa << (52 - M)));
     }
     return (bits >> (M + E)) & 1u ? -magnitude : magnitude;
+}
+
+// 16 bits of that format as a float, exactly. A bf16 is a float's upper half, subnormals included, which a
+// conversion from double would flush (the kernels' flag for float subnormals, FTZ, applies to it): its bits are
+// moved instead, as a GPU moves them. Every half is a normal float or zero, converted exactly.
+template <int M, int E>
+__forceinline__ float small_to_float(unsigned short bits) {
+    if (M == 7 && E == 8) return gpt2cupy_bit_cast<float>((unsigned int)bits << 16);
+    return (float)widen_small<M, E>(bits);
 }
 
 // a * b + c rounded once: a * b is exact in double; the sum is rounded to odd (the last bit records any
@@ -130,7 +156,7 @@ __forceinline__ double divide_as_gpu(double a, double b) {
         T(long long value) : __x(gpt2cupy::round_to_small<M, E>((double)value)) {}                               \
         T(unsigned long long value) : __x(gpt2cupy::round_to_small<M, E>((double)value)) {}                      \
         operator RAW() const { return RAW{__x}; }                                                                \
-        operator float() const { return (float)gpt2cupy::widen_small<M, E>(__x); }                               \
+        operator float() const { return gpt2cupy::small_to_float<M, E>(__x); }                                   \
         T& operator=(float value) { __x = gpt2cupy::round_float_to_small<M, E>(value); return *this; }           \
         T& operator=(double value) { __x = gpt2cupy::round_to_small<M, E>(value); return *this; }                \
         T& operator=(const RAW& raw) { __x = raw.x; return *this; }                                              \
