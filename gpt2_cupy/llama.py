@@ -111,15 +111,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
         self.projections = SharedRows([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x, layer_cache=None, residual=None, norm=None):
-        """The attention's output projection (B, T, C); residual + it when residual is given (generation).
-        norm: None, or the RMSNorm before the attention, taken inside the q, k, v product (generation by GEMV)."""
+    def forward(self, x, layer_cache=None, residual=None):
+        """The attention's output projection (B, T, C); residual + it when residual is given (generation)."""
         B, T, _ = x.shape
         if layer_cache is not None and layer_cache.cache.device_lengths is not None:
-            return self._decode_at_device_position(x, layer_cache, residual, norm)
+            return self._decode_at_device_position(x, layer_cache, residual)
         start = 0 if layer_cache is None else layer_cache.start
         q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if self.projections.weight is None else \
-            self.projections(x, norm)                                       # bf16: one product for the three
+            self.projections(x)                                             # bf16: one product for the three
         q = q.view(B, T, self.n_heads, self.head_dim)                       # (B, T, H, hd)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)                    # (B, T, Hkv, hd)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)                    # (B, T, Hkv, hd)
@@ -135,7 +134,7 @@ class LlamaAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * self.head_dim)  # heads side by side again
         return project(self.o_proj, y, residual)
 
-    def _decode_at_device_position(self, x, layer_cache, residual, norm):
+    def _decode_at_device_position(self, x, layer_cache, residual):
         """The attention of new positions whose first position and the cache's length after them are read
         from device memory (cache.device_lengths), so that one captured CUDA graph serves every step: one
         product for q, k and v, one launch to turn q and k and store k and v, the decode kernel, and the
@@ -144,7 +143,7 @@ class LlamaAttention(nn.Module):
         cache = layer_cache.cache
         first_position, length = cache.device_lengths[0:1], cache.device_lengths[1:2]
         if self.projections.weight is not None:
-            qkv = self.projections.together(x, norm)
+            qkv = self.projections.together(x)
         else:
             qkv = backend.xp.concatenate([linear(x).data for linear in (self.q_proj, self.k_proj, self.v_proj)], axis=-1)
         keys, values = cache.keys[layer_cache.index], cache.values[layer_cache.index]
@@ -172,12 +171,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)   # Meta's w2
         self.projections = SharedRows([self.gate_proj, self.up_proj])
 
-    def forward(self, x, residual=None, norm=None):
-        """down_proj(silu(gate_proj(x)) * up_proj(x)); residual + it when residual is given (generation).
-        norm: None, or the RMSNorm before the MLP; then (generation by GEMV) one launch takes the norm, the gate
-        and up products and SwiGLU."""
-        if norm is not None:
-            return project(self.down_proj, Tensor(self.projections.together(x, norm, gated=True)), residual)
+    def forward(self, x, residual=None):
+        """down_proj(silu(gate_proj(x)) * up_proj(x)); residual + it when residual is given (generation, where
+        at a GEMV's few rows one launch takes the gate and up products and SwiGLU)."""
+        if residual is not None and self.projections.one_gemv(x):
+            return project(self.down_proj, Tensor(self.projections.together(x, gated=True)), residual)
         if self.projections.weight is not None:                             # bf16: one product for both
             return project(self.down_proj, F.swiglu(*self.projections(x)), residual)
         return project(self.down_proj, F.swiglu(self.gate_proj(x), self.up_proj(x)), residual)
@@ -202,26 +200,24 @@ class SharedRows:
             self.views.append(linear.weight.data)
             start += rows
 
-    def together(self, x, norm=None, gated=False):
+    def together(self, x, gated=False):
         """The layers' outputs side by side, (..., Σ out_features), one array, for x (..., in_features).
-        norm: an RMSNorm taken of x first, inside the GEMV's launch (generation: see fuses_norm). gated (two
-        layers, gate and up, with norm): silu(gate) * up of the two, (..., out_features), in the same launch."""
+        gated (two layers, gate and up; generation, see one_gemv): silu(gate) * up of the two, (...,
+        out_features), in the product's own launch."""
         if any(linear.weight.data is not view for linear, view in zip(self.linears, self.views)):
             raise RuntimeError("Llama: a projection's weight was replaced after its rows were shared; call "
                                "model.to(dtype) again")
         x = backend.xp.ascontiguousarray(x.data)
-        if norm is None:
-            return linear_forward(x, self.weight)
-        return gemv_forward(x, self.weight, norm_weight=norm.weight.data, eps=F.rms_norm_eps(norm.eps), gated=gated)
+        return gemv_forward(x, self.weight, gated=True) if gated else linear_forward(x, self.weight)
 
-    def fuses_norm(self, x):
-        """Whether together(x, norm) runs as one GEMV launch: shared bf16 rows times a generation step's few rows."""
+    def one_gemv(self, x):
+        """Whether together(x) is one GEMV launch: shared bf16 rows times a generation step's few rows."""
         return self.weight is not None and self.weight.dtype != numpy.float32 and x.data.size // x.shape[-1] <= GEMV_ROWS
 
-    def __call__(self, x, norm=None):
+    def __call__(self, x):
         """The layers' outputs (..., out_features) for x (..., in_features), as Tensors: views of the one product's
         output, which RoPE, SwiGLU and the attention read where they lie."""
-        together = self.together(x, norm)
+        together = self.together(x)
         outputs, start = [], 0
         for linear in self.linears:
             rows = linear.out_features
@@ -241,12 +237,7 @@ class LlamaDecoderLayer(nn.Module):
         if layer_cache is None:
             x = x + self.self_attn(self.input_layernorm(x))
             return x + self.mlp(self.post_attention_layernorm(x))
-        # Generation (no gradient): each residual add happens inside the product before it, the same bits. At a
-        # GEMV's few rows each RMSNorm happens inside the product after it, and SwiGLU inside the gate and up
-        # product: at batch 1 a launch costs more than these small kernels' bytes.
-        if self.self_attn.projections.fuses_norm(x) and self.mlp.projections.fuses_norm(x):
-            x = self.self_attn(x, layer_cache, residual=x, norm=self.input_layernorm)
-            return self.mlp(x, residual=x, norm=self.post_attention_layernorm)
+        # Generation (no gradient): each residual add happens inside the product before it, the same bits.
         x = self.self_attn(self.input_layernorm(x), layer_cache, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
@@ -292,7 +283,7 @@ class Llama(nn.Module):
         x = self._embed(idx)                                                   # (B, T, C)
         for number, layer in enumerate(self.model.layers):
             x = layer(x, None if kv_cache is None else kv_cache.layer(number))
-        logits = self._head(x, generating=kv_cache is not None)                # (B, T, V)
+        logits = self.lm_head(self.model.norm(x))                              # (B, T, V)
         if kv_cache is not None:
             kv_cache.length += T
         loss = None
@@ -301,14 +292,6 @@ class Llama(nn.Module):
             targets = backend.xp.where(targets == -1, -100, targets).reshape(B * T)  # -1 (our GPT's) as -100
             loss = F.cross_entropy(logits.view(B * T, self.config.vocab_size), targets, ignore_index=-100)
         return logits, loss
-
-    def _head(self, x, generating):
-        """lm_head(norm(x)); in generation at a GEMV's few rows with a bf16 head, one launch takes both."""
-        weight, norm = self.lm_head.weight.data, self.model.norm
-        if generating and weight.dtype != numpy.float32 and x.data.size // x.shape[-1] <= GEMV_ROWS:
-            return Tensor(gemv_forward(backend.xp.ascontiguousarray(x.data), weight, norm_weight=norm.weight.data,
-                                       eps=F.rms_norm_eps(norm.eps)))
-        return self.lm_head(norm(x))
 
     def to(self, *arguments, **options):
         """nn.Module.to; in bf16 (inference), the weights of q, k, v and of gate, up also become rows of one

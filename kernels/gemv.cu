@@ -9,10 +9,11 @@
 // reuse to win, and the tile's rows past R are wasted loads and multiplies. The whole cost is reading W once:
 // 2 N K bytes in bf16, 13.5 GB per token for a 7B model. So the kernel is built around the weight's bytes:
 // - each weight row is read once, by WARPS_PER_OUTPUT warps, in 16-byte loads (8 bf16 or 4 floats per lane);
-// - a lane loads LOADS such groups before it multiplies any, so that many bytes are on their way at once (a
-//   kernel that only streams memory needs about 40 KB in flight per multiprocessor to keep up with HBM). The
-//   launch chooses LOADS (gpt2_cupy/ops/gemv.py): more loads per lane mean fewer round trips to memory along a
-//   short row, but more registers, and so fewer warps, on a long one;
+// - a lane loads LOADS_IN_FLIGHT such groups before it multiplies any, so that many bytes are on their way at once
+//   (a kernel that only streams memory needs about 40 KB in flight per multiprocessor to keep up with HBM). Two
+//   are enough: with 64 warps per multiprocessor that is 64 KB. Measured on an H200 with the weights cold in L2,
+//   four or eight took 10 to 60 % longer: their registers leave room for fewer warps (an H100 prefers four on
+//   most of these shapes: the best number depends on the card);
 // - the R rows of x are read at the same columns as the weight group: small, they stay in L1 and L2, and
 //   every weight element read is multiplied by all R rows (R products for 2 or 4 bytes of weight);
 // - the lanes' partial sums meet by warp_sum, the warps of one output by shared memory.
@@ -22,23 +23,23 @@
 // Launched dependent (dependent_launch.cuh): a lane's first weight loads go out before the wait for the kernel
 // before, whose output x is, so that the memory is busy from the moment the blocks start.
 //
-// Two more things the same launch can do, because at batch 1 every small kernel between the products costs
-// more time (its launch, its ramp up and down) than its bytes:
-// - NORMALIZED: x is RMSNorm'd on the way in, y = (x / rms(x) ∘ g) Wᵀ with rms(x) = sqrt(mean(x²) + eps) and g
-//   the norm's weight (normT, K elements). 1 / rms(x) is one number per row, so it comes out of the sum:
-//   y = (Σ_k W_nk x_k g_k) / rms(x). The lanes already read every x_k once per output, so they add up x_k² on
-//   the way and the warps of an output meet with both sums; no block waits for a norm before its weight loads.
-//   (The normalized x is not rounded to x's type before the product, as a separate norm kernel would store it.)
+// One more thing the same launch can do, because at batch 1 every small kernel between the products costs more
+// time (its launch, its ramp up and down) than its bytes:
 // - GATED: W holds two matrices, rows 0 .. N/2 - 1 (gate) and N/2 .. N - 1 (up), and y (R, N/2) =
 //   silu(x W_gateᵀ) * (x W_upᵀ), SwiGLU (swiglu.cuh). A block computes gate rows and the up rows of the same
 //   outputs; each product is rounded to y's type as it would be stored, then SwiGLU is taken and rounded once:
 //   the bits of the two products followed by kernels/swiglu.cu's forward.
+// RMSNorm, before the product, stays a kernel of its own. Folded into the loop (x_k g_k and x_k² summed beside
+// every product) it made Llama 3.2 1B's gate and up product take 27 µs on an H200, where the norm and the plain
+// product take 3 + 19: at 16 bytes of weight per clock a multiprocessor has few instructions to spare. Made
+// once per block in shared memory instead, 32 µs: each of 2048 blocks waited for it.
 #include "dependent_launch.cuh"
 #include "storage.cuh"
 #include "swiglu.cuh"
 #include "warp.cuh"
 
 #define GEMV_WARPS 8
+#define LOADS_IN_FLIGHT 2
 
 // WIDTH elements of a row into floats; float rows in float4 groups where WIDTH allows, bf16 rows in one load.
 template <int WIDTH, typename T>
@@ -51,13 +52,11 @@ __device__ __forceinline__ void load_elements(float* destination, const T* sourc
     }
 }
 
-template <int ROWS, int WIDTH, typename weightT, typename floatX, int LOADS = 2, typename normT = float,
-          bool NORMALIZED = false, bool GATED = false>
+template <int ROWS, int WIDTH, typename weightT, typename floatX, bool GATED = false>
 __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv(floatX* y, const floatX* x, const weightT* weight,
-    const float* bias, const floatX* residual, const normT* norm_weight, float eps, int rows, int N, int K,
-    int warps_per_output)
+    const float* bias, const floatX* residual, int rows, int N, int K, int warps_per_output)
 {
-    __shared__ float warp_sums[GEMV_WARPS][ROWS], warp_squares[GEMV_WARPS][ROWS];
+    __shared__ float warp_sums[GEMV_WARPS][ROWS];
     __shared__ float products[GEMV_WARPS][ROWS];   // GATED: each output's product, as stored, for SwiGLU
     int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     int outputs_per_block = GEMV_WARPS / warps_per_output;
@@ -72,15 +71,15 @@ __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv(floatX* y, const 
     int groups = K / WIDTH;                        // WIDTH-element groups of a row
     int stride = warps_per_output * WARP_SIZE;     // the output's lanes, side by side along the row
 
-    float sums[ROWS], squares[ROWS];
+    float sums[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; r++) sums[r] = squares[r] = 0.0f;
+    for (int r = 0; r < ROWS; r++) sums[r] = 0.0f;
 
-    // LOADS groups of the row, stride apart from `first`: only loads, LOADS x 16 bytes in flight per lane.
-    float w[LOADS][WIDTH];
+    // LOADS_IN_FLIGHT groups of the row, stride apart from `first`: only loads, 16 bytes each in flight per lane.
+    float w[LOADS_IN_FLIGHT][WIDTH];
     auto load_weights = [&](int first) {
 #pragma unroll
-        for (int u = 0; u < LOADS; u++) {
+        for (int u = 0; u < LOADS_IN_FLIGHT; u++) {
             int group = first + u * stride;
             if (group < groups) load_elements<WIDTH>(w[u], weight_row + (long long)group * WIDTH);
         }
@@ -89,52 +88,36 @@ __global__ void __launch_bounds__(GEMV_WARPS * WARP_SIZE) gemv(floatX* y, const 
     int first = part * WARP_SIZE + lane;
     load_weights(first);               // weights: written by no kernel launched dependent
     wait_for_previous_kernel();        // x, residual: written by the kernels before
-    for (; first < groups; first += LOADS * stride) {
+    for (; first < groups; first += LOADS_IN_FLIGHT * stride) {
 #pragma unroll
-        for (int u = 0; u < LOADS; u++) {
+        for (int u = 0; u < LOADS_IN_FLIGHT; u++) {
             int group = first + u * stride;
             if (group >= groups) break;
-            float gain[WIDTH];
-            if (NORMALIZED) load_elements<WIDTH>(gain, norm_weight + (long long)group * WIDTH);
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 if (r < rows) {
                     float xs[WIDTH];
                     load_elements<WIDTH>(xs, x + (long long)r * K + (long long)group * WIDTH);
 #pragma unroll
-                    for (int e = 0; e < WIDTH; e++) {
-                        if (NORMALIZED) {
-                            squares[r] += xs[e] * xs[e];
-                            xs[e] *= gain[e];
-                        }
-                        sums[r] += w[u][e] * xs[e];
-                    }
+                    for (int e = 0; e < WIDTH; e++) sums[r] += w[u][e] * xs[e];
                 }
             }
         }
-        load_weights(first + LOADS * stride);
+        load_weights(first + LOADS_IN_FLIGHT * stride);
     }
 
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         float total = warp_sum(sums[r]);
-        float total_squares = NORMALIZED ? warp_sum(squares[r]) : 0.0f;
-        if (lane == 0) {
-            warp_sums[warp][r] = total;
-            warp_squares[warp][r] = total_squares;
-        }
+        if (lane == 0) warp_sums[warp][r] = total;
     }
     __syncthreads();
-    // The first warp of each output adds its warps' sums in a fixed order, divides by rms(x), adds the bias,
-    // and rounds once (then adds the residual and rounds again, or leaves the product for SwiGLU).
+    // The first warp of each output adds its warps' sums in a fixed order, adds the bias, and rounds once (then
+    // adds the residual and rounds again, or leaves the product for SwiGLU).
     if (part == 0 && inside) {
         for (int r = lane; r < rows && r < ROWS; r += WARP_SIZE) {
-            float total = 0.0f, total_squares = 0.0f;
-            for (int p = 0; p < warps_per_output; p++) {
-                total += warp_sums[warp + p][r];
-                total_squares += warp_squares[warp + p][r];
-            }
-            if (NORMALIZED) total *= rsqrtf(total_squares / K + eps);
+            float total = 0.0f;
+            for (int p = 0; p < warps_per_output; p++) total += warp_sums[warp + p][r];
             if (bias != nullptr) total += bias[output];
             if (GATED) {
                 products[slot][r] = to_float(from_float<floatX>(total));

@@ -10,6 +10,7 @@
 // row held in registers, read from memory once, four floats per load, and dweight summed on the way.
 // bench/llama.py times both at Llama 7B's width, C = 4096.
 
+#include "dependent_launch.cuh"
 #include "float_groups.cuh"
 #include "storage.cuh"
 #include "warp.cuh"
@@ -108,6 +109,8 @@ template <int WIDTH, int K, int WARPS_PER_ROW, typename floatX = float, typename
 __global__ void rmsnorm_forward_registers(floatX* y, float* rstd, const floatX* x, const weightT* weight, int rows,
                                           int columns, float eps)
 {
+    let_next_kernel_start();      // launched dependent (dependent_launch.cuh): in generation the product after
+    wait_for_previous_kernel();   // this norm starts its weight loads while it runs; x is the kernel before's
     constexpr int ROW_THREADS = WARPS_PER_ROW * WARP_SIZE;
     int row = WARPS_PER_ROW == 1 ? (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE : blockIdx.x;
     int thread = threadIdx.x % ROW_THREADS;

@@ -594,12 +594,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
                          f"({input.shape[-1]},): only the channels are normalised")
     if weight is None:
         weight = backend.xp.ones(input.shape[-1], dtype=numpy.float32)
-    return RMSNorm.apply(input, weight, rms_norm_eps(eps))
-
-
-def rms_norm_eps(eps):
-    """The eps rms_norm adds: eps itself, or float32's machine epsilon for None (PyTorch's default)."""
-    return float(numpy.finfo(numpy.float32).eps) if eps is None else float(eps)
+    eps = float(numpy.finfo(numpy.float32).eps) if eps is None else float(eps)
+    return RMSNorm.apply(input, weight, eps)
 
 
 class Rope(Function):

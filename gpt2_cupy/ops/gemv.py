@@ -1,13 +1,11 @@
 """Products of a few rows with a Linear layer's weight, y = x Wᵀ (+ b), read at the memory's speed (generation).
 
-    y = gemv_forward(x, weight, bias=None, out=None, residual=None, *, norm_weight=None, eps=1e-6, gated=False)
+    y = gemv_forward(x, weight, bias=None, out=None, residual=None, *, gated=False)
 
 x (..., K) with at most MAX_ROWS rows in all (the leading axes flattened), float32 or bf16; weight (N, K),
 float32 or bf16, either with either; bias (N,) float32 or None; y (..., N) in x's dtype (a bf16 y rounded once
 from its float32 sum). residual (..., N) in x's dtype, or None: y = residual + (x Wᵀ + b), with the bits of the
 product followed by an add (the product rounded to y's dtype, then the sum), one launch instead of two.
-norm_weight (K,) float32 or bf16, or None: x is RMSNorm'd first, y = (x / sqrt(mean(x²) + eps) * norm_weight) Wᵀ,
-in the same launch (the normalized x is not rounded to x's dtype before the product).
 gated: the weight's rows are two matrices, gate (the first N / 2) and up (the rest), and y (..., N / 2) =
 silu(x W_gateᵀ) * (x W_upᵀ), Llama's SwiGLU, with the bits of the two products then swiglu_forward.
 Generating a token at batch 1 multiplies one row by every matrix of the model: the whole cost is reading the
@@ -22,7 +20,7 @@ import numpy as np
 
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.elementwise import elementwise
-from gpt2_cupy.ops.arrays import (BFLOAT16, FLOAT32, WARP_SIZE, ceil_div, check, float4_aligned, output,
+from gpt2_cupy.ops.arrays import (BFLOAT16, WARP_SIZE, ceil_div, check, float4_aligned, output,
                                   storage_c_type, storage_dtype)
 
 MAX_ROWS = 8                      # the kernel's limit: its ROWS template instances
@@ -38,17 +36,15 @@ WARPS_PER_OUTPUT = (1, 2, 4, 8)
 # (bench/llama_generation.py --gemv), more warps per row than that only add blocks and partial sums.
 WARPS_PER_MULTIPROCESSOR = 16
 WARP_ROW_BYTES = 8192
-LOADS_IN_FLIGHT = 2
 
 
-def gemv_forward(x, weight, bias=None, out=None, residual=None, *, norm_weight=None, eps=1e-6, gated=False):
-    """y = x Wᵀ + b (+ residual) for x of at most MAX_ROWS rows, x RMSNorm'd first when norm_weight is given,
-    SwiGLU of the two halves when gated. Returns y (..., N), or (..., N / 2) when gated; or out."""
+def gemv_forward(x, weight, bias=None, out=None, residual=None, *, gated=False):
+    """y = x Wᵀ + b (+ residual) for x of at most MAX_ROWS rows, SwiGLU of the two halves when gated. Returns y
+    (..., N), or (..., N / 2) when gated; or out."""
     name = "gemv_forward"
     x_dtype, weight_dtype = storage_dtype(name, "x", x), storage_dtype(name, "weight", weight)
-    norm_dtype = None if norm_weight is None else storage_dtype(name, "norm_weight", norm_weight)
     sizes = check(name, x=(x, ("...", "K"), x_dtype), weight=(weight, ("N", "K"), weight_dtype),
-                  bias=(bias, ("N",)), norm_weight=(norm_weight, ("K",), norm_dtype))
+                  bias=(bias, ("N",)))
     row_count, N, K = math.prod(sizes["..."]), sizes["N"], sizes["K"]
     if gated and (N % 2 or residual is not None):
         raise ValueError(f"{name}: gated=True takes a weight of an even number of rows, gate then up (got {N}), "
@@ -62,41 +58,29 @@ def gemv_forward(x, weight, bias=None, out=None, residual=None, *, norm_weight=N
     if out.size == 0:
         return out
     if K == 0:
-        if norm_weight is not None or gated:
-            raise ValueError(f"{name}: K = 0: an empty row has no norm, and SwiGLU of empty products is not "
-                             "worth a launch")
+        if gated:
+            raise ValueError(f"{name}: K = 0 with gated=True: SwiGLU of empty products is not worth a launch")
         backend.fill_zero(out)   # an empty sum: the bias alone
         if bias is not None:
             elementwise("bias_add", "a + b", [out, bias], out_dtype=x_dtype, out=out)
         if residual is not None:
             elementwise("residual_add", "a + b", [out, residual], compute_dtype=x_dtype, out=out)
         return out
-    width = _elements_per_load(weight_dtype, K, x, weight, norm_weight)
+    width = _elements_per_load(weight_dtype, K, x, weight)
     # Gated blocks hold gate and up rows of the same outputs: at least two outputs per block.
     warps_per_output = min(_warps_per_output(N, K * weight.itemsize), WARPS_PER_BLOCK // 2 if gated else WARPS_PER_BLOCK)
     rows_template = next(r for r in ROW_CHOICES if r >= row_count)
-    template = [str(rows_template), str(width), storage_c_type(weight_dtype), storage_c_type(x_dtype),
-                str(loads_in_flight(K * weight.itemsize, warps_per_output))]
-    if norm_weight is not None or gated:
-        template += [storage_c_type(norm_dtype or FLOAT32), _flag(norm_weight is not None), _flag(gated)]
+    template = [str(rows_template), str(width), storage_c_type(weight_dtype), storage_c_type(x_dtype)]
+    if gated:
+        template.append("true")
     kernel_name = f"gemv<{', '.join(template)}>"
     outputs_per_block = WARPS_PER_BLOCK // warps_per_output
     blocks = ceil_div(outputs, outputs_per_block // 2) if gated else ceil_div(N, outputs_per_block)
     backend.launch_dependent(
         kernels.function("gemv", kernel_name, name_expressions=(kernel_name,)), (blocks,), (WARPS_PER_BLOCK * WARP_SIZE,),
-        (out, x, weight, 0 if bias is None else bias, 0 if residual is None else residual,
-         0 if norm_weight is None else norm_weight, np.float32(eps), np.int32(row_count), np.int32(N), np.int32(K),
-         np.int32(warps_per_output)))
+        (out, x, weight, 0 if bias is None else bias, 0 if residual is None else residual, np.int32(row_count),
+         np.int32(N), np.int32(K), np.int32(warps_per_output)))
     return out
-
-
-def loads_in_flight(row_bytes, warps_per_output):
-    """16-byte loads a lane starts before it multiplies (kernels/gemv.cu's LOADS)."""
-    return LOADS_IN_FLIGHT
-
-
-def _flag(value):
-    return "true" if value else "false"
 
 
 def _elements_per_load(weight_dtype, K, *arrays):

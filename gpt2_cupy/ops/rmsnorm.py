@@ -71,8 +71,9 @@ def rmsnorm_forward(x, weight, *, eps=1e-6, out=None):
         warps = layout[2]
         blocks, threads = (ceil_div(rows, WARPS_PER_BLOCK), WARPS_PER_BLOCK * WARP_SIZE) if warps == 1 else \
             (rows, warps * WARP_SIZE)
-        _kernel("rmsnorm_forward_registers", layout, (x_dtype, weight_dtype))(
-            (blocks,), (threads,), (out, rstd, x, weight, np.int32(rows), np.int32(columns), np.float32(eps)))
+        backend.launch_dependent(_kernel("rmsnorm_forward_registers", layout, (x_dtype, weight_dtype)),
+                                 (blocks,), (threads,),
+                                 (out, rstd, x, weight, np.int32(rows), np.int32(columns), np.float32(eps)))
     return out, rstd
 
 
