@@ -9,7 +9,7 @@
 // new ones up to itself. out = softmax(q kᵀ / √d) v over those keys.
 //
 // A latency problem, not a bandwidth one. Generating a token at batch 1 reads each layer's cache once: Llama 3.2
-// 1B's 8 key-value heads of 64 in bf16, 600 positions, are 1.2 MB, 0.3 µs at an H200's 4.8 TB/s. What the
+// 1B's 8 key-value heads of 64 in bf16, 600 positions, are 1.2 MB, 0.3 µs at an H200's 4.2 TB/s. What the
 // kernel costs is its chain of steps that each wait for the one before: a launch, a load whose result decides
 // the next load, a shuffle that feeds the next shuffle, a barrier. A load from DRAM takes about a microsecond to
 // come back, one from L2 half that, a shuffle some 20 cycles. So the design counts round trips: read the length;
