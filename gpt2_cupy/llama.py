@@ -32,8 +32,8 @@ from gpt2_cupy.model import KVCache
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.ops.argmax import argmax_forward
 from gpt2_cupy.ops.decode_attention import decode_attention_forward
-from gpt2_cupy.ops.gemv import LINEAR_ROWS as GEMV_ROWS, gemv_forward
-from gpt2_cupy.ops.linear import linear_forward
+from gpt2_cupy.ops.gemv import gemv_forward
+from gpt2_cupy.ops.linear import few_rows_times_bf16, linear_forward
 from gpt2_cupy.ops.rope import rope_store_new_positions
 
 
@@ -212,7 +212,7 @@ class SharedRows:
 
     def one_gemv(self, x):
         """Whether together(x) is one GEMV launch: shared bf16 rows times a generation step's few rows."""
-        return self.weight is not None and self.weight.dtype != numpy.float32 and x.data.size // x.shape[-1] <= GEMV_ROWS
+        return self.weight is not None and few_rows_times_bf16(x.data, self.weight)
 
     def __call__(self, x):
         """The layers' outputs (..., out_features) for x (..., in_features), as Tensors: views of the one product's

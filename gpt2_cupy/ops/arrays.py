@@ -21,10 +21,27 @@ LARGEST_INT = 2**31 - 1   # kernels index with int: no array may have more eleme
 LARGEST_GRID_Y = 65535    # CUDA's limit on gridDim.y and gridDim.z (gridDim.x goes to 2**31 - 1)
 WARP_SIZE = 32            # kernels/include/warp.cuh's WARP_SIZE
 THREADS_PER_BLOCK = 256   # the default block size of elementwise and row kernels
+SHARED_BYTES_WITHOUT_OPT_IN = 48 * 1024   # the shared memory a block may have without asking for more
 ELLIPSIS = "..."          # in a shape pattern: any number of leading axes, the same in every argument
 FLOAT32 = numpy.dtype(numpy.float32)
 BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)   # bf16, the dtype numpy, CuPy and JAX share (ml_dtypes')
 STORAGE_DTYPES = (FLOAT32, BFLOAT16)       # what the kernels templated on their storage type read and write
+
+
+_counters = {}            # per device: the counters of the last-block pattern (counters()), newest last
+
+
+def counters(count):
+    """`count` zeroed unsigned ints on the current device, the same ones on every call, for kernels that finish
+    with the last-block pattern (a block takes an atomicAdd ticket; the last one finishes the work and sets its
+    counter back to zero, so a captured graph replays with them). A launch that needs more gets new ones, and the
+    old stay (a graph captured with them may replay). Two launches that use them must not run at the same time
+    (on two streams of one device), or their counts would mix."""
+    device = backend.xp.cuda.Device().id if backend.name == "cuda" else -1
+    held = _counters.setdefault(device, [])
+    if not held or held[-1].size < count:
+        held.append(backend.xp.zeros(max(count, 256), dtype=numpy.uint32))
+    return held[-1]
 
 
 def ceil_div(numerator, denominator):

@@ -37,21 +37,19 @@ launches replayed from a CUDA graph, the cache cold in L2):
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import (FLOAT32, LARGEST_GRID_Y, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check,
-                                  float4_aligned, output, storage_c_type, storage_dtype)
+from gpt2_cupy.ops.arrays import (FLOAT32, LARGEST_GRID_Y, SHARED_BYTES_WITHOUT_OPT_IN, THREADS_PER_BLOCK, WARP_SIZE,
+                                  ceil_div, check, counters, float4_aligned, output, storage_c_type, storage_dtype)
 from gpt2_cupy.ops.attention import HEAD_SIZES, tile_width  # the fused attention's tiles: D = 32, 64, 128, 256
 
 ROW_CHOICES = (1, 2, 4, 8)         # rows (query heads of a group x new positions) per block, a template parameter
 WARPS = 4                          # per block of decode_attention_partial...
 WIDE_WARPS = 8                     # ...or this many, where such blocks fit one per multiprocessor
 MOST_WARPS = 8                     # kernels/decode_attention.cu's MOST_WARPS (its launch bounds)
-STATIC_SHARED_BYTES = 48 * 1024    # shared memory a block may have without opting in
 COMBINE_THREADS = 128              # per block of decode_attention_combine (kernels/decode_attention.cu)
 SPLITS_AT_ONCE = 16                # chunks the merge loads at once (kernels/decode_attention.cu)
 MOST_SPLITS = 2 * SPLITS_AT_ONCE   # chunks per head
 BLOCKS_PER_MULTIPROCESSOR = 4      # as many blocks of 4 warps as fit beside each other (128 to 168 registers)
 MERGE_IN_LAST_BLOCK = True         # where it is one round trip (Launch); False: always decode_attention_combine
-_counters = {}                     # per device: the zeroed counters of the last-block merge, reset by the kernel
 
 
 def rows_per_block(rows):
@@ -71,8 +69,9 @@ def keys_per_warp_step(width, block_rows, itemsize):
 
 
 def warps_per_block(width, block_rows, warps):
-    """`warps`, or fewer where their merge space, warps x rows x (D + 2) floats, would pass STATIC_SHARED_BYTES."""
-    return max(1, min(warps, MOST_WARPS, STATIC_SHARED_BYTES // (4 * block_rows * (width + 2))))
+    """`warps`, or fewer where their merge space, warps x rows x (D + 2) floats, would pass
+    SHARED_BYTES_WITHOUT_OPT_IN."""
+    return max(1, min(warps, MOST_WARPS, SHARED_BYTES_WITHOUT_OPT_IN // (4 * block_rows * (width + 2))))
 
 
 def key_chunks(keys_bound, block_keys, blocks_per_chunk):
@@ -120,18 +119,6 @@ def decode_attention_forward(q, keys, values, length, *, out=None):
     if launch.splits > 1 and not launch.merge_in_last_block:
         _combine(launch, out, *partials)
     return out
-
-
-def counters(count):
-    """`count` zeroed unsigned ints on the current device, the same ones on every call: the kernel leaves them at
-    zero, so a captured graph replays with them. A launch that needs more gets new ones, and the old stay (a graph
-    captured with them may replay). Two launches that use them must not run at the same time (on two streams of
-    one device), or their counts would mix."""
-    device = backend.xp.cuda.Device().id if backend.name == "cuda" else -1
-    held = _counters.setdefault(device, [])
-    if not held or held[-1].size < count:
-        held.append(backend.xp.zeros(max(count, 256), dtype=np.uint32))
-    return held[-1]
 
 
 class Launch:

@@ -19,7 +19,8 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check, output, row_width
+from gpt2_cupy.ops.arrays import (LARGEST_GRID_Y, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check, counters, output,
+                                  row_width)
 from gpt2_cupy.ops.layernorm import require_gradient_buffers, row_layout
 
 ROW_SLOTS = 8            # blocks of (32, 8) threads: a warp per row slot
@@ -27,7 +28,6 @@ ROWS_PER_BLOCK = 128     # 16 rows per thread (bench/layernorm.py times 64 to 25
                          # of the sums is the same on every GPU
 ROWS_AT_ONCE = 4         # rows a thread loads before computing them: 8 float4 loads in flight per thread
 NAMES = tuple(f"dyt_backward_columns<{width}, {ROW_SLOTS}, {ROWS_AT_ONCE}>" for width in (4, 1))
-_counters = {}           # per device: the zeroed counters of the last-block pattern, reset by the kernel
 
 
 def _kernel(name):
@@ -64,17 +64,6 @@ def dyt_backward(dout, x, alpha, weight, *, dalpha, dweight, dbias=None, out=Non
     launch_backward_columns(_kernel(f"dyt_backward_columns<{width}, {ROW_SLOTS}, {ROWS_AT_ONCE}>"), width, ROW_SLOTS,
                             ROWS_PER_BLOCK, out, dalpha, dweight, dbias, dout, x, alpha, weight, rows, columns)
     return out
-
-
-def counters(count):
-    """`count` zeroed unsigned ints on the current device, the same ones on every call: the kernels that use
-    them leave them at zero. Grown (new zeros) when a launch needs more. Two launches that use them must not
-    run at the same time (on two streams of one device), or their counts would mix."""
-    device = backend.xp.cuda.Device().id if backend.name == "cuda" else -1
-    current = _counters.get(device)
-    if current is None or current.size < count:
-        current = _counters[device] = backend.xp.zeros(max(count, 64), dtype=np.uint32)
-    return current
 
 
 def launch_backward_columns(kernel, width, row_slots, rows_per_block, out, dalpha, dweight, dbias, dout, x, alpha,

@@ -25,7 +25,8 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import FLOAT32, WARP_SIZE, ceil_div, check, output, row_width, storage_c_type, storage_dtype
+from gpt2_cupy.ops.arrays import (FLOAT32, SHARED_BYTES_WITHOUT_OPT_IN, WARP_SIZE, ceil_div, check, output, row_width,
+                                  storage_c_type, storage_dtype)
 
 WARPS_PER_BLOCK = 8            # forward: 256 threads, eight rows at a time per block
 GROUPS_PER_LANE = {4: (1, 2, 3, 4, 6, 8, 12, 16), 1: (1, 2, 4, 8, 16, 32)}   # K, by WIDTH
@@ -34,7 +35,6 @@ GROUPS_PER_LANE = {4: (1, 2, 3, 4, 6, 8, 12, 16), 1: (1, 2, 4, 8, 16, 32)}   # K
 # sums are added in the same order everywhere): 128 blocks of 8 warps at 8192 rows, one per multiprocessor on an
 # H100, and 128 rows of partial sums to finish (bench/layernorm.py times 32 to 128 rows per block).
 SHARED_WARPS_PER_BLOCK = 8
-SHARED_BYTES_PER_BLOCK = 48 * 1024
 ROWS_PER_BLOCK = 64
 # column_sums_accumulate: blocks of (32, 8) threads, each thread adding every 8th partial row, 16 at 128 rows
 # (bench/layernorm.py times 8, 16 and 32 rows of threads).
@@ -128,7 +128,7 @@ def add_column_sums(sums, partials):
 
 def shared_warps(columns):
     """Warps per block of layernorm_backward_shared: 2 C floats of shared memory each, within 48 KB."""
-    return max(1, min(SHARED_WARPS_PER_BLOCK, SHARED_BYTES_PER_BLOCK // (2 * 4 * columns)))
+    return max(1, min(SHARED_WARPS_PER_BLOCK, SHARED_BYTES_WITHOUT_OPT_IN // (2 * 4 * columns)))
 
 
 def _backward(layout, out, dweight, dbias, dout, x, weight, mean, rstd, rows, columns):

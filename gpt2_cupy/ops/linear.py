@@ -67,7 +67,7 @@ def linear_forward(x, weight, bias=None, out=None, residual=None):
     the product then an add (a transformer block's x + f(x) in generation: inside the GEMV's launch).
     """
     dtype = storage_dtype("linear_forward", "x", x)
-    if _few_rows_times_bf16(x, weight):
+    if few_rows_times_bf16(x, weight):
         return gemv_forward(x, weight, bias, out=out, residual=residual)      # the weight read once
     sizes = check("linear_forward", x=(x, ("...", "C_in"), dtype), weight=(weight, ("C_out", "C_in"), dtype),
                   bias=(bias, ("C_out",)), residual=(residual, ("...", "C_out"), dtype))
@@ -110,7 +110,7 @@ def linear_backward(dout, x, weight, *, dweight, dbias=None, out=None):
     return out
 
 
-def _few_rows_times_bf16(x, weight):
+def few_rows_times_bf16(x, weight):
     """Whether y = x Wᵀ is a GEMV's work: a bf16 weight and at most gemv.LINEAR_ROWS rows of x. float32 weights
     keep the tiled matmul at any row count, and with it the order of its sums."""
     return (isinstance(weight, backend.xp.ndarray) and weight.dtype == BFLOAT16 and x.ndim >= 1
