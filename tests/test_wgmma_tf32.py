@@ -218,6 +218,25 @@ def test_medium_runs_bf16_wgmma(transpose_a, transpose_b, rng, every_product_on_
     assert relative_error(got, op_a.astype(np.float64) @ op_b.astype(np.float64)) > 1e-4   # it did round
 
 
+@pytest.mark.parametrize("precision", ["highest", "high", "medium"])
+def test_linear_bias_goes_into_the_products_store(precision, rng, every_product_on_wgmma):
+    """The Linear forward adds its bias in the wgmma's store (one pass over y, not two): the bits of the product
+    without a bias plus the bias, added once in float32, at every precision ("highest" on the CPU executor runs
+    chapter 01's kernel and chapter 02's bias_add, which must agree the same way)."""
+    import gpt2_cupy
+    from gpt2_cupy.ops.linear import linear_forward
+    x, w, bias = operand(rng, (70, 40)), operand(rng, (136, 40)), operand(rng, (136,))
+    before = gpt2_cupy.get_float32_matmul_precision()
+    gpt2_cupy.set_float32_matmul_precision(precision)
+    try:
+        xp = backend.xp
+        y = backend.asnumpy(linear_forward(xp.asarray(x), xp.asarray(w), xp.asarray(bias)))
+        product = backend.asnumpy(linear_forward(xp.asarray(x), xp.asarray(w)))
+    finally:
+        gpt2_cupy.set_float32_matmul_precision(before)
+    assert np.array_equal(y, product + bias)
+
+
 def test_small_products_keep_the_mma_sync_kernel(rng):
     """Below SMALL_PRODUCT, "high" stays on mma.sync's kernel, which rounds its inputs to nearest TF32."""
     a, b = operand(rng, (40, 36)), operand(rng, (24, 36))

@@ -39,7 +39,7 @@ ROWS_PER_BLOCK = 512  # rows of dout summed by one block of bias_partial_sums (5
 def bias_add(y, bias):
     """y += bias, broadcast over all axes of y but the last, in place. y: (..., C), bias: (C,). Returns y."""
     check("bias_add", y=(y, ("...", "C")), bias=(bias, ("C",)))
-    _bias_add(rows(y), bias)
+    launch_bias_add(rows(y), bias)
     return y
 
 
@@ -76,9 +76,7 @@ def linear_forward(x, weight, bias=None, out=None, residual=None):
         from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
         launch_bf16_product(rows(x), weight, rows(out), transpose_b=True, bias=bias)   # y = x Wᵀ + b, rounded once
     else:
-        launch_matmul(rows(x), weight, rows(out), transpose_b=True)           # y = x Wᵀ
-        if bias is not None:
-            _bias_add(rows(out), bias)                                         # y += b
+        launch_matmul(rows(x), weight, rows(out), transpose_b=True, bias=bias)   # y = x Wᵀ + b
     if residual is not None:
         elementwise("residual_add", "a + b", [residual, out], compute_dtype=dtype, out=out)
     return out
@@ -119,7 +117,8 @@ def few_rows_times_bf16(x, weight):
 
 # ---- unchecked launches: the public functions above have checked their arguments ----------------------------
 
-def _bias_add(y_rows, bias):
+def launch_bias_add(y_rows, bias):
+    """y_rows (rows, C) float32 += bias (C,) on chapter 02's kernel."""
     count = y_rows.size
     if count == 0:
         return

@@ -138,27 +138,38 @@ def _checked(operation, a, b, transpose_a, transpose_b, out, accumulate, batched
     return a, b, transpose_a, transpose_b, out
 
 
-def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False):
-    """out = op(a) @ op(b), or out += ... with accumulate; 2-D or batched 3-D. Unchecked: for ops that have
-    checked their arguments already (a, b, out C-contiguous float32 of matching shapes, out apart from both).
-    On tensor cores when set_float32_matmul_precision has chosen "high" or "medium" (see the module's doc),
-    and for bf16 a and b (out bf16 or float32)."""
+def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, bias=None):
+    """out = op(a) @ op(b) (+ bias), or out += ... with accumulate; 2-D or batched 3-D. Unchecked: for ops that
+    have checked their arguments already (a, b, out C-contiguous float32 of matching shapes, out apart from both;
+    bias None, or out's N columns of float32 for a 2-D out). On tensor cores when set_float32_matmul_precision
+    has chosen "high" or "medium" (see the module's doc), and for bf16 a and b (out bf16 or float32). The bias
+    is added in the product's store where the kernel takes one (the wgmma's and the bf16 kernels: one pass over
+    out instead of two), else by chapter 02's bias_add kernel after it."""
     if a.dtype == BFLOAT16:
         from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
-        return launch_bf16_product(a, b, out, transpose_a, transpose_b, accumulate)
+        return launch_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias)
     K = a.shape[-2] if transpose_a else a.shape[-1]
     if out.size == 0:
         return out
     if K == 0:  # an empty sum
         if not accumulate:
             backend.fill_zero(out)
-        return out
+        return add_bias(out, bias)
     # Imported here: tensor_core_matmul imports this module for its checks.
     from gpt2_cupy.ops.tensor_core_matmul import highest_on_tensor_cores, launch_tensor_core_matmul
     precision = get_float32_matmul_precision()
     if precision != "highest" or highest_on_tensor_cores(out, K):
-        return launch_tensor_core_matmul(a, b, out, transpose_a, transpose_b, accumulate, precision)
-    return launch_float32_matmul(a, b, out, transpose_a, transpose_b, accumulate)
+        return launch_tensor_core_matmul(a, b, out, transpose_a, transpose_b, accumulate, precision, bias)
+    return add_bias(launch_float32_matmul(a, b, out, transpose_a, transpose_b, accumulate), bias)
+
+
+def add_bias(out, bias):
+    """out += bias along every row (out 2-D float32, bias its N columns of float32, or None for nothing), on
+    chapter 02's bias_add kernel: for the products whose kernel takes no bias. Returns out."""
+    if bias is not None:
+        from gpt2_cupy.ops.linear import launch_bias_add   # linear builds on this module
+        launch_bias_add(out, bias)
+    return out
 
 
 def launch_float32_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False):

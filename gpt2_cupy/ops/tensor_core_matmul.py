@@ -40,7 +40,7 @@ import numpy
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.elementwise import converted, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, THREADS_PER_BLOCK, ceil_div, float4_aligned, storage_c_type
-from gpt2_cupy.ops.matmul import _checked, launch_matmul
+from gpt2_cupy.ops.matmul import _checked, add_bias, launch_matmul
 from gpt2_cupy.ops.wgmma_matmul import launch_tf32_wgmma_product, launch_wgmma_matmul, wgmma_fits, wgmma_runs
 from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision
 
@@ -168,8 +168,7 @@ def _small_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias):
     launch_matmul(converted(a, numpy.float32), converted(b, numpy.float32), result, transpose_a, transpose_b,
                   accumulate)
     if result is out:
-        if bias is not None:
-            elementwise("bias_add", "a + b", [result, bias], compute_dtype=numpy.float32, out=result)
+        add_bias(result, bias)
     elif bias is not None:   # the float32 sum, rounded once to bf16 as it is stored: one pass for both
         elementwise("bias_add_to_bf16", "a + b", [result, bias], compute_dtype=numpy.float32, out_dtype=out.dtype,
                     out=out)
@@ -202,26 +201,29 @@ def highest_on_tensor_cores(out, K):
 
 
 def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False,
-                              precision="highest"):
-    """out = op(a) @ op(b), or out += ..., 2-D or batched 3-D. Unchecked: for callers that have checked their
-    arguments (a, b, out C-contiguous float32 of matching shapes, out apart from both, a known precision).
-    bf16 a and b are multiplied as they are, whatever the precision."""
+                              precision="highest", bias=None):
+    """out = op(a) @ op(b) (+ bias), or out += ..., 2-D or batched 3-D. Unchecked: for callers that have checked
+    their arguments (a, b, out C-contiguous float32 of matching shapes, out apart from both, a known precision;
+    bias None or a 2-D out's N columns of float32, added in the product's store on the wgmma and bf16 kernels,
+    after it on mma.sync's TF32 one). bf16 a and b are multiplied as they are, whatever the precision."""
     if a.dtype == BFLOAT16:
-        return launch_bf16_product(a, b, out, transpose_a, transpose_b, accumulate)
+        return launch_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias)
     K = a.shape[-2] if transpose_a else a.shape[-1]
     if out.size == 0 or K == 0:  # nothing to multiply: the float32 op fills or keeps out as it should
-        return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)
+        return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate, bias)
     if _large_on_wgmma(out, K):
         if precision == "medium":   # bf16 copies (as for mma.sync), then the bf16 wgmma (launch_bf16_product picks it)
             return launch_bf16_product(converted(a, BFLOAT16), converted(b, BFLOAT16), out, transpose_a, transpose_b,
-                                       accumulate)
+                                       accumulate, bias)
         # TF32 reads x Wᵀ as it lies; other layouts, and 3xTF32's parts, take a K-major copy first.
         copied = transpose_a or not transpose_b or precision == "highest"
         if not copied or _copy_pays(out):
-            return launch_tf32_wgmma_product(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
+            return launch_tf32_wgmma_product(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision],
+                                             bias)
     if precision == "medium":
-        return launch_bf16_matmul(to_bf16(a)[0], to_bf16(b)[0], out, K, transpose_a, transpose_b, accumulate)
-    return launch_tf32_mma_sync(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
+        return launch_bf16_matmul(to_bf16(a)[0], to_bf16(b)[0], out, K, transpose_a, transpose_b, accumulate, bias)
+    return add_bias(launch_tf32_mma_sync(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision]),
+                    bias)
 
 
 def launch_tf32_mma_sync(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, products=1):

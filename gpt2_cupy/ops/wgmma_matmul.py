@@ -55,9 +55,12 @@ SLICES_PER_SUM = 2                 # slices summed by the tensor cores before a 
 MN_BOX = 64                        # an MN-major operand's box: 64 of m (n) by 64 of k (MN_BOX)
 MAX_SPLITS = 6                     # stretches of K at most: with out and bias, the 8 operands of one generated sum
 MIN_K_PER_SPLIT = 1024             # elements of K per stretch at least: 16 slices, to keep the pipeline full
-# Multiply-adds per second of a block, by tile width: on an H100, over the GPT-2 Linear products whose rounds are
-# full at either width (the output layer's bf16 weight gradient: 533 TFLOP/s on 128-wide tiles, 718 on 256-wide)
-TILE_SPEED = {256: 1.0, 128: 0.74}
+# Multiply-adds per second of a block, by tile width. On an H100, a product whose rounds are full at either width
+# (the output layer's bf16 weight gradient) ran 533 TFLOP/s on 128-wide tiles and 718 on 256-wide: 0.74. Yet on an
+# H200 the attention's qkv forward (8192 x 2304 x 768: 9 rounds of 128-wide tiles, 5 of 256-wide) ran 452 TFLOP/s on
+# 128-wide ping-pong tiles and 435 on 256-wide, which 0.74 does not pick: 0.80 picks it, and keeps every other
+# GPT-2 product's choice but the output layer's bf16-out input gradient (bench/tensor_cores.json has the figures)
+TILE_SPEED = {256: 1.0, 128: 0.80}
 WIDEST = max(TILE_SPEED)
 # Slices' worth of time a tile's stores hold its tensor cores: a 256-wide tile's two warpgroups store together;
 # 128-wide tiles are ping-pong, one warpgroup storing while the other multiplies (measured on an H200; the
@@ -278,11 +281,13 @@ def tf32_operand_rows(x, k_contiguous, parts, segment_multiple=TF32_ROW_MULTIPLE
     return out
 
 
-def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, products=1):
-    """out = op(a) @ op(b), or out += ..., for 2-D float32 a and b on the TF32 wgmma: products=1 for TF32 (the
+def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, products=1,
+                              bias=None):
+    """out = op(a) @ op(b) (+ bias), or out += ..., for 2-D float32 a and b on the TF32 wgmma: products=1 for TF32 (the
     values' upper 19 bits), 3 for 3xTF32 (each value split into big + small, three products, each slice of K
     summed apart and the slices added in float32 on the CUDA cores: float32's accuracy).
-    Unchecked: a, b, out C-contiguous float32 of matching shapes, out apart from both.
+    Unchecked: a, b, out C-contiguous float32 of matching shapes, out apart from both; bias None or N float32s,
+    added in the product's store.
 
     TF32 reads an operand as it lies when it is K-major (a not transposed, b transposed: x Wᵀ) with rows of a
     multiple of 4 floats on 16 bytes, else a K-major copy of it, both padded alike when K is not a multiple of 4
@@ -299,7 +304,7 @@ def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, a
                           for x, k_contiguous in ((a, not transpose_a), (b, transpose_b)))
     # 3xTF32's third part, big times big, from k = 2 segment_k on: its sums are summed apart
     k_apart = a_rows.shape[1] if products == 3 else None
-    return launch_wgmma_matmul(a_rows, b_rows, out, None, accumulate, False, True, k_apart=k_apart)
+    return launch_wgmma_matmul(a_rows, b_rows, out, bias, accumulate, False, True, k_apart=k_apart)
 
 
 @functools.lru_cache(maxsize=None)  # the Linear layer asks at every bf16 product
