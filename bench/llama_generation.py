@@ -18,10 +18,19 @@ Greedy decoding from a random prompt, batch 1, the next token chosen on the devi
   against the tiled tensor-core GEMM the product would take otherwise and against torch.matmul (cuBLAS).
 
 Writes bench/llama_generation.json (a run of one shape keeps the other shape's stored results), prints a table.
+
+    python -m bench.llama_generation --shape 1b --settings default backend.DEPENDENT_LAUNCHES=False gemv.WARPS_PER_MULTIPROCESSOR=32
+
+--settings: only the captured decode step, captured once under each setting of the package's module switches
+(MODULE.NAME=VALUE of gpt2_cupy.ops.MODULE or gpt2_cupy.MODULE, several joined by commas; "default" is none),
+on one model, and replayed in turns (--rounds), so that the settings are compared in one process on one card;
+prints tokens/s against the bound and writes no file.
 """
 
 import argparse
+import ast
 import contextlib
+import importlib
 import json
 import time
 from pathlib import Path
@@ -185,6 +194,94 @@ def gemv_products(torch):
     return results
 
 
+def parse_setting(text):
+    """'gemv.WARPS_PER_MULTIPROCESSOR=32,backend.DEPENDENT_LAUNCHES=False' -> [(module, name, value), ...]."""
+    changes = []
+    for assignment in ([] if text == "default" else text.split(",")):
+        target, _, value = assignment.partition("=")
+        module_name, _, name = target.strip().rpartition(".")
+        try:
+            module = importlib.import_module(f"gpt2_cupy.ops.{module_name}")
+        except ModuleNotFoundError:
+            module = importlib.import_module(f"gpt2_cupy.{module_name}")
+        if not hasattr(module, name):
+            raise SystemExit(f"--settings {text}: {module.__name__} has no {name}")
+        try:
+            value = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            value = value.strip()                                            # a plain word: a string
+        changes.append((module, name, value))
+    return changes
+
+
+@contextlib.contextmanager
+def applied(changes):
+    """The module switches set to the changes' values inside the block, and back after it."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in changes]
+    try:
+        for module, name, value in changes:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def compare_settings(shape, settings, prompt, new_tokens, rounds):
+    """Decode tokens/s of the captured step under each setting: {setting: [rate of each round]}. Each setting
+    gets its own cache, filled to `prompt` positions (with zeros: the speed does not depend on them), and its
+    own capture; the rounds replay new_tokens steps of each setting in turn."""
+    manual_seed(0)
+    with random_bf16_weights_on_device():
+        model = Llama(LlamaConfig(**SHAPES[shape]))
+    model.eval()
+    xp, steps, failed = backend.xp, {}, {}
+    with no_grad():
+        for setting in settings:
+            cache = model.new_kv_cache(1, prompt + rounds * new_tokens + 2)
+            cache.length = prompt
+            try:
+                with applied(parse_setting(setting)):
+                    step = DecodeGraph(model, cache, xp.zeros((1, 1), dtype=np.int64), greedy=True)
+                step.graph.replay()                                          # the first replay uploads the graph
+            except Exception as error:  # noqa: BLE001  (a setting that does not compile: say so, time the rest)
+                failed[setting] = f"{type(error).__name__}: {error}"[:300]
+                continue
+            steps[setting] = (step, cache.device_lengths)    # the graph reads that array: keep it alive
+        rates = {setting: [] for setting in steps}
+        for _ in range(rounds):
+            for setting, (step, _) in steps.items():
+                rates[setting].append(new_tokens / seconds(lambda: [step.graph.replay() for _ in range(new_tokens)],
+                                                           backend.synchronize))
+    parameters = sum(p.data.size for p in model.parameters())
+    del model, steps
+    if backend.name == "cuda":
+        xp.get_default_memory_pool().free_all_blocks()
+    return rates, failed, 2 * parameters
+
+
+def settings_table(arguments):
+    """Prints, shape by shape, each setting's decode tokens/s (median and best of the rounds) against the bound."""
+    for setting in arguments.settings:
+        parse_setting(setting)                         # a misspelt name stops the run before any model is built
+    benchmark.require_gpu()
+    bandwidth = benchmark.copy_bandwidth()
+    print(f"{benchmark.measured_on()['device']}, batch 1, bf16, the captured decode step after {arguments.prompt} "
+          f"positions, {arguments.rounds} rounds of {arguments.new_tokens} tokens (copy: {bandwidth / 1e9:.0f} GB/s)",
+          flush=True)
+    for shape in arguments.shape:
+        rates, failed, weight_bytes = compare_settings(shape, arguments.settings, arguments.prompt,
+                                                       arguments.new_tokens, arguments.rounds)
+        bound = bandwidth / weight_bytes
+        lines = [f"{NAMES[shape]}: bound {bound:.0f} tokens/s"]
+        for setting, measured in rates.items():
+            median, best = float(np.median(measured)), max(measured)
+            lines.append(f"  {setting:60} median {median:7.1f} ({median / bound:.1%})  best {best:7.1f} "
+                         f"({best / bound:.1%})  rounds " + " ".join(f"{r:.0f}" for r in measured))
+        lines += [f"  {setting:60} failed: {why}" for setting, why in failed.items()]
+        print("\n".join(lines), flush=True)
+
+
 def measure(arguments):
     benchmark.require_gpu()
     bandwidth = benchmark.copy_bandwidth()
@@ -243,7 +340,14 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill", type=int, default=2048, help="a longer prompt timed for 7b's prefill")
     parser.add_argument("--gemv", action="store_true", help="also time the few-row products alone")
-    results = measure(parser.parse_args())
+    parser.add_argument("--settings", nargs="+", metavar="MODULE.NAME=VALUE[,...]",
+                        help="only compare the captured decode step under these module switches (see above)")
+    parser.add_argument("--rounds", type=int, default=5, help="--settings: turns of new-tokens replays each")
+    arguments = parser.parse_args()
+    if arguments.settings:
+        settings_table(arguments)
+        return
+    results = measure(arguments)
     benchmark.report("llama_generation", results, table(results))
 
 

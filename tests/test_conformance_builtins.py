@@ -1166,3 +1166,47 @@ def test_float32_subnormals_are_flushed_to_zeros_of_their_sign():
         # every exact result here is a float32 value, so rounding it is only the flush
         expected = [flushed(x + y), flushed(x - y), flushed(x * y), flushed(x * y + z)]
         assert row.tolist() == np.array(expected, dtype=np.float32).view(np.uint32).tolist(), (x, y, z)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Type punning: one object read through a pointer of another type, as kernels load 16 bytes at once
+# ---------------------------------------------------------------------------------------------------------
+
+TYPE_PUNNING = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+extern "C" __global__ void type_punning(float* out, const __nv_bfloat16* bf16, const __half* half, const float* x)
+{
+    const uint4 bf16_bits = __ldcs(reinterpret_cast<const uint4*>(bf16));   // a local, read as 8 bf16
+    const __nv_bfloat16* bf16_values = reinterpret_cast<const __nv_bfloat16*>(&bf16_bits);
+    const uint4 half_bits = *reinterpret_cast<const uint4*>(half);          // and as 8 half
+    const __half* half_values = reinterpret_cast<const __half*>(&half_bits);
+    float floats[4];
+    *reinterpret_cast<float4*>(floats) = *reinterpret_cast<const float4*>(x);   // a float4 into a float array
+    unsigned words[4];
+    *reinterpret_cast<float4*>(words) = *reinterpret_cast<const float4*>(x);    // and into unsigned words
+    for (int i = 0; i < 8; ++i) {
+        out[i] = __bfloat162float(bf16_values[i]);
+        out[8 + i] = __half2float(half_values[i]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        out[16 + i] = floats[i];
+        out[20 + i] = __uint_as_float(words[i]);
+    }
+}
+"""
+
+
+def test_an_object_read_through_a_pointer_of_another_type_gives_its_bytes(rng):
+    """16 bytes loaded at once into a uint4 or a float4 and read as eight bf16, eight half or four floats give
+    those bytes' values, as NVCC compiles such a kernel (the executor's compiler must not assume that a read
+    through another type cannot see the write)."""
+    import ml_dtypes
+    bf16 = rng.normal(size=8).astype(ml_dtypes.bfloat16)
+    half = rng.normal(size=8).astype(np.float16)
+    x = rng.normal(size=4).astype(np.float32)
+    out = backend.xp.zeros(24, dtype=np.float32)
+    run(TYPE_PUNNING, "type_punning", (1,), (1,), out, device(bf16), device(half), device(x))
+    expected = np.concatenate([bf16.astype(np.float32), half.astype(np.float32), x, x])
+    np.testing.assert_array_equal(host(out), expected)

@@ -631,7 +631,7 @@ def test_barrier_misuses_are_reported(how, words):
 
 
 @cpu_only
-@pytest.mark.parametrize("instruction", ["cp.async.bulk.prefetch.L2.global [%0], 16;",
+@pytest.mark.parametrize("instruction", ["cp.async.bulk.prefetch.tensor.2d.L2.global [%1, {%0, %0}];",
                                          "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%1, {%0, %0}], [%0];",
                                          "mbarrier.arrive.noComplete.shared::cta.b64 _, [%0], 1;"])
 def test_other_bulk_copies_and_barrier_forms_are_compile_errors_naming_them(instruction):

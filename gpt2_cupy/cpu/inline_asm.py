@@ -39,7 +39,10 @@ SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 onl
              "cp.async.bulk.tensor.{1d..5d}.shared::cluster.global[.tile].mbarrier::complete_tx::bytes"
              "[.L2::cache_hint] "
              "(maps from gpt2_cupy.tensor_map), cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-             "[.L2::cache_hint], prefetch.tensormap, setmaxnreg.{inc,dec}.sync.aligned.u32 (with -arch=sm_90a), "
+             "[.L2::cache_hint], prefetch.tensormap, prefetch[.global|.local].{L1,L2}, "
+             "prefetch.global.L2::{evict_last,evict_normal}, prefetchu.L1, "
+             "cp.async.bulk.prefetch.L2.global[.L2::cache_hint] (hints: no effect), "
+             "setmaxnreg.{inc,dec}.sync.aligned.u32 (with -arch=sm_90a), "
              "elect.sync, griddepcontrol.{wait,launch_dependents}, "
              "selp, bra[.uni] to labels of the statement, and .reg declarations")
 
@@ -522,6 +525,18 @@ class _Body:
         # next one start early changes nothing
         return ";"
 
+    def prefetch(self, match, operands):
+        # A hint that the line at the address will be read: the CPU has its own caches, which it fills itself.
+        self.expect(operands, 1, match.group(0))
+        return f"(void){self.address(operands[0], match.group(0))};"
+
+    def bulk_prefetch(self, match, operands):
+        # cp.async.bulk.prefetch.L2.global [address], size (, cache policy): a hint too, but its size and address
+        # must be multiples of 16 bytes, which the executor checks as for cp.async.bulk.
+        self.expect(operands, 2 + bool(match.group("hint")), match.group(0))
+        return (f"{_NS}bulk_prefetch({self.address(operands[0], match.group(0))}, "
+                f"(unsigned long long){self.scalar(operands[1])}, {self.line});")
+
     def bulk_tensor_copy(self, match, operands):
         dimensions = int(match.group("dimensions"))
         self.expect(operands, 3 + bool(match.group("hint")), match.group(0))
@@ -597,6 +612,9 @@ class _Body:
         (rf"mbarrier\.inval{_SHARED}\.b64", mbarrier_inval),
         (r"fence\.mbarrier_init\.release\.cluster", no_effect_here),
         (r"prefetch(?:\.param|\.const|\.global)?\.tensormap", no_effect_here),
+        (r"prefetch(?:\.global|\.local)?\.(?:L1|L2)|prefetch\.global\.L2::evict_(?:last|normal)|prefetchu\.L1",
+         prefetch),
+        (r"cp\.async\.bulk\.prefetch\.L2\.global(?P<hint>\.L2::cache_hint)?", bulk_prefetch),
         (r"cp\.async\.bulk\.tensor\.(?P<dimensions>[1-5])d\.shared::cluster\.global(?:\.tile)?"
          r"\.mbarrier::complete_tx::bytes(?P<hint>\.L2::cache_hint)?", bulk_tensor_copy),
         (r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes(?P<hint>\.L2::cache_hint)?",

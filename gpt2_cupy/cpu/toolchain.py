@@ -25,7 +25,11 @@ RUNTIME_SOURCE = "runtime.cpp"
 
 # -O2 for speed; no -ffast-math, so results stay IEEE; no -march=native, so they match from machine to machine.
 # -Werror=vla: an array sized by a variable (warpSize, a parameter) is refused, as nvcc refuses it.
-COMMON_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fno-math-errno", "-Wno-unknown-pragmas", "-Werror=vla")
+# -fno-strict-aliasing: kernels read one object through a pointer of another type (a uint4 loaded at once,
+# read as eight bf16; float4 stores into a float array), which NVCC compiles as written; with strict aliasing
+# the C++ compiler may assume such reads never see the writes and return what was there before.
+COMMON_FLAGS = ("-std=c++17", "-O2", "-fno-strict-aliasing", "-fPIC", "-fno-math-errno", "-Wno-unknown-pragmas",
+                "-Werror=vla")
 
 
 def cache_directory():

@@ -613,6 +613,13 @@ inline void bulk_copy(unsigned long long destination, unsigned long long source,
     gpt2cupy_bulk_copy(&copy, mbarrier_at(barrier, line), line);
 }
 
+// cp.async.bulk.prefetch.L2: a hint that `bytes` bytes from `source` will be read; the executor has no L2 to
+// fill. A GPU takes only a size and an address that are multiples of 16 bytes, as for cp.async.bulk.
+inline void bulk_prefetch(unsigned long long source, unsigned long long bytes, int line) {
+    if (bytes % 16 != 0 || source % 16 != 0)
+        fail("cp.async.bulk.prefetch.L2: the size and the address must be multiples of 16 bytes", line);
+}
+
 // ---- elect.sync --------------------------------------------------------------------------------------------
 // The lanes of `members` meet (a .sync instruction); the lowest of them that is there is elected.
 inline unsigned elect_sync(unsigned long long members, bool& elected, int line) {
