@@ -1,6 +1,6 @@
-"""Attention on tensor cores in bf16 and TF32 on a GPU: against chapter 08's float32 fused kernels and PyTorch's
-scaled_dot_product_attention in bf16 and in float32 with TF32 allowed, causal, forward and forward + backward,
-in the same run.
+"""Attention on tensor cores in bf16, TF32 and 3xTF32 on a GPU: against chapter 08's float32 fused kernels and
+PyTorch's scaled_dot_product_attention in bf16 and in float32 with TF32 allowed, causal, forward and forward +
+backward, in the same run; and the error against float64 of each float32 way (TF32, 3xTF32, chapter 08's).
 
     python -m bench.tensor_core_attention          prints a table and writes bench/tensor_core_attention.json
     python -m bench.tensor_core_attention --tiny   on any backend: every run once at small shapes, no timings,
@@ -13,17 +13,21 @@ does: 2 B H T² d forward (S and P V), 7 B H T² d forward + backward (the backw
 dV, dK, dQ). The kernel rows count the products each kernel does: the dk, dv pass 4 (S, dP, dV, dK), the
 dq pass 3 (S, dP again, dQ).
 
-  - ours: gpt2_cupy.ops.tensor_core_attention on bf16 and on float32 (TF32) arrays, with the tile shapes the
-    op uses;
+  - ours: gpt2_cupy.ops.tensor_core_attention on bf16 arrays, and on float32 ones at precision "high" (TF32)
+    and "highest" (3xTF32), with the tile shapes the op uses;
   - chapter 08's fused float32 kernels (gpt2_cupy.ops.attention) where they run: d = 32 or 64, one key and
     value head per query head (the GPT-2 shape);
   - torch.nn.functional.scaled_dot_product_attention(is_causal=True) on bf16 tensors, where PyTorch is
     installed (its flash kernel), and on float32 ones with torch.backends.cuda.matmul.allow_tf32 and
     cudnn.allow_tf32 set (its memory-efficient kernel); for grouped-query attention with enable_gqa=True
     where this PyTorch has it, else on K and V repeated per head beforehand (outside the timing, and said so);
-  - each kernel of ours alone, in bf16 and TF32, with every candidate tile shape (TILE_CANDIDATES) whose
+  - each kernel of ours alone, in each format, with every candidate tile shape (TILE_CANDIDATES) whose
     shared memory fits a block, at the GPT-2 shape and at Llama's B = 4: what the op's FORWARD_TILES,
-    DK_DV_TILES and DQ_TILES were chosen from.
+    DK_DV_TILES and DQ_TILES were chosen from, with the registers each kernel takes and the bytes it spills
+    to local memory;
+  - at the GPT-2 shape, max |error| / max |reference| of out, dq, dk and dv against float64 for TF32, 3xTF32
+    and chapter 08's float32 kernels, all from the same float32 inputs, on the first ERROR_HEADS heads of
+    the first batch element (the float64 reference of all of them would take a (B, H, T, T) float64 array).
 """
 
 import sys
@@ -44,11 +48,14 @@ SHAPES = {"GPT-2 124M": (8, 12, 12, 1024, 64),
           "Llama GQA, B = 2": (2, 32, 8, 2048, 128),
           "Llama GQA, B = 4": (4, 32, 8, 2048, 128)}
 KERNEL_SHAPES = ("GPT-2 124M", "Llama GQA, B = 4")   # where each kernel's candidates are timed
+ERROR_SHAPE, ERROR_HEADS = "GPT-2 124M", 4           # where, and on how many heads, errors are measured
 TINY_SHAPES = {"GPT-2-like": (1, 2, 2, 80, 64), "Llama-like": (1, 4, 2, 80, 128)}
 FORWARD, BOTH = "forward", "forward + backward"
 CAUSAL_HALF_PRODUCTS = {FORWARD: 2, BOTH: 7}
 KERNEL_PRODUCTS = {"forward": 2, "dk_dv": 4, "dq": 3, "row_dot": 0}
-FORMATS = {"bf16": bfloat16, "tf32": numpy.float32}   # our format's name: the arrays' dtype
+# our format's name: (the arrays' dtype, the op's precision, the kernels' format)
+FORMATS = {"bf16": (bfloat16, None, "bfloat16"), "tf32": (numpy.float32, "high", "float"),
+           "3xtf32": (numpy.float32, "highest", "Tf32x3")}
 SHARED_BYTES = {"forward": ops.forward_shared_bytes, "dk_dv": ops.dk_dv_shared_bytes, "dq": ops.dq_shared_bytes}
 
 
@@ -67,16 +74,19 @@ def arrays(shape, dtype=bfloat16, seed=0):
 
 
 def ours(shape):
-    """{name: run}: the op forward, and forward + backward, in bf16 and in TF32."""
+    """{name: run}: the op forward, and forward + backward, in each format."""
     runs = {}
-    for fmt, dtype in FORMATS.items():
+    for fmt, (dtype, precision, _) in FORMATS.items():
         q, k, v, dout = arrays(shape, dtype)
 
-        def both(q=q, k=k, v=v, dout=dout):
-            out, lse = ops.tensor_core_attention_forward(q, k, v)
-            ops.tensor_core_attention_backward(dout, q, k, v, out, lse)
+        def forward(q=q, k=k, v=v, precision=precision):
+            return ops.tensor_core_attention_forward(q, k, v, precision=precision)
 
-        runs[f"tensor cores {fmt}, {FORWARD}"] = lambda q=q, k=k, v=v: ops.tensor_core_attention_forward(q, k, v)
+        def both(q=q, k=k, v=v, dout=dout, precision=precision):
+            out, lse = ops.tensor_core_attention_forward(q, k, v, precision=precision)
+            ops.tensor_core_attention_backward(dout, q, k, v, out, lse, precision=precision)
+
+        runs[f"tensor cores {fmt}, {FORWARD}"] = forward
         runs[f"tensor cores {fmt}, {BOTH}"] = both
     return runs
 
@@ -143,28 +153,37 @@ def _torch_sdpa(torch, shape, fmt, dtype):
 
 
 def kernel_runs(shape):
-    """{name: (run, products), or a note}: each of our kernels alone, in each format, with every candidate tile
-    shape."""
-    runs = {}
-    for fmt, dtype in FORMATS.items():
-        runs.update(_format_kernel_runs(shape, fmt, dtype))
-    return runs
+    """({name: (run, products), or a note}, {name: registers}): each of our kernels alone, in each format, with
+    every candidate tile shape; and the registers and local-memory bytes (spills) of each kernel that runs."""
+    runs, registers = {}, {}
+    for fmt in FORMATS:
+        format_runs, format_registers = _format_kernel_runs(shape, fmt)
+        runs.update(format_runs)
+        registers.update(format_registers)
+    return runs, registers
 
 
-def _format_kernel_runs(shape, fmt, dtype):
+KERNEL_NAMES = {"forward": "tensor_core_attention_forward", "dk_dv": "tensor_core_attention_backward_dk_dv",
+                "dq": "tensor_core_attention_backward_dq"}
+
+
+def _format_kernel_runs(shape, fmt):
     B, H, H_kv, T, d = shape
+    dtype, precision, kernel_format = FORMATS[fmt]
     q, k, v, dout = arrays(shape, dtype)
-    xp, scale, element = backend.xp, numpy.float32(d ** -0.5), ops.ELEMENT[numpy.dtype(dtype)]
-    out, lse = ops.tensor_core_attention_forward(q, k, v)
+    xp, scale = backend.xp, numpy.float32(d ** -0.5)
+    out, lse = ops.tensor_core_attention_forward(q, k, v, precision=precision)
     row_dot = xp.empty((B, H, T), dtype=numpy.float32)
     dq, dk, dv = xp.empty_like(q), xp.empty_like(k), xp.empty_like(v)
-    defaults = {"forward": ops.FORWARD_TILES[element][d], "dk_dv": ops.DK_DV_TILES[element][d],
-                "dq": ops.DQ_TILES[element][d]}
-    launches = {"forward": lambda tiles: ops._forward(out, lse, q, k, v, True, scale, *tiles),
-                "dk_dv": lambda tiles: ops._dk_dv(dk, dv, dout, q, k, v, lse, row_dot, True, scale, *tiles),
-                "dq": lambda tiles: ops._dq(dq, dout, q, k, v, lse, row_dot, True, scale, *tiles)}
+    defaults = {"forward": ops.FORWARD_TILES[kernel_format][d], "dk_dv": ops.DK_DV_TILES[kernel_format][d],
+                "dq": ops.DQ_TILES[kernel_format][d]}
+    launches = {"forward": lambda tiles: ops._forward(out, lse, q, k, v, True, scale, *tiles, kernel_format),
+                "dk_dv": lambda tiles: ops._dk_dv(dk, dv, dout, q, k, v, lse, row_dot, True, scale, *tiles,
+                                                  kernel_format),
+                "dq": lambda tiles: ops._dq(dq, dout, q, k, v, lse, row_dot, True, scale, *tiles, kernel_format)}
     other = {"forward": "keys", "dk_dv": "queries", "dq": "keys"}
     runs = {f"kernel {fmt} row_dot": (lambda: ops._row_dot(row_dot, dout, out), KERNEL_PRODUCTS["row_dot"])}
+    registers = {}
     ops._row_dot(row_dot, dout, out)
     for kernel, candidates in ops.TILE_CANDIDATES.items():
         for warps, tile in candidates:
@@ -175,7 +194,52 @@ def _format_kernel_runs(shape, fmt, dtype):
                 runs[name] = f"not run: {shared // 1024} KB of shared memory, above a block's {SHARED_BYTES_PER_BLOCK // 1024}"
                 continue
             runs[name] = (lambda launch=launches[kernel], tiles=(warps, tile): launch(tiles), KERNEL_PRODUCTS[kernel])
-    return runs
+            compiled = ops._kernel(KERNEL_NAMES[kernel], kernel_format, d, warps, tile, shared)
+            if hasattr(compiled, "num_regs"):   # CuPy's kernels; the CPU executor has no registers to count
+                registers[name] = {"registers": compiled.num_regs, "spilled bytes": compiled.local_size_bytes}
+    return runs, registers
+
+
+def float64_reference(q, k, v, dout):
+    """out, dq, dk, dv of causal attention with scale 1/√d, in float64 on the backend, from (heads, T, d) arrays."""
+    xp = backend.xp
+    q, k, v, dout = (x.astype(numpy.float64) for x in (q, k, v, dout))
+    T, d = q.shape[-2:]
+    scale = d ** -0.5
+    scores = scale * q @ xp.swapaxes(k, -1, -2)
+    scores = xp.where(xp.tril(xp.ones((T, T), dtype=bool)), scores, -xp.inf)
+    p = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    dp = dout @ xp.swapaxes(v, -1, -2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    return p @ v, scale * ds @ k, scale * xp.swapaxes(ds, -1, -2) @ q, xp.swapaxes(p, -1, -2) @ dout
+
+
+def float32_errors(shape):
+    """{way: {result: max |error| / max |reference|}} of TF32, 3xTF32 and chapter 08's float32 kernels against
+    float64, all from the same float32 inputs, on the first ERROR_HEADS heads of batch element 0 (H_kv = H)."""
+    B, H, H_kv, T, d = shape
+    q, k, v, dout = arrays(shape, numpy.float32)
+    head = (0, slice(0, ERROR_HEADS))
+    references = float64_reference(*(x[head] for x in (q, k, v, dout)))
+
+    def tensor_cores(precision):
+        out, lse = ops.tensor_core_attention_forward(q, k, v, precision=precision)
+        return (out, *ops.tensor_core_attention_backward(dout, q, k, v, out, lse, precision=precision))
+
+    def chapter_08_kernels():
+        out, lse = attention_forward(q, k, v)
+        return (out, *attention_backward(dout, q, k, v, out, lse))
+
+    ways = {"tensor cores tf32": lambda: tensor_cores("high"), "tensor cores 3xtf32": lambda: tensor_cores("highest")}
+    if d in FLOAT32_HEAD_SIZES and H_kv == H:
+        ways["chapter 08 fused float32"] = chapter_08_kernels
+    errors = {}
+    for way, run in ways.items():
+        results = run()
+        errors[way] = {name: float(abs(result[head].astype(numpy.float64) - reference).max() / abs(reference).max())
+                       for name, result, reference in zip(("out", "dq", "dk", "dv"), results, references)}
+    return errors
 
 
 def timed(runs, flop, tiny=False):
@@ -202,15 +266,17 @@ def measure_shape(shape, tiny=False):
 
 
 def measure_kernels(shape, tiny=False):
-    """Each of our kernels alone, with every candidate tile shape, at one shape."""
-    runs = kernel_runs(shape)
+    """Each of our kernels alone, with every candidate tile shape, at one shape; and their registers."""
+    runs, registers = kernel_runs(shape)
     products = {name: run[1] for name, run in runs.items() if not isinstance(run, str)}
-    return timed({name: run if isinstance(run, str) else run[0] for name, run in runs.items()},
-                 lambda name: causal_flop(shape, products[name]), tiny)
+    seconds, tflops = timed({name: run if isinstance(run, str) else run[0] for name, run in runs.items()},
+                            lambda name: causal_flop(shape, products[name]), tiny)
+    return seconds, tflops, registers
 
 
-def shape_report(shape_name, seconds, tflops):
-    """Lines of the table for one shape: each run's time and TFLOP/s, then ours against the others."""
+def shape_report(shape_name, seconds, tflops, registers=None):
+    """Lines of the table for one shape: each run's time and TFLOP/s (and registers), then ours against the
+    others."""
     B, H, H_kv, T, d = SHAPES[shape_name]
     lines = [f"  {shape_name}: B={B} H={H} H_kv={H_kv} T={T} d={d}"]
     for name, s in seconds.items():
@@ -218,14 +284,24 @@ def shape_report(shape_name, seconds, tflops):
             lines.append(f"    {name:<62s} {s}")
             continue
         rate = f"{tflops[name]:7.1f} TFLOP/s" if tflops.get(name) else ""
-        lines.append(f"    {name:<62s} {s * 1e3:9.3f} ms {rate}")
+        used = (registers or {}).get(name)
+        used = f"  {used['registers']} registers, {used['spilled bytes']} bytes spilled" if used else ""
+        lines.append(f"    {name:<62s} {s * 1e3:9.3f} ms {rate}{used}")
     for fmt, other in (("bf16", "torch sdpa bf16"), ("bf16", "chapter 08 fused float32"),
-                       ("tf32", "torch sdpa float32 (TF32 allowed)"), ("tf32", "chapter 08 fused float32")):
+                       ("tf32", "torch sdpa float32 (TF32 allowed)"), ("tf32", "chapter 08 fused float32"),
+                       ("3xtf32", "chapter 08 fused float32"), ("3xtf32", "tensor cores tf32")):
         for part in (FORWARD, BOTH):
             mine = seconds.get(f"tensor cores {fmt}, {part}")
             theirs = [s for name, s in seconds.items() if name.startswith(other) and name.endswith(f", {part}")]
             if mine and theirs and isinstance(theirs[0], float):
                 lines.append(f"    ours {fmt} vs {other}, {part}: {theirs[0] / mine:.2f}x (above 1: ours faster)")
+    return lines
+
+
+def error_report(shape_name, errors):
+    lines = [f"  {shape_name}, max |error| / max |reference| against float64 on {ERROR_HEADS} heads:"]
+    for way, results in errors.items():
+        lines.append(f"    {way:<30s} " + "  ".join(f"{name} {error:.2e}" for name, error in results.items()))
     return lines
 
 
@@ -235,6 +311,8 @@ def main():
         for shape in TINY_SHAPES.values():
             measure_shape(shape, tiny=True)
             measure_kernels(shape, tiny=True)
+            if shape[1] == shape[2]:   # float32_errors' reference has one key/value head per query head
+                float32_errors(shape)
         print(f"every run went through once at {TINY_SHAPES} on the {backend.name} backend")
         return 0
     benchmark.require_gpu()
@@ -242,18 +320,28 @@ def main():
     measured = {**benchmark.measured_on(), "torch": torch.__version__ if torch is not None else None,
                 "shapes": {name: dict(zip(("B", "H", "H_kv", "T", "d"), shape)) for name, shape in SHAPES.items()},
                 "tiles": {"forward": ops.FORWARD_TILES, "dk_dv": ops.DK_DV_TILES, "dq": ops.DQ_TILES},
-                "seconds": {}, "tflops": {}}
-    print(f"{measured['device']}, {measured['date']}: causal attention, bf16 and TF32 (chapter 08: float32), "
-          f"PyTorch {measured['torch'] or 'not installed'}")
+                "seconds": {}, "tflops": {}, "registers": {}, "errors": {}}
+    print(f"{measured['device']}, {measured['date']}: causal attention, bf16, TF32 and 3xTF32 (chapter 08: "
+          f"float32), PyTorch {measured['torch'] or 'not installed'}")
     path = Path(__file__).with_suffix(".json")
-    # The comparisons at every shape first, then each kernel's candidates; the file is written after each
-    # step, so that a run cut short keeps what it measured.
-    steps = [(name, measure_shape) for name in SHAPES] + [(name, measure_kernels) for name in KERNEL_SHAPES]
+    # GPT-2's shape first (the comparisons, the errors, each kernel's candidates), then Llama's; the file is
+    # written after each step, so that a run cut short keeps what it measured.
+    steps = ([(ERROR_SHAPE, float32_errors)] + [(name, measure_shape) for name in SHAPES if name == ERROR_SHAPE]
+             + [(name, measure_kernels) for name in KERNEL_SHAPES]
+             + [(name, measure_shape) for name in SHAPES if name != ERROR_SHAPE])
     for name, measure in steps:
-        seconds, tflops = measure(SHAPES[name])
+        if measure is float32_errors:
+            measured["errors"][name] = errors = float32_errors(SHAPES[name])
+            print("\n".join(error_report(name, errors)), flush=True)
+            benchmark.write_results(path, measured)
+            continue
+        seconds, tflops, *registers = measure(SHAPES[name])
+        registers = registers[0] if registers else {}
         measured["seconds"].setdefault(name, {}).update(seconds)
         measured["tflops"].setdefault(name, {}).update(tflops)
-        print("\n".join(shape_report(name, seconds, tflops)), flush=True)
+        if registers:
+            measured["registers"].setdefault(name, {}).update(registers)
+        print("\n".join(shape_report(name, seconds, tflops, registers)), flush=True)
         benchmark.write_results(path, measured)
     print(f"written: {path}")
     return 0

@@ -1,5 +1,13 @@
-// Attention on tensor cores, FlashAttention-2 style: bf16 or float32 (TF32) inputs and outputs, float32 sums and
-// softmax, forward and backward, causal or not, with grouped-query attention. Element is each kernel's storage type:
+// Attention on tensor cores, FlashAttention-2 style: forward and backward, causal or not, with grouped-query
+// attention, float32 sums and softmax, in one of three formats:
+//   bf16     bf16 inputs and outputs; the tensor cores multiply them as they are
+//   TF32     float32 inputs and outputs, which the tensor cores read as TF32 (10 of float32's 23 mantissa bits)
+//   3xTF32   float32 inputs and outputs at float32's accuracy: each operand x is split into two TF32 values,
+//            big = x rounded to TF32 and small = the rest rounded to TF32, and each product of two is made of
+//            three on the tensor cores, small·big + big·small + big·big (small·small is below float32's
+//            precision): three times TF32's tensor work
+// Each kernel takes Element, its storage type (bfloat16 or float), and Format, how it multiplies: Element itself
+// for bf16 and TF32, Tf32x3 for 3xTF32 (float storage). The tensors, with Element as the storage type:
 //   q, out, dout, dq: (B, H, T, D) Element;  k, v, dk, dv: (B, H_kv, T, D) Element;  lse, row_dot: (B, H, T) float32.
 // Each Element tensor is given as the array that holds it and a HeadLayout (below) that says where in it the
 // tensor lies: contiguous (B, H, T, D) is one layout; q, k, v sliced from one (B, T, 3 H D) product's output
@@ -9,8 +17,8 @@
 // lse = log Σ_j e^S of each row, which the backward uses to recompute P. Grid: blockIdx.x is the head (the
 // query head b H + h, or for the dk, dv pass the key/value head b H_kv + h_kv), blockIdx.y a tile of rows.
 //
-// Every product runs in steps of a warp-wide 16 x 8 += 16 x 16 · 16 x 8 (Fragments, below): one
-// mma.sync.m16n8k16 in bf16, two mma.sync.m16n8k8 in TF32 (kernels/include/mma.cuh).
+// Every product runs in steps of a warp-wide 16 x 8 += 16 x 16 · 16 x 8 (Fragments<Format>, below): one
+// mma.sync.m16n8k16 in bf16, two mma.sync.m16n8k8 in TF32, six in 3xTF32 (kernels/include/mma.cuh).
 // A warp owns 16 rows of each product: queries in the forward and in the dq pass, keys in the dk, dv pass.
 // A block of WARPS warps owns 16 WARPS rows and walks along the other axis a tile at a time.
 //  - Tiles live in shared memory as [row][D + PADDING] Element, as in global memory plus 16 bytes (bf16) or 32
@@ -18,12 +26,12 @@
 //  - They arrive by cp.async, two stages: the next tile is in flight while the warps multiply this one.
 //  - A fragments are read from tiles stored as A's rows; B fragments from tiles stored as B's columns (K in
 //    Q Kᵀ) or as B's rows (V in P V). The forward reads its queries' fragments once and keeps them in
-//    registers; the backward reads its A fragments again for each tile, where registers are short (the dk,
-//    dv pass holds two 16 x D sums).
+//    registers (3xTF32's reads them again for each key tile: KEEP_QUERIES); the backward reads its A
+//    fragments again for each tile, where registers are short (the dk, dv pass holds two 16 x D sums).
 //  - The FlashAttention-2 trick: the float32 result fragments of two neighbouring 16 x 8 products (S, or
 //    P after the softmax) hold, lane for lane, exactly the elements of the A fragment of the next 16 x 16
-//    step. P is rounded to the input format in registers and multiplied by V without a trip through
-//    shared memory.
+//    step. P is rounded to the input format (3xTF32: split into its two parts) in registers and multiplied
+//    by V without a trip through shared memory.
 //  - The dk, dv pass computes the transposed products, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, so that its 16 keys are
 //    the rows of the result and Pᵀ, dSᵀ are again A fragments for dV += Pᵀ dO and dK += dSᵀ Q.
 // Exponentials are exp2f of scores in log2 units: e^(x - m) = 2^(x log2 e - m log2 e).
@@ -86,7 +94,7 @@ __device__ __forceinline__ void copy_floats_async(float* tile, const float* vect
     }
 }
 
-// How a warp reads and multiplies tiles of each storage type, one 16 x 16 step of k at a time:
+// How a warp reads and multiplies tiles in each format, one 16 x 16 step of k at a time:
 //   rows(a, tile, k0)                 the A fragment of 16 rows of a tile, columns k0 .. k0 + 15
 //   columns(b, tile, k0)              B fragments of two n8 tiles (n = 0..7, 8..15) at k = k0 .. k0 + 15 from a
 //                                     tile whose rows are B's columns (K's rows are the columns of Kᵀ)
@@ -94,9 +102,12 @@ __device__ __forceinline__ void copy_floats_async(float* tile, const float* vect
 //                                     head dimensions n0 .. n0 + 15 are n)
 //   multiply(first, second, a, b)     first += a b (n = 0..7), second += a b (n = 8..15)
 //   weights(a, left, right)           the A fragment made of two neighbouring 16 x 8 float32 results: left
-//                                     (columns 0..7) and right (8..15), rounded to the input format
+//                                     (columns 0..7) and right (8..15), rounded to the input format (3xTF32:
+//                                     as they are, for multiply to split)
+//   KEEP_QUERIES                      whether the forward keeps its queries' A fragments in registers from one
+//                                     key tile to the next
 // STRIDE is the tile's row stride in elements. Fragment element names: g = lane / 4, t = lane % 4.
-template <typename Element>
+template <typename Format>
 struct Fragments;
 
 // bf16: ldmatrix reads 8 rows of 16 bytes at once; lane 8q + r names row r of ldmatrix's matrix q. Rows D / 8
@@ -106,6 +117,7 @@ template <>
 struct Fragments<bfloat16> {
     static constexpr int PADDING = 8;        // bf16 after each row: 16 bytes
     static constexpr int A = 4, B = 4;       // registers of an A fragment, of two n8 tiles' B fragments
+    static constexpr bool KEEP_QUERIES = true;   // the forward reads its queries' A fragments once
 
     // Matrices q = rows 0-7 and 8-15 at k0, then at k0 + 8: a[0] = (g, 2t..2t+1), a[1] = (g + 8, ..), a[2],
     // a[3] at k + 8.
@@ -170,6 +182,7 @@ template <>
 struct Fragments<float> {
     static constexpr int PADDING = 8;        // floats after each row: 32 bytes
     static constexpr int A = 8, B = 8;
+    static constexpr bool KEEP_QUERIES = true;
 
     // The lane's two neighbours of row g + 8 eighth, at k = k0 + 8 half + 2t and the next: one 8-byte load.
     template <int STRIDE>
@@ -245,7 +258,68 @@ struct Fragments<float> {
     }
 };
 
-// The row stride of a shared tile of rows of D elements.
+// 3xTF32: tiles are read as for TF32 (Fragments<float>), and each step splits the floats it multiplies, A's and
+// B's alike: x = big + small (mma.cuh's split_tf32), so that a b = small·big + big·small + big·big, up to the
+// dropped small·small. P and dS stay float32 until the step splits them. A tensor core adds an mma's products
+// into its accumulator aligned to the largest of them, the bits below cut off, and cuts the sum toward zero;
+// over the many mmas of a long sum (three times TF32's) those cuts all lean one way and add up past float32's
+// rounding. So each step's six products for an n8 tile are summed from zero, and the CUDA cores add that part
+// to the running sum, rounded to nearest.
+struct Tf32x3;
+
+template <>
+struct Fragments<Tf32x3> : Fragments<float> {
+    // Split once and kept across key tiles, the forward's queries would take twice TF32's registers (and
+    // spill at D = 128): the forward reads them from the shared tile again for each key tile instead.
+    static constexpr bool KEEP_QUERIES = false;
+
+    // P and dS as they are, in rows()'s order: multiply splits them.
+    static __device__ __forceinline__ void weights(unsigned (&a)[A], const float (&left)[4], const float (&right)[4])
+    {
+        const float* halves[2] = {left, right};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            a[4 * half] = __float_as_uint(halves[half][0]);
+            a[4 * half + 1] = __float_as_uint(halves[half][2]);
+            a[4 * half + 2] = __float_as_uint(halves[half][1]);
+            a[4 * half + 3] = __float_as_uint(halves[half][3]);
+        }
+    }
+
+    // TF32's four m16n8k8 (Fragments<float>::multiply), each as three: a[0..3] is A at the first 8 of k,
+    // a[4..7] at the next 8; b[0..1] and b[2..3] the first n8 tile's B at those, b[4..7] the second tile's.
+    static __device__ __forceinline__ void multiply(float (&first)[4], float (&second)[4], const unsigned (&a)[A],
+                                                    const unsigned (&b)[B])
+    {
+        unsigned a_big[2][4], a_small[2][4], b_big[4][2], b_small[4][2];
+#pragma unroll
+        for (int e = 0; e < A; ++e) split_tf32(__uint_as_float(a[e]), a_big[e / 4][e % 4], a_small[e / 4][e % 4]);
+#pragma unroll
+        for (int e = 0; e < B; ++e) split_tf32(__uint_as_float(b[e]), b_big[e / 2][e % 2], b_small[e / 2][e % 2]);
+        six_products(first, a_big, a_small, b_big, b_small, 0);
+        six_products(second, a_big, a_small, b_big, b_small, 2);
+    }
+
+    // sum += a b for n8 tile b[n], b[n + 1] (its two halves of k): the part summed from zero, the small
+    // corrections first, while it is small.
+    static __device__ __forceinline__ void six_products(float (&sum)[4], const unsigned (&a_big)[2][4],
+                                                        const unsigned (&a_small)[2][4], const unsigned (&b_big)[4][2],
+                                                        const unsigned (&b_small)[4][2], int n)
+    {
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            mma_m16n8k8_tf32(part, a_small[half], b_big[n + half]);
+            mma_m16n8k8_tf32(part, a_big[half], b_small[n + half]);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) mma_m16n8k8_tf32(part, a_big[half], b_big[n + half]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sum[e] += part[e];
+    }
+};
+
+// The row stride of a shared tile of rows of D elements (3xTF32 reads float tiles as TF32 does).
 template <typename Element, int D>
 __host__ __device__ constexpr int tile_stride()
 {
@@ -257,12 +331,12 @@ __host__ __device__ constexpr int tile_stride()
 // in [begin, end); the other chunks are left at zero. Loops run over compile-time bounds, fully unrolled,
 // so that the fragments stay in registers (an array indexed at run time goes to local memory); the chunk
 // range is a condition inside.
-template <int D, int COLUMNS, typename Element>
+template <typename Format, int D, int COLUMNS, typename Element>
 __device__ __forceinline__ void multiply_by_rows(float (&product)[COLUMNS / 8][4],
-                                                 const unsigned (&a)[D / 16][Fragments<Element>::A],
+                                                 const unsigned (&a)[D / 16][Fragments<Format>::A],
                                                  const Element* b_rows, int begin, int end)
 {
-    using F = Fragments<Element>;
+    using F = Fragments<Format>;
     constexpr int STRIDE = tile_stride<Element, D>();
 #pragma unroll
     for (int j = 0; j < COLUMNS / 8; ++j)
@@ -281,33 +355,33 @@ __device__ __forceinline__ void multiply_by_rows(float (&product)[COLUMNS / 8][4
 }
 
 // The A fragments of 16 rows of length D of a shared tile (rows: the first of them), for every 16 columns.
-template <int D, typename Element>
-__device__ __forceinline__ void row_fragments(unsigned (&a)[D / 16][Fragments<Element>::A], const Element* rows)
+template <typename Format, int D, typename Element>
+__device__ __forceinline__ void row_fragments(unsigned (&a)[D / 16][Fragments<Format>::A], const Element* rows)
 {
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
-        Fragments<Element>::template rows<tile_stride<Element, D>()>(a[i], rows, 16 * i);
+        Fragments<Format>::template rows<tile_stride<Element, D>()>(a[i], rows, 16 * i);
     }
 }
 
 // multiply_by_rows with the 16 rows' A fragments read from a shared tile first (a_rows: the first of them).
-template <int D, int COLUMNS, typename Element>
+template <typename Format, int D, int COLUMNS, typename Element>
 __device__ __forceinline__ void multiply_shared_rows(float (&product)[COLUMNS / 8][4], const Element* a_rows,
                                                      const Element* b_rows, int begin, int end)
 {
-    unsigned a[D / 16][Fragments<Element>::A];
-    row_fragments<D>(a, a_rows);
-    multiply_by_rows<D, COLUMNS>(product, a, b_rows, begin, end);
+    unsigned a[D / 16][Fragments<Format>::A];
+    row_fragments<Format, D>(a, a_rows);
+    multiply_by_rows<Format, D, COLUMNS>(product, a, b_rows, begin, end);
 }
 
 // sum (16 x D) += weights (16 x COLUMNS, the result fragments of multiply_by_rows) times value_rows
 // (COLUMNS rows of length D), over the chunks of 16 columns c in [begin, end): fragments 2c and 2c + 1 of
 // the weights are the A fragment of chunk c.
-template <int D, int COLUMNS, typename Element>
+template <typename Format, int D, int COLUMNS, typename Element>
 __device__ __forceinline__ void accumulate_weighted_rows(float (&sum)[D / 8][4], const float (&weights)[COLUMNS / 8][4],
                                                          const Element* value_rows, int begin, int end)
 {
-    using F = Fragments<Element>;
+    using F = Fragments<Format>;
     constexpr int STRIDE = tile_stride<Element, D>();
 #pragma unroll
     for (int c = 0; c < COLUMNS / 16; ++c) {
@@ -389,15 +463,15 @@ __device__ __forceinline__ void for_each_visible_key_tile(Element* k_tiles, Elem
 // MASKED: the tile reaches past T or (causal) past the warp's first query, so scores are masked one by
 // one. The warp sees the first `chunks` chunks of 16 keys; the rest are hidden from all 16 rows and not
 // multiplied.
-template <int D, int KEYS, bool MASKED, typename Element>
+template <typename Format, int D, int KEYS, bool MASKED, typename Element>
 __device__ __forceinline__ void forward_tile(float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
-                                             const unsigned (&q_fragments)[D / 16][Fragments<Element>::A],
+                                             const unsigned (&q_fragments)[D / 16][Fragments<Format>::A],
                                              const Element* k_tile, const Element* v_tile, int chunks, int first_key, int first_query, int T,
                                              int causal, float scale_log2)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float s[KEYS / 8][4];
-    multiply_by_rows<D, KEYS>(s, q_fragments, k_tile, 0, chunks);
+    multiply_by_rows<Format, D, KEYS>(s, q_fragments, k_tile, 0, chunks);
     // Element e of fragment j: query first_query + g + 8 (e / 2), key first_key + 8j + 2t + e % 2.
 #pragma unroll
     for (int j = 0; j < KEYS / 8; ++j)
@@ -431,14 +505,14 @@ __device__ __forceinline__ void forward_tile(float (&o)[D / 8][4], float (&row_m
 #pragma unroll
             for (int e = 2 * half; e < 2 * half + 2; ++e) {
                 s[j][e] = exp2f(s[j][e] - base);
-                row_sum[half] += s[j][e];  // from the float32 weights; P V uses them rounded to the input format
+                row_sum[half] += s[j][e];  // from the float32 weights; P V uses them in the input format
             }
     }
-    accumulate_weighted_rows<D, KEYS>(o, s, v_tile, 0, chunks);
+    accumulate_weighted_rows<Format, D, KEYS>(o, s, v_tile, 0, chunks);
 }
 
 // out, lse from q, k, v. Dynamic shared memory: the query tile, then two stages of K and of V.
-template <typename Element, int D, int WARPS, int KEYS>
+template <typename Element, int D, int WARPS, int KEYS, typename Format = Element>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
     Element* __restrict__ out, float* __restrict__ lse, const Element* __restrict__ q,
     const Element* __restrict__ k, const Element* __restrict__ v, int T, int heads, int kv_heads, float scale,
@@ -460,17 +534,18 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
 
     float o[D / 8][4] = {};
     float row_max[2] = {NEGATIVE_INFINITY, NEGATIVE_INFINITY}, row_sum[2] = {0.0f, 0.0f};
-    unsigned q_fragments[D / 16][Fragments<Element>::A];  // the warp's queries, read once (every warp sees key 0)
+    unsigned q_fragments[D / 16][Fragments<Format>::A];  // the warp's queries, read once (every warp sees key 0)
     copy_rows_async<ROWS, D, STRIDE, THREADS>(q_tile, q, q_at.row, first_query, T);
     for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, k_at.row, v_at.row, first_query, T, causal,
         [&](int first_key, const Element* k_tile, const Element* v_tile, int chunks, bool masked) {
-            if (first_key == 0) row_fragments<D>(q_fragments, q_tile + 16 * warp * STRIDE);
+            if (first_key == 0 || !Fragments<Format>::KEEP_QUERIES)
+                row_fragments<Format, D>(q_fragments, q_tile + 16 * warp * STRIDE);
             if (masked)
-                forward_tile<D, KEYS, true>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks, first_key,
-                                            warp_query, T, causal, scale_log2);
+                forward_tile<Format, D, KEYS, true>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks,
+                                                    first_key, warp_query, T, causal, scale_log2);
             else
-                forward_tile<D, KEYS, false>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks, first_key,
-                                             warp_query, T, causal, scale_log2);
+                forward_tile<Format, D, KEYS, false>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks,
+                                                     first_key, warp_query, T, causal, scale_log2);
         });
 
     if (warp_query >= T) return;
@@ -526,7 +601,7 @@ __global__ void tensor_core_attention_row_dot(float* row_dot, const Element* dou
 // (rows = keys, columns = queries), Pᵀ = 2^(Sᵀ scale log2 e - lse log2 e), dSᵀ = Pᵀ ⊙ (dPᵀ - row_dot),
 // then dV += Pᵀ dO and dK += dSᵀ Q. lse_tile and dot_tile hold the tile's queries' lse and row_dot.
 // Chunks of 16 queries c in [begin, end) are multiplied; the others are hidden from all 16 keys.
-template <int D, int QUERIES, bool MASKED, typename Element>
+template <typename Format, int D, int QUERIES, bool MASKED, typename Element>
 __device__ __forceinline__ void dk_dv_tile(float (&dk_sum)[D / 8][4], float (&dv_sum)[D / 8][4],
                                            const Element* k_rows, const Element* v_rows, const Element* q_tile,
                                            const Element* dout_tile, const float* lse_tile, const float* dot_tile,
@@ -535,8 +610,8 @@ __device__ __forceinline__ void dk_dv_tile(float (&dk_sum)[D / 8][4], float (&dv
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float p[QUERIES / 8][4], ds[QUERIES / 8][4];
-    multiply_shared_rows<D, QUERIES>(p, k_rows, q_tile, begin, end);
-    multiply_shared_rows<D, QUERIES>(ds, v_rows, dout_tile, begin, end);
+    multiply_shared_rows<Format, D, QUERIES>(p, k_rows, q_tile, begin, end);
+    multiply_shared_rows<Format, D, QUERIES>(ds, v_rows, dout_tile, begin, end);
     // Element e of fragment j: key first_key + g + 8 (e / 2), query first_query + 8j + 2t + e % 2.
 #pragma unroll
     for (int j = 0; j < QUERIES / 8; ++j)
@@ -548,14 +623,14 @@ __device__ __forceinline__ void dk_dv_tile(float (&dk_sum)[D / 8][4], float (&dv
             p[j][e] = probability;
             ds[j][e] = probability * (ds[j][e] - dot_tile[column]);
         }
-    accumulate_weighted_rows<D, QUERIES>(dv_sum, p, dout_tile, begin, end);
-    accumulate_weighted_rows<D, QUERIES>(dk_sum, ds, q_tile, begin, end);
+    accumulate_weighted_rows<Format, D, QUERIES>(dv_sum, p, dout_tile, begin, end);
+    accumulate_weighted_rows<Format, D, QUERIES>(dk_sum, ds, q_tile, begin, end);
 }
 
 // dk, dv of one key/value head's tile of 16 WARPS keys, summed over every query head of its group and
 // every query tile that sees them. Dynamic shared memory: the K and V tiles, two stages of Q and dO
 // tiles, then two stages of QUERIES floats of lse and of row_dot.
-template <typename Element, int D, int WARPS, int QUERIES>
+template <typename Element, int D, int WARPS, int QUERIES, typename Format = Element>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_dv(
     Element* __restrict__ dk, Element* __restrict__ dv, const Element* __restrict__ dout,
     const Element* __restrict__ q, const Element* __restrict__ k, const Element* __restrict__ v,
@@ -615,11 +690,13 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
             const float* lse_tile = lse_tiles + stage * QUERIES;
             const float* dot_tile = dot_tiles + stage * QUERIES;
             if (first_query + QUERIES > T || (causal && first_query < warp_key + 15))
-                dk_dv_tile<D, QUERIES, true>(dk_sum, dv_sum, k_rows, v_rows, q_rows, dout_rows, lse_tile, dot_tile,
-                                             begin, end, warp_key, first_query, T, causal, scale_log2);
+                dk_dv_tile<Format, D, QUERIES, true>(dk_sum, dv_sum, k_rows, v_rows, q_rows, dout_rows, lse_tile,
+                                                     dot_tile, begin, end, warp_key, first_query, T, causal,
+                                                     scale_log2);
             else
-                dk_dv_tile<D, QUERIES, false>(dk_sum, dv_sum, k_rows, v_rows, q_rows, dout_rows, lse_tile, dot_tile,
-                                              begin, end, warp_key, first_query, T, causal, scale_log2);
+                dk_dv_tile<Format, D, QUERIES, false>(dk_sum, dv_sum, k_rows, v_rows, q_rows, dout_rows, lse_tile,
+                                                      dot_tile, begin, end, warp_key, first_query, T, causal,
+                                                      scale_log2);
         }
         __syncthreads();
     }
@@ -629,7 +706,7 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
 
 // One key tile of the dq pass for the warp's 16 queries: S = Q Kᵀ, dP = dO Vᵀ, P from lse, dS, dQ += dS K.
 // lse2 and dot: the lane's rows g and g + 8, lse in log2 units.
-template <int D, int KEYS, bool MASKED, typename Element>
+template <typename Format, int D, int KEYS, bool MASKED, typename Element>
 __device__ __forceinline__ void dq_tile(float (&dq_sum)[D / 8][4], const Element* q_rows, const Element* dout_rows,
                                         const Element* k_tile, const Element* v_tile, const float (&lse2)[2],
                                         const float (&dot)[2], int chunks, int first_key, int first_query, int T,
@@ -637,8 +714,8 @@ __device__ __forceinline__ void dq_tile(float (&dq_sum)[D / 8][4], const Element
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     float p[KEYS / 8][4], ds[KEYS / 8][4];
-    multiply_shared_rows<D, KEYS>(p, q_rows, k_tile, 0, chunks);
-    multiply_shared_rows<D, KEYS>(ds, dout_rows, v_tile, 0, chunks);
+    multiply_shared_rows<Format, D, KEYS>(p, q_rows, k_tile, 0, chunks);
+    multiply_shared_rows<Format, D, KEYS>(ds, dout_rows, v_tile, 0, chunks);
 #pragma unroll
     for (int j = 0; j < KEYS / 8; ++j)
 #pragma unroll
@@ -648,12 +725,12 @@ __device__ __forceinline__ void dq_tile(float (&dq_sum)[D / 8][4], const Element
             if (MASKED && (key >= T || (causal && key > query))) probability = 0.0f;
             ds[j][e] = probability * (ds[j][e] - dot[e / 2]);
         }
-    accumulate_weighted_rows<D, KEYS>(dq_sum, ds, k_tile, 0, chunks);
+    accumulate_weighted_rows<Format, D, KEYS>(dq_sum, ds, k_tile, 0, chunks);
 }
 
 // dq of one tile of 16 WARPS queries of one head. Dynamic shared memory: the Q and dO tiles, then two
 // stages of K and of V.
-template <typename Element, int D, int WARPS, int KEYS>
+template <typename Element, int D, int WARPS, int KEYS, typename Format = Element>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
     Element* __restrict__ dq, const Element* __restrict__ dout, const Element* __restrict__ q,
     const Element* __restrict__ k, const Element* __restrict__ v, const float* __restrict__ lse,
@@ -690,11 +767,11 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
             const Element* q_rows = q_tile + 16 * warp * STRIDE;
             const Element* dout_rows = dout_tile + 16 * warp * STRIDE;
             if (masked)
-                dq_tile<D, KEYS, true>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks, first_key,
-                                       warp_query, T, causal, scale_log2);
+                dq_tile<Format, D, KEYS, true>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks,
+                                               first_key, warp_query, T, causal, scale_log2);
             else
-                dq_tile<D, KEYS, false>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks, first_key,
-                                        warp_query, T, causal, scale_log2);
+                dq_tile<Format, D, KEYS, false>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks,
+                                                first_key, warp_query, T, causal, scale_log2);
         });
     store_fragment_rows<D>(dq, dq_at.row, dq_sum, warp_query, T, scale);
 }

@@ -1,4 +1,4 @@
-"""Attention on tensor cores in bf16 and TF32 (gpt2_cupy.ops.tensor_core_attention) against float64 numpy.
+"""Attention on tensor cores in bf16, TF32 and 3xTF32 (gpt2_cupy.ops.tensor_core_attention) against float64 numpy.
 
 The reference computes exactly, in float64, from the same bf16 (or float32) inputs. The kernels round in
 known places, and every element of every result must lie within what those roundings can do (first order,
@@ -24,6 +24,10 @@ its bound (lse: far less, its bound allows float32 sums over T in any order); a 
 zero instead of rounding it to nearest, skips a rescaling of the running sum, or is 0.4 % off fails (in
 TF32: cuts P toward zero, or is 0.05 % off).
 
+3xTF32 (precision="highest") is checked by its accuracy instead: out, lse, dq, dk and dv within
+THREE_TF32_TOLERANCE of float64 (max |error| / max |reference|, the inputs exact in both), and no further from
+it than twice the error of chapter 08's float32 kernels on the same inputs.
+
 Sequence lengths 1, 17, 33, 50, 100 and 200 are not multiples of the kernels' 16-row fragments or 32- and
 64-row tiles; 200 keys are four tiles, so the two-stage pipeline refills each stage. Grouped-query attention:
 H = 4 query heads over H_kv = 1 or 2 key/value heads.
@@ -38,6 +42,7 @@ from ml_dtypes import bfloat16
 
 from gpt2_cupy import backend
 from gpt2_cupy.ops import tensor_core_attention as attention_ops
+from gpt2_cupy.ops.attention import attention_backward, attention_forward
 from gpt2_cupy.ops.tensor_core_attention import tensor_core_attention_backward, tensor_core_attention_forward
 from gpt2_cupy.testing import finite_difference_gradient, relative_error, torch_or_none
 
@@ -235,6 +240,88 @@ def test_matches_float64_within_the_rounding_bounds(rng, to_device, to_host, fmt
         assert_within(name, to_host(got), reference, bound)
 
 
+# ---- 3xTF32: float32's accuracy ----------------------------------------------------------------------------
+
+# max |error| / max |reference| of out, lse, dq, dk and dv against float64 from the same float32 inputs. The
+# largest over every result of THREE_TF32_CASES and ACCURACY_CASES: 7.1e-7 on the CPU executor, 6.0e-7 on an
+# H200 (chapter 08's float32 kernels 1.3e-6 and 9.2e-7; TF32 2.7e-3).
+THREE_TF32_TOLERANCE = 3e-6
+THREE_TF32_CASES = TF32_CASES + [(1, 4, 2, 50, 32, False), (1, 2, 2, 130, 128, True)]
+# Chapter 08's float32 kernels on the same inputs: 3xTF32's error of each result at most this many times theirs.
+# Measured on ACCURACY_CASES: at most 1.26 on the CPU executor, 0.90 on an H200; up to 1.8 on an H200 at T = 17
+# (THREE_TF32_CASES' first), where the float32 kernels' sums are shortest.
+AS_ACCURATE_AS_FLOAT32 = 2.0
+ACCURACY_CASES = [(1, 2, 2, 100, 64, True), (1, 4, 2, 90, 64, False), (1, 2, 2, 130, 128, True),
+                  (2, 2, 1, 70, 32, False)]
+
+
+def float32_errors(q, k, v, dout, results, causal):
+    """{name: max |error| / max |reference|} of results (out, lse, dq, dk, dv) against float64."""
+    q64, k64, v64, dout64 = wide(q, k, v, dout)
+    references = (*reference_forward(q64, k64, v64, causal), *reference_backward(dout64, q64, k64, v64, causal))
+    return {name: relative_error(got, reference)
+            for name, got, reference in zip(("out", "lse", "dq", "dk", "dv"), results, references)}
+
+
+def three_tf32_results(to_device, to_host, q, k, v, dout, causal):
+    """out, lse, dq, dk, dv of the tensor-core kernels at precision "highest", as numpy arrays."""
+    device_q, device_k, device_v, device_dout = (to_device(a) for a in (q, k, v, dout))
+    out, lse = tensor_core_attention_forward(device_q, device_k, device_v, causal=causal, precision="highest")
+    assert out.dtype == lse.dtype == np.float32 and out.shape == q.shape
+    gradients = tensor_core_attention_backward(device_dout, device_q, device_k, device_v, out, lse, causal=causal,
+                                               precision="highest")
+    assert all(g.dtype == np.float32 and g.shape == like.shape for g, like in zip(gradients, (q, k, v)))
+    return [to_host(x) for x in (out, lse, *gradients)]
+
+
+@pytest.mark.parametrize("B, H, H_kv, T, d, causal", THREE_TF32_CASES)
+def test_3xtf32_has_float32_accuracy(rng, to_device, to_host, B, H, H_kv, T, d, causal):
+    q, k, v, dout = bf16_inputs(rng, B, H, H_kv, T, d, np.float32)
+    errors = float32_errors(q, k, v, dout, three_tf32_results(to_device, to_host, q, k, v, dout, causal), causal)
+    assert all(error < THREE_TF32_TOLERANCE for error in errors.values()), errors
+
+
+@pytest.mark.parametrize("B, H, H_kv, T, d, causal", ACCURACY_CASES)
+def test_3xtf32_is_as_accurate_as_chapter_08s_float32_kernels(rng, to_device, to_host, B, H, H_kv, T, d, causal):
+    """The same float32 inputs through 3xTF32 and through chapter 08's float32 kernels (gpt2_cupy.ops.attention),
+    each result's error against float64 compared."""
+    q, k, v, dout = bf16_inputs(rng, B, H, H_kv, T, d, np.float32)
+    three_tf32 = float32_errors(q, k, v, dout, three_tf32_results(to_device, to_host, q, k, v, dout, causal), causal)
+    device_q, device_k, device_v, device_dout = (to_device(a) for a in (q, k, v, dout))
+    out, lse = attention_forward(device_q, device_k, device_v, causal=causal)
+    gradients = attention_backward(device_dout, device_q, device_k, device_v, out, lse, causal=causal)
+    float32 = float32_errors(q, k, v, dout, [to_host(x) for x in (out, lse, *gradients)], causal)
+    for name in ("out", "dq", "dk", "dv"):   # lse comes from the same float32 softmax in both
+        assert three_tf32[name] <= AS_ACCURATE_AS_FLOAT32 * float32[name], (
+            f"{name}: 3xTF32's error {three_tf32[name]:.3g}, the float32 kernels' {float32[name]:.3g}")
+
+
+def test_precision_argument(rng, to_device, to_host):
+    """float32 inputs: None is "high" (TF32, the same bits), "highest" 3xTF32; bf16 inputs run as bf16 whatever
+    the precision; other names are PyTorch's ValueError, and "medium" asks for bf16 inputs."""
+    q, k, v, dout = (to_device(a) for a in bf16_inputs(rng, 1, 2, 2, 20, 32, np.float32))
+    default, lse = tensor_core_attention_forward(q, k, v)
+    high, _ = tensor_core_attention_forward(q, k, v, precision="high")
+    assert np.array_equal(to_host(default), to_host(high))
+    gradients = tensor_core_attention_backward(dout, q, k, v, default, lse)
+    high_gradients = tensor_core_attention_backward(dout, q, k, v, default, lse, precision="high")
+    assert all(np.array_equal(to_host(a), to_host(b)) for a, b in zip(gradients, high_gradients))
+    highest, _ = tensor_core_attention_forward(q, k, v, precision="highest")
+    assert not np.array_equal(to_host(highest), to_host(default))
+    q16, k16, v16 = (to_device(to_host(x).astype(bfloat16)) for x in (q, k, v))
+    plain, _ = tensor_core_attention_forward(q16, k16, v16)
+    for precision in ("highest", "high", "medium"):
+        got, _ = tensor_core_attention_forward(q16, k16, v16, precision=precision)
+        assert np.array_equal(bits(to_host(got)), bits(to_host(plain)))
+    with pytest.raises(ValueError, match=r"tensor_core_attention_forward: precision must be one of \('highest', "
+                                         r"'high', 'medium'\) or None, got 'low'"):
+        tensor_core_attention_forward(q16, k16, v16, precision="low")
+    with pytest.raises(ValueError, match="tensor_core_attention_backward: precision 'medium' multiplies in bf16"):
+        tensor_core_attention_backward(dout, q, k, v, default, lse, precision="medium")
+    with pytest.raises(ValueError, match="tensor_core_attention_forward: precision 'medium' multiplies in bf16"):
+        tensor_core_attention_forward(q, k, v, precision="medium")
+
+
 def test_scale_and_out(rng, to_device, to_host):
     """A scale other than 1/√d (negative too: masked keys stay hidden) reaches every kernel; out= is
     filled and returned."""
@@ -304,41 +391,62 @@ def test_keys_past_the_block_are_never_read(rng, to_device, to_host):
     assert_within("dq", to_host(dq)[:, :, :rows], expected_dq, dq_bound)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "tf32"])
+@pytest.mark.parametrize("fmt", ["bf16", "tf32", "3xtf32"])
 @pytest.mark.parametrize("kernel", ["forward", "dk_dv", "dq"])
 def test_every_tile_choice(rng, to_device, to_host, kernel, fmt):
     """Each kernel launched directly with every candidate shape that bench/tensor_core_attention.py times
-    (the op uses one per element type and d), on 100 positions (causal) and 2 query heads per key/value
-    head; the backward passes from the op's forward."""
+    (the op uses one per format and d), on 100 positions (causal) and 2 query heads per key/value head; the
+    backward passes from the op's forward. bf16 and TF32 within their rounding bounds, 3xTF32 within
+    THREE_TF32_TOLERANCE."""
     B, H, H_kv, T, d = 1, 4, 2, 100, 64
-    fmt = FORMATS[fmt]
+    three_tf32 = fmt == "3xtf32"
+    precision, kernel_format = ("highest", "Tf32x3") if three_tf32 else (None, None)
+    fmt = TF32 if three_tf32 else FORMATS[fmt]
     q, k, v, dout = bf16_inputs(rng, B, H, H_kv, T, d, fmt.dtype)
     xp, scale = backend.xp, np.float32(1 / math.sqrt(d))
     device_q, device_k, device_v, device_dout = (to_device(a) for a in (q, k, v, dout))
-    q64, k64, v64, dout64 = (fmt.read(x) for x in (q, k, v, dout))
-    out, lse = tensor_core_attention_forward(device_q, device_k, device_v)
+    out, lse = tensor_core_attention_forward(device_q, device_k, device_v, precision=precision)
     row_dot = xp.empty((B, H, T), np.float32)
     attention_ops._row_dot(row_dot, device_dout, out)
-    expected_out, expected_lse, out_bound, lse_bound = forward_bounds(q64, k64, v64, True, scale, fmt)
-    (expected_dq, expected_dk, expected_dv), (dq_bound, dk_bound, dv_bound) = backward_bounds(
-        dout64, q64, k64, v64, wide(to_host(out))[0], True, scale, fmt)
+    names = ("out", "lse", "dq", "dk", "dv")
+    if three_tf32:
+        q64, k64, v64, dout64 = wide(q, k, v, dout)
+        references = (*reference_forward(q64, k64, v64, True, scale), *reference_backward(dout64, q64, k64, v64,
+                                                                                          True, scale))
+        expected, bounds = dict(zip(names, references)), dict.fromkeys(names)
+    else:
+        q64, k64, v64, dout64 = (fmt.read(x) for x in (q, k, v, dout))
+        expected_out, expected_lse, out_bound, lse_bound = forward_bounds(q64, k64, v64, True, scale, fmt)
+        expected_gradients, gradient_bounds = backward_bounds(dout64, q64, k64, v64, wide(to_host(out))[0], True,
+                                                              scale, fmt)
+        expected = dict(zip(names, (expected_out, expected_lse, *expected_gradients)))
+        bounds = dict(zip(names, (out_bound, lse_bound, *gradient_bounds)))
+
+    def check(name, got, shape):
+        if three_tf32:
+            error = relative_error(to_host(got), expected[name])
+            assert error < THREE_TF32_TOLERANCE, f"{name}, {shape}: relative error {error:.3g}"
+        else:
+            assert_within(f"{name}, {shape}", to_host(got), expected[name], bounds[name])
+
     for warps, tile in attention_ops.TILE_CANDIDATES[kernel]:
         shape = f"{warps} warps, tile {tile}"
         if kernel == "forward":
             out, lse = xp.empty(q.shape, fmt.dtype), xp.empty((B, H, T), np.float32)
-            attention_ops._forward(out, lse, device_q, device_k, device_v, True, scale, warps, tile)
-            assert_within(f"out, {shape}", to_host(out), expected_out, out_bound)
-            assert_within(f"lse, {shape}", to_host(lse), expected_lse, lse_bound)
+            attention_ops._forward(out, lse, device_q, device_k, device_v, True, scale, warps, tile, kernel_format)
+            check("out", out, shape)
+            check("lse", lse, shape)
         elif kernel == "dk_dv":
             dk, dv = xp.empty(k.shape, fmt.dtype), xp.empty(v.shape, fmt.dtype)
             attention_ops._dk_dv(dk, dv, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale,
-                                 warps, tile)
-            assert_within(f"dk, {shape}", to_host(dk), expected_dk, dk_bound)
-            assert_within(f"dv, {shape}", to_host(dv), expected_dv, dv_bound)
+                                 warps, tile, kernel_format)
+            check("dk", dk, shape)
+            check("dv", dv, shape)
         else:
             dq = xp.empty(q.shape, fmt.dtype)
-            attention_ops._dq(dq, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale, warps, tile)
-            assert_within(f"dq, {shape}", to_host(dq), expected_dq, dq_bound)
+            attention_ops._dq(dq, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale, warps, tile,
+                              kernel_format)
+            check("dq", dq, shape)
 
 
 def bits(array):

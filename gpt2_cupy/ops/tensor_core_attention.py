@@ -1,7 +1,7 @@
-"""Attention on tensor cores in bf16 or TF32, forward and backward, with grouped-query attention.
+"""Attention on tensor cores in bf16, TF32 or 3xTF32, forward and backward, with grouped-query attention.
 
-    out, lse = tensor_core_attention_forward(q, k, v, causal=True, scale=None, out=None)
-    dq, dk, dv = tensor_core_attention_backward(dout, q, k, v, out, lse, causal=True, scale=None)
+    out, lse = tensor_core_attention_forward(q, k, v, causal=True, scale=None, out=None, precision=None)
+    dq, dk, dv = tensor_core_attention_backward(dout, q, k, v, out, lse, causal=True, scale=None, precision=None)
 
 q, out, dout, dq: (B, H, T, d); k, v, dk, dv: (B, H_kv, T, d), with H a multiple of H_kv: query head h
 reads key/value head h // (H // H_kv) (grouped-query attention; H_kv = H is multi-head attention, H_kv = 1
@@ -15,12 +15,21 @@ scores, which the backward needs. d = 32, 64 or 128. S = scale q kᵀ with scale
 (PyTorch's scaled_dot_product_attention's default); causal=True lets query t see keys 0..t; out = softmax(S) v.
 
 What is rounded (kernels/tensor_core_attention.cu, FlashAttention-2's scheme): the products run on tensor
-cores with float32 sums, the softmax in float32.
-  - bf16: P, and dS in the backward, are rounded to bf16 as the next product's input; every output is
-    rounded to bf16 once, at the end.
-  - float32 (TF32, gpt2_cupy.set_float32_matmul_precision("high")): the tensor cores read q, k, v and dout
-    as TF32 (a float's upper 19 bits, rounded toward zero); P and dS are rounded to TF32 to nearest; the
-    outputs are float32.
+cores with float32 sums, the softmax in float32. precision says how float32 inputs are multiplied, with
+gpt2_cupy.set_float32_matmul_precision's names (the op does not read that setting: None is "high"):
+  - bf16 inputs, whatever the precision: P, and dS in the backward, are rounded to bf16 as the next
+    product's input; every output is rounded to bf16 once, at the end.
+  - float32, precision "high" or None (TF32): the tensor cores read q, k, v and dout as TF32 (a float's upper
+    19 bits, rounded toward zero); P and dS are rounded to TF32 to nearest; the outputs are float32.
+  - float32, precision "highest" (3xTF32): every operand of every product, P and dS included, is split into
+    big = x rounded to TF32 and small = the rest rounded to TF32, and each product is small·big + big·small
+    + big·big, each 16-wide step's products summed from zero and added to the running sum in float32. The
+    outputs are float32, as accurate as chapter 08's float32 kernels make them (measured on an H200 at GPT-2's
+    shape: out, dq, dk, dv within 1.2e-7 to 6.1e-7 of float64, relative to their largest element; chapter
+    08's kernels 3.4e-7 to 1.7e-6), for three times TF32's tensor work: 2.2 ms forward and backward there,
+    TF32 0.77 ms, chapter 08's float32 kernels 1.6 ms (bench/tensor_core_attention.json).
+  - float32, precision "medium" is a ValueError: bf16 products take bf16 inputs (F.scaled_dot_product_attention
+    converts float32 ones at set_float32_matmul_precision("medium")).
 dk and dv of a key/value head are summed over the query heads of its group in float32 before they are stored.
 
 The backward is deterministic, as gpt2_cupy.ops.attention's default: a small kernel forms
@@ -28,9 +37,9 @@ row_dot = rowsum(dout ⊙ out); then one pass computes dk, dv (a block per tile 
 queries of every head of the group) and another dq (a block per tile of queries, looping over keys). No
 atomics: the same bits on every run.
 
-Each kernel takes its element type and shape as template parameters: warps per block (a warp owns 16 rows:
+Each kernel takes its format and shape as template parameters: warps per block (a warp owns 16 rows:
 queries, or keys in the dk, dv pass) and the tile of the other axis a block takes at a time. FORWARD_TILES,
-DK_DV_TILES and DQ_TILES say what the op launches for each element type and d; bench/tensor_core_attention.py
+DK_DV_TILES and DQ_TILES say what the op launches for each format and d; bench/tensor_core_attention.py
 times other candidates through the same launchers.
 """
 
@@ -43,10 +52,15 @@ from gpt2_cupy import backend, kernels
 from gpt2_cupy.elementwise import copy
 from gpt2_cupy.ops.arrays import (LARGEST_GRID_Y, ceil_div, check, check_views, element_offset, element_strides,
                                   empty_like_views, float4_aligned, storage_of)
+from gpt2_cupy.precision import PRECISIONS
 
 HEAD_SIZES = (32, 64, 128)
 ELEMENT = {numpy.dtype(bfloat16): "bfloat16", numpy.dtype(numpy.float32): "float"}   # the kernels' Element
 DTYPES = tuple(ELEMENT)
+# The kernels' formats (their Format template argument) and the Element each stores: bf16; float32 as TF32
+# ("float"), or as 3xTF32 ("Tf32x3"); and which of the float32 ones each precision runs.
+FORMAT_ELEMENT = {"bfloat16": "bfloat16", "float": "float", "Tf32x3": "float"}
+FLOAT32_FORMAT = {None: "float", "high": "float", "highest": "Tf32x3"}
 # Multiply-adds (B·H·T²·d) below which F.scaled_dot_product_attention keeps attention on chapter 08's float32
 # kernels: that small, it is bound by its launches on a GPU, and the CPU executor runs it faster.
 SMALL_ATTENTION = 1 << 24
@@ -59,17 +73,23 @@ ROW_ALIGNMENT_BYTES = 16        # every row of every tensor must start on 16 byt
 HEAD_LAYOUT = numpy.dtype([("offset", numpy.int64), ("batch", numpy.int64), ("head", numpy.int64),
                            ("row", numpy.int64)])   # the kernels' struct HeadLayout
 # (warps per block, keys per tile) of the forward and of the dq pass; (warps per block, queries per tile)
-# of the dk, dv pass, for each element type and d: the fastest of TILE_CANDIDATES measured by
+# of the dk, dv pass, for each format and d: the fastest of TILE_CANDIDATES measured by
 # bench/tensor_core_attention.py on an H200 at GPT-2's shape (d = 64) and Llama's (d = 128, grouped heads).
 # The dk, dv pass holds two 16 x d sums, d registers per lane, besides the tile's two 16 x tile products
 # (tile / 4 registers each), so dq takes half the tile at d = 128, to leave room for its fragments of Q
 # and dO. TF32's fragments take twice the registers of bf16's, and its tiles twice the shared memory.
+# 3xTF32 reads TF32's tiles and fragments and splits them in each step: at d = 64 its dk, dv pass takes 229
+# registers a thread to TF32's 168 (its forward and dq pass 168, as TF32's), and at d = 128 all 255, where its
+# forward runs fastest on tiles of 32 keys.
 FORWARD_TILES = {"bfloat16": {32: (4, 64), 64: (4, 64), 128: (8, 128)},
-                 "float": {32: (4, 32), 64: (4, 32), 128: (8, 64)}}
+                 "float": {32: (4, 32), 64: (4, 32), 128: (8, 64)},
+                 "Tf32x3": {32: (4, 32), 64: (4, 32), 128: (4, 32)}}
 DK_DV_TILES = {"bfloat16": {32: (4, 32), 64: (4, 32), 128: (4, 64)},
-               "float": {32: (4, 32), 64: (4, 32), 128: (8, 32)}}
+               "float": {32: (4, 32), 64: (4, 32), 128: (8, 32)},
+               "Tf32x3": {32: (4, 32), 64: (4, 32), 128: (8, 32)}}
 DQ_TILES = {"bfloat16": {32: (4, 64), 64: (4, 64), 128: (4, 32)},
-            "float": {32: (4, 32), 64: (4, 32), 128: (8, 32)}}
+            "float": {32: (4, 32), 64: (4, 32), 128: (8, 32)},
+            "Tf32x3": {32: (4, 32), 64: (4, 32), 128: (8, 32)}}
 # The shapes bench/tensor_core_attention.py times for each kernel (and tests check), the ones above among them.
 TILE_CANDIDATES = {"forward": ((4, 32), (4, 64), (8, 64), (4, 128), (8, 128)),
                    "dk_dv": ((4, 32), (4, 64), (8, 32), (8, 64)),
@@ -96,10 +116,12 @@ def dq_shared_bytes(d, warps, keys, element_bytes=2):
     return (2 * ROWS_PER_WARP * warps + 4 * keys) * _tile_bytes(d, element_bytes)
 
 
-def _kernel(name, element, d, warps, tile, shared):
+def _kernel(name, fmt, d, warps, tile, shared):
     """One instantiation of a kernel template, its dynamic shared memory allowed (one module each, so that a
-    run compiles only the versions it uses). element: "bfloat16" or "float"."""
-    full_name = f"{name}<{element}, {d}, {warps}, {tile}>"
+    run compiles only the versions it uses). fmt: a key of FORMAT_ELEMENT; the kernel's Format argument is
+    left to its default, Element, where the two are the same."""
+    element = FORMAT_ELEMENT[fmt]
+    full_name = f"{name}<{element}, {d}, {warps}, {tile}{'' if fmt == element else ', ' + fmt}>"
     kernel = kernels.function("tensor_core_attention", full_name, name_expressions=(full_name,))
     if kernel.max_dynamic_shared_size_bytes < shared:
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
@@ -114,6 +136,18 @@ def _dtype(operation, q):
         raise TypeError(f"{operation}: q has dtype {dtype}; it must be bfloat16 or float32 (k, v and the "
                         "gradients the same)")
     return numpy.dtype(dtype)
+
+
+def _format(operation, dtype, precision):
+    """The kernels' format for inputs of dtype at precision (see the module's doc)."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"{operation}: precision must be one of {PRECISIONS} or None, got {precision!r}")
+    if dtype == numpy.dtype(bfloat16):
+        return "bfloat16"
+    if precision == "medium":
+        raise ValueError(f"{operation}: precision 'medium' multiplies in bf16, which takes bfloat16 inputs: convert "
+                         "q, k, v to bfloat16 first (float32 ones run in TF32 at 'high', 3xTF32 at 'highest')")
+    return FLOAT32_FORMAT[precision]
 
 
 def _sizes(operation, q, k, v, others=()):
@@ -172,12 +206,14 @@ def _scale(scale, d):
     return numpy.float32(1.0 / math.sqrt(d) if scale is None else scale)
 
 
-def tensor_core_attention_forward(q, k, v, causal=True, scale=None, out=None):
-    """(out, lse): attention of q (B, H, T, d) over k, v (B, H_kv, T, d), bf16 or float32 (TF32 products), out
-    of their dtype; lse (B, H, T) float32. out, when given, may be a view of any layout the kernels can write
-    (rows contiguous and 16-byte aligned)."""
+def tensor_core_attention_forward(q, k, v, causal=True, scale=None, out=None, precision=None):
+    """(out, lse): attention of q (B, H, T, d) over k, v (B, H_kv, T, d), bf16 or float32, out of their dtype;
+    lse (B, H, T) float32. out, when given, may be a view of any layout the kernels can write (rows contiguous
+    and 16-byte aligned). precision, for float32 inputs: "high" or None (TF32 products) or "highest" (3xTF32);
+    bf16 inputs ignore it."""
     name = "tensor_core_attention_forward"
     B, H, H_kv, T, d = _sizes(name, q, k, v, [("out", out, ("B", "H", "T", "d"), None)])
+    fmt = _format(name, q.dtype, precision)
     q, k, v = (_readable(x) for x in (q, k, v))
     if out is None:
         out = _empty_output(B, H, T, d, q.dtype)
@@ -185,30 +221,32 @@ def tensor_core_attention_forward(q, k, v, causal=True, scale=None, out=None):
         raise ValueError(f"{name}: out (strides {out.strides}) must have contiguous rows that start on 16 bytes")
     lse = backend.xp.empty((B, H, T), dtype=numpy.float32)
     if q.size:
-        _forward(out, lse, q, k, v, causal, _scale(scale, d), *FORWARD_TILES[ELEMENT[q.dtype]][d])
+        _forward(out, lse, q, k, v, causal, _scale(scale, d), *FORWARD_TILES[fmt][d], fmt)
     return out, lse
 
 
-def tensor_core_attention_backward(dout, q, k, v, out, lse, causal=True, scale=None):
+def tensor_core_attention_backward(dout, q, k, v, out, lse, causal=True, scale=None, precision=None):
     """(dq, dk, dv) in the shapes and dtype of q, k, v: the gradients given dout = dL/dout and the forward's out
-    and lse, with the same causal and scale."""
+    and lse, with the same causal and scale; precision, for float32 inputs, as the forward's: "high" or None
+    (TF32) or "highest" (3xTF32)."""
     name = "tensor_core_attention_backward"
     pattern = ("B", "H", "T", "d")
     B, H, H_kv, T, d = _sizes(name, q, k, v, [("dout", dout, pattern, None), ("out", out, pattern, None),
                                              ("lse", lse, ("B", "H", "T"), numpy.float32)])
+    fmt = _format(name, q.dtype, precision)
     dout, q, k, v, out = (_readable(x) for x in (dout, q, k, v, out))
     dq, dk, dv = empty_like_views(q, k, v)
     if q.size:
         row_dot = backend.xp.empty((B, H, T), dtype=numpy.float32)
         scale = _scale(scale, d)
         _row_dot(row_dot, dout, out)
-        element = ELEMENT[q.dtype]
-        _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, *DK_DV_TILES[element][d])
-        _dq(dq, dout, q, k, v, lse, row_dot, causal, scale, *DQ_TILES[element][d])
+        _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, *DK_DV_TILES[fmt][d], fmt)
+        _dq(dq, dout, q, k, v, lse, row_dot, causal, scale, *DQ_TILES[fmt][d], fmt)
     return dq, dk, dv
 
 
 # ---- launchers: unchecked, each kernel with any shape, for the op above and for bench/tensor_core_attention.py ----
+# fmt: a key of FORMAT_ELEMENT that stores the arrays' dtype; None for the dtype's own (float32: TF32).
 
 def _head_sizes(q, k):
     """(B H, H, H_kv, T, d) of checked (B, H, T, d) queries and (B, H_kv, T, d) keys."""
@@ -216,10 +254,10 @@ def _head_sizes(q, k):
     return B * H, H, k.shape[1], T, d
 
 
-def _forward(out, lse, q, k, v, causal, scale, warps, keys):
+def _forward(out, lse, q, k, v, causal, scale, warps, keys, fmt=None):
     heads, H, H_kv, T, d = _head_sizes(q, k)
     shared = forward_shared_bytes(d, warps, keys, q.itemsize)
-    kernel = _kernel("tensor_core_attention_forward", ELEMENT[q.dtype], d, warps, keys, shared)
+    kernel = _kernel("tensor_core_attention_forward", fmt or ELEMENT[q.dtype], d, warps, keys, shared)
     (out, out_at), (q, q_at), (k, k_at), (v, v_at) = (head_layout(x) for x in (out, q, k, v))
     kernel((heads, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
            (out, lse, q, k, v, numpy.int32(T), numpy.int32(H), numpy.int32(H_kv), numpy.float32(scale),
@@ -235,10 +273,10 @@ def _row_dot(row_dot, dout, out):
         (row_dot, dout, out, numpy.int32(rows), numpy.int32(d), numpy.int32(T), numpy.int32(H), dout_at, out_at))
 
 
-def _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, warps, queries):
+def _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, warps, queries, fmt=None):
     heads, H, H_kv, T, d = _head_sizes(q, k)
     shared = dk_dv_shared_bytes(d, warps, queries, q.itemsize)
-    kernel = _kernel("tensor_core_attention_backward_dk_dv", ELEMENT[q.dtype], d, warps, queries, shared)
+    kernel = _kernel("tensor_core_attention_backward_dk_dv", fmt or ELEMENT[q.dtype], d, warps, queries, shared)
     (dk, dk_at), (dv, dv_at), (dout, dout_at), (q, q_at), (k, k_at), (v, v_at) = (
         head_layout(x) for x in (dk, dv, dout, q, k, v))
     kernel((heads // H * H_kv, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
@@ -247,10 +285,10 @@ def _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, warps, queries):
            shared_mem=shared)
 
 
-def _dq(dq, dout, q, k, v, lse, row_dot, causal, scale, warps, keys):
+def _dq(dq, dout, q, k, v, lse, row_dot, causal, scale, warps, keys, fmt=None):
     heads, H, H_kv, T, d = _head_sizes(q, k)
     shared = dq_shared_bytes(d, warps, keys, q.itemsize)
-    kernel = _kernel("tensor_core_attention_backward_dq", ELEMENT[q.dtype], d, warps, keys, shared)
+    kernel = _kernel("tensor_core_attention_backward_dq", fmt or ELEMENT[q.dtype], d, warps, keys, shared)
     (dq, dq_at), (dout, dout_at), (q, q_at), (k, k_at), (v, v_at) = (head_layout(x) for x in (dq, dout, q, k, v))
     kernel((heads, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
            (dq, dout, q, k, v, lse, row_dot, numpy.int32(T), numpy.int32(H), numpy.int32(H_kv),
