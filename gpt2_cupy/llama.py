@@ -32,9 +32,22 @@ from gpt2_cupy.model import KVCache
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.ops.argmax import argmax_forward
 from gpt2_cupy.ops.decode_attention import decode_attention_forward
-from gpt2_cupy.ops.gemv import gemv_forward
+from gpt2_cupy.ops.gemv import gemv_forward, gemv_rmsnorm_forward, gemv_rope_store
 from gpt2_cupy.ops.linear import few_rows_times_bf16, linear_forward
 from gpt2_cupy.ops.rope import rope_store_new_positions
+
+# Generation, where the products are GEMVs; the same bits either way. Measured on an H200 (bench/llama_generation.py
+# --settings, the captured decode step after 512 positions, tokens/s, 2026-11-27):
+# - FOLD_ROPE: RoPE and the KV cache's store done by the q, k, v GEMV's blocks (gemv_rope_store) rather than by
+#   rope_store_new_positions after it. Llama 3.2 1B 987 -> 1013, Llama 2 7B 228 -> 239 (norms not folded).
+# - FOLD_NORMS_MOST_CHANNELS: the RMSNorm after each residual product (o_proj, down_proj) done by that GEMV's last
+#   block (gemv_rmsnorm_forward) rather than by a kernel of its own, for models of at most this many channels
+#   (0: never). With RoPE folded, Llama 3.2 1B (2048 channels) 1013 -> 1047 (61 % of the bound), Llama 2 7B
+#   (4096) 239 -> 229. The launch saved is paid for in every block of the product: the GEMV with the norm takes
+#   48 registers a thread where the plain one takes 32 (ptxas, sm_90), 5 blocks a multiprocessor instead of 8,
+#   fewer loads in flight; the 7B's larger products lose more than the launch gave.
+FOLD_ROPE = True
+FOLD_NORMS_MOST_CHANNELS = 2048
 
 
 @dataclass
@@ -111,11 +124,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
         self.projections = SharedRows([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x, layer_cache=None, residual=None):
-        """The attention's output projection (B, T, C); residual + it when residual is given (generation)."""
+    def forward(self, x, layer_cache=None, residual=None, norm=None):
+        """The attention's output projection (B, T, C); residual + it when residual is given (generation), and
+        then (that, norm(that)) when norm is given (project)."""
         B, T, _ = x.shape
         if layer_cache is not None and layer_cache.cache.device_lengths is not None:
-            return self._decode_at_device_position(x, layer_cache, residual)
+            return self._decode_at_device_position(x, layer_cache, residual, norm)
         start = 0 if layer_cache is None else layer_cache.start
         q, k, v = (self.q_proj(x), self.k_proj(x), self.v_proj(x)) if self.projections.weight is None else \
             self.projections(x)                                             # bf16: one product for the three
@@ -132,36 +146,49 @@ class LlamaAttention(nn.Module):
                 layer_cache.store(k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * self.head_dim)  # heads side by side again
-        return project(self.o_proj, y, residual)
+        return project(self.o_proj, y, residual, norm)
 
-    def _decode_at_device_position(self, x, layer_cache, residual):
+    def _decode_at_device_position(self, x, layer_cache, residual, norm):
         """The attention of new positions whose first position and the cache's length after them are read
         from device memory (cache.device_lengths), so that one captured CUDA graph serves every step: one
-        product for q, k and v, one launch to turn q and k and store k and v, the decode kernel, and the
-        output product with the residual add inside it."""
+        product for q, k and v, one launch to turn q and k and store k and v (the product's own where it is a
+        GEMV and FOLD_ROPE), the decode kernel, and the output product with the residual add inside it."""
         B, T, _ = x.shape
         cache = layer_cache.cache
         first_position, length = cache.device_lengths[0:1], cache.device_lengths[1:2]
-        if self.projections.weight is not None:
-            qkv = self.projections.together(x)
-        else:
-            qkv = backend.xp.concatenate([linear(x).data for linear in (self.q_proj, self.k_proj, self.v_proj)], axis=-1)
         keys, values = cache.keys[layer_cache.index], cache.values[layer_cache.index]
-        q = rope_store_new_positions(qkv, keys, values, self.n_heads, theta=self.rope_theta, start=first_position,
-                                     interleaved=self.rope_interleaved)                   # (B, H, T, hd)
+        rope = dict(theta=self.rope_theta, start=first_position, interleaved=self.rope_interleaved)
+        if FOLD_ROPE and self.projections.one_gemv(x):                      # one launch for all of it
+            q = gemv_rope_store(backend.xp.ascontiguousarray(x.data), self.projections.shared_weight(), keys,
+                                values, self.n_heads, **rope)                        # (B, H, T, hd)
+        else:
+            if self.projections.weight is not None:
+                qkv = self.projections.together(x)
+            else:
+                qkv = backend.xp.concatenate([linear(x).data for linear in (self.q_proj, self.k_proj, self.v_proj)],
+                                             axis=-1)
+            q = rope_store_new_positions(qkv, keys, values, self.n_heads, **rope)   # (B, H, T, hd)
         y = Tensor(decode_attention_forward(q, keys, values, length))                  # (B, H, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * self.head_dim)
-        return project(self.o_proj, y, residual)
+        return project(self.o_proj, y, residual, norm)
 
 
-def project(linear, x, residual):
+def project(linear, x, residual, norm=None):
     """linear(x), or residual + linear(x) in one launch where the product is a GEMV's (gpt2_cupy.ops.linear's
-    residual=); for generation, under no_grad."""
+    residual=); for generation, under no_grad. norm (an nn.RMSNorm, with residual): returns (y, norm(y)), the
+    norm in the GEMV's last block up to FOLD_NORMS_MOST_CHANNELS (gemv_rmsnorm_forward: the same bits, one
+    launch fewer)."""
     if residual is None:
         return linear(x)
     bias = None if linear.bias is None else linear.bias.data
-    return Tensor(linear_forward(backend.xp.ascontiguousarray(x.data), linear.weight.data, bias,
-                                 residual=backend.xp.ascontiguousarray(residual.data)))
+    x, residual = backend.xp.ascontiguousarray(x.data), backend.xp.ascontiguousarray(residual.data)
+    fold = norm is not None and linear.out_features <= FOLD_NORMS_MOST_CHANNELS
+    if fold and few_rows_times_bf16(x, linear.weight.data):
+        eps = numpy.finfo(numpy.float32).eps if norm.eps is None else norm.eps    # F.rms_norm's default
+        y, normed = gemv_rmsnorm_forward(x, linear.weight.data, norm.weight.data, bias, residual=residual, eps=eps)
+        return Tensor(y), Tensor(normed)
+    y = Tensor(linear_forward(x, linear.weight.data, bias, residual=residual))
+    return y if norm is None else (y, norm(y))
 
 
 class LlamaMLP(nn.Module):
@@ -171,14 +198,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)   # Meta's w2
         self.projections = SharedRows([self.gate_proj, self.up_proj])
 
-    def forward(self, x, residual=None):
+    def forward(self, x, residual=None, norm=None):
         """down_proj(silu(gate_proj(x)) * up_proj(x)); residual + it when residual is given (generation, where
-        at a GEMV's few rows one launch takes the gate and up products and SwiGLU)."""
+        at a GEMV's few rows one launch takes the gate and up products and SwiGLU), and then (that, norm(that))
+        when norm is given (project)."""
         if residual is not None and self.projections.one_gemv(x):
-            return project(self.down_proj, Tensor(self.projections.together(x, gated=True)), residual)
+            return project(self.down_proj, Tensor(self.projections.together(x, gated=True)), residual, norm)
         if self.projections.weight is not None:                             # bf16: one product for both
-            return project(self.down_proj, F.swiglu(*self.projections(x)), residual)
-        return project(self.down_proj, F.swiglu(self.gate_proj(x), self.up_proj(x)), residual)
+            return project(self.down_proj, F.swiglu(*self.projections(x)), residual, norm)
+        return project(self.down_proj, F.swiglu(self.gate_proj(x), self.up_proj(x)), residual, norm)
 
 
 class SharedRows:
@@ -204,11 +232,15 @@ class SharedRows:
         """The layers' outputs side by side, (..., Σ out_features), one array, for x (..., in_features).
         gated (two layers, gate and up; generation, see one_gemv): silu(gate) * up of the two, (...,
         out_features), in the product's own launch."""
+        x = backend.xp.ascontiguousarray(x.data)
+        return gemv_forward(x, self.shared_weight(), gated=True) if gated else linear_forward(x, self.shared_weight())
+
+    def shared_weight(self):
+        """The one array of the layers' rows, once it is checked that they still are its views."""
         if any(linear.weight.data is not view for linear, view in zip(self.linears, self.views)):
             raise RuntimeError("Llama: a projection's weight was replaced after its rows were shared; call "
                                "model.to(dtype) again")
-        x = backend.xp.ascontiguousarray(x.data)
-        return gemv_forward(x, self.weight, gated=True) if gated else linear_forward(x, self.weight)
+        return self.weight
 
     def one_gemv(self, x):
         """Whether together(x) is one GEMV launch: shared bf16 rows times a generation step's few rows."""
@@ -233,13 +265,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, layer_cache=None):
-        if layer_cache is None:
-            x = x + self.self_attn(self.input_layernorm(x))
-            return x + self.mlp(self.post_attention_layernorm(x))
-        # Generation (no gradient): each residual add happens inside the product before it, the same bits.
-        x = self.self_attn(self.input_layernorm(x), layer_cache, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def generation_forward(self, x, h, layer_cache, next_norm):
+        """Generation (no gradient): x the residual stream (B, T, C), h = input_layernorm(x); returns the layer's
+        output and next_norm of it (the next layer's input_layernorm, or the model's norm). Each residual add
+        happens inside the product before it, and each norm after it in that product's last launch where it
+        is a GEMV (project): the bits of forward's kernels, two launches fewer per layer."""
+        x, h = self.self_attn(h, layer_cache, residual=x, norm=self.post_attention_layernorm)
+        return self.mlp(h, residual=x, norm=next_norm)
 
 
 class LlamaModel(nn.Module):
@@ -281,9 +317,17 @@ class Llama(nn.Module):
             raise RuntimeError(f"Llama: weights in {self.dtype} are for inference; run the model under "
                                "gpt2_cupy.no_grad(), or train in float32 (with gpt2_cupy.autocast for bf16)")
         x = self._embed(idx)                                                   # (B, T, C)
-        for number, layer in enumerate(self.model.layers):
-            x = layer(x, None if kv_cache is None else kv_cache.layer(number))
-        logits = self.lm_head(self.model.norm(x))                              # (B, T, V)
+        if kv_cache is None:
+            for layer in self.model.layers:
+                x = layer(x)
+            h = self.model.norm(x)
+        else:                                   # generation: each layer also gives the norm that follows it
+            layers = self.model.layers
+            norms = [layer.input_layernorm for layer in layers] + [self.model.norm]
+            h = norms[0](x)
+            for number, layer in enumerate(layers):
+                x, h = layer.generation_forward(x, h, kv_cache.layer(number), norms[number + 1])
+        logits = self.lm_head(h)                                               # (B, T, V)
         if kv_cache is not None:
             kv_cache.length += T
         loss = None

@@ -12,6 +12,7 @@
 
 #include "dependent_launch.cuh"
 #include "float_groups.cuh"
+#include "rmsnorm_row.cuh"
 #include "storage.cuh"
 #include "warp.cuh"
 
@@ -96,55 +97,24 @@ extern "C" __global__ void rmsnorm_weight_gradient(float* dweight, const float* 
 // op picks it when C is a multiple of 4 and the arrays start on 16 bytes). K WIDTH <= 16 floats per thread,
 // so that x, dout, weight and dweight all stay in registers: C = 4096 takes 8 warps per row, 4 float4s each.
 // Launch with C <= ROW_THREADS K WIDTH. One warp per row: blocks of 8 warps, 8 rows; more: one row per block,
-// its warps' sums added by block_sum (warp.cuh).
-template <int WARPS_PER_ROW>
-__device__ __forceinline__ float row_threads_sum(float value)
-{
-    return WARPS_PER_ROW == 1 ? warp_sum(value) : block_sum(value);
-}
+// its warps' sums added by row_threads_sum (rmsnorm_row.cuh, in block_sum's order).
 
 // x and y float32 or bf16 (floatX), weight float32 or bf16 (weightT, a model converted to bf16 for generation):
-// read into floats, the sum of squares and rstd in float32, y rounded once.
+// read into floats, the sum of squares and rstd in float32, y rounded once. The row's arithmetic is
+// rmsnorm_row (rmsnorm_row.cuh), which the GEMV also runs on its own output in generation (kernels/gemv.cu).
 template <int WIDTH, int K, int WARPS_PER_ROW, typename floatX = float, typename weightT = float>
 __global__ void rmsnorm_forward_registers(floatX* y, float* rstd, const floatX* x, const weightT* weight, int rows,
                                           int columns, float eps)
 {
     let_next_kernel_start();      // launched dependent (dependent_launch.cuh): in generation the product after
     wait_for_previous_kernel();   // this norm starts its weight loads while it runs; x is the kernel before's
-    constexpr int ROW_THREADS = WARPS_PER_ROW * WARP_SIZE;
     int row = WARPS_PER_ROW == 1 ? (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE : blockIdx.x;
-    int thread = threadIdx.x % ROW_THREADS;
     if (row >= rows) {
         return;  // only where a warp is a row (a block of several rows): its lanes leave together
     }
-    const floatX* x_row = x + (long long)row * columns;
-    floatX* y_row = y + (long long)row * columns;
-    float values[K * WIDTH];
-    float squares = 0.0f;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        int column = (thread + k * ROW_THREADS) * WIDTH;
-        load_as_float<WIDTH>(values + k * WIDTH, x_row + column, column < columns);  // all K loads in flight at once
-    }
-#pragma unroll
-    for (int i = 0; i < K * WIDTH; ++i) {
-        squares += values[i] * values[i];
-    }
-    float row_rstd = rsqrtf(row_threads_sum<WARPS_PER_ROW>(squares) / columns + eps);
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        int column = (thread + k * ROW_THREADS) * WIDTH;
-        if (column < columns) {
-            float scale[WIDTH], result[WIDTH];
-            load_as_float<WIDTH>(scale, weight + column, true);
-#pragma unroll
-            for (int w = 0; w < WIDTH; ++w) {
-                result[w] = values[k * WIDTH + w] * row_rstd * scale[w];
-            }
-            store_from_float<WIDTH>(y_row + column, result);
-        }
-    }
-    if (thread == 0) {
+    long long start = (long long)row * columns;
+    float row_rstd = rmsnorm_row<WIDTH, K, WARPS_PER_ROW, false>(y + start, x + start, weight, columns, eps, true);
+    if (threadIdx.x % (WARPS_PER_ROW * WARP_SIZE) == 0) {
         rstd[row] = row_rstd;
     }
 }

@@ -14,22 +14,8 @@
 // H D when it is contiguous too, more when x is a slice of a wider array (q or k among q, k, v side by side),
 // and x starts x_offset elements into the array passed.
 #include "dependent_launch.cuh"
+#include "rope_pair.cuh"   // pair_channels, rotated, store_new_position_pair
 #include "storage.cuh"
-
-// The channels of frequency i in a head of D: (i, i + D/2) for rotate_half, (2i, 2i + 1) interleaved.
-__device__ __forceinline__ int2 pair_channels(int i, int D, int interleaved)
-{
-    int first = interleaved ? 2 * i : i;
-    return make_int2(first, first + (interleaved ? 1 : D / 2));
-}
-
-// The pair (a, b) turned by position * inv_freq (sign -1: backwards), in float32.
-__device__ __forceinline__ float2 rotated(float a, float b, int position, float inv_freq, float sign)
-{
-    float angle = (float)position * inv_freq;
-    float sine = sign * sinf(angle), cosine = cosf(angle);
-    return make_float2(a * cosine - b * sine, a * sine + b * cosine);
-}
 
 template <typename floatX>
 __device__ __forceinline__ void rotate_pair(floatX* y, const floatX* x, long long x_offset, long long x_row,
@@ -84,8 +70,9 @@ __global__ void rope_forward_stored(floatX* y, const floatX* x, long long x_offs
 //       the three weights' rows gives them;
 //   q_out (B, H, n, D); keys, values (B, H_kv, capacity, D).
 // One thread per pair of channels of q's, k's and v's heads (v's pairs are copied, not turned): the same
-// rotation and rounding as rope_forward_stored, then the copy that decode_attention_store makes. Launched
-// dependent (dependent_launch.cuh): it starts while the product before it ends, and waits before it reads.
+// rotation and rounding as rope_forward_stored, then the copy that decode_attention_store makes
+// (store_new_position_pair, rope_pair.cuh, which the q, k, v GEMV also runs: kernels/gemv.cu's gemv_rope_store).
+// Launched dependent (dependent_launch.cuh): it starts while the product before it ends, and waits before it reads.
 template <typename floatX>
 __global__ void rope_store_new_positions(floatX* q_out, floatX* keys, floatX* values, const floatX* qkv,
     const float* inv_freq, const int* device_start, int B, int n, int H, int H_kv, int D, int capacity,
@@ -102,23 +89,7 @@ __global__ void rope_store_new_positions(floatX* q_out, floatX* keys, floatX* va
     int t = (int)(pair / half / heads % n), b = (int)(pair / half / heads / n);
     int position = device_start[0] + t;
     const floatX* source = qkv + (((long long)b * n + t) * heads + head) * D;
-    floatX* destination;
-    if (head < H) {
-        destination = q_out + (((long long)b * H + head) * n + t) * D;
-    } else {
-        if (position < 0 || position >= capacity) {
-            return;  // a position the cache cannot hold writes nothing, as in decode_attention_store
-        }
-        int kv_head = (head - H) % H_kv;
-        destination = (head < H + H_kv ? keys : values) + (((long long)b * H_kv + kv_head) * capacity + position) * D;
-    }
     int2 channels = pair_channels(i, D, interleaved);
-    if (head < H + H_kv) {
-        float2 turned = rotated(to_float(source[channels.x]), to_float(source[channels.y]), position, inv_freq[i], 1.0f);
-        destination[channels.x] = from_float<floatX>(turned.x);
-        destination[channels.y] = from_float<floatX>(turned.y);
-    } else {
-        destination[channels.x] = source[channels.x];
-        destination[channels.y] = source[channels.y];
-    }
+    store_new_position_pair(q_out, keys, values, source[channels.x], source[channels.y], b, t, head, i, position,
+                            inv_freq[i], n, H, H_kv, D, capacity, interleaved);
 }

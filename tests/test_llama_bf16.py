@@ -191,3 +191,67 @@ def test_bf16_weights_refuse_what_they_are_not_for(models, rng):
         model16.to(np.float16)
     with pytest.raises(ValueError, match="max_position_embeddings = 64"):
         model16.generate(idx, 62)
+
+
+def test_decode_with_norms_in_the_products_gives_the_bits_of_separate_norms(models, rng, monkeypatch):
+    # Generation's norms after o_proj and down_proj done by those GEMVs' last blocks (FOLD_NORMS_MOST_CHANNELS): two
+    # per layer, the last down_proj's giving the model's norm; the logits of prefill and decode steps are the bits
+    # of the norms as kernels of their own.
+    from gpt2_cupy import llama
+
+    _, model16 = models
+    idx = backend.xp.asarray(rng.integers(0, CONFIG["vocab_size"], (1, 7)).astype(np.int32))
+    folded_launches = []
+    fused = llama.gemv_rmsnorm_forward
+    monkeypatch.setattr(llama, "gemv_rmsnorm_forward", lambda *a, **k: folded_launches.append(1) or fused(*a, **k))
+
+    def logits_of_steps(fold):
+        monkeypatch.setattr(llama, "FOLD_NORMS_MOST_CHANNELS", CONFIG["hidden_size"] if fold else 0)
+        with no_grad():
+            cache = model16.new_kv_cache(1, 8)
+            steps = [model16(idx[:, :5], kv_cache=cache)[0]]    # prefill: 5 rows, more than a GEMV's (tiled)
+            steps += [model16(idx[:, t:t + 1], kv_cache=cache)[0] for t in (5, 6)]
+        return [backend.asnumpy(logits.data).view(np.uint16) for logits in steps]
+
+    separate = logits_of_steps(False)
+    assert folded_launches == []
+    folded = logits_of_steps(True)
+    assert len(folded_launches) == 2 * 2 * CONFIG["num_hidden_layers"]   # two decode steps, two norms a layer
+    for got, expected in zip(folded, separate):
+        assert np.array_equal(got, expected)
+
+
+def test_captured_decode_with_rope_and_norms_in_the_products_gives_the_bits_of_separate_kernels(models, rng,
+                                                                                                 monkeypatch):
+    # The captured step (DecodeGraph) with RoPE and the cache's store in the q, k, v GEMV (llama.FOLD_ROPE) and the
+    # norms in o_proj's and down_proj's (FOLD_NORMS_MOST_CHANNELS): the logits of the warm-up and of replays are
+    # the bits of the separate kernels. Two warps an output: the tiny model's products would take 8, where the q,
+    # k, v product keeps its two kernels (gemv_rope_store).
+    from gpt2_cupy import llama
+    from gpt2_cupy.llama import DecodeGraph
+    from gpt2_cupy.ops import gemv as gemv_ops
+
+    _, model16 = models
+    monkeypatch.setattr(gemv_ops, "_warps_per_output", lambda N, row_bytes: 2)
+    idx = backend.xp.asarray(rng.integers(0, CONFIG["vocab_size"], (1, 5)).astype(np.int32))
+    rope_launches = []
+    fused = llama.gemv_rope_store
+    monkeypatch.setattr(llama, "gemv_rope_store", lambda *a, **k: rope_launches.append(1) or fused(*a, **k))
+
+    def logits_of_steps(fold):
+        monkeypatch.setattr(llama, "FOLD_ROPE", fold)
+        monkeypatch.setattr(llama, "FOLD_NORMS_MOST_CHANNELS", CONFIG["hidden_size"] if fold else 0)
+        with no_grad():
+            cache = model16.new_kv_cache(1, 9)
+            logits, _ = model16(idx, kv_cache=cache)
+            token = backend.xp.asarray(np.array([[3]], dtype=np.int64))
+            step = DecodeGraph(model16, cache, token, greedy=True)
+            steps = [step.run(first=True)] + [step.run() for _ in range(3)]
+        return [backend.asnumpy(logits.data).copy().view(np.uint16) for logits in steps]
+
+    separate = logits_of_steps(False)
+    assert rope_launches == []
+    folded = logits_of_steps(True)
+    assert len(rope_launches) == 2 * CONFIG["num_hidden_layers"]   # the warm-up's and the capture's
+    for got, expected in zip(folded, separate):
+        assert np.array_equal(got, expected)

@@ -36,8 +36,9 @@ def inverse_frequencies_host(head_dim, theta):
 
 
 @lru_cache(maxsize=None)
-def _inverse_frequencies(head_dim, theta):
-    return backend.xp.asarray(inverse_frequencies_host(head_dim, theta))
+def inverse_frequencies(head_dim, theta):
+    """inverse_frequencies_host on the device, made once per (D, theta)."""
+    return backend.xp.asarray(inverse_frequencies_host(head_dim, float(theta)))
 
 
 def rope_forward(x, *, theta=10000.0, start=0, interleaved=False, out=None):
@@ -70,7 +71,7 @@ def _rotate(operation, x, theta, start, interleaved, out):
     if pairs:
         kernels.function("rope", operation)(
             (ceil_div(pairs, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-            (out, x, _inverse_frequencies(D, float(theta)), np.int32(pairs), np.int32(T), np.int32(H),
+            (out, x, inverse_frequencies(D, theta), np.int32(pairs), np.int32(T), np.int32(H),
              np.int32(D), np.int32(start), np.int32(bool(interleaved))))
     return out
 
@@ -95,7 +96,7 @@ def _rotate_stored(operation, x, theta, start, interleaved, out):
         name = f"rope_forward_stored<{storage_c_type(dtype)}>"
         kernels.function("rope", name, name_expressions=(name,))(
             (ceil_div(pairs, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-            (out, storage_of(x), np.int64(element_offset(x)), np.int64(x_row), _inverse_frequencies(D, float(theta)),
+            (out, storage_of(x), np.int64(element_offset(x)), np.int64(x_row), inverse_frequencies(D, theta),
              0 if device_start is None else device_start,
              np.int32(host_start), np.int32(pairs), np.int32(T), np.int32(H), np.int32(D),
              np.int32(bool(interleaved))))
@@ -121,9 +122,31 @@ def rope_store_new_positions(qkv, keys, values, n_heads, *, theta=10000.0, start
     start: an int or an int32 device array of one element (a captured decode step)."""
     name = "rope_store_new_positions"
     dtype = storage_dtype(name, "qkv", qkv)
-    sizes = check(name, qkv=(qkv, ("B", "n", "width"), dtype), keys=(keys, ("B", "H_kv", "capacity", "D"), dtype),
+    sizes = check(name, qkv=(qkv, ("B", "n", "width"), dtype))
+    B, n = sizes["B"], sizes["n"]
+    H_kv, D, capacity, device_start = new_positions_arguments(name, B, n, sizes["width"], keys, values, n_heads,
+                                                              theta, start, dtype)
+    q_heads = backend.xp.empty((B, n_heads, n, D), dtype=dtype)
+    pairs = B * n * sizes["width"] // 2
+    if pairs:
+        kernel_name = f"rope_store_new_positions<{storage_c_type(dtype)}>"
+        backend.launch_dependent(
+            kernels.function("rope", kernel_name, name_expressions=(kernel_name,)),
+            (ceil_div(pairs, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
+            (q_heads, keys, values, qkv, inverse_frequencies(D, theta), device_start, np.int32(B),
+             np.int32(n), np.int32(n_heads), np.int32(H_kv), np.int32(D), np.int32(capacity),
+             np.int32(bool(interleaved))))
+    return q_heads
+
+
+def new_positions_arguments(name, B, n, width, keys, values, n_heads, theta, start, dtype):
+    """The checks of rope_store_new_positions (and of gemv_rope_store, which takes the same cache) for q, k, v of
+    (B, n, width): (H_kv, D, capacity, device_start), the first position as an int32 device array."""
+    sizes = check(name, keys=(keys, ("B", "H_kv", "capacity", "D"), dtype),
                   values=(values, ("B", "H_kv", "capacity", "D"), dtype))
-    B, n, width, H_kv, D, capacity = (sizes[key] for key in ("B", "n", "width", "H_kv", "D", "capacity"))
+    H_kv, D, capacity = sizes["H_kv"], sizes["D"], sizes["capacity"]
+    if sizes["B"] != B:
+        raise ValueError(f"{name}: the cache holds {sizes['B']} sequences; the new positions are of {B}")
     if width != (n_heads + 2 * H_kv) * D:
         raise ValueError(f"{name}: qkv's last axis is {width}; {n_heads} query heads and the cache's {H_kv} key "
                          f"and value heads of {D} need {(n_heads + 2 * H_kv) * D}")
@@ -137,17 +160,7 @@ def rope_store_new_positions(qkv, keys, values, n_heads, *, theta=10000.0, start
             raise ValueError(f"{name}: positions {host_start} .. {host_start + n - 1} do not fit a cache of "
                              f"{capacity} positions")
         device_start = backend.xp.asarray(np.array([host_start], dtype=np.int32))
-    q_heads = backend.xp.empty((B, n_heads, n, D), dtype=dtype)
-    pairs = B * n * width // 2
-    if pairs:
-        kernel_name = f"rope_store_new_positions<{storage_c_type(dtype)}>"
-        backend.launch_dependent(
-            kernels.function("rope", kernel_name, name_expressions=(kernel_name,)),
-            (ceil_div(pairs, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-            (q_heads, keys, values, qkv, _inverse_frequencies(D, float(theta)), device_start, np.int32(B),
-             np.int32(n), np.int32(n_heads), np.int32(H_kv), np.int32(D), np.int32(capacity),
-             np.int32(bool(interleaved))))
-    return q_heads
+    return H_kv, D, capacity, device_start
 
 
 def permute_for_interleaved(weight, n_heads):
