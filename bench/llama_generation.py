@@ -25,6 +25,11 @@ Writes bench/llama_generation.json (a run of one shape keeps the other shape's s
 (MODULE.NAME=VALUE of gpt2_cupy.ops.MODULE or gpt2_cupy.MODULE, several joined by commas; "default" is none),
 on one model, and replayed in turns (--rounds), so that the settings are compared in one process on one card;
 prints tokens/s against the bound and writes no file.
+
+    python -m bench.llama_generation --shape 1b --profile
+
+--profile: only the captured decode step's kernels, per step, from torch.profiler over replays (captured without
+dependent launches, so that each kernel's duration is its own), and the gaps between them.
 """
 
 import argparse
@@ -260,6 +265,46 @@ def compare_settings(shape, settings, prompt, new_tokens, rounds):
     return rates, failed, 2 * parameters
 
 
+def profile_step(shape, prompt, replays):
+    """Where a captured decode step's time goes: its kernels' durations per step from torch.profiler (CUPTI)
+    over graph replays, captured without dependent launches so that no kernel overlaps the next and each
+    duration is its own; their sum against the step's time without the profiler, the difference being the gaps
+    between kernels. Prints a table of kernels by total time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    manual_seed(0)
+    with random_bf16_weights_on_device():
+        model = Llama(LlamaConfig(**SHAPES[shape]))
+    model.eval()
+    xp = backend.xp
+    with no_grad(), applied(parse_setting("backend.DEPENDENT_LAUNCHES=False")):
+        cache = model.new_kv_cache(1, prompt + 2 * replays + 4)
+        cache.length = prompt
+        step = DecodeGraph(model, cache, xp.zeros((1, 1), dtype=np.int64), greedy=True)
+        step.graph.replay()
+        step_seconds = seconds(lambda: [step.graph.replay() for _ in range(replays)], backend.synchronize) / replays
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            for _ in range(replays):
+                step.graph.replay()
+            backend.synchronize()
+    kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    totals = {}
+    for event in kernels:
+        name = event.name if len(event.name) < 90 else event.name[:87] + "..."
+        count, microseconds = totals.get(name, (0, 0.0))
+        totals[name] = (count + 1, microseconds + event.time_range.elapsed_us())
+    busy = sum(us for _, us in totals.values()) / replays
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / replays
+    print(f"{NAMES[shape]} profile ({benchmark.measured_on()['device']}, no dependent launches): step "
+          f"{1e6 * step_seconds:.1f} us ({1 / step_seconds:.0f} tokens/s) unprofiled; profiled span {span:.1f} us a "
+          f"step, kernels busy {busy:.1f} us, gaps {span - busy:.1f} us; {len(kernels) / replays:.0f} kernels a step")
+    for name, (count, us) in sorted(totals.items(), key=lambda item: -item[1][1]):
+        print(f"  {us / replays:8.1f} us/step  {count / replays:5.1f}x  {us / count:7.2f} us each  {name}")
+    del model, step, cache
+    xp.get_default_memory_pool().free_all_blocks()
+
+
 def settings_table(arguments):
     """Prints, shape by shape, each setting's decode tokens/s (median and best of the rounds) against the bound."""
     for setting in arguments.settings:
@@ -343,7 +388,13 @@ def main():
     parser.add_argument("--settings", nargs="+", metavar="MODULE.NAME=VALUE[,...]",
                         help="only compare the captured decode step under these module switches (see above)")
     parser.add_argument("--rounds", type=int, default=5, help="--settings: turns of new-tokens replays each")
+    parser.add_argument("--profile", action="store_true", help="only the captured step's kernels, torch.profiler")
     arguments = parser.parse_args()
+    if arguments.profile:
+        benchmark.require_gpu()
+        for shape in arguments.shape:
+            profile_step(shape, arguments.prompt, arguments.new_tokens)
+        return
     if arguments.settings:
         settings_table(arguments)
         return

@@ -46,6 +46,10 @@
 //   for the product's end and a second wait before the next product. But the epilogue's registers (48 a thread
 //   against the plain product's 32) leave room for 5 blocks a multiprocessor instead of 8, fewer loads in
 //   flight: Llama 3.2 1B's decode step gained, Llama 2 7B's lost (gpt2_cupy.llama.FOLD_NORMS_MOST_CHANNELS).
+//   Capping the registers instead (__launch_bounds__(256, 8): 32 a thread, the norm in a noinline function so
+//   that only that epilogue spills) measured slower on an H200 (captured decode step, same run, 2026-11-27):
+//   1B 1047 -> 983 tokens/s; the same cap on the GATED product (40 registers, 44 bytes of spills in the loop)
+//   1B 1047 -> 979, 7B 236 -> 220. The spills' local-memory traffic costs more than the extra blocks give.
 // - gemv_rope_store: the q, k, v product's blocks take pairs of channels that RoPE turns together, as GATED
 //   blocks take gate and up rows, and store them turned into q and the KV cache themselves: the bits of the
 //   product followed by kernels/rope.cu's rope_store_new_positions, with no launch between.
