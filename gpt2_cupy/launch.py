@@ -10,9 +10,11 @@ session (process group), so the terminal's Ctrl-C reaches the launcher alone, wh
 rank at the same moment, compilers and other children of the ranks included.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 
 from gpt2_cupy import backend, distributed
@@ -44,21 +46,38 @@ def launch(command, nproc):
     unique_id = os.environ.get(distributed.ID_VARIABLE)
     if unique_id is None and backend.name == "cuda":
         unique_id = distributed.new_unique_id()
-    ranks = [subprocess.Popen(command, env={**os.environ, **rank_environment(rank, nproc, unique_id)},
-                              start_new_session=True) for rank in range(nproc)]
+    with ctrl_c_as_a_flag() as interrupted:
+        ranks = [subprocess.Popen(command, env={**os.environ, **rank_environment(rank, nproc, unique_id)},
+                                  start_new_session=True) for rank in range(nproc)]
+        try:
+            while not interrupted:
+                for rank, process in enumerate(ranks):
+                    exit_code = process.poll()
+                    if exit_code not in (None, 0):
+                        raise ChildFailedError(rank, exit_code)
+                if all(process.returncode == 0 for process in ranks):
+                    return
+                time.sleep(POLL_SECONDS)
+            raise KeyboardInterrupt
+        finally:   # a rank's failure, Ctrl-C, or any other error in the launcher
+            stop(ranks)
+
+
+@contextlib.contextmanager
+def ctrl_c_as_a_flag():
+    """Inside the block, Ctrl-C (SIGINT) appends to the yielded list instead of raising KeyboardInterrupt
+    wherever the launcher happens to be: raised inside subprocess's poll(), it could leave that process's lock
+    taken, and stop()'s wait for it would then hang. Outside the main thread (where no handler can be set)
+    Ctrl-C keeps its usual effect."""
+    interrupted = []
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+    previous = signal.signal(signal.SIGINT, lambda number, frame: interrupted.append(number))
     try:
-        while True:
-            for rank, process in enumerate(ranks):
-                exit_code = process.poll()
-                if exit_code not in (None, 0):
-                    stop(ranks)
-                    raise ChildFailedError(rank, exit_code)
-            if all(process.returncode == 0 for process in ranks):
-                return
-            time.sleep(POLL_SECONDS)
-    except BaseException:  # Ctrl-C (KeyboardInterrupt) in the launcher, or the failure above
-        stop(ranks)
-        raise
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def stop(ranks):
