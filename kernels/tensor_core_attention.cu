@@ -244,16 +244,24 @@ struct Fragments<float> {
         mma_m16n8k8_tf32(second, a_high, b3);
     }
 
-    // A result's elements are (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1): reordered as rows() reads.
     static __device__ __forceinline__ void weights(unsigned (&a)[A], const float (&left)[4], const float (&right)[4])
+    {
+        in_rows_order(a, left, right, [](float x) { return to_tf32(x); });
+    }
+
+    // A result's elements are (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1): reordered as rows() reads,
+    // each made a register by as_register.
+    template <typename AsRegister>
+    static __device__ __forceinline__ void in_rows_order(unsigned (&a)[A], const float (&left)[4],
+                                                         const float (&right)[4], AsRegister as_register)
     {
         const float* halves[2] = {left, right};
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            a[4 * half] = to_tf32(halves[half][0]);
-            a[4 * half + 1] = to_tf32(halves[half][2]);
-            a[4 * half + 2] = to_tf32(halves[half][1]);
-            a[4 * half + 3] = to_tf32(halves[half][3]);
+            a[4 * half] = as_register(halves[half][0]);
+            a[4 * half + 1] = as_register(halves[half][2]);
+            a[4 * half + 2] = as_register(halves[half][1]);
+            a[4 * half + 3] = as_register(halves[half][3]);
         }
     }
 };
@@ -276,14 +284,7 @@ struct Fragments<Tf32x3> : Fragments<float> {
     // P and dS as they are, in rows()'s order: multiply splits them.
     static __device__ __forceinline__ void weights(unsigned (&a)[A], const float (&left)[4], const float (&right)[4])
     {
-        const float* halves[2] = {left, right};
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            a[4 * half] = __float_as_uint(halves[half][0]);
-            a[4 * half + 1] = __float_as_uint(halves[half][2]);
-            a[4 * half + 2] = __float_as_uint(halves[half][1]);
-            a[4 * half + 3] = __float_as_uint(halves[half][3]);
-        }
+        in_rows_order(a, left, right, [](float x) { return __float_as_uint(x); });
     }
 
     // TF32's four m16n8k8 (Fragments<float>::multiply), each as three: a[0..3] is A at the first 8 of k,
