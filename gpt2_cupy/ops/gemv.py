@@ -86,9 +86,7 @@ def _gemv(name, x, weight, bias, out, residual, gated, norm=None):
                          "and no residual")
     outputs = N // 2 if gated else N
     check(name, residual=(residual, sizes["..."] + (outputs,), x_dtype))
-    if row_count > MAX_ROWS:
-        raise ValueError(f"{name}: x has {row_count} rows; the kernel takes at most {MAX_ROWS} (more rows are "
-                         "the tiled matmul's work: gpt2_cupy.ops.linear.linear_forward)")
+    _check_rows(name, row_count)
     out = output(name, out, sizes["..."] + (outputs,), dtype=x_dtype)
     normed = None
     if norm is not None:
@@ -111,12 +109,9 @@ def _gemv(name, x, weight, bias, out, residual, gated, norm=None):
         if residual is not None:
             elementwise("residual_add", "a + b", [out, residual], compute_dtype=x_dtype, out=out)
         return out
-    width = _elements_per_load(weight_dtype, K, x, weight)
     # Gated blocks hold gate and up rows of the same outputs: at least two outputs per block.
     warps_per_output = min(_warps_per_output(N, K * weight.itemsize), WARPS_PER_BLOCK // 2 if gated else WARPS_PER_BLOCK)
-    rows_template = next(r for r in ROW_CHOICES if r >= row_count)
-    template = [str(rows_template), str(width), storage_c_type(weight_dtype), storage_c_type(x_dtype),
-                "true" if gated else "false"]
+    template = _load_template(row_count, K, x, weight) + ["true" if gated else "false"]
     norm_arguments = (0, 0, np.float32(0))
     if normed is not None:
         norm_width, norm_k, norm_warps = row_layout(name, outputs, (out, normed, norm_weight))
@@ -144,8 +139,7 @@ def gemv_rope_store(x, weight, keys, values, n_heads, *, theta=10000.0, start=0,
     B, n, N, K = sizes["B"], sizes["n"], sizes["N"], sizes["K"]
     H_kv, D, capacity, device_start = new_positions_arguments(name, B, n, N, keys, values, n_heads, theta, start,
                                                               x_dtype)
-    if B * n > MAX_ROWS:
-        raise ValueError(f"{name}: x has {B * n} rows; the kernel takes at most {MAX_ROWS}")
+    _check_rows(name, B * n)
     # A block holds both channels of its pairs: at least two outputs per block, at most 4 warps an output. Where
     # gemv_forward would give an output 8 (its sums in another order), and for empty products, the two kernels.
     warps_per_output = _warps_per_output(N, K * weight.itemsize)
@@ -153,10 +147,7 @@ def gemv_rope_store(x, weight, keys, values, n_heads, *, theta=10000.0, start=0,
         return rope_store_new_positions(gemv_forward(x, weight), keys, values, n_heads, theta=theta,
                                         start=device_start, interleaved=interleaved)
     q_heads = backend.xp.empty((B, n_heads, n, D), dtype=x_dtype)
-    width = _elements_per_load(weight_dtype, K, x, weight)
-    rows_template = next(r for r in ROW_CHOICES if r >= B * n)
-    kernel_name = (f"gemv_rope_store<{rows_template}, {width}, {storage_c_type(weight_dtype)}, "
-                   f"{storage_c_type(x_dtype)}>")
+    kernel_name = f"gemv_rope_store<{', '.join(_load_template(B * n, K, x, weight))}>"
     pairs_per_block = WARPS_PER_BLOCK // warps_per_output // 2
     backend.launch_dependent(
         kernels.function("gemv", kernel_name, name_expressions=(kernel_name,)), (ceil_div(N // 2, pairs_per_block),),
@@ -165,6 +156,20 @@ def gemv_rope_store(x, weight, keys, values, n_heads, *, theta=10000.0, start=0,
          np.int32(N), np.int32(K), np.int32(warps_per_output), np.int32(n), np.int32(n_heads), np.int32(H_kv),
          np.int32(D), np.int32(capacity), np.int32(bool(interleaved))))
     return q_heads
+
+
+def _check_rows(name, rows):
+    if rows > MAX_ROWS:
+        raise ValueError(f"{name}: x has {rows} rows; the kernel takes at most {MAX_ROWS} (more rows are the tiled "
+                         "matmul's work: gpt2_cupy.ops.linear.linear_forward)")
+
+
+def _load_template(rows, K, x, weight):
+    """The template arguments every GEMV kernel starts with: its ROWS (the ROW_CHOICES instance for `rows`),
+    elements per load, and the weight's and x's storage types."""
+    rows_template = next(r for r in ROW_CHOICES if r >= rows)
+    width = _elements_per_load(weight.dtype, K, x, weight)
+    return [str(rows_template), str(width), storage_c_type(weight.dtype), storage_c_type(x.dtype)]
 
 
 def _elements_per_load(weight_dtype, K, *arrays):
