@@ -94,11 +94,16 @@ def random_bf16_weights_on_device():
         nn._normal, nn._uniform, Llama._init_weights = original_normal, original_uniform, original_init
 
 
-def ours(shape, prompts, new_tokens):
+def random_bf16_model(shape):
+    """The Llama of SHAPES[shape], its weights random bf16 made on the device, in eval mode."""
     manual_seed(0)
     with random_bf16_weights_on_device():
         model = Llama(LlamaConfig(**SHAPES[shape]))
-    model.eval()
+    return model.eval()
+
+
+def ours(shape, prompts, new_tokens):
+    model = random_bf16_model(shape)
     xp = backend.xp
     parameters = sum(p.data.size for p in model.parameters())
     run = {"dtype": "bfloat16", "parameters": parameters, "weight_bytes": 2 * parameters, "prefill_ms": {}}
@@ -236,10 +241,7 @@ def compare_settings(shape, settings, prompt, new_tokens, rounds):
     """Decode tokens/s of the captured step under each setting: {setting: [rate of each round]}. Each setting
     gets its own cache, filled to `prompt` positions (with zeros: the speed does not depend on them), and its
     own capture; the rounds replay new_tokens steps of each setting in turn."""
-    manual_seed(0)
-    with random_bf16_weights_on_device():
-        model = Llama(LlamaConfig(**SHAPES[shape]))
-    model.eval()
+    model = random_bf16_model(shape)
     xp, steps, failed = backend.xp, {}, {}
     with no_grad():
         for setting in settings:
@@ -273,10 +275,7 @@ def profile_step(shape, prompt, replays):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    manual_seed(0)
-    with random_bf16_weights_on_device():
-        model = Llama(LlamaConfig(**SHAPES[shape]))
-    model.eval()
+    model = random_bf16_model(shape)
     xp = backend.xp
     with no_grad(), applied(parse_setting("backend.DEPENDENT_LAUNCHES=False")):
         cache = model.new_kv_cache(1, prompt + 2 * replays + 4)
