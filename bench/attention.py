@@ -116,8 +116,8 @@ def kernel_runs(cupy):
     rowdot = cupy.empty_like(lse)
     heads, causal = B * H, True
     common = (attention_ops.LaunchShape.of(q, k, v), causal, "softmax")
-    attention_ops._rowdot(rowdot, dout, out, heads * T, D)
-    runs = {"kernel attention_backward_rowdot": (lambda: attention_ops._rowdot(rowdot, dout, out, heads * T, D), 0)}
+    attention_ops._rowdot(rowdot, dout, out, common[0])
+    runs = {"kernel attention_backward_rowdot": (lambda: attention_ops._rowdot(rowdot, dout, out, common[0]), 0)}
     for rows in attention_ops.ROW_CHOICES:
         runs[f"kernel attention_forward, {rows} rows"] = (
             lambda rows=rows: attention_ops._forward(out, lse, q, k, v, *common, rows), 2)
@@ -142,7 +142,7 @@ def same_rows_runs(cupy):
 
     def both(rows):
         attention_ops._forward(out, lse, q, k, v, *common, rows)
-        attention_ops._rowdot(rowdot, dout, out, heads * T, D)
+        attention_ops._rowdot(rowdot, dout, out, common[0])
         attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot, *common, rows)
         attention_ops._dq(dq, dout, q, k, v, lse, rowdot, *common, rows)
 

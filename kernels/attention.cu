@@ -1,7 +1,10 @@
 // Causal self-attention, fused (FlashAttention-2 style), forward and backward, in float32.
-//   q, out, dout, dq: (heads, T, d), one (T, d) matrix per query head, rows of d floats;
-//   k, v, dk, dv: (heads / group, T, d), one matrix per key-value head (below);
-//   lse (log-sum-exp of each row of scores) and rowdot (rowsum(dout * out)): (heads, T).
+//   q, out, dout, dq: (B, H, T, d), one (T, d) matrix per query head, rows of d floats; heads = B H;
+//   k, v, dk, dv: (B, H / group, T, d), one matrix per key-value head (below);
+//   lse (log-sum-exp of each row of scores) and rowdot (rowsum(dout * out)): (heads, T), C-contiguous.
+// Each of q, k, v, out, dout, dq, dk, dv is given as the array that holds it and a HeadLayout (head_layout.cuh):
+// its heads are read and written where they lie, so q, k and v cut from one product's output need no copy,
+// nor out on its way to the next product.
 // Two variants, a template flag:
 //   softmax:  S = q kᵀ / √d, P = softmax(S) over the visible keys, out = P v;
 //   RELU:     S = q kᵀ / √d, P = max(S, 0) on the visible keys, no normalisation, out = P v.
@@ -52,6 +55,7 @@
 #include "warp.cuh"
 #include "special_values.cuh"
 #include "float_groups.cuh"
+#include "head_layout.cuh"
 #include "philox.cuh"
 
 #define COLUMNS 64                 // columns (keys, or queries) per tile
@@ -91,41 +95,42 @@ __device__ __forceinline__ bool in_skipped_quadrant(int quadrant, int r, bool se
 __device__ int thread_row_group() { return (threadIdx.x / 32) * 4 + threadIdx.x % 4; }
 __device__ int thread_column_group() { return (threadIdx.x % 32) / 4; }
 
-// Load rows first_row .. first_row + ROWS - 1 of a (T, d) matrix into tile[ROWS][D + PAD]; rows past T and
-// columns d .. D - 1 are zero. Consecutive threads read consecutive float4s: each warp's load is four whole
-// 128-byte lines, in a quarter of the instructions of float-by-float loads. Rows of D floats keep every
-// float4 aligned, in global memory (cupy's arrays start on 256-byte boundaries) and in the tile (D + PAD is
-// a multiple of 4). A thread copies the same float4 of every ROW_STEP-th row, so its addresses are computed
+// Load rows first_row .. first_row + ROWS - 1 of a (T, d) matrix whose rows are row_stride floats apart into
+// tile[ROWS][D + PAD]; rows past T and columns d .. D - 1 are zero. Consecutive threads read consecutive
+// float4s: each warp's load is four whole 128-byte lines, in a quarter of the instructions of float-by-float
+// loads. Every float4 is aligned, in global memory (where d is a multiple of 4, the op hands the kernels only
+// layouts whose offsets and strides are multiples of 4 floats, in arrays that start on 256 bytes) and in the
+// tile (D + PAD is a multiple of 4). A thread copies the same float4 of every ROW_STEP-th row, so its addresses are computed
 // once and then step by constants. Dividing a running index into row and column, in 64-bit arithmetic, cost
 // about 18 integer instructions per float4 (Nsight Compute): 6 % of the forward's instructions and its time.
-// A narrower head (d < D, the same for every thread: one branch, no divergence) steps by d instead, reads
-// a float4 where it lies inside the row and rows start on 16 bytes (d a multiple of 4), floats otherwise.
+// A narrower head (d < D, the same for every thread: one branch, no divergence) reads a float4 where it lies
+// inside the row and rows start on 16 bytes (d a multiple of 4), floats otherwise.
 template <int ROWS, int D, int THREADS>
-__device__ void load_tile(float* tile, const float* matrix, int first_row, int T, int d)
+__device__ void load_tile(float* tile, const float* matrix, long long row_stride, int first_row, int T, int d)
 {
     constexpr int PER_ROW = D / 4, ROW_STEP = THREADS / PER_ROW;  // float4s per row; rows per pass of the block
     static_assert(THREADS % PER_ROW == 0 && ROWS % ROW_STEP == 0, "whole rows per pass, whole passes per tile");
     int row = threadIdx.x / PER_ROW, column = 4 * (threadIdx.x % PER_ROW);
     float* to = tile + row * (D + PAD) + column;
     if (d == D) {
-        const float* from = matrix + (long long)(first_row + row) * D + column;
+        const float* from = matrix + (first_row + row) * row_stride + column;
 #pragma unroll
         for (int pass = 0; pass < ROWS / ROW_STEP; pass++) {
             float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (first_row + row + pass * ROW_STEP < T)
-                value = *reinterpret_cast<const float4*>(from + (long long)pass * ROW_STEP * D);
+                value = *reinterpret_cast<const float4*>(from + pass * ROW_STEP * row_stride);
             *reinterpret_cast<float4*>(to + pass * ROW_STEP * (D + PAD)) = value;
         }
         return;
     }
-    const float* from = matrix + (long long)(first_row + row) * d + column;
+    const float* from = matrix + (first_row + row) * row_stride + column;
     bool whole_float4 = d % 4 == 0;
     // Not unrolled: unrolled too, this loop beside the one above made ptxas spill registers in the forward at
     // D = 64 (`nvcc -Xptxas -v`), the head size GPT-2 trains with.
 #pragma unroll 1
     for (int pass = 0; pass < ROWS / ROW_STEP; pass++) {
         float value[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        const float* source = from + (long long)pass * ROW_STEP * d;
+        const float* source = from + pass * ROW_STEP * row_stride;
         if (first_row + row + pass * ROW_STEP < T) {
             if (whole_float4) load_group<4>(value, source, column < d);
             else for (int e = 0; e < 4; e++) load_group<1>(value + e, source + e, column + e < d);
@@ -219,10 +224,11 @@ __device__ float row_sum(float value)
 __device__ int result_column(int h) { return 4 * thread_column_group() + 4 * COLUMN_GROUPS * h; }
 
 // Write the thread's rows of a (ROWS, D) accumulator, times `factor`, to rows first_row + ... of a (T, d)
-// matrix, the columns below d: a float4 where rows start on 16 bytes (d a multiple of 4), else float by float.
+// matrix whose rows are row_stride floats apart, the columns below d: a float4 where rows start on 16 bytes
+// (d a multiple of 4), else float by float.
 template <int D, int ROWS>
-__device__ void store_rows(float* matrix, float accumulator[ROWS_PER_THREAD][D / COLUMN_GROUPS], int first_row, int T,
-                           int d, float factor)
+__device__ void store_rows(float* matrix, long long row_stride, float accumulator[ROWS_PER_THREAD][D / COLUMN_GROUPS],
+                           int first_row, int T, int d, float factor)
 {
     bool whole_float4 = d % 4 == 0;
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
@@ -232,7 +238,7 @@ __device__ void store_rows(float* matrix, float accumulator[ROWS_PER_THREAD][D /
             int column = result_column(h);
             float scaled[4];
             for (int e = 0; e < 4; e++) scaled[e] = factor * accumulator[r][4 * h + e];
-            float* to = matrix + (long long)row * d + column;
+            float* to = matrix + row * row_stride + column;
             if (whole_float4) {
                 if (column < d) store_group<4>(to, scaled);
             } else {
@@ -246,8 +252,8 @@ __device__ void store_rows(float* matrix, float accumulator[ROWS_PER_THREAD][D /
 // The same, added into global memory with atomicAdd: one float4 atomic on compute capability 9.0 and later
 // (a quarter of the atomic instructions); before that, or where rows do not start on 16 bytes, one per float.
 template <int D, int ROWS>
-__device__ void atomic_add_rows(float* matrix, float accumulator[ROWS_PER_THREAD][D / COLUMN_GROUPS], int first_row,
-                                int T, int d, float factor)
+__device__ void atomic_add_rows(float* matrix, long long row_stride, float accumulator[ROWS_PER_THREAD][D / COLUMN_GROUPS],
+                                int first_row, int T, int d, float factor)
 {
     bool whole_float4 = d % 4 == 0;
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
@@ -256,7 +262,7 @@ __device__ void atomic_add_rows(float* matrix, float accumulator[ROWS_PER_THREAD
         for (int h = 0; h < D / (4 * COLUMN_GROUPS); h++) {
             int column = result_column(h);
             const float* a = &accumulator[r][4 * h];
-            float* to = matrix + (long long)row * d + column;
+            float* to = matrix + row * row_stride + column;
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
             if (whole_float4) {
                 if (column < d)
@@ -445,7 +451,9 @@ __device__ void forward_probabilities(float s[ROWS_PER_THREAD][COLUMNS_PER_THREA
 // The kernel's body, a device function that the plain and the general kernels both run.
 template <int D, bool RELU, int ROWS, bool GENERAL, typename Mask, bool DROPOUT>
 __device__ __forceinline__ void forward_block(float* out, float* lse, const float* q, const float* k, const float* v,
-                                              int T, int causal, int d, int group, const ScoreOptions<Mask>& options)
+                                              int T, int causal, int d, int group, int heads, HeadLayout out_at,
+                                              HeadLayout q_at, HeadLayout k_at, HeadLayout v_at,
+                                              const ScoreOptions<Mask>& options)
 {
     constexpr int THREADS = THREADS_FOR(ROWS);
     extern __shared__ __align__(16) float shared[];
@@ -456,10 +464,11 @@ __device__ __forceinline__ void forward_block(float* out, float* lse, const floa
     const float scale = GENERAL ? 1.0f : options.scale;  // the general kernels scale the scores themselves
     long long head = blockIdx.x, key_head = head / group;
     int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS;
-    q += head * T * d; out += head * T * d; k += key_head * T * d; v += key_head * T * d;
+    q += q_at.start(head, heads); out += out_at.start(head, heads);
+    k += k_at.start(key_head, heads / group); v += v_at.start(key_head, heads / group);
     if (!RELU) lse += head * T;  // the ReLU variant saves no log-sum-exp
 
-    load_tile<ROWS, D, THREADS>(q_tile, q, first_query, T, d);
+    load_tile<ROWS, D, THREADS>(q_tile, q, q_at.row, first_query, T, d);
     float o[ROWS_PER_THREAD][D / COLUMN_GROUPS] = {};
     float running_max[ROWS_PER_THREAD], running_sum[ROWS_PER_THREAD];
     for (int r = 0; r < ROWS_PER_THREAD; r++) { running_max[r] = NEGATIVE_INFINITY; running_sum[r] = 0.0f; }
@@ -467,8 +476,8 @@ __device__ __forceinline__ void forward_block(float* out, float* lse, const floa
     int last_key = causal ? min(first_query + ROWS - 1, T - 1) : T - 1;
     for (int first_key = 0; first_key <= last_key; first_key += COLUMNS) {
         __syncthreads();  // everyone is done with the previous tiles
-        load_tile<COLUMNS, D, THREADS>(k_tile, k, first_key, T, d);
-        load_tile<COLUMNS, D, THREADS>(v_tile, v, first_key, T, d);
+        load_tile<COLUMNS, D, THREADS>(k_tile, k, k_at.row, first_key, T, d);
+        load_tile<COLUMNS, D, THREADS>(v_tile, v, v_at.row, first_key, T, d);
         __syncthreads();
         float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
         bool diagonal = ROWS == COLUMNS && causal && first_key == first_query;  // its upper right quadrant masked
@@ -502,42 +511,49 @@ __device__ __forceinline__ void forward_block(float* out, float* lse, const floa
         }
         for (int c = 0; c < D / COLUMN_GROUPS; c++) o[r][c] *= factor;
     }
-    store_rows<D, ROWS>(out, o, first_query, T, d, 1.0f);
+    store_rows<D, ROWS>(out, out_at.row, o, first_query, T, d, 1.0f);
 }
 
+// heads: H, the query heads of one batch element (B H blocks along x); each array with its HeadLayout.
 template <int D, bool RELU, int ROWS>
 __global__ void __launch_bounds__(THREADS_FOR(ROWS), FORWARD_BLOCKS(D, ROWS)) attention_forward(float* out,
-    float* lse, const float* q, const float* k, const float* v, int T, int causal, int d, int group)
+    float* lse, const float* q, const float* k, const float* v, int T, int causal, int d, int group, int heads,
+    HeadLayout out_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at)
 {
-    forward_block<D, RELU, ROWS, false, void, false>(out, lse, q, k, v, T, causal, d, group, plain_options(d));
+    forward_block<D, RELU, ROWS, false, void, false>(out, lse, q, k, v, T, causal, d, group, heads, out_at, q_at,
+                                                     k_at, v_at, plain_options(d));
 }
 
-// The forward with a scale, a mask and dropout (softmax only): the mask's strides in elements, heads = H.
+// The forward with a scale, a mask and dropout (softmax only): the mask's strides in elements.
 template <int D, int ROWS, typename Mask, bool DROPOUT>
 __global__ void __launch_bounds__(THREADS_FOR(ROWS), FORWARD_BLOCKS(D, ROWS)) attention_forward_general(
     float* out, float* lse, const float* q, const float* k, const float* v, int T, int causal, int d, int group,
-    float scale, const Mask* mask, long long mask_batch_stride, long long mask_head_stride,
-    long long mask_query_stride, long long mask_key_stride, int heads, const unsigned long long* rng_state,
-    float dropout_p)
+    int heads, HeadLayout out_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at, float scale, const Mask* mask,
+    long long mask_batch_stride, long long mask_head_stride, long long mask_query_stride, long long mask_key_stride,
+    const unsigned long long* rng_state, float dropout_p)
 {
-    forward_block<D, false, ROWS, true, Mask, DROPOUT>(out, lse, q, k, v, T, causal, d, group,
-        general_options<Mask, DROPOUT>(scale, mask, mask_batch_stride, mask_head_stride, mask_query_stride,
-                                       mask_key_stride, heads, T, rng_state, dropout_p));
+    forward_block<D, false, ROWS, true, Mask, DROPOUT>(out, lse, q, k, v, T, causal, d, group, heads, out_at, q_at,
+        k_at, v_at, general_options<Mask, DROPOUT>(scale, mask, mask_batch_stride, mask_head_stride,
+                                                   mask_query_stride, mask_key_stride, heads, T, rng_state,
+                                                   dropout_p));
 }
 
 // rowdot[i] = Σ_c dout[i][c] * out[i][c], the softmax backward's row sum (D_i in FlashAttention-2):
-// Σ_j P_ij dP_ij = Σ_j P_ij <dout_i, v_j> = <dout_i, out_i>. A half-warp per row, a float4 per lane: one
-// load instruction covers two whole rows at d = 64, where a warp per row with a float per lane needed four
-// (measured on an H100 at 98304 rows of 64: 19.7 µs, against 22.8 µs a warp per row). Rows of a head size
-// that is not a multiple of 4 do not all start on 16 bytes: a float per lane.
+// Σ_j P_ij dP_ij = Σ_j P_ij <dout_i, v_j> = <dout_i, out_i>, for the rows = heads T rows of the heads. A
+// half-warp per row, a float4 per lane: one load instruction covers two whole rows at d = 64, where a warp per
+// row with a float per lane needed four (measured on an H100 at 98304 rows of 64: 19.7 µs, against 22.8 µs a
+// warp per row). Rows of a head size that is not a multiple of 4 do not all start on 16 bytes: a float per lane.
 #define HALF_WARP 16
-extern "C" __global__ void attention_backward_rowdot(float* rowdot, const float* dout, const float* out, int rows, int d)
+extern "C" __global__ void attention_backward_rowdot(float* rowdot, const float* dout, const float* out, int rows,
+                                                     int d, int T, int heads, HeadLayout dout_at, HeadLayout out_at)
 {
-    int row = (blockIdx.x * blockDim.x + threadIdx.x) / HALF_WARP, lane = threadIdx.x % HALF_WARP;
+    long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / HALF_WARP;
+    int lane = threadIdx.x % HALF_WARP;
     float sum = 0.0f;
     if (row < rows) {  // no early return: the shuffles below need every lane of the warp
-        const float* dout_row = dout + (long long)row * d;
-        const float* out_row = out + (long long)row * d;
+        long long head = row / T, position = row % T;
+        const float* dout_row = dout + dout_at.start(head, heads) + position * dout_at.row;
+        const float* out_row = out + out_at.start(head, heads) + position * out_at.row;
         if (d % 4 == 0) {
             for (int column = 4 * lane; column < d; column += 4 * HALF_WARP) {
                 float4 a = *reinterpret_cast<const float4*>(dout_row + column);
@@ -636,7 +652,8 @@ __device__ void query_gradients(const float s[ROWS_PER_THREAD][COLUMNS_PER_THREA
 template <int D, bool RELU, int ROWS, bool DQ_ATOMIC, bool GENERAL, typename Mask, bool DROPOUT>
 __device__ __forceinline__ void backward_dk_dv_block(float* dk, float* dv, float* dq, const float* dout,
     const float* q, const float* k, const float* v, const float* lse, const float* rowdot, int T, int causal, int d,
-    int group, const ScoreOptions<Mask>& options)
+    int group, int heads, HeadLayout dk_at, HeadLayout dv_at, HeadLayout dq_at, HeadLayout dout_at, HeadLayout q_at,
+    HeadLayout k_at, HeadLayout v_at, const ScoreOptions<Mask>& options)
 {
     static_assert(!DQ_ATOMIC || ROWS == COLUMNS, "the one-pass dq takes tiles of 64 keys");
     constexpr int THREADS = THREADS_FOR(ROWS);
@@ -651,24 +668,25 @@ __device__ __forceinline__ void backward_dk_dv_block(float* dk, float* dv, float
     const float exponent_scale = GENERAL ? 1.0f : scale;       // of the scores in P (general: already scaled)
     int row_group = thread_row_group(), column_group = thread_column_group();
     long long key_head = blockIdx.x;
-    int first_key = blockIdx.y * ROWS;
-    k += key_head * T * d; v += key_head * T * d; dk += key_head * T * d; dv += key_head * T * d;
+    int first_key = blockIdx.y * ROWS, key_heads = heads / group;
+    k += k_at.start(key_head, key_heads); v += v_at.start(key_head, key_heads);
+    dk += dk_at.start(key_head, key_heads); dv += dv_at.start(key_head, key_heads);
 
-    load_tile<ROWS, D, THREADS>(k_tile, k, first_key, T, d);
-    load_tile<ROWS, D, THREADS>(v_tile, v, first_key, T, d);
+    load_tile<ROWS, D, THREADS>(k_tile, k, k_at.row, first_key, T, d);
+    load_tile<ROWS, D, THREADS>(v_tile, v, v_at.row, first_key, T, d);
     float dk_rows[ROWS_PER_THREAD][D / COLUMN_GROUPS] = {}, dv_rows[ROWS_PER_THREAD][D / COLUMN_GROUPS] = {};
     for (int member = 0; member < group; member++) {
         long long head = key_head * group + member;  // the query head
-        const float* head_q = q + head * T * d;
-        const float* head_dout = dout + head * T * d;
+        const float* head_q = q + q_at.start(head, heads);
+        const float* head_dout = dout + dout_at.start(head, heads);
         const float* head_lse = lse + (RELU ? 0 : head * T);  // the ReLU variant has no lse or rowdot
         const float* head_rowdot = rowdot + (RELU ? 0 : head * T);
-        float* head_dq = dq + head * T * d;
+        float* head_dq = dq + dq_at.start(head, heads);
         // The first query that sees the block's keys is first_key: the query tiles start there.
         for (int first_query = causal ? first_key : 0; first_query < T; first_query += COLUMNS) {
             __syncthreads();
-            load_tile<COLUMNS, D, THREADS>(q_tile, head_q, first_query, T, d);
-            load_tile<COLUMNS, D, THREADS>(dout_tile, head_dout, first_query, T, d);
+            load_tile<COLUMNS, D, THREADS>(q_tile, head_q, q_at.row, first_query, T, d);
+            load_tile<COLUMNS, D, THREADS>(dout_tile, head_dout, dout_at.row, first_query, T, d);
             __syncthreads();
             float query_lse2[COLUMNS_PER_THREAD], query_rowdot[COLUMNS_PER_THREAD];
             for (int c = 0; c < COLUMNS_PER_THREAD; c++) {
@@ -735,34 +753,36 @@ __device__ __forceinline__ void backward_dk_dv_block(float* dk, float* dv, float
                 __syncthreads();  // every warp's part of the transposed dS tile is written
                 float dq_part[ROWS_PER_THREAD][D / COLUMN_GROUPS] = {};  // rows = the tile's 64 queries
                 tile_accumulate<D, COLUMNS, ROWS + PAD>(dq_part, ds_by_query, k_tile);
-                atomic_add_rows<D, COLUMNS>(head_dq, dq_part, first_query, T, d, scale);
+                atomic_add_rows<D, COLUMNS>(head_dq, dq_at.row, dq_part, first_query, T, d, scale);
             }
         }
     }
-    store_rows<D, ROWS>(dk, dk_rows, first_key, T, d, scale);
-    store_rows<D, ROWS>(dv, dv_rows, first_key, T, d, 1.0f);
+    store_rows<D, ROWS>(dk, dk_at.row, dk_rows, first_key, T, d, scale);
+    store_rows<D, ROWS>(dv, dv_at.row, dv_rows, first_key, T, d, 1.0f);
 }
 
 template <int D, bool RELU, int ROWS, bool DQ_ATOMIC>
 __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dk_dv(float* dk,
     float* dv, float* dq, const float* dout, const float* q, const float* k, const float* v, const float* lse,
-    const float* rowdot, int T, int causal, int d, int group)
+    const float* rowdot, int T, int causal, int d, int group, int heads, HeadLayout dk_at, HeadLayout dv_at,
+    HeadLayout dq_at, HeadLayout dout_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at)
 {
     backward_dk_dv_block<D, RELU, ROWS, DQ_ATOMIC, false, void, false>(dk, dv, dq, dout, q, k, v, lse, rowdot, T,
-                                                                      causal, d, group, plain_options(d));
+        causal, d, group, heads, dk_at, dv_at, dq_at, dout_at, q_at, k_at, v_at, plain_options(d));
 }
 
 template <int D, int ROWS, bool DQ_ATOMIC, typename Mask, bool DROPOUT>
 __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dk_dv_general(
     float* dk, float* dv, float* dq, const float* dout, const float* q, const float* k, const float* v,
-    const float* lse, const float* rowdot, int T, int causal, int d, int group, float scale, const Mask* mask,
-    long long mask_batch_stride, long long mask_head_stride, long long mask_query_stride, long long mask_key_stride,
-    int heads, const unsigned long long* rng_state, float dropout_p)
+    const float* lse, const float* rowdot, int T, int causal, int d, int group, int heads, HeadLayout dk_at,
+    HeadLayout dv_at, HeadLayout dq_at, HeadLayout dout_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at,
+    float scale, const Mask* mask, long long mask_batch_stride, long long mask_head_stride,
+    long long mask_query_stride, long long mask_key_stride, const unsigned long long* rng_state, float dropout_p)
 {
     backward_dk_dv_block<D, false, ROWS, DQ_ATOMIC, true, Mask, DROPOUT>(dk, dv, dq, dout, q, k, v, lse, rowdot, T,
-        causal, d, group, general_options<Mask, DROPOUT>(scale, mask, mask_batch_stride, mask_head_stride,
-                                                         mask_query_stride, mask_key_stride, heads, T, rng_state,
-                                                         dropout_p));
+        causal, d, group, heads, dk_at, dv_at, dq_at, dout_at, q_at, k_at, v_at,
+        general_options<Mask, DROPOUT>(scale, mask, mask_batch_stride, mask_head_stride, mask_query_stride,
+                                       mask_key_stride, heads, T, rng_state, dropout_p));
 }
 
 // Backward, second pass: dq. grid = (heads, ⌈T/ROWS⌉): a block owns ROWS queries (rows; columns = keys)
@@ -774,7 +794,8 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) a
 // Shared memory: q, dout tiles of ROWS x (D + 4) floats, k, v tiles of 64 x (D + 4), a ROWS x 72 tile of dS.
 template <int D, bool RELU, int ROWS, bool GENERAL, typename Mask, bool DROPOUT>
 __device__ __forceinline__ void backward_dq_block(float* dq, const float* dout, const float* q, const float* k,
-    const float* v, const float* lse, const float* rowdot, int T, int causal, int d, int group,
+    const float* v, const float* lse, const float* rowdot, int T, int causal, int d, int group, int heads,
+    HeadLayout dq_at, HeadLayout dout_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at,
     const ScoreOptions<Mask>& options)
 {
     constexpr int THREADS = THREADS_FOR(ROWS);
@@ -788,11 +809,12 @@ __device__ __forceinline__ void backward_dq_block(float* dq, const float* dout, 
     const float exponent_scale = GENERAL ? 1.0f : scale;       // of the scores in P (general: already scaled)
     long long head = blockIdx.x, key_head = head / group;
     int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS;  // longest first, as in the forward
-    q += head * T * d; dout += head * T * d; dq += head * T * d; k += key_head * T * d; v += key_head * T * d;
+    q += q_at.start(head, heads); dout += dout_at.start(head, heads); dq += dq_at.start(head, heads);
+    k += k_at.start(key_head, heads / group); v += v_at.start(key_head, heads / group);
     if (!RELU) { lse += head * T; rowdot += head * T; }
 
-    load_tile<ROWS, D, THREADS>(q_tile, q, first_query, T, d);
-    load_tile<ROWS, D, THREADS>(dout_tile, dout, first_query, T, d);
+    load_tile<ROWS, D, THREADS>(q_tile, q, q_at.row, first_query, T, d);
+    load_tile<ROWS, D, THREADS>(dout_tile, dout, dout_at.row, first_query, T, d);
     float row_lse2[ROWS_PER_THREAD], row_rowdot[ROWS_PER_THREAD];
     for (int r = 0; r < ROWS_PER_THREAD; r++) {
         int query = first_query + thread_row_group() + ROWS / ROWS_PER_THREAD * r;
@@ -803,8 +825,8 @@ __device__ __forceinline__ void backward_dq_block(float* dq, const float* dout, 
     int last_key = causal ? min(first_query + ROWS - 1, T - 1) : T - 1;
     for (int first_key = 0; first_key <= last_key; first_key += COLUMNS) {
         __syncthreads();
-        load_tile<COLUMNS, D, THREADS>(k_tile, k, first_key, T, d);
-        load_tile<COLUMNS, D, THREADS>(v_tile, v, first_key, T, d);
+        load_tile<COLUMNS, D, THREADS>(k_tile, k, k_at.row, first_key, T, d);
+        load_tile<COLUMNS, D, THREADS>(v_tile, v, v_at.row, first_key, T, d);
         __syncthreads();
         float s[ROWS_PER_THREAD][COLUMNS_PER_THREAD], ds[ROWS_PER_THREAD][COLUMNS_PER_THREAD];
         bool diagonal = ROWS == COLUMNS && causal && first_key == first_query;  // its upper right quadrant masked
@@ -828,26 +850,29 @@ __device__ __forceinline__ void backward_dq_block(float* dq, const float* dout, 
         if (diagonal) tile_accumulate<D, ROWS, WEIGHTS_STRIDE, UPPER_RIGHT>(dq_rows, ds_tile, k_tile);
         else tile_accumulate<D, ROWS>(dq_rows, ds_tile, k_tile);
     }
-    store_rows<D, ROWS>(dq, dq_rows, first_query, T, d, scale);
+    store_rows<D, ROWS>(dq, dq_at.row, dq_rows, first_query, T, d, scale);
 }
 
 template <int D, bool RELU, int ROWS>
 __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dq(float* dq,
     const float* dout, const float* q, const float* k, const float* v, const float* lse, const float* rowdot, int T,
-    int causal, int d, int group)
+    int causal, int d, int group, int heads, HeadLayout dq_at, HeadLayout dout_at, HeadLayout q_at, HeadLayout k_at,
+    HeadLayout v_at)
 {
-    backward_dq_block<D, RELU, ROWS, false, void, false>(dq, dout, q, k, v, lse, rowdot, T, causal, d, group,
-                                                         plain_options(d));
+    backward_dq_block<D, RELU, ROWS, false, void, false>(dq, dout, q, k, v, lse, rowdot, T, causal, d, group, heads,
+                                                         dq_at, dout_at, q_at, k_at, v_at, plain_options(d));
 }
 
 template <int D, int ROWS, typename Mask, bool DROPOUT>
 __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) attention_backward_dq_general(
     float* dq, const float* dout, const float* q, const float* k, const float* v, const float* lse,
-    const float* rowdot, int T, int causal, int d, int group, float scale, const Mask* mask,
-    long long mask_batch_stride, long long mask_head_stride, long long mask_query_stride, long long mask_key_stride,
-    int heads, const unsigned long long* rng_state, float dropout_p)
+    const float* rowdot, int T, int causal, int d, int group, int heads, HeadLayout dq_at, HeadLayout dout_at,
+    HeadLayout q_at, HeadLayout k_at, HeadLayout v_at, float scale, const Mask* mask, long long mask_batch_stride,
+    long long mask_head_stride, long long mask_query_stride, long long mask_key_stride,
+    const unsigned long long* rng_state, float dropout_p)
 {
     backward_dq_block<D, false, ROWS, true, Mask, DROPOUT>(dq, dout, q, k, v, lse, rowdot, T, causal, d, group,
+        heads, dq_at, dout_at, q_at, k_at, v_at,
         general_options<Mask, DROPOUT>(scale, mask, mask_batch_stride, mask_head_stride, mask_query_stride,
                                        mask_key_stride, heads, T, rng_state, dropout_p));
 }

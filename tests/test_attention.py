@@ -198,7 +198,7 @@ def test_every_rows_per_block_choice(rng, to_device, to_host, rows, d, causal):
         shape = attention_ops.LaunchShape.of(q, k, v)
         attention_ops._forward(out, lse, q, k, v, shape, causal, variant, rows)
         if variant == "softmax":
-            attention_ops._rowdot(rowdot, dout, out, heads * T, d)
+            attention_ops._rowdot(rowdot, dout, out, shape)
         else:
             lse = rowdot = dout
         attention_ops._dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows)
@@ -377,3 +377,51 @@ def test_model_head_sizes_run_the_fused_kernels(rng, to_device, d):
     q, k, v = (Tensor(to_device(rng.normal(size=(1, 2, 5, d)).astype(np.float32)), requires_grad=True)
                for _ in range(3))
     assert F.scaled_dot_product_attention(q, k, v, is_causal=True).grad_fn.function is F.Attention
+
+
+def _heads_of(qkv, B, T, H, d, key_heads):
+    """q (B, H, T, d), k, v (B, key_heads, T, d): views of one (B, T, (H + 2 key_heads) d) product's output."""
+    xp = np if isinstance(qkv, np.ndarray) else backend.xp
+    q, k, v = xp.split(qkv, [H * d, (H + key_heads) * d], axis=-1)
+    return (q.reshape(B, T, H, d).swapaxes(1, 2), k.reshape(B, T, key_heads, d).swapaxes(1, 2),
+            v.reshape(B, T, key_heads, d).swapaxes(1, 2))
+
+
+@pytest.mark.parametrize("d, H, key_heads", [(64, 3, 3), (32, 4, 2), (20, 2, 1), (6, 2, 2)])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_heads_read_and_written_where_they_lie(rng, to_device, to_host, d, H, key_heads, variant):
+    """q, k, v as views of one product's output (no copy), out made with its heads side by side, and dq, dk, dv
+    one array laid out as q, k, v: the same results as the float64 reference. d = 6 (rows not on 16 bytes:
+    float by float) and 20 (float4s in a 32-wide tile) take the kernels' narrow-head paths."""
+    B, T = 2, 70
+    qkv = rng.normal(size=(B, T, (H + 2 * key_heads) * d)).astype(np.float32)
+    dout = rng.normal(size=(B, T, H * d)).astype(np.float32)         # the next product's gradient, (B, T, C)
+    device_qkv, device_dout = to_device(qkv), to_device(dout)
+    q, k, v = _heads_of(device_qkv, B, T, H, d, key_heads)
+    dout_heads = device_dout.reshape(B, T, H, d).swapaxes(1, 2)
+    out, lse = attention_forward(q, k, v, variant=variant)
+    assert out.swapaxes(1, 2).flags.c_contiguous                          # (B, T, H, d) memory: heads side by side
+    dq, dk, dv = attention_backward(dout_heads, q, k, v, out, lse, variant=variant)
+    assert dq.base is not None and all(g.base is dq.base for g in (dk, dv))   # one (B, T, 3 C) array
+    group = H // key_heads
+    host_q, host_k, host_v = _heads_of(qkv, B, T, H, d, key_heads)
+    expanded = [np.repeat(x, group, axis=1) for x in (host_k, host_v)]   # key head j serves query heads j·group..
+    assert relative_error(to_host(out), reference_forward(host_q, *expanded, variant=variant)[0]) < TOLERANCE
+    reference_dq, reference_dk, reference_dv = reference_backward(dout.reshape(B, T, H, d).swapaxes(1, 2), host_q,
+                                                                  *expanded, variant=variant)
+    summed = [r.reshape(B, key_heads, group, T, d).sum(axis=2) for r in (reference_dk, reference_dv)]
+    for name, got, reference in zip("qkv", (dq, dk, dv), (reference_dq, *summed)):
+        assert relative_error(to_host(got), reference) < TOLERANCE, f"d{name}"
+
+
+def test_unaligned_views_are_copied(rng, to_device, to_host):
+    """Heads of 64 whose rows start 4 bytes past 16 (a view one float into a wider array): the float4 path
+    would read across rows, so the op copies them first and gives the reference's result."""
+    B, H, T, d = 1, 2, 33, 64
+    wide = rng.normal(size=(4, B, H, T, d + 1)).astype(np.float32)
+    q, k, v, dout = (to_device(np.ascontiguousarray(x))[..., 1:] for x in wide)
+    out, lse = attention_forward(q, k, v)
+    host = [to_host(x) for x in (q, k, v, dout)]
+    assert relative_error(to_host(out), reference_forward(*host[:3])[0]) < TOLERANCE
+    for got, reference in zip(attention_backward(dout, q, k, v, out, lse), reference_backward(host[3], *host[:3])):
+        assert relative_error(to_host(got), reference) < TOLERANCE

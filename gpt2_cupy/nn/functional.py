@@ -259,6 +259,7 @@ class Attention(Function):
     kernels' general versions; dropout draws from dropout's generator as F.dropout does: the forward uses a copy
     of its (seed, offset), kept for the backward to regenerate the mask, and advances the offset on the device
     past the B·H·T·T weights (no host copy: it works inside a CUDA graph capture)."""
+    accepts_strided = True   # the kernels read q, k, v and dout where they lie, and make out with heads side by side
 
     @staticmethod
     def forward(ctx, q, k, v, causal, variant, scale=None, attn_mask=None, dropout_p=0.0):

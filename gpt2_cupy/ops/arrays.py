@@ -284,3 +284,39 @@ def _joining_axis(group, strides):
         if same_elsewhere and follow:
             return axis
     return None
+
+
+# The kernels' struct HeadLayout (kernels/include/head_layout.cuh): where a (B, heads, T, d) tensor lies in
+# the array that holds it, in elements.
+HEAD_LAYOUT = numpy.dtype([("offset", numpy.int64), ("batch", numpy.int64), ("head", numpy.int64),
+                           ("row", numpy.int64)])
+
+
+def head_layout(array):
+    """(the array holding the (B, heads, T, d) `array`, the HeadLayout that says where in it `array` lies), as
+    the attention kernels take them."""
+    layout = numpy.zeros((), dtype=HEAD_LAYOUT)
+    layout["offset"] = element_offset(array)
+    layout["batch"], layout["head"], layout["row"] = element_strides(array)[:3]
+    return storage_of(array), layout[()]
+
+
+def heads_readable(array, alignment_bytes):
+    """Whether a kernel taking a HeadLayout reads the (B, heads, T, d) `array` where it lies: each row's d
+    elements contiguous, its start and its strides multiples of alignment_bytes, in an array that is
+    C-contiguous itself (the kernel is handed that array and the layout)."""
+    strides = element_strides(array)
+    rows_fit = strides[-1] == 1 or array.shape[-1] == 1
+    offsets = [element_offset(array)] + [stride for stride, size in zip(strides[:-1], array.shape) if size > 1]
+    aligned = all(offset * array.itemsize % alignment_bytes == 0 for offset in offsets)
+    return rows_fit and aligned and storage_of(array).flags.c_contiguous
+
+
+def empty_heads_side_by_side(shape, dtype):
+    """A new uninitialised array of `shape` (..., H, T, d) laid out as (..., T, H, d): attention's output with
+    its heads side by side, which y.transpose(-3, -2) then reads as (..., T, H d) without a copy, as the next
+    product wants it. (T, d): a C-contiguous one."""
+    if len(shape) < 3:
+        return backend.xp.empty(shape, dtype=dtype)
+    *leading, H, T, d = shape
+    return backend.xp.empty((*leading, T, H, d), dtype=dtype).swapaxes(-3, -2)

@@ -9,6 +9,12 @@
 q: (..., H, T, d), any leading axes (GPT-2: (B, H, T, d)), or (T, d) for one head; k, v: the same shape, or,
 for grouped-query attention, (..., H_kv, T, d) with H_kv dividing H: query head h reads key and value head
 h // (H / H_kv), with no copy per query head, and dk, dv sum over the H / H_kv query heads of each group.
+q, k, v, dout and out may be views of any layout whose rows (the last axis) are contiguous: the kernels read
+and write heads where they lie (kernels/include/head_layout.cuh), so q, k, v cut by split and transpose from
+one (B, T, 3 H d) product's output need no copy. out is made as a (..., T, H, d) array seen as (..., H, T, d):
+its heads side by side, as the next product reads them. dq, dk, dv are laid out as q, k, v are
+(arrays.empty_like_views): split from one array, their gradients make one array too. Where d is a multiple of
+4 the kernels move float4s, and a view whose rows do not all start on 16 bytes is copied first.
 d: any head size from 1 to 256 (HEAD_SIZES). The scores are S = q kᵀ / √d; causal=True lets query t see
 keys 0..t.
     variant="softmax":  out = softmax(S) v; lse, the log-sum-exp of each row of S, (..., H, T), is saved for
@@ -48,7 +54,10 @@ import math
 import numpy as np
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.ops.arrays import LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, output
+from gpt2_cupy.elementwise import copy
+from gpt2_cupy.ops.arrays import (LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, check_views,
+                                  empty_heads_side_by_side, empty_like_views, head_layout, heads_readable, output,
+                                  storage_of)
 from gpt2_cupy.ops.matmul import batched_matmul
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 
@@ -62,6 +71,7 @@ NARROW_ROWS = 32           # rows per block where a kernel's tiles at ROWS = 64 
 PAD = 4                    # floats of padding after each row of a q, k, v or dout tile in shared memory
 WEIGHTS_PAD = 8            # and after each row of a P or dS tile
 FLOAT = 4                  # bytes
+FLOAT4 = 16                # bytes: where d is a multiple of 4, every row must start on a multiple of this
 TILE_WIDTHS = (32, 64, 128, 256)                   # D, a template parameter of the kernels
 HEAD_SIZES = range(1, TILE_WIDTHS[-1] + 1)         # d: any head size that fits in a tile
 SHARED_BYTES_PER_BLOCK = 227 * 1024                # the most shared memory one block may have (H100, H200)
@@ -130,9 +140,10 @@ def _check_sizes(operation, q, k, v, like_q=None, per_row=None):
         queries, keys = ("...", "H", "T", "d"), ("...", "H_kv", "T", "d")
     else:
         queries = keys = ("T", "d")
-    arguments = {name: (array, queries) for name, array in (like_q or {}).items()}
-    arguments.update({name: (array, queries[:-1]) for name, array in (per_row or {}).items()})
-    sizes = check(operation, q=(q, queries), k=(k, keys), v=(v, keys), **arguments)
+    rows = {name: (array, queries[:-1]) for name, array in (per_row or {}).items()}
+    check(operation, **rows)  # C-contiguous
+    sizes = check_views(operation, q=(q, queries), k=(k, keys), v=(v, keys),
+                        **{name: (array, queries) for name, array in (like_q or {}).items()}, **rows)
     sizes.setdefault("...", ())
     heads, key_heads = sizes.setdefault("H", 1), sizes.setdefault("H_kv", 1)
     if heads % key_heads:
@@ -181,7 +192,7 @@ class ScoreOptions:
         mask_type = "void" if self.mask is None else "bool" if self.mask.dtype == np.bool_ else "float"
         self.template_arguments = f"{mask_type}, {'true' if self.dropout else 'false'}"
         self.arguments = (np.float32(scale), 0 if self.mask is None else self.mask, *(np.int64(s) for s in strides),
-                          np.int32(sizes["H"]), rng_state if self.dropout else 0, np.float32(dropout_p))
+                          rng_state if self.dropout else 0, np.float32(dropout_p))
 
 
 def _mask_and_strides(operation, mask, sizes):
@@ -220,14 +231,35 @@ class LaunchShape:
 
     def __init__(self, sizes):
         self.heads = math.prod(sizes["..."]) * sizes["H"]
+        self.heads_per_batch = sizes["H"]
         self.T, self.d = sizes["T"], sizes["d"]
         self.group = sizes["H"] // sizes["H_kv"]
         self.key_heads = self.heads // self.group
         self.width = tile_width(self.d)
 
     def arguments(self, causal):
-        """The kernels' last four arguments: T, causal, d, group."""
-        return np.int32(self.T), np.int32(bool(causal)), np.int32(self.d), np.int32(self.group)
+        """The kernels' arguments after the arrays: T, causal, d, group, heads (H, per batch element)."""
+        return (np.int32(self.T), np.int32(bool(causal)), np.int32(self.d), np.int32(self.group),
+                np.int32(self.heads_per_batch))
+
+
+def _heads(array):
+    """array as (B, heads, T, d): its leading axes merged into one (a view where they merge, else a copy), a
+    (T, d) array as one head."""
+    return array.reshape(1, 1, *array.shape) if array.ndim == 2 else array.reshape(-1, *array.shape[-3:])
+
+
+def _readable(array):
+    """(B, heads, T, d) `array` itself where the kernels read it in place, else a C-contiguous copy."""
+    array = _heads(array)
+    return array if heads_readable(array, FLOAT4 if array.shape[-1] % 4 == 0 else FLOAT) else copy(
+        "attention_input", array)
+
+
+def _placed(*arrays):
+    """([the array holding each], [each one's HeadLayout]) for arrays the kernels can read, as they take them."""
+    pairs = [head_layout(_heads(array)) for array in arrays]
+    return [storage for storage, _ in pairs], [layout for _, layout in pairs]
 
 
 def attention_forward(q, k, v, *, causal=True, variant="softmax", scale=None, attn_mask=None, dropout_p=0.0,
@@ -239,9 +271,9 @@ def attention_forward(q, k, v, *, causal=True, variant="softmax", scale=None, at
     sizes = _check_sizes(name, q, k, v)
     options = ScoreOptions.of(name, sizes, variant, scale, attn_mask, dropout_p, rng_state)
     shape = LaunchShape(sizes)
-    out = output(name, out, q.shape)
+    out = empty_heads_side_by_side(q.shape, np.float32) if out is None else output(name, out, q.shape)
     lse = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
-    _forward(out, lse, q, k, v, shape, causal, variant, options=options)
+    _forward(out, lse, *(_readable(x) for x in (q, k, v)), shape, causal, variant, options=options)
     return out, lse
 
 
@@ -252,8 +284,10 @@ def _forward(out, lse, q, k, v, shape, causal, variant, rows=FORWARD_ROWS, optio
     rows = _rows("attention_forward", shape.width, rows)
     kernel, shared = _kernel("attention_forward", shape.width, variant, rows, options=options)
     general = () if options is None else options.arguments
+    (out, q, k, v), layouts = _placed(out, q, k, v)
     kernel((shape.heads, ceil_div(shape.T, rows)), (threads(rows),),
-           (out, lse if lse is not None else out, q, k, v, *shape.arguments(causal), *general), shared_mem=shared)
+           (out, lse if lse is not None else out, q, k, v, *shape.arguments(causal), *layouts, *general),
+           shared_mem=shared)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax", scale=None, attn_mask=None,
@@ -269,10 +303,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax
     shape = LaunchShape(sizes)
     if variant == "softmax" and lse is None:
         raise ValueError(f"{name}: the softmax variant needs the lse that attention_forward returned")
-    dq = backend.xp.empty(q.shape, dtype=np.float32)
-    dk, dv = (backend.xp.empty(k.shape, dtype=np.float32) for _ in range(2))
+    readable = [_readable(x) for x in (q, k, v)]
+    if all(storage_of(r) is storage_of(x) for r, x in zip(readable, (q, k, v))):  # all read where they lie
+        dq, dk, dv = empty_like_views(q, k, v)
+    else:
+        dq, dk, dv = (backend.xp.empty(x.shape, dtype=np.float32) for x in (q, k, v))
     rowdot = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
-    _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, shape, causal, variant, deterministic, options)
+    _backward(dq, dk, dv, rowdot, _readable(dout), *readable, _readable(out), lse, shape, causal, variant,
+              deterministic, options)
     return dq, dk, dv
 
 
@@ -285,9 +323,9 @@ def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, shape, causal, varian
     if shape.heads * shape.T == 0:
         return
     if variant == "softmax":
-        _rowdot(rowdot, dout, out, shape.heads * shape.T, shape.d)
+        _rowdot(rowdot, dout, out, shape)
     else:  # the ReLU kernels never read lse or rowdot: dout stands in for both pointers
-        lse = rowdot = dout
+        lse = rowdot = storage_of(dout)
     if deterministic or not one_pass_fits(shape.width):
         _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, options=options)
         _dq(dq, dout, q, k, v, lse, rowdot, shape, causal, variant, options=options)
@@ -302,10 +340,13 @@ def _backward(dq, dk, dv, rowdot, dout, q, k, v, out, lse, shape, causal, varian
 # The backward's three launches, each its own function so that bench/attention.py can time them apart
 # (and each kernel with either number of rows per block).
 
-def _rowdot(rowdot, dout, out, rows, d):
+def _rowdot(rowdot, dout, out, shape):
+    rows = shape.heads * shape.T
+    (dout, out), layouts = _placed(dout, out)
     kernels.function("attention", "attention_backward_rowdot")(
         (ceil_div(rows, ROWDOT_ROWS_PER_BLOCK),), (ROWDOT_ROWS_PER_BLOCK * 16,),
-        (rowdot, dout, out, np.int32(rows), np.int32(d)))
+        (rowdot, dout, out, np.int32(rows), np.int32(shape.d), np.int32(shape.T), np.int32(shape.heads_per_batch),
+         *layouts))
 
 
 def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=BACKWARD_DK_DV_ROWS, dq=None,
@@ -316,17 +357,18 @@ def _dk_dv(dk, dv, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=BACK
     kernel, shared = _kernel("attention_backward_dk_dv", shape.width, variant, rows, dq_atomic=dq is not None,
                              options=options)
     general = () if options is None else options.arguments
+    (dk, dv, dq, dout, q, k, v), layouts = _placed(dk, dv, dk if dq is None else dq, dout, q, k, v)
     kernel((shape.key_heads, ceil_div(shape.T, rows)), (threads(rows),),
-           (dk, dv, dk if dq is None else dq, dout, q, k, v, lse, rowdot, *shape.arguments(causal), *general),
-           shared_mem=shared)
+           (dk, dv, dq, dout, q, k, v, lse, rowdot, *shape.arguments(causal), *layouts, *general), shared_mem=shared)
 
 
 def _dq(dq, dout, q, k, v, lse, rowdot, shape, causal, variant, rows=BACKWARD_DQ_ROWS, options=None):
     rows = _rows("attention_backward_dq", shape.width, rows)
     kernel, shared = _kernel("attention_backward_dq", shape.width, variant, rows, options=options)
     general = () if options is None else options.arguments
+    (dq, dout, q, k, v), layouts = _placed(dq, dout, q, k, v)
     kernel((shape.heads, ceil_div(shape.T, rows)), (threads(rows),),
-           (dq, dout, q, k, v, lse, rowdot, *shape.arguments(causal), *general), shared_mem=shared)
+           (dq, dout, q, k, v, lse, rowdot, *shape.arguments(causal), *layouts, *general), shared_mem=shared)
 
 
 # ---- The naive version: scores and probabilities written out, (..., T, T) each ----
