@@ -143,6 +143,24 @@ def test_split_hands_on_gradients_that_already_lie_side_by_side(to_device):
                                                      np.repeat(np.arange(3.0), 4)[None].repeat(2, 0))
 
 
+def test_gradients_of_heads_with_a_single_key_head_lie_side_by_side(to_device):
+    """q (2 heads) and k, v (1 head each) cut from one (B, T, 4 d) array: k's and v's head axis has size 1, whose
+    stride numpy and CuPy choose differently and which means nothing. Their gradient buffers are still views of
+    one new array, at the places q, k and v have in theirs."""
+    from gpt2_cupy.ops.arrays import empty_like_views, storage_of
+    B, T, d = 2, 5, 8
+    packed = to_device(np.zeros((B, T, 4 * d), np.float32))
+    q = packed[..., :2 * d].reshape(B, T, 2, d).swapaxes(1, 2)
+    k, v = (packed[..., start:start + d].reshape(B, T, 1, d).swapaxes(1, 2) for start in (2 * d, 3 * d))
+    if isinstance(k, np.ndarray):                     # give the size-1 axis a stride of its own, as CuPy may
+        k = np.ndarray(k.shape, k.dtype, buffer=packed, offset=2 * d * 4, strides=(k.strides[0], 12345 * 4,
+                                                                                  *k.strides[2:]))
+    dq, dk, dv = empty_like_views(q, k, v)
+    assert storage_of(dq) is storage_of(dk) is storage_of(dv) and storage_of(dq).shape == (B, T, 4 * d)
+    offsets = [(backend.address(g) - backend.address(storage_of(g))) // 4 for g in (dq, dk, dv)]
+    assert offsets == [0, 2 * d, 3 * d]
+
+
 def test_softmax(rng, to_device, to_host):
     check_op(lambda x: F.softmax(x, dim=-1), softmax_reference, [rng.normal(size=(2, 3, 33))], to_device, to_host)
 

@@ -243,10 +243,10 @@ def _views_of_a_new_storage(group):
     together cover every element of their C-contiguous storage once (one array: a permutation of the
     storage's own layout); else {}."""
     whole = storage_of(group[0])
-    strides = element_strides(group[0])
+    strides = _shared_strides(group)
     group = sorted(group, key=element_offset)
-    if not whole.flags.c_contiguous or any(a.dtype != whole.dtype or element_strides(a) != strides or 0 in a.shape
-                                           for a in group) or element_offset(group[0]) != 0:
+    if not whole.flags.c_contiguous or strides is None or any(a.dtype != whole.dtype or 0 in a.shape
+                                                              for a in group) or element_offset(group[0]) != 0:
         return {}
     shape = list(group[0].shape)
     if len(group) > 1:
@@ -272,6 +272,21 @@ def _views_of_a_new_storage(group):
         views[id(array)] = joined[(slice(None),) * axis + (slice(start, start + array.shape[axis]),)]
         start += array.shape[axis]
     return views
+
+
+def _shared_strides(group):
+    """The strides, in elements, that the arrays of group share, axis by axis, or None where they differ. An axis
+    of size 1 says nothing (its stride is never used, and numpy and CuPy give it different ones): it takes the
+    stride of the arrays where that axis is longer."""
+    if len({a.ndim for a in group}) > 1:
+        return None
+    strides = []
+    for axis in range(group[0].ndim):
+        seen = {element_strides(a)[axis] for a in group if a.shape[axis] != 1}
+        if len(seen) > 1:
+            return None
+        strides.append(seen.pop() if seen else element_strides(group[0])[axis])
+    return strides
 
 
 def _joining_axis(group, strides):

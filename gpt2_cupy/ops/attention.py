@@ -244,14 +244,15 @@ class LaunchShape:
 
 
 def _heads(array):
-    """array as (B, heads, T, d): its leading axes merged into one (a view where they merge, else a copy), a
-    (T, d) array as one head."""
-    return array.reshape(1, 1, *array.shape) if array.ndim == 2 else array.reshape(-1, *array.shape[-3:])
+    """array as (B, heads, T, d), the kernels' four axes: a (T, d) or (H, T, d) array as a view with axes of 1
+    in front; more than one leading axis merged into one (a view where they merge, else a copy)."""
+    if array.ndim <= 4:
+        return array[(None,) * (4 - array.ndim)]
+    return array.reshape(-1, *array.shape[-3:])
 
 
 def _readable(array):
     """(B, heads, T, d) `array` itself where the kernels read it in place, else a C-contiguous copy."""
-    array = _heads(array)
     return array if heads_readable(array, FLOAT4 if array.shape[-1] % 4 == 0 else FLOAT) else copy(
         "attention_input", array)
 
@@ -273,7 +274,8 @@ def attention_forward(q, k, v, *, causal=True, variant="softmax", scale=None, at
     shape = LaunchShape(sizes)
     out = empty_heads_side_by_side(q.shape, np.float32) if out is None else output(name, out, q.shape)
     lse = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
-    _forward(out, lse, *(_readable(x) for x in (q, k, v)), shape, causal, variant, options=options)
+    # out's leading axes merge into one without a copy: made here side by side, or C-contiguous if given
+    _forward(_heads(out), lse, *(_readable(_heads(x)) for x in (q, k, v)), shape, causal, variant, options=options)
     return out, lse
 
 
@@ -303,15 +305,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax
     shape = LaunchShape(sizes)
     if variant == "softmax" and lse is None:
         raise ValueError(f"{name}: the softmax variant needs the lse that attention_forward returned")
-    readable = [_readable(x) for x in (q, k, v)]
+    heads = [_heads(x) for x in (q, k, v)]
+    readable = [_readable(x) for x in heads]
     if all(storage_of(r) is storage_of(x) for r, x in zip(readable, (q, k, v))):  # all read where they lie
-        dq, dk, dv = empty_like_views(q, k, v)
+        gradients = empty_like_views(*heads)
     else:
-        dq, dk, dv = (backend.xp.empty(x.shape, dtype=np.float32) for x in (q, k, v))
+        gradients = [backend.xp.empty(x.shape, dtype=np.float32) for x in heads]
     rowdot = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
-    _backward(dq, dk, dv, rowdot, _readable(dout), *readable, _readable(out), lse, shape, causal, variant,
-              deterministic, options)
-    return dq, dk, dv
+    _backward(*gradients, rowdot, _readable(_heads(dout)), *readable, _readable(_heads(out)), lse, shape, causal,
+              variant, deterministic, options)
+    return tuple(g if g.shape == x.shape else g.reshape(x.shape) for g, x in zip(gradients, (q, k, v)))
 
 
 def one_pass_fits(width):
