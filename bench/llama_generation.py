@@ -1,11 +1,14 @@
 """Llama generation at batch 1 on a GPU: bf16 decode against the memory-bandwidth bound and transformers.
 
-    python -m bench.llama_generation [--shape 1b 7b] [--prompt 512] [--new-tokens 128] [--prefill 2048]
+    python -m bench.llama_generation [--shape 1b tinyllama 7b] [--prompt 512] [--new-tokens 128] [--prefill 2048]
 
-Two shapes, random weights (the speed does not depend on them), built in bf16 on the device:
-    1b  Llama 3.2 1B: 16 layers, 2048 channels, 32 query and 8 key-value heads of 64, MLP 8192, vocabulary
-        128256, tied embeddings;
-    7b  Llama 2 7B: 32 layers, 4096 channels, 32 heads of 128, MLP 11008, vocabulary 32000 (13.5 GB in bf16).
+Three shapes, random weights (the speed does not depend on them), built in bf16 on the device:
+    1b         Llama 3.2 1B: 16 layers, 2048 channels, 32 query and 8 key-value heads of 64, MLP 8192,
+               vocabulary 128256, tied embeddings;
+    tinyllama  TinyLlama 1.1B: 22 layers, 2048 channels, 32 query and 4 key-value heads of 64, MLP 5632,
+               vocabulary 32000;
+    7b         Llama 2 7B: 32 layers, 4096 channels, 32 heads of 128, MLP 11008, vocabulary 32000 (13.5 GB in
+               bf16).
 Greedy decoding from a random prompt, batch 1, the next token chosen on the device (argmax):
 - decode tokens/s, ours eager (a Python call per op) and ours with the step captured as a CUDA graph
   (Llama.generate(..., cuda_graph=True)'s DecodeGraph), and transformers' LlamaForCausalLM in bf16 with
@@ -52,11 +55,14 @@ SHAPES = {
     "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0,
                tie_word_embeddings=True),
+    "tinyllama": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+                      rope_theta=10000.0, tie_word_embeddings=False),
     "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rope_theta=10000.0,
                tie_word_embeddings=False),
 }
-NAMES = {"1b": "Llama 3.2 1B", "7b": "Llama 2 7B"}
+NAMES = {"1b": "Llama 3.2 1B", "tinyllama": "TinyLlama 1.1B", "7b": "Llama 2 7B"}
 RESULTS = Path(__file__).resolve().parent / "llama_generation.json"
 
 
@@ -379,7 +385,7 @@ def table(results):
 
 def main():
     parser = argparse.ArgumentParser(prog="python -m bench.llama_generation", description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=["1b", "7b"])
+    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens before decoding")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill", type=int, default=2048, help="a longer prompt timed for 7b's prefill")

@@ -982,7 +982,8 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
 }
 
 // ---- faults: a bad address becomes a reported failure, not a dead Python process --------------------
-struct sigaction previous_segv_action, previous_bus_action, previous_fpe_action, previous_interrupt_action;
+struct sigaction previous_segv_action, previous_bus_action, previous_fpe_action, previous_ill_action,
+    previous_interrupt_action;
 Launch* launch_in_flight = nullptr;
 constexpr int stop_signal = SIGUSR2;  // sent to the workers when the launch is interrupted
 
@@ -995,6 +996,7 @@ void on_fault(int signal_number, siginfo_t* info, void* context) {
         sigaction(SIGSEGV, &previous_segv_action, nullptr);
         sigaction(SIGBUS, &previous_bus_action, nullptr);
         sigaction(SIGFPE, &previous_fpe_action, nullptr);
+        sigaction(SIGILL, &previous_ill_action, nullptr);
         return;
     }
     const void* address = info->si_addr;
@@ -1005,7 +1007,7 @@ void on_fault(int signal_number, siginfo_t* info, void* context) {
     (void)context;
 #endif
     Fiber* fiber = runner->current_fiber();
-    const bool overflow = signal_number != SIGFPE && runner->address_in_stack_guard(address);
+    const bool overflow = signal_number != SIGFPE && signal_number != SIGILL && runner->address_in_stack_guard(address);
     int failure = memory_fault;
     char message[320];
     if (signal_number == SIGFPE) {
@@ -1023,6 +1025,15 @@ void on_fault(int signal_number, siginfo_t* info, void* context) {
                       "stack overflow: a thread used more than %zu KiB of local memory (a large local array? "
                       "a GPU allows at most 512 KiB per thread), or recursed too deep",
                       fiber_stack_bytes / 1024);
+    } else if (signal_number == SIGILL) {
+        // Kernels are compiled with an alignment check before every load and store (toolchain.py's
+        // ALIGNMENT_CHECK_FLAGS), whose failure executes ud2.
+        failure = misaligned_access;
+        std::snprintf(message, sizeof(message), "%s",
+                      "misaligned access: a load or store at an address that is not a multiple of its size (a "
+                      "float4 must start at a multiple of 16 bytes, a float2 at 8, a float at 4: is the index a "
+                      "multiple of the vector's width, the array's start aligned?); a GPU stops the kernel there");
+        address = nullptr;
     } else if (signal_number == SIGSEGV && info->si_code == SI_KERNEL && address == nullptr) {
         // x86-64 reports a misaligned vector access (and an address outside the address space) as a
         // general protection fault, which carries no address.
@@ -1093,6 +1104,7 @@ void install_fault_handler() {
     sigaction(SIGSEGV, &ours, &previous_segv_action);
     sigaction(SIGBUS, &ours, &previous_bus_action);
     sigaction(SIGFPE, &ours, &previous_fpe_action);
+    sigaction(SIGILL, &ours, &previous_ill_action);
 }
 
 constexpr int preempt_signal = SIGURG;  // ignored by default, so a stray one does no harm

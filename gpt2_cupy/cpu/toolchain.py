@@ -172,9 +172,16 @@ def build_runtime():
                   cuda_headers=False)
 
 
+# Every load and store of a kernel checks that its address is a multiple of its size, as a GPU's memory
+# instructions require: a misaligned one executes ud2 (SIGILL), which the runtime reports as a misaligned
+# access. Without it the CPU reads a float4 split into floats from any address, where the GPU stops.
+ALIGNMENT_CHECK_FLAGS = ("-fsanitize=alignment", "-fsanitize-undefined-trap-on-error")
+
+
 def build_kernel(translation_unit, flags, describe, for_race_check=False):
     """A kernel library from the translation unit; `describe` turns the compiler's log into a message.
     for_race_check: built so that its every memory access is reported to the runtime."""
+    flags = (*ALIGNMENT_CHECK_FLAGS, *flags)
     if for_race_check:
         extra = race_check_flags()
         library = cache_directory() / f"kernel-races-{_fingerprint(translation_unit, *extra, *flags)}.so"
