@@ -60,13 +60,13 @@ def launch_checked(function, grid, block, values, arrays, bounds, races, shared_
     """Launch `function` (a kernel.Function) with the checks asked for; raise what they find."""
     regions = regions_of(arrays)
 
-    def run(make_copy, reverse_order=False, show_output=False, track_races=False):
+    def run(make_copy, reverse_order=False, show_output=False, track_races=False, unchecked_alignment=False):
         copies = [make_copy(region) for region in regions]
         addresses = {index: copy.address + (array.ctypes.data - region.start)
                      for region, copy in zip(regions, copies) for index, array in region.members}
         ranges = [(copy.address, copy.address + copy.nbytes) for copy in copies] if track_races else ()
         result = function._launch(grid, block, function._with_addresses(values, addresses), reverse_order,
-                                  show_output, track_races, ranges, shared_mem)
+                                  show_output, track_races, ranges, shared_mem, unchecked_alignment)
         return result, copies
 
     def above_guard(region):
@@ -93,7 +93,7 @@ def launch_checked(function, grid, block, values, arrays, bounds, races, shared_
             finally:
                 _free(below)
             if any(copy.slack_bytes for copy in kept):
-                result, exact = run(exactly_above_guard)
+                result, exact = run(exactly_above_guard, unchecked_alignment=True)  # off alignment on purpose
                 try:
                     # Only a fault in a guard counts here: any other (a misaligned access, or a fault
                     # elsewhere) is a vector load or store of the shifted bytes, which cannot happen on a GPU.

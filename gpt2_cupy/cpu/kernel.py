@@ -305,10 +305,13 @@ class Function:
 
     # ---- launching -----------------------------------------------------------------------------------
     def _launch(self, grid, block, values, reverse_order=False, show_output=True, track_races=False, global_ranges=(),
-                shared_mem=None):
+                shared_mem=None, unchecked_alignment=False):
         """track_races: run the build whose every memory access is checked (see checked_launch);
-        shared_mem: the launch's dynamic shared memory in bytes (None: as much as a block may have)."""
-        entry_address = (self.race_check_entry_address() if track_races else None) or self._entry_address
+        shared_mem: the launch's dynamic shared memory in bytes (None: as much as a block may have);
+        unchecked_alignment: run that build without tracking, for its lack of alignment checks (the bounds
+        check's pass on arrays moved off their alignment)."""
+        race_build = track_races or unchecked_alignment
+        entry_address = (self.race_check_entry_address() if race_build else None) or self._entry_address
         track_races = track_races and entry_address != self._entry_address
         result, output = runtime.launch(entry_address, self._pack(*values), grid, block, reverse_order, track_races,
                                         global_ranges, shared_mem)
