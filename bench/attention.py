@@ -114,7 +114,7 @@ def kernel_runs(cupy):
     out, lse = attention_forward(q, k, v)
     dq, dk, dv = (cupy.empty_like(q) for _ in range(3))
     rowdot = cupy.empty_like(lse)
-    heads, causal = B * H, True
+    causal = True
     common = (attention_ops.LaunchShape.of(q, k, v), causal, "softmax")
     attention_ops._rowdot(rowdot, dout, out, common[0])
     runs = {"kernel attention_backward_rowdot": (lambda: attention_ops._rowdot(rowdot, dout, out, common[0]), 0)}
@@ -137,7 +137,7 @@ def same_rows_runs(cupy):
     out, lse = cupy.empty_like(q), cupy.empty(q.shape[:-1], dtype=cupy.float32)
     dq, dk, dv = (cupy.empty_like(q) for _ in range(3))
     rowdot = cupy.empty_like(lse)
-    heads, causal = B * H, True
+    causal = True
     common = (attention_ops.LaunchShape.of(q, k, v), causal, "softmax")
 
     def both(rows):

@@ -181,20 +181,23 @@ def _format_kernel_runs(shape, fmt):
                 "dk_dv": lambda tiles: ops._dk_dv(dk, dv, dout, q, k, v, lse, row_dot, True, scale, *tiles,
                                                   kernel_format),
                 "dq": lambda tiles: ops._dq(dq, dout, q, k, v, lse, row_dot, True, scale, *tiles, kernel_format)}
-    other = {"forward": "keys", "dk_dv": "queries", "dq": "keys"}
+    rows = {"forward": "queries", "dk_dv": "keys", "dq": "queries"}     # what a warp owns 16 of per strip
+    other = {"forward": "keys", "dk_dv": "queries", "dq": "keys"}      # what a tile holds
     runs = {f"kernel {fmt} row_dot": (lambda: ops._row_dot(row_dot, dout, out), KERNEL_PRODUCTS["row_dot"])}
     registers = {}
     ops._row_dot(row_dot, dout, out)
     for kernel, candidates in ops.TILE_CANDIDATES.items():
-        for warps, tile in candidates:
-            used = " (the op's)" if (warps, tile) == defaults[kernel] else ""
-            name = f"kernel {fmt} {kernel}, {warps} warps, {tile} {other[kernel]}{used}"
-            shared = SHARED_BYTES[kernel](d, warps, tile, numpy.dtype(dtype).itemsize)
+        for warps, tile, strips in candidates:
+            used = " (the op's)" if (warps, tile, strips) == defaults[kernel] else ""
+            name = (f"kernel {fmt} {kernel}, {warps} warps of {16 * strips} {rows[kernel]}, {tile} {other[kernel]}"
+                    f"{used}")
+            shared = SHARED_BYTES[kernel](d, warps, tile, strips, numpy.dtype(dtype).itemsize)
             if shared > SHARED_BYTES_PER_BLOCK:
                 runs[name] = f"not run: {shared // 1024} KB of shared memory, above a block's {SHARED_BYTES_PER_BLOCK // 1024}"
                 continue
-            runs[name] = (lambda launch=launches[kernel], tiles=(warps, tile): launch(tiles), KERNEL_PRODUCTS[kernel])
-            compiled = ops._kernel(KERNEL_NAMES[kernel], kernel_format, d, warps, tile, shared)
+            runs[name] = (lambda launch=launches[kernel], tiles=(warps, tile, strips): launch(tiles),
+                          KERNEL_PRODUCTS[kernel])
+            compiled = ops._kernel(KERNEL_NAMES[kernel], kernel_format, d, warps, tile, strips, shared)
             if hasattr(compiled, "num_regs"):   # CuPy's kernels; the CPU executor has no registers to count
                 registers[name] = {"registers": compiled.num_regs, "spilled bytes": compiled.local_size_bytes}
     return runs, registers

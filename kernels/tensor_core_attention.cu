@@ -9,7 +9,7 @@
 // Each kernel takes Element, its storage type (bfloat16 or float), and Format, how it multiplies: Element itself
 // for bf16 and TF32, Tf32x3 for 3xTF32 (float storage). The tensors, with Element as the storage type:
 //   q, out, dout, dq: (B, H, T, D) Element;  k, v, dk, dv: (B, H_kv, T, D) Element;  lse, row_dot: (B, H, T) float32.
-// Each Element tensor is given as the array that holds it and a HeadLayout (below) that says where in it the
+// Each Element tensor is given as the array that holds it and a HeadLayout (head_layout.cuh) that says where in it the
 // tensor lies: contiguous (B, H, T, D) is one layout; q, k, v sliced from one (B, T, 3 H D) product's output
 // and out written into a (B, T, H D) array are others, read and written where they lie, without a copy.
 // Query head h reads key and value head h / (H / H_kv) of the same batch element (H_kv = H: one each).
@@ -19,27 +19,38 @@
 //
 // Every product runs in steps of a warp-wide 16 x 8 += 16 x 16 · 16 x 8 (Fragments<Format>, below): one
 // mma.sync.m16n8k16 in bf16, two mma.sync.m16n8k8 in TF32, six in 3xTF32 (kernels/include/mma.cuh).
-// A warp owns 16 rows of each product: queries in the forward and in the dq pass, keys in the dk, dv pass.
-// A block of WARPS warps owns 16 WARPS rows and walks along the other axis a tile at a time.
+// A warp owns STRIPS strips of 16 rows (one A fragment's height each) of each product: queries in the
+// forward and in the dq pass, keys in the dk, dv pass. A block of WARPS warps owns 16 STRIPS WARPS rows and
+// walks along the other axis a tile at a time.
 //  - Tiles live in shared memory as [row][D + PADDING] Element, as in global memory plus 16 bytes (bf16) or 32
 //    (float), so that the rows a warp reads at once start on different banks.
 //  - They arrive by cp.async, two stages: the next tile is in flight while the warps multiply this one.
+//  - Each B fragment a warp reads from shared memory is multiplied by the A fragments of all its strips.
+//    A bf16 m16n8k16 does 2048 multiply-adds on the 256 bytes of its B fragment; an SM's shared memory
+//    delivers 128 bytes a cycle and its tensor cores about 1024 multiply-adds a cycle through mma.sync, so
+//    with one strip a warp waits on shared memory as long as on its tensor cores. Two strips halve the
+//    bytes per multiply-add, for twice the registers (the sums and the products of both strips), and so
+//    fewer warps per SM: gpt2_cupy/ops/tensor_core_attention.py says which pass and shape gain by it.
 //  - A fragments are read from tiles stored as A's rows; B fragments from tiles stored as B's columns (K in
 //    Q Kᵀ) or as B's rows (V in P V). The forward reads its queries' fragments once and keeps them in
 //    registers (3xTF32's reads them again for each key tile: KEEP_QUERIES); the backward reads its A
-//    fragments again for each tile, where registers are short (the dk, dv pass holds two 16 x D sums).
+//    fragments again for each tile, 16 columns at a time, where registers are short (the dk, dv pass
+//    holds two 16 x D sums per strip).
 //  - The FlashAttention-2 trick: the float32 result fragments of two neighbouring 16 x 8 products (S, or
 //    P after the softmax) hold, lane for lane, exactly the elements of the A fragment of the next 16 x 16
 //    step. P is rounded to the input format (3xTF32: split into its two parts) in registers and multiplied
 //    by V without a trip through shared memory.
-//  - The dk, dv pass computes the transposed products, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, so that its 16 keys are
+//  - The dk, dv pass computes the transposed products, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, so that its keys are
 //    the rows of the result and Pᵀ, dSᵀ are again A fragments for dV += Pᵀ dO and dK += dSᵀ Q.
-// Exponentials are exp2f of scores in log2 units: e^(x - m) = 2^(x log2 e - m log2 e).
+// Exponentials are exp2f of scores in log2 units: e^(x - m) = 2^(x log2 e - m log2 e). The op compiles the
+// bf16 and TF32 kernels with --ftz=true, which makes each exp2f a single MUFU.EX2.
 // Deterministic: every output element is summed by one thread in a fixed order, no atomics, so the bits
 // are the same on every run; dk and dv of a key/value head are summed over the query heads of its group
 // one after the other by the same block.
 #include <cuda_bf16.h>
 #include <math_constants.h>   // CUDART_L2E_F = log2(e), CUDART_LN2_F = ln(2), as floats
+#include "head_layout.cuh"   // HeadLayout (chapter 08): its offset and strides here multiples of 16 bytes,
+                              // so that every row starts on 16 bytes, as cp.async's copies need
 #include "mma.cuh"
 #include "special_values.cuh"
 #include "storage.cuh"
@@ -53,34 +64,27 @@ __device__ __forceinline__ long long kv_head_of(long long head, int heads, int k
     return head / heads * kv_heads + head % heads / (heads / kv_heads);
 }
 
-// Where a (B, heads, T, D) tensor's elements lie in its array: head h of batch element b starts at element
-// offset + b batch + h head, its rows are `row` elements apart, and each row's D elements are contiguous.
-// The offset and the strides are multiples of 16 bytes, so that every row starts on 16 bytes, as cp.async's
-// copies need.
-struct HeadLayout {
-    long long offset, batch, head, row;
-
-    // The first element of head number `index` (b heads + h).
-    __device__ __forceinline__ long long start(long long index, int heads) const
-    {
-        return offset + index / heads * batch + index % heads * head;
-    }
-};
-
 // Start copying rows first_row .. first_row + ROWS - 1 of a (T, D) matrix whose rows are row_stride elements
 // apart into a shared tile whose rows are STRIDE apart, 16 bytes per cp.async; rows at or past T become
-// zeros (a copy that reads 0 bytes fills its 16 with zeros).
+// zeros (a copy that reads 0 bytes fills its 16 with zeros). A round of copies takes THREADS / (D / 8)
+// rows (bf16: 16 bytes are 8 elements), thread i the same 16 bytes of each: the loop counts rounds, a
+// number known at compile time, so that it unrolls into straight-line code, and the thread's source moves
+// on by the same stride each round instead of being computed again from its row.
 template <int ROWS, int D, int STRIDE, int THREADS, typename Element>
 __device__ __forceinline__ void copy_rows_async(Element* tile, const Element* matrix, long long row_stride,
                                                 int first_row, int T)
 {
     constexpr int PER_COPY = 16 / sizeof(Element), COPIES_PER_ROW = D / PER_COPY;
+    static_assert(THREADS % COPIES_PER_ROW == 0, "a round copies whole rows");
+    constexpr int ROWS_PER_ROUND = THREADS / COPIES_PER_ROW, ROUNDS = (ROWS + ROWS_PER_ROUND - 1) / ROWS_PER_ROUND;
+    const int first = threadIdx.x / COPIES_PER_ROW, column = threadIdx.x % COPIES_PER_ROW * PER_COPY;
+    const Element* source = matrix + (first_row + first) * row_stride + column;
 #pragma unroll
-    for (int copy = threadIdx.x; copy < ROWS * COPIES_PER_ROW; copy += THREADS) {
-        const int row = copy / COPIES_PER_ROW, column = copy % COPIES_PER_ROW * PER_COPY;
+    for (int round = 0; round < ROUNDS; ++round, source += ROWS_PER_ROUND * row_stride) {
+        const int row = first + round * ROWS_PER_ROUND;
+        if (ROWS % ROWS_PER_ROUND != 0 && row >= ROWS) break;
         const bool inside = first_row + row < T;
-        const Element* source = inside ? matrix + (first_row + row) * row_stride + column : matrix;
-        cp_async_16(shared_address(tile + row * STRIDE + column), source, inside ? 16 : 0);
+        cp_async_16(shared_address(tile + row * STRIDE + column), inside ? source : matrix, inside ? 16 : 0);
     }
 }
 
@@ -88,7 +92,10 @@ __device__ __forceinline__ void copy_rows_async(Element* tile, const Element* ma
 template <int COUNT, int THREADS>
 __device__ __forceinline__ void copy_floats_async(float* tile, const float* vector, int first, int T)
 {
-    for (int i = threadIdx.x; i < COUNT; i += THREADS) {
+#pragma unroll
+    for (int round = 0; round < (COUNT + THREADS - 1) / THREADS; ++round) {
+        const int i = round * THREADS + threadIdx.x;
+        if (COUNT % THREADS != 0 && i >= COUNT) break;
         const bool inside = first + i < T;
         cp_async_4(shared_address(tile + i), inside ? vector + first + i : vector, inside ? 4 : 0);
     }
@@ -163,10 +170,11 @@ struct Fragments<bfloat16> {
         a[3] = pair(right[2], right[3]);
     }
 
+    // One conversion instruction (cvt.rn.bf16x2.f32) rounds both.
     static __device__ __forceinline__ unsigned pair(float low, float high)
     {
-        return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(low)) |
-               ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(high)) << 16);
+        const __nv_bfloat162 both = __floats2bfloat162_rn(low, high);
+        return *reinterpret_cast<const unsigned*>(&both);
     }
 };
 
@@ -327,109 +335,188 @@ __host__ __device__ constexpr int tile_stride()
     return D + Fragments<Element>::PADDING;
 }
 
-// product (16 x COLUMNS, as COLUMNS / 8 result fragments) = the warp's 16 rows of length D (their A
-// fragments, a) times the transpose of b_rows (COLUMNS rows of length D), for the chunks of 16 columns c
-// in [begin, end); the other chunks are left at zero. Loops run over compile-time bounds, fully unrolled,
-// so that the fragments stay in registers (an array indexed at run time goes to local memory); the chunk
-// range is a condition inside.
-template <typename Format, int D, int COLUMNS, typename Element>
-__device__ __forceinline__ void multiply_by_rows(float (&product)[COLUMNS / 8][4],
-                                                 const unsigned (&a)[D / 16][Fragments<Format>::A],
-                                                 const Element* b_rows, int begin, int end)
+// The chunks of 16 columns c in [begin, end) that one strip of 16 rows multiplies: the others are hidden
+// from all 16 of its rows (causal, or past T), and are neither read nor multiplied.
+struct ChunkRange {
+    int begin, end;
+
+    __device__ __forceinline__ bool has(int c) const { return c >= begin && c < end; }
+};
+
+// Whether strip `strip` multiplies chunk c. On a tile that needs no masking (MASKED false), every strip
+// multiplies every chunk, and that is known at compile time: the unrolled loops then have no branches,
+// and the compiler can load the next fragments from shared memory while the tensor cores multiply these
+// (a branch between them would make it wait for each load).
+template <bool MASKED, int STRIPS>
+__device__ __forceinline__ bool multiplies(const ChunkRange (&chunks)[STRIPS], int strip, int c)
 {
-    using F = Fragments<Format>;
-    constexpr int STRIDE = tile_stride<Element, D>();
-#pragma unroll
-    for (int j = 0; j < COLUMNS / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) product[j][e] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-#pragma unroll
-        for (int c = 0; c < COLUMNS / 16; ++c) {
-            if (c < begin || c >= end) continue;
-            unsigned b[F::B];
-            F::template columns<STRIDE>(b, b_rows + 16 * c * STRIDE, 16 * i);
-            F::multiply(product[2 * c], product[2 * c + 1], a[i], b);
-        }
-    }
+    return !MASKED || chunks[strip].has(c);
 }
 
-// The A fragments of 16 rows of length D of a shared tile (rows: the first of them), for every 16 columns.
-template <typename Format, int D, typename Element>
-__device__ __forceinline__ void row_fragments(unsigned (&a)[D / 16][Fragments<Format>::A], const Element* rows)
+// Whether some strip multiplies chunk c.
+template <bool MASKED, int STRIPS>
+__device__ __forceinline__ bool some_strip_multiplies(const ChunkRange (&chunks)[STRIPS], int c)
 {
+    bool some = false;
 #pragma unroll
-    for (int i = 0; i < D / 16; ++i) {
-        Fragments<Format>::template rows<tile_stride<Element, D>()>(a[i], rows, 16 * i);
-    }
+    for (int strip = 0; strip < STRIPS; ++strip) some = some || multiplies<MASKED>(chunks, strip, c);
+    return some;
 }
 
-// multiply_by_rows with the 16 rows' A fragments read from a shared tile first (a_rows: the first of them).
-template <typename Format, int D, int COLUMNS, typename Element>
-__device__ __forceinline__ void multiply_shared_rows(float (&product)[COLUMNS / 8][4], const Element* a_rows,
-                                                     const Element* b_rows, int begin, int end)
-{
-    unsigned a[D / 16][Fragments<Format>::A];
-    row_fragments<Format, D>(a, a_rows);
-    multiply_by_rows<Format, D, COLUMNS>(product, a, b_rows, begin, end);
-}
-
-// sum (16 x D) += weights (16 x COLUMNS, the result fragments of multiply_by_rows) times value_rows
-// (COLUMNS rows of length D), over the chunks of 16 columns c in [begin, end): fragments 2c and 2c + 1 of
-// the weights are the A fragment of chunk c.
-template <typename Format, int D, int COLUMNS, typename Element>
-__device__ __forceinline__ void accumulate_weighted_rows(float (&sum)[D / 8][4], const float (&weights)[COLUMNS / 8][4],
-                                                         const Element* value_rows, int begin, int end)
+// A warp owns STRIPS strips of 16 rows (one A fragment's height each). One 16-wide step of k of a product
+// of the warp's rows by the transpose of b_rows (COLUMNS rows of length D): for each strip s,
+// product[s] (16 x COLUMNS, as COLUMNS / 8 result fragments) += a[s][step] (the strip's A fragment at
+// columns k0 .. k0 + 15) times b_rows' columns k0 .. k0 + 15, over the chunks of 16 columns in chunks[s]
+// (all of them when MASKED is false). Each B fragment is read from shared memory once and multiplied by
+// every strip's A fragment: with two strips, a warp reads half the shared memory per mma.sync. Loops run
+// over compile-time bounds, fully unrolled, so that the fragments stay in registers (an array indexed at
+// run time goes to local memory); the chunk ranges are conditions inside.
+template <typename Format, int D, int COLUMNS, bool MASKED, int STRIPS, int STEPS, typename Element>
+__device__ __forceinline__ void multiply_step(float (&product)[STRIPS][COLUMNS / 8][4],
+                                              const unsigned (&a)[STRIPS][STEPS][Fragments<Format>::A], int step,
+                                              const Element* b_rows, int k0, const ChunkRange (&chunks)[STRIPS])
 {
     using F = Fragments<Format>;
     constexpr int STRIDE = tile_stride<Element, D>();
 #pragma unroll
     for (int c = 0; c < COLUMNS / 16; ++c) {
-        if (c < begin || c >= end) continue;
-        unsigned a[F::A];
-        F::weights(a, weights[2 * c], weights[2 * c + 1]);
+        if (!some_strip_multiplies<MASKED>(chunks, c)) continue;
+        unsigned b[F::B];
+        F::template columns<STRIDE>(b, b_rows + 16 * c * STRIDE, k0);
+#pragma unroll
+        for (int strip = 0; strip < STRIPS; ++strip) {
+            if (multiplies<MASKED>(chunks, strip, c))
+                F::multiply(product[strip][2 * c], product[strip][2 * c + 1], a[strip][step], b);
+        }
+    }
+}
+
+template <int STRIPS, int COLUMNS>
+__device__ __forceinline__ void set_to_zero(float (&product)[STRIPS][COLUMNS / 8][4])
+{
+#pragma unroll
+    for (int strip = 0; strip < STRIPS; ++strip)
+#pragma unroll
+        for (int j = 0; j < COLUMNS / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) product[strip][j][e] = 0.0f;
+}
+
+// The whole product, the strips' rows of length D given as their A fragments a[s][i] (columns 16 i ..
+// 16 i + 15), held in registers; chunks that strip s does not multiply stay zero.
+template <typename Format, int D, int COLUMNS, bool MASKED, int STRIPS, typename Element>
+__device__ __forceinline__ void multiply_by_rows(float (&product)[STRIPS][COLUMNS / 8][4],
+                                                 const unsigned (&a)[STRIPS][D / 16][Fragments<Format>::A],
+                                                 const Element* b_rows, const ChunkRange (&chunks)[STRIPS])
+{
+    set_to_zero<STRIPS, COLUMNS>(product);
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) multiply_step<Format, D, COLUMNS, MASKED>(product, a, i, b_rows, 16 * i, chunks);
+}
+
+// The A fragments of the warp's STRIPS strips of 16 rows of length D of a shared tile (rows: the first of
+// them), for every 16 columns.
+template <typename Format, int D, int STRIPS, typename Element>
+__device__ __forceinline__ void row_fragments(unsigned (&a)[STRIPS][D / 16][Fragments<Format>::A], const Element* rows)
+{
+    constexpr int STRIDE = tile_stride<Element, D>();
+#pragma unroll
+    for (int strip = 0; strip < STRIPS; ++strip)
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i) {
+            Fragments<Format>::template rows<STRIDE>(a[strip][i], rows + 16 * strip * STRIDE, 16 * i);
+        }
+}
+
+// The whole product with the strips' A fragments read from a shared tile (a_rows: the first of the warp's
+// rows) one step of k at a time, so that registers hold only that step's.
+template <typename Format, int D, int COLUMNS, bool MASKED, int STRIPS, typename Element>
+__device__ __forceinline__ void multiply_shared_rows(float (&product)[STRIPS][COLUMNS / 8][4], const Element* a_rows,
+                                                     const Element* b_rows, const ChunkRange (&chunks)[STRIPS])
+{
+    constexpr int STRIDE = tile_stride<Element, D>();
+    set_to_zero<STRIPS, COLUMNS>(product);
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) {
+        unsigned a[STRIPS][1][Fragments<Format>::A];
+#pragma unroll
+        for (int strip = 0; strip < STRIPS; ++strip) {
+            Fragments<Format>::template rows<STRIDE>(a[strip][0], a_rows + 16 * strip * STRIDE, 16 * i);
+        }
+        multiply_step<Format, D, COLUMNS, MASKED>(product, a, 0, b_rows, 16 * i, chunks);
+    }
+}
+
+// For each strip s: sum[s] (16 x D) += weights[s] (16 x COLUMNS, the result fragments of multiply_by_rows)
+// times value_rows (COLUMNS rows of length D), over the chunks of 16 columns in chunks[s]: fragments 2c
+// and 2c + 1 of the weights are the A fragment of chunk c. Each B fragment is read once for every strip.
+template <typename Format, int D, int COLUMNS, bool MASKED, int STRIPS, typename Element>
+__device__ __forceinline__ void accumulate_weighted_rows(float (&sum)[STRIPS][D / 8][4],
+                                                         const float (&weights)[STRIPS][COLUMNS / 8][4],
+                                                         const Element* value_rows, const ChunkRange (&chunks)[STRIPS])
+{
+    using F = Fragments<Format>;
+    constexpr int STRIDE = tile_stride<Element, D>();
+#pragma unroll
+    for (int c = 0; c < COLUMNS / 16; ++c) {
+        if (!some_strip_multiplies<MASKED>(chunks, c)) continue;
+        unsigned a[STRIPS][F::A];
+#pragma unroll
+        for (int strip = 0; strip < STRIPS; ++strip) {
+            F::weights(a[strip], weights[strip][2 * c], weights[strip][2 * c + 1]);
+        }
 #pragma unroll
         for (int n0 = 0; n0 < D; n0 += 16) {
             unsigned b[F::B];
             F::template columns_transposed<STRIDE>(b, value_rows + 16 * c * STRIDE, n0);
-            F::multiply(sum[n0 / 8], sum[n0 / 8 + 1], a, b);
+#pragma unroll
+            for (int strip = 0; strip < STRIPS; ++strip) {
+                if (multiplies<MASKED>(chunks, strip, c))
+                    F::multiply(sum[strip][n0 / 8], sum[strip][n0 / 8 + 1], a[strip], b);
+            }
         }
     }
 }
 
-// Write the warp's 16 rows of a 16 x D sum, times `factor`, to rows first_row + ... of a (T, D) matrix whose
-// rows are row_stride elements apart. Result element e of fragment n is row g + 8 (e / 2), column 8n + 2t + e % 2:
-// elements 0, 1 and 2, 3 are neighbours, one store each (storage.cuh's store_pair).
-template <int D, typename Element>
-__device__ __forceinline__ void store_fragment_rows(Element* matrix, long long row_stride, const float (&sum)[D / 8][4],
-                                           int first_row, int T, float factor)
+// Write the warp's STRIPS strips of 16 rows of a 16 x D sum each, times `factor`, to rows first_row + ...
+// of a (T, D) matrix whose rows are row_stride elements apart. Result element e of fragment n of strip s
+// is row 16 s + g + 8 (e / 2), column 8n + 2t + e % 2: elements 0, 1 and 2, 3 are neighbours, one store
+// each (storage.cuh's store_pair).
+template <int D, int STRIPS, typename Element>
+__device__ __forceinline__ void store_fragment_rows(Element* matrix, long long row_stride,
+                                                    const float (&sum)[STRIPS][D / 8][4], int first_row, int T,
+                                                    float factor)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int row = first_row + g + 8 * half;
-        if (row >= T) continue;
+    for (int strip = 0; strip < STRIPS; ++strip)
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            store_pair(matrix + row * row_stride + 8 * n + 2 * t, factor * sum[n][2 * half], factor * sum[n][2 * half + 1]);
+        for (int half = 0; half < 2; ++half) {
+            const int row = first_row + 16 * strip + g + 8 * half;
+            if (row >= T) continue;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                store_pair(matrix + row * row_stride + 8 * n + 2 * t, factor * sum[strip][n][2 * half],
+                           factor * sum[strip][n][2 * half + 1]);
+            }
         }
-    }
 }
 
-// The key tiles that a block of ROWS queries (first_query ..) sees, KEYS keys each, K and V in two shared
-// stages: tile i + 1 is copied while the warps work on tile i. Copies the caller started before (its query
-// tiles) join the first group, and have landed when the work first runs. For each tile, each warp whose
-// 16 queries (warp_query ..) see some of its keys runs work(first_key, k_tile, v_tile, chunks, masked):
-// the chunks of 16 keys (from the first) that it sees, and whether some key is hidden from some of its
-// queries (past T, or causal past the query) so that the scores need masking.
-template <int D, int ROWS, int KEYS, typename Element, typename Work>
+// The key tiles that a block of WARPS warps of 16 STRIPS queries each (first_query ..) sees, KEYS keys
+// each, K and V in two shared stages: tile i + 1 is copied while the warps work on tile i. Copies the
+// caller started before (its query tiles) join the first group, and have landed when the work first runs.
+// For each tile, each warp whose queries (warp_query ..) see some of its keys runs
+// work(first_key, k_tile, v_tile, chunks, masked): for each strip of 16 queries, the chunks of 16 keys
+// (from the first) that it sees, and whether some key is hidden from some of the warp's queries (past T,
+// or causal past the query) so that the scores need masking.
+template <int D, int WARPS, int STRIPS, int KEYS, typename Element, typename Work>
 __device__ __forceinline__ void for_each_visible_key_tile(Element* k_tiles, Element* v_tiles, const Element* k,
                                                           const Element* v, long long k_row, long long v_row,
                                                           int first_query, int T, int causal, Work work)
 {
-    constexpr int THREADS = 2 * ROWS, STRIDE = tile_stride<Element, D>(), TILE_ELEMENTS = KEYS * STRIDE;
-    const int warp_query = first_query + 16 * (threadIdx.x / 32);
+    constexpr int THREADS = 32 * WARPS, ROWS = 16 * STRIPS * WARPS;
+    constexpr int STRIDE = tile_stride<Element, D>(), TILE_ELEMENTS = KEYS * STRIDE;
+    const int warp_query = first_query + 16 * STRIPS * (threadIdx.x / 32);
     const int tiles = ((causal ? min(first_query + ROWS, T) : T) + KEYS - 1) / KEYS;
     auto start_tile = [&](int tile) {
         const int stage = tile % 2;
@@ -439,88 +526,103 @@ __device__ __forceinline__ void for_each_visible_key_tile(Element* k_tiles, Elem
     start_tile(0);
     cp_async_commit();
     for (int tile = 0; tile < tiles; ++tile) {
-        // The stage of tile + 1 was last read at tile - 1, which every warp finished (the barrier below).
+        cp_async_wait<0>();  // this thread's copies of this tile have landed
+        __syncthreads();     // and everyone's; and every warp is done with tile - 1, whose stage is refilled now
         if (tile + 1 < tiles) start_tile(tile + 1);
         cp_async_commit();
-        cp_async_wait<1>();  // this thread's copies of this tile have landed (the next may be in flight)
-        __syncthreads();     // and everyone's
         const int first_key = tile * KEYS, stage = tile % 2;
-        const int visible = min(T, causal ? warp_query + 16 : T) - first_key;  // keys up to T and the last query
-        if (warp_query < T && visible > 0) {
-            const bool masked = first_key + KEYS > T || (causal && first_key + KEYS - 1 > warp_query);
-            work(first_key, k_tiles + stage * TILE_ELEMENTS, v_tiles + stage * TILE_ELEMENTS,
-                 min(KEYS / 16, (visible + 15) / 16), masked);
+        ChunkRange chunks[STRIPS];
+        bool seen = false;
+#pragma unroll
+        for (int strip = 0; strip < STRIPS; ++strip) {
+            const int strip_query = warp_query + 16 * strip;
+            // keys up to T and (causal) up to the strip's last query; none for a strip wholly past T
+            const int visible = strip_query < T ? min(T, causal ? strip_query + 16 : T) - first_key : 0;
+            chunks[strip] = ChunkRange{0, min(KEYS / 16, max(0, (visible + 15) / 16))};
+            seen = seen || chunks[strip].end > 0;
         }
-        __syncthreads();     // everyone is done with this stage before it is refilled
+        if (seen) {
+            const bool masked = first_key + KEYS > T || (causal && first_key + KEYS - 1 > warp_query);
+            work(first_key, k_tiles + stage * TILE_ELEMENTS, v_tiles + stage * TILE_ELEMENTS, chunks, masked);
+        }
     }
 }
 
 // ---- forward ----------------------------------------------------------------------------------------
 
-// One key tile of the forward for the warp's 16 queries (first_query ..): S = Q Kᵀ, the online softmax,
-// O += P V. Each lane holds rows g and g + 8 of every fragment: row_max and row_sum [0] and [1]. row_max
-// is in log2 units; row_sum is the lane's own part of the row's sum (its 2 columns of each fragment),
-// added across the 4 lanes of the row once at the end: rescaling multiplies every part alike.
-// MASKED: the tile reaches past T or (causal) past the warp's first query, so scores are masked one by
-// one. The warp sees the first `chunks` chunks of 16 keys; the rest are hidden from all 16 rows and not
-// multiplied.
-template <typename Format, int D, int KEYS, bool MASKED, typename Element>
-__device__ __forceinline__ void forward_tile(float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2],
-                                             const unsigned (&q_fragments)[D / 16][Fragments<Format>::A],
-                                             const Element* k_tile, const Element* v_tile, int chunks, int first_key, int first_query, int T,
-                                             int causal, float scale_log2)
+// One key tile of the forward for the warp's STRIPS strips of 16 queries (first_query ..): S = Q Kᵀ, the
+// online softmax, O += P V. Each lane holds rows g and g + 8 of every fragment of each strip: row_max and
+// row_sum [strip][0] and [strip][1]. row_max is in log2 units; row_sum is the lane's own part of the row's
+// sum (its 2 columns of each fragment), added across the 4 lanes of the row once at the end: rescaling
+// multiplies every part alike. MASKED: the tile reaches past T or (causal) past the warp's first query, so
+// scores are masked one by one. Strip s multiplies the chunks of 16 keys in chunks[s]; the rest are hidden
+// from all 16 of its rows.
+template <typename Format, int D, int KEYS, int STRIPS, bool MASKED, typename Element>
+__device__ __forceinline__ void forward_tile(float (&o)[STRIPS][D / 8][4], float (&row_max)[STRIPS][2],
+                                             float (&row_sum)[STRIPS][2],
+                                             const unsigned (&q_fragments)[STRIPS][D / 16][Fragments<Format>::A],
+                                             const Element* k_tile, const Element* v_tile,
+                                             const ChunkRange (&chunks)[STRIPS], int first_key, int first_query,
+                                             int T, int causal, float scale_log2)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    float s[KEYS / 8][4];
-    multiply_by_rows<Format, D, KEYS>(s, q_fragments, k_tile, 0, chunks);
-    // Element e of fragment j: query first_query + g + 8 (e / 2), key first_key + 8j + 2t + e % 2.
+    float s[STRIPS][KEYS / 8][4];
+    multiply_by_rows<Format, D, KEYS, MASKED>(s, q_fragments, k_tile, chunks);
 #pragma unroll
-    for (int j = 0; j < KEYS / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            s[j][e] *= scale_log2;  // scaled before masking: any sign of scale keeps hidden keys at -inf
-            const int key = first_key + 8 * j + 2 * t + e % 2, query = first_query + g + 8 * (e / 2);
-            if (MASKED && (key >= T || (causal && key > query))) s[j][e] = NEGATIVE_INFINITY;
-        }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float tile_max = NEGATIVE_INFINITY;
-#pragma unroll
-        for (int j = 0; j < KEYS / 8; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * half], s[j][2 * half + 1]));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));  // the 4 lanes of the row
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
-        const float new_max = fmaxf(row_max[half], tile_max);
-        // A row that has seen no key yet keeps -inf as its maximum; subtracting 0 instead keeps
-        // 2^(-inf - (-inf)) from becoming NaN: its weights and its rescaling are then 2^-inf = 0.
-        const float base = new_max == NEGATIVE_INFINITY ? 0.0f : new_max;
-        const float rescale = exp2f(row_max[half] - base);
-        row_max[half] = new_max;
-        row_sum[half] *= rescale;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            o[n][2 * half] *= rescale;
-            o[n][2 * half + 1] *= rescale;
-        }
+    for (int strip = 0; strip < STRIPS; ++strip) {
+        // Element e of fragment j: query first_query + 16 strip + g + 8 (e / 2), key first_key + 8j + 2t + e % 2.
 #pragma unroll
         for (int j = 0; j < KEYS / 8; ++j)
 #pragma unroll
-            for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                s[j][e] = exp2f(s[j][e] - base);
-                row_sum[half] += s[j][e];  // from the float32 weights; P V uses them in the input format
+            for (int e = 0; e < 4; ++e) {
+                s[strip][j][e] *= scale_log2;  // scaled before masking: any sign of scale keeps hidden keys at -inf
+                const int key = first_key + 8 * j + 2 * t + e % 2, query = first_query + 16 * strip + g + 8 * (e / 2);
+                if (MASKED && (key >= T || (causal && key > query))) s[strip][j][e] = NEGATIVE_INFINITY;
             }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float tile_max = NEGATIVE_INFINITY;
+#pragma unroll
+            for (int j = 0; j < KEYS / 8; ++j) {
+                tile_max = fmaxf(tile_max, fmaxf(s[strip][j][2 * half], s[strip][j][2 * half + 1]));
+            }
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));  // the 4 lanes of the row
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
+            const float new_max = fmaxf(row_max[strip][half], tile_max);
+            // A row that has seen no key yet keeps -inf as its maximum; subtracting 0 instead keeps
+            // 2^(-inf - (-inf)) from becoming NaN: its weights and its rescaling are then 2^-inf = 0.
+            const float base = new_max == NEGATIVE_INFINITY ? 0.0f : new_max;
+            const float rescale = exp2f(row_max[strip][half] - base);
+            row_max[strip][half] = new_max;
+            row_sum[strip][half] *= rescale;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                o[strip][n][2 * half] *= rescale;
+                o[strip][n][2 * half + 1] *= rescale;
+            }
+#pragma unroll
+            for (int j = 0; j < KEYS / 8; ++j)
+#pragma unroll
+                for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                    s[strip][j][e] = exp2f(s[strip][j][e] - base);
+                    row_sum[strip][half] += s[strip][j][e];  // float32 weights; P V uses them in the input format
+                }
+        }
     }
-    accumulate_weighted_rows<Format, D, KEYS>(o, s, v_tile, 0, chunks);
+    accumulate_weighted_rows<Format, D, KEYS, MASKED>(o, s, v_tile, chunks);
 }
 
-// out, lse from q, k, v. Dynamic shared memory: the query tile, then two stages of K and of V.
-template <typename Element, int D, int WARPS, int KEYS, typename Format = Element>
+// out, lse from q, k, v: a block of WARPS warps of 16 STRIPS queries each. Dynamic shared memory: the
+// query tile, then two stages of K and of V.
+template <typename Element, int D, int WARPS, int KEYS, int STRIPS, typename Format = Element>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
     Element* __restrict__ out, float* __restrict__ lse, const Element* __restrict__ q,
     const Element* __restrict__ k, const Element* __restrict__ v, int T, int heads, int kv_heads, float scale,
     int causal, HeadLayout out_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at)
 {
     static_assert(D % 16 == 0 && KEYS % 16 == 0, "fragments are 16 wide");
-    constexpr int ROWS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = tile_stride<Element, D>();
+    constexpr int WARP_ROWS = 16 * STRIPS, ROWS = WARP_ROWS * WARPS, THREADS = 32 * WARPS;
+    constexpr int STRIDE = tile_stride<Element, D>();
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     Element* q_tile = reinterpret_cast<Element*>(shared_bytes);
     Element* k_tiles = q_tile + ROWS * STRIDE;
@@ -528,43 +630,52 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_forward(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const long long head = blockIdx.x, kv_head = kv_head_of(head, heads, kv_heads);
     const int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS;  // causal: the longest rows start first
-    const int warp_query = first_query + 16 * warp;
+    const int warp_query = first_query + WARP_ROWS * warp;
     q += q_at.start(head, heads); out += out_at.start(head, heads); lse += head * T;
     k += k_at.start(kv_head, kv_heads); v += v_at.start(kv_head, kv_heads);
     const float scale_log2 = scale * CUDART_L2E_F;
 
-    float o[D / 8][4] = {};
-    float row_max[2] = {NEGATIVE_INFINITY, NEGATIVE_INFINITY}, row_sum[2] = {0.0f, 0.0f};
-    unsigned q_fragments[D / 16][Fragments<Format>::A];  // the warp's queries, read once (every warp sees key 0)
+    float o[STRIPS][D / 8][4] = {};
+    float row_max[STRIPS][2], row_sum[STRIPS][2];
+#pragma unroll
+    for (int strip = 0; strip < STRIPS; ++strip)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            row_max[strip][half] = NEGATIVE_INFINITY;
+            row_sum[strip][half] = 0.0f;
+        }
+    unsigned q_fragments[STRIPS][D / 16][Fragments<Format>::A];  // the warp's queries: read once, at key 0 (all see it)
     copy_rows_async<ROWS, D, STRIDE, THREADS>(q_tile, q, q_at.row, first_query, T);
-    for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, k_at.row, v_at.row, first_query, T, causal,
-        [&](int first_key, const Element* k_tile, const Element* v_tile, int chunks, bool masked) {
+    for_each_visible_key_tile<D, WARPS, STRIPS, KEYS>(k_tiles, v_tiles, k, v, k_at.row, v_at.row, first_query, T,
+        causal, [&](int first_key, const Element* k_tile, const Element* v_tile, const ChunkRange (&chunks)[STRIPS],
+                    bool masked) {
             if (first_key == 0 || !Fragments<Format>::KEEP_QUERIES)
-                row_fragments<Format, D>(q_fragments, q_tile + 16 * warp * STRIDE);
+                row_fragments<Format, D>(q_fragments, q_tile + WARP_ROWS * warp * STRIDE);
             if (masked)
-                forward_tile<Format, D, KEYS, true>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks,
-                                                    first_key, warp_query, T, causal, scale_log2);
+                forward_tile<Format, D, KEYS, STRIPS, true>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks,
+                                                            first_key, warp_query, T, causal, scale_log2);
             else
-                forward_tile<Format, D, KEYS, false>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks,
-                                                     first_key, warp_query, T, causal, scale_log2);
+                forward_tile<Format, D, KEYS, STRIPS, false>(o, row_max, row_sum, q_fragments, k_tile, v_tile, chunks,
+                                                             first_key, warp_query, T, causal, scale_log2);
         });
 
     if (warp_query >= T) return;
-    float inverse_sum[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float total = row_sum[half];
-        total += __shfl_xor_sync(FULL_MASK, total, 1);
-        total += __shfl_xor_sync(FULL_MASK, total, 2);
-        inverse_sum[half] = 1.0f / total;
-        const int query = warp_query + g + 8 * half;
-        if (t == 0 && query < T) lse[query] = (row_max[half] + log2f(total)) * CUDART_LN2_F;
+    for (int strip = 0; strip < STRIPS; ++strip)
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            o[n][2 * half] *= inverse_sum[half];
-            o[n][2 * half + 1] *= inverse_sum[half];
+        for (int half = 0; half < 2; ++half) {
+            float total = row_sum[strip][half];
+            total += __shfl_xor_sync(FULL_MASK, total, 1);
+            total += __shfl_xor_sync(FULL_MASK, total, 2);
+            const float inverse_sum = 1.0f / total;
+            const int query = warp_query + 16 * strip + g + 8 * half;
+            if (t == 0 && query < T) lse[query] = (row_max[strip][half] + log2f(total)) * CUDART_LN2_F;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                o[strip][n][2 * half] *= inverse_sum;
+                o[strip][n][2 * half + 1] *= inverse_sum;
+            }
         }
-    }
     store_fragment_rows<D>(out, out_at.row, o, warp_query, T, 1.0f);
 }
 
@@ -598,40 +709,43 @@ __global__ void tensor_core_attention_row_dot(float* row_dot, const Element* dou
     if (part == 0 && row < rows) row_dot[row] = sum;
 }
 
-// One query tile of the dk, dv pass for the warp's 16 keys (first_key ..): Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
-// (rows = keys, columns = queries), Pᵀ = 2^(Sᵀ scale log2 e - lse log2 e), dSᵀ = Pᵀ ⊙ (dPᵀ - row_dot),
-// then dV += Pᵀ dO and dK += dSᵀ Q. lse_tile and dot_tile hold the tile's queries' lse and row_dot.
-// Chunks of 16 queries c in [begin, end) are multiplied; the others are hidden from all 16 keys.
-template <typename Format, int D, int QUERIES, bool MASKED, typename Element>
-__device__ __forceinline__ void dk_dv_tile(float (&dk_sum)[D / 8][4], float (&dv_sum)[D / 8][4],
+// One query tile of the dk, dv pass for the warp's STRIPS strips of 16 keys (first_key ..): Sᵀ = K Qᵀ and
+// dPᵀ = V dOᵀ (rows = keys, columns = queries), Pᵀ = 2^(Sᵀ scale log2 e - lse log2 e), dSᵀ = Pᵀ ⊙ (dPᵀ -
+// row_dot), then dV += Pᵀ dO and dK += dSᵀ Q. lse_tile and dot_tile hold the tile's queries' lse and
+// row_dot. Strip s multiplies the chunks of 16 queries in chunks[s]; the others are hidden from all 16 of
+// its keys.
+template <typename Format, int D, int QUERIES, int STRIPS, bool MASKED, typename Element>
+__device__ __forceinline__ void dk_dv_tile(float (&dk_sum)[STRIPS][D / 8][4], float (&dv_sum)[STRIPS][D / 8][4],
                                            const Element* k_rows, const Element* v_rows, const Element* q_tile,
                                            const Element* dout_tile, const float* lse_tile, const float* dot_tile,
-                                           int begin, int end, int first_key, int first_query, int T, int causal,
-                                           float scale_log2)
+                                           const ChunkRange (&chunks)[STRIPS], int first_key, int first_query, int T,
+                                           int causal, float scale_log2)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    float p[QUERIES / 8][4], ds[QUERIES / 8][4];
-    multiply_shared_rows<Format, D, QUERIES>(p, k_rows, q_tile, begin, end);
-    multiply_shared_rows<Format, D, QUERIES>(ds, v_rows, dout_tile, begin, end);
-    // Element e of fragment j: key first_key + g + 8 (e / 2), query first_query + 8j + 2t + e % 2.
+    float p[STRIPS][QUERIES / 8][4], ds[STRIPS][QUERIES / 8][4];
+    multiply_shared_rows<Format, D, QUERIES, MASKED>(p, k_rows, q_tile, chunks);
+    multiply_shared_rows<Format, D, QUERIES, MASKED>(ds, v_rows, dout_tile, chunks);
+    // Element e of fragment j of strip s: key first_key + 16 s + g + 8 (e / 2), query first_query + 8j + 2t + e % 2.
 #pragma unroll
-    for (int j = 0; j < QUERIES / 8; ++j)
+    for (int strip = 0; strip < STRIPS; ++strip)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int column = 8 * j + 2 * t + e % 2, key = first_key + g + 8 * (e / 2);
-            float probability = exp2f(fmaf(p[j][e], scale_log2, -lse_tile[column] * CUDART_L2E_F));
-            if (MASKED && (first_query + column >= T || (causal && key > first_query + column))) probability = 0.0f;
-            p[j][e] = probability;
-            ds[j][e] = probability * (ds[j][e] - dot_tile[column]);
-        }
-    accumulate_weighted_rows<Format, D, QUERIES>(dv_sum, p, dout_tile, begin, end);
-    accumulate_weighted_rows<Format, D, QUERIES>(dk_sum, ds, q_tile, begin, end);
+        for (int j = 0; j < QUERIES / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int column = 8 * j + 2 * t + e % 2, key = first_key + 16 * strip + g + 8 * (e / 2);
+                float probability = exp2f(fmaf(p[strip][j][e], scale_log2, -lse_tile[column] * CUDART_L2E_F));
+                if (MASKED && (first_query + column >= T || (causal && key > first_query + column))) probability = 0.0f;
+                p[strip][j][e] = probability;
+                ds[strip][j][e] = probability * (ds[strip][j][e] - dot_tile[column]);
+            }
+    accumulate_weighted_rows<Format, D, QUERIES, MASKED>(dv_sum, p, dout_tile, chunks);
+    accumulate_weighted_rows<Format, D, QUERIES, MASKED>(dk_sum, ds, q_tile, chunks);
 }
 
-// dk, dv of one key/value head's tile of 16 WARPS keys, summed over every query head of its group and
-// every query tile that sees them. Dynamic shared memory: the K and V tiles, two stages of Q and dO
-// tiles, then two stages of QUERIES floats of lse and of row_dot.
-template <typename Element, int D, int WARPS, int QUERIES, typename Format = Element>
+// dk, dv of one key/value head's tile of WARPS warps of 16 STRIPS keys each, summed over every query head
+// of its group and every query tile that sees them. Dynamic shared memory: the K and V tiles, two stages
+// of Q and dO tiles, then two stages of QUERIES floats of lse and of row_dot.
+template <typename Element, int D, int WARPS, int QUERIES, int STRIPS, typename Format = Element>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_dv(
     Element* __restrict__ dk, Element* __restrict__ dv, const Element* __restrict__ dout,
     const Element* __restrict__ q, const Element* __restrict__ k, const Element* __restrict__ v,
@@ -640,8 +754,8 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
     HeadLayout v_at)
 {
     static_assert(D % 16 == 0 && QUERIES % 16 == 0, "fragments are 16 wide");
-    constexpr int KEYS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = tile_stride<Element, D>();
-    constexpr int TILE_ELEMENTS = QUERIES * STRIDE;
+    constexpr int WARP_KEYS = 16 * STRIPS, KEYS = WARP_KEYS * WARPS, THREADS = 32 * WARPS;
+    constexpr int STRIDE = tile_stride<Element, D>(), TILE_ELEMENTS = QUERIES * STRIDE;
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     Element* k_tile = reinterpret_cast<Element*>(shared_bytes);
     Element* v_tile = k_tile + KEYS * STRIDE;
@@ -652,86 +766,111 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dk_
     const int warp = threadIdx.x / 32;
     const long long kv_head = blockIdx.x, group = heads / kv_heads;
     const long long first_head = kv_head / kv_heads * heads + kv_head % kv_heads * group;
-    const int first_key = blockIdx.y * KEYS, warp_key = first_key + 16 * warp;
+    const int first_key = blockIdx.y * KEYS, warp_key = first_key + WARP_KEYS * warp;
     const float scale_log2 = scale * CUDART_L2E_F;
     // The query tiles that see these keys: causal, from the one holding the first key; in every head of the group.
     const int first_tile = causal ? first_key / QUERIES : 0;
     const int tiles_per_head = (T + QUERIES - 1) / QUERIES - first_tile, steps = group * tiles_per_head;
 
-    auto start_step = [&](int step) {
-        const long long head = first_head + step / tiles_per_head;
-        const int first_query = (first_tile + step % tiles_per_head) * QUERIES, stage = step % 2;
-        copy_rows_async<QUERIES, D, STRIDE, THREADS>(q_tiles + stage * TILE_ELEMENTS, q + q_at.start(head, heads), q_at.row,
-                                             first_query, T);
-        copy_rows_async<QUERIES, D, STRIDE, THREADS>(dout_tiles + stage * TILE_ELEMENTS, dout + dout_at.start(head, heads),
-                                             dout_at.row, first_query, T);
+    // The group's query heads lie one after the other, head apart (a multiple of 16 bytes), in the same
+    // batch element. Steps walk through them tile by tile; the head and tile of the step to copy next are
+    // counted, not divided out of the step's number (64-bit divisions would take as many instructions as
+    // the copies themselves).
+    const Element* group_q = q + q_at.start(first_head, heads);
+    const Element* group_dout = dout + dout_at.start(first_head, heads);
+    int copy_member = 0, copy_tile = first_tile;
+    auto start_next_step = [&](int stage) {
+        const int first_query = copy_tile * QUERIES;
+        const long long head = first_head + copy_member;
+        copy_rows_async<QUERIES, D, STRIDE, THREADS>(q_tiles + stage * TILE_ELEMENTS, group_q + copy_member * q_at.head,
+                                                     q_at.row, first_query, T);
+        copy_rows_async<QUERIES, D, STRIDE, THREADS>(dout_tiles + stage * TILE_ELEMENTS,
+                                                     group_dout + copy_member * dout_at.head, dout_at.row,
+                                                     first_query, T);
         copy_floats_async<QUERIES, THREADS>(lse_tiles + stage * QUERIES, lse + head * T, first_query, T);
         copy_floats_async<QUERIES, THREADS>(dot_tiles + stage * QUERIES, row_dot + head * T, first_query, T);
+        if (++copy_tile == first_tile + tiles_per_head) {
+            copy_tile = first_tile;
+            ++copy_member;
+        }
     };
     copy_rows_async<KEYS, D, STRIDE, THREADS>(k_tile, k + k_at.start(kv_head, kv_heads), k_at.row, first_key, T);
     copy_rows_async<KEYS, D, STRIDE, THREADS>(v_tile, v + v_at.start(kv_head, kv_heads), v_at.row, first_key, T);
-    start_step(0);
+    start_next_step(0);
     cp_async_commit();
 
-    float dk_sum[D / 8][4] = {}, dv_sum[D / 8][4] = {};
+    float dk_sum[STRIPS][D / 8][4] = {}, dv_sum[STRIPS][D / 8][4] = {};
+    int tile = first_tile;  // the query tile of this step
     for (int step = 0; step < steps; ++step) {
-        if (step + 1 < steps) start_step(step + 1);  // into the stage step - 1 used, which all warps are done with
+        cp_async_wait<0>();  // this thread's copies of this step have landed
+        __syncthreads();     // and everyone's; and every warp is done with step - 1, whose stage is refilled now
+        if (step + 1 < steps) start_next_step((step + 1) % 2);
         cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        const int first_query = (first_tile + step % tiles_per_head) * QUERIES, stage = step % 2;
-        // Chunks of 16 queries that see the warp's keys: causal, from the chunk of its first key; before T.
-        const int begin = causal ? max(0, (warp_key - first_query) / 16) : 0;
+        const int first_query = tile * QUERIES, stage = step % 2;
+        // For each strip, the chunks of 16 queries that see its keys: causal, from the chunk of its first
+        // key; before T. None for a strip wholly past T.
         const int end = min(QUERIES / 16, (T - first_query + 15) / 16);
-        if (warp_key < T && begin < end) {
-            const Element* k_rows = k_tile + 16 * warp * STRIDE;
-            const Element* v_rows = v_tile + 16 * warp * STRIDE;
+        ChunkRange chunks[STRIPS];
+        bool seen = false;
+#pragma unroll
+        for (int strip = 0; strip < STRIPS; ++strip) {
+            const int strip_key = warp_key + 16 * strip;
+            const int begin = causal ? max(0, (strip_key - first_query) / 16) : 0;
+            chunks[strip] = strip_key < T ? ChunkRange{begin, end} : ChunkRange{0, 0};
+            seen = seen || chunks[strip].begin < chunks[strip].end;
+        }
+        if (seen) {
+            const Element* k_rows = k_tile + WARP_KEYS * warp * STRIDE;
+            const Element* v_rows = v_tile + WARP_KEYS * warp * STRIDE;
             const Element* q_rows = q_tiles + stage * TILE_ELEMENTS;
             const Element* dout_rows = dout_tiles + stage * TILE_ELEMENTS;
             const float* lse_tile = lse_tiles + stage * QUERIES;
             const float* dot_tile = dot_tiles + stage * QUERIES;
-            if (first_query + QUERIES > T || (causal && first_query < warp_key + 15))
-                dk_dv_tile<Format, D, QUERIES, true>(dk_sum, dv_sum, k_rows, v_rows, q_rows, dout_rows, lse_tile,
-                                                     dot_tile, begin, end, warp_key, first_query, T, causal,
-                                                     scale_log2);
+            if (first_query + QUERIES > T || (causal && first_query < warp_key + WARP_KEYS - 1))
+                dk_dv_tile<Format, D, QUERIES, STRIPS, true>(dk_sum, dv_sum, k_rows, v_rows, q_rows, dout_rows,
+                                                             lse_tile, dot_tile, chunks, warp_key, first_query, T,
+                                                             causal, scale_log2);
             else
-                dk_dv_tile<Format, D, QUERIES, false>(dk_sum, dv_sum, k_rows, v_rows, q_rows, dout_rows, lse_tile,
-                                                      dot_tile, begin, end, warp_key, first_query, T, causal,
-                                                      scale_log2);
+                dk_dv_tile<Format, D, QUERIES, STRIPS, false>(dk_sum, dv_sum, k_rows, v_rows, q_rows, dout_rows,
+                                                              lse_tile, dot_tile, chunks, warp_key, first_query, T,
+                                                              causal, scale_log2);
         }
-        __syncthreads();
+        if (++tile == first_tile + tiles_per_head) tile = first_tile;  // on to the group's next head
     }
     store_fragment_rows<D>(dk + dk_at.start(kv_head, kv_heads), dk_at.row, dk_sum, warp_key, T, scale);
     store_fragment_rows<D>(dv + dv_at.start(kv_head, kv_heads), dv_at.row, dv_sum, warp_key, T, 1.0f);
 }
 
-// One key tile of the dq pass for the warp's 16 queries: S = Q Kᵀ, dP = dO Vᵀ, P from lse, dS, dQ += dS K.
-// lse2 and dot: the lane's rows g and g + 8, lse in log2 units.
-template <typename Format, int D, int KEYS, bool MASKED, typename Element>
-__device__ __forceinline__ void dq_tile(float (&dq_sum)[D / 8][4], const Element* q_rows, const Element* dout_rows,
-                                        const Element* k_tile, const Element* v_tile, const float (&lse2)[2],
-                                        const float (&dot)[2], int chunks, int first_key, int first_query, int T,
+// One key tile of the dq pass for the warp's STRIPS strips of 16 queries: S = Q Kᵀ, dP = dO Vᵀ, P from lse,
+// dS, dQ += dS K. lse2 and dot: the lane's rows g and g + 8 of each strip, lse in log2 units.
+template <typename Format, int D, int KEYS, int STRIPS, bool MASKED, typename Element>
+__device__ __forceinline__ void dq_tile(float (&dq_sum)[STRIPS][D / 8][4], const Element* q_rows,
+                                        const Element* dout_rows, const Element* k_tile, const Element* v_tile,
+                                        const float (&lse2)[STRIPS][2], const float (&dot)[STRIPS][2],
+                                        const ChunkRange (&chunks)[STRIPS], int first_key, int first_query, int T,
                                         int causal, float scale_log2)
 {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    float p[KEYS / 8][4], ds[KEYS / 8][4];
-    multiply_shared_rows<Format, D, KEYS>(p, q_rows, k_tile, 0, chunks);
-    multiply_shared_rows<Format, D, KEYS>(ds, dout_rows, v_tile, 0, chunks);
+    float p[STRIPS][KEYS / 8][4], ds[STRIPS][KEYS / 8][4];
+    multiply_shared_rows<Format, D, KEYS, MASKED>(p, q_rows, k_tile, chunks);
+    multiply_shared_rows<Format, D, KEYS, MASKED>(ds, dout_rows, v_tile, chunks);
 #pragma unroll
-    for (int j = 0; j < KEYS / 8; ++j)
+    for (int strip = 0; strip < STRIPS; ++strip)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = first_key + 8 * j + 2 * t + e % 2, query = first_query + g + 8 * (e / 2);
-            float probability = exp2f(fmaf(p[j][e], scale_log2, -lse2[e / 2]));
-            if (MASKED && (key >= T || (causal && key > query))) probability = 0.0f;
-            ds[j][e] = probability * (ds[j][e] - dot[e / 2]);
-        }
-    accumulate_weighted_rows<Format, D, KEYS>(dq_sum, ds, k_tile, 0, chunks);
+        for (int j = 0; j < KEYS / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = first_key + 8 * j + 2 * t + e % 2, query = first_query + 16 * strip + g + 8 * (e / 2);
+                float probability = exp2f(fmaf(p[strip][j][e], scale_log2, -lse2[strip][e / 2]));
+                if (MASKED && (key >= T || (causal && key > query))) probability = 0.0f;
+                ds[strip][j][e] = probability * (ds[strip][j][e] - dot[strip][e / 2]);
+            }
+    accumulate_weighted_rows<Format, D, KEYS, MASKED>(dq_sum, ds, k_tile, chunks);
 }
 
-// dq of one tile of 16 WARPS queries of one head. Dynamic shared memory: the Q and dO tiles, then two
-// stages of K and of V.
-template <typename Element, int D, int WARPS, int KEYS, typename Format = Element>
+// dq of one tile of WARPS warps of 16 STRIPS queries each of one head. Dynamic shared memory: the Q and dO
+// tiles, then two stages of K and of V.
+template <typename Element, int D, int WARPS, int KEYS, int STRIPS, typename Format = Element>
 __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
     Element* __restrict__ dq, const Element* __restrict__ dout, const Element* __restrict__ q,
     const Element* __restrict__ k, const Element* __restrict__ v, const float* __restrict__ lse,
@@ -739,7 +878,8 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
     HeadLayout dout_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at)
 {
     static_assert(D % 16 == 0 && KEYS % 16 == 0, "fragments are 16 wide");
-    constexpr int ROWS = 16 * WARPS, THREADS = 32 * WARPS, STRIDE = tile_stride<Element, D>();
+    constexpr int WARP_ROWS = 16 * STRIPS, ROWS = WARP_ROWS * WARPS, THREADS = 32 * WARPS;
+    constexpr int STRIDE = tile_stride<Element, D>();
     extern __shared__ __align__(16) unsigned char shared_bytes[];
     Element* q_tile = reinterpret_cast<Element*>(shared_bytes);
     Element* dout_tile = q_tile + ROWS * STRIDE;
@@ -747,32 +887,35 @@ __global__ void __launch_bounds__(32 * WARPS) tensor_core_attention_backward_dq(
     Element* v_tiles = k_tiles + 2 * KEYS * STRIDE;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
     const long long head = blockIdx.x, kv_head = kv_head_of(head, heads, kv_heads);
-    const int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS, warp_query = first_query + 16 * warp;
+    const int first_query = (gridDim.y - 1 - blockIdx.y) * ROWS, warp_query = first_query + WARP_ROWS * warp;
     q += q_at.start(head, heads); dq += dq_at.start(head, heads); dout += dout_at.start(head, heads);
     lse += head * T; row_dot += head * T;
     k += k_at.start(kv_head, kv_heads); v += v_at.start(kv_head, kv_heads);
     const float scale_log2 = scale * CUDART_L2E_F;
 
-    float lse2[2], dot[2];
+    float lse2[STRIPS][2], dot[STRIPS][2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int query = warp_query + g + 8 * half;
-        lse2[half] = query < T ? lse[query] * CUDART_L2E_F : 0.0f;
-        dot[half] = query < T ? row_dot[query] : 0.0f;
-    }
-    float dq_sum[D / 8][4] = {};
+    for (int strip = 0; strip < STRIPS; ++strip)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int query = warp_query + 16 * strip + g + 8 * half;
+            lse2[strip][half] = query < T ? lse[query] * CUDART_L2E_F : 0.0f;
+            dot[strip][half] = query < T ? row_dot[query] : 0.0f;
+        }
+    float dq_sum[STRIPS][D / 8][4] = {};
     copy_rows_async<ROWS, D, STRIDE, THREADS>(q_tile, q, q_at.row, first_query, T);
     copy_rows_async<ROWS, D, STRIDE, THREADS>(dout_tile, dout, dout_at.row, first_query, T);
-    for_each_visible_key_tile<D, ROWS, KEYS>(k_tiles, v_tiles, k, v, k_at.row, v_at.row, first_query, T, causal,
-        [&](int first_key, const Element* k_tile, const Element* v_tile, int chunks, bool masked) {
-            const Element* q_rows = q_tile + 16 * warp * STRIDE;
-            const Element* dout_rows = dout_tile + 16 * warp * STRIDE;
+    for_each_visible_key_tile<D, WARPS, STRIPS, KEYS>(k_tiles, v_tiles, k, v, k_at.row, v_at.row, first_query, T,
+        causal, [&](int first_key, const Element* k_tile, const Element* v_tile, const ChunkRange (&chunks)[STRIPS],
+                    bool masked) {
+            const Element* q_rows = q_tile + WARP_ROWS * warp * STRIDE;
+            const Element* dout_rows = dout_tile + WARP_ROWS * warp * STRIDE;
             if (masked)
-                dq_tile<Format, D, KEYS, true>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks,
-                                               first_key, warp_query, T, causal, scale_log2);
+                dq_tile<Format, D, KEYS, STRIPS, true>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks,
+                                                       first_key, warp_query, T, causal, scale_log2);
             else
-                dq_tile<Format, D, KEYS, false>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks,
-                                                first_key, warp_query, T, causal, scale_log2);
+                dq_tile<Format, D, KEYS, STRIPS, false>(dq_sum, q_rows, dout_rows, k_tile, v_tile, lse2, dot, chunks,
+                                                        first_key, warp_query, T, causal, scale_log2);
         });
     store_fragment_rows<D>(dq, dq_at.row, dq_sum, warp_query, T, scale);
 }

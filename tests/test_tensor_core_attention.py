@@ -28,8 +28,9 @@ TF32: cuts P toward zero, or is 0.05 % off).
 THREE_TF32_TOLERANCE of float64 (max |error| / max |reference|, the inputs exact in both), and no further from
 it than twice the error of chapter 08's float32 kernels on the same inputs.
 
-Sequence lengths 1, 17, 33, 50, 100 and 200 are not multiples of the kernels' 16-row fragments or 32- and
-64-row tiles; 200 keys are four tiles, so the two-stage pipeline refills each stage. Grouped-query attention:
+Sequence lengths 1, 17, 33, 50, 100 and 200 are not multiples of the kernels' 16-row fragments, their 32- and
+64-row tiles or their blocks of 64 or 128 rows (4 warps of one or two 16-row strips); 200 keys are four
+tiles, so the two-stage pipeline refills each stage. Grouped-query attention:
 H = 4 query heads over H_kv = 1 or 2 key/value heads.
 """
 
@@ -429,23 +430,24 @@ def test_every_tile_choice(rng, to_device, to_host, kernel, fmt):
         else:
             assert_within(f"{name}, {shape}", to_host(got), expected[name], bounds[name])
 
-    for warps, tile in attention_ops.TILE_CANDIDATES[kernel]:
-        shape = f"{warps} warps, tile {tile}"
+    for warps, tile, strips in attention_ops.TILE_CANDIDATES[kernel]:
+        shape = f"{warps} warps of {strips} strips, tile {tile}"
         if kernel == "forward":
             out, lse = xp.empty(q.shape, fmt.dtype), xp.empty((B, H, T), np.float32)
-            attention_ops._forward(out, lse, device_q, device_k, device_v, True, scale, warps, tile, kernel_format)
+            attention_ops._forward(out, lse, device_q, device_k, device_v, True, scale, warps, tile, strips,
+                                   kernel_format)
             check("out", out, shape)
             check("lse", lse, shape)
         elif kernel == "dk_dv":
             dk, dv = xp.empty(k.shape, fmt.dtype), xp.empty(v.shape, fmt.dtype)
             attention_ops._dk_dv(dk, dv, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale,
-                                 warps, tile, kernel_format)
+                                 warps, tile, strips, kernel_format)
             check("dk", dk, shape)
             check("dv", dv, shape)
         else:
             dq = xp.empty(q.shape, fmt.dtype)
             attention_ops._dq(dq, device_dout, device_q, device_k, device_v, lse, row_dot, True, scale, warps, tile,
-                              kernel_format)
+                              strips, kernel_format)
             check("dq", dq, shape)
 
 

@@ -11,7 +11,9 @@ each operand becomes a local variable of its register's type ("r" 32 bits, "l" 6
 PTX instruction a C++ statement on those locals calling include/gpt2cupy/ptx.h, and the outputs are
 written back at the end; labels and branches within the statement (a spin loop on an mbarrier, as CUTLASS
 writes it) become C++ labels and gotos, named apart for each statement and { } block. The replacement keeps
-the statement's line count, so later lines keep their numbers. An instruction outside the list below is a
+the statement's line count, so later lines keep their numbers. Plain loads and stores (ld, st) become C++
+accesses of the same width and alignment, which the alignment check and the race check see as they see the
+kernel's own. An instruction outside the list below is a
 CompileError naming it and the kernel's line; so is a wgmma or setmaxnreg instruction in a module compiled
 without -arch=sm_90a, which NVRTC refuses too.
 """
@@ -44,6 +46,10 @@ SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 onl
              "cp.async.bulk.prefetch.L2.global[.L2::cache_hint] (hints: no effect), "
              "setmaxnreg.{inc,dec}.sync.aligned.u32 (with -arch=sm_90a), "
              "elect.sync, griddepcontrol.{wait,launch_dependents}, "
+             "ld and st [.global|.shared[::cta|::cluster]|.local|.const (ld)][.weak|.volatile|.relaxed.<scope>|"
+             ".acquire.<scope> (ld)|.release.<scope> (st)][.nc (ld.global)][cache operators, L1/L2 eviction and "
+             "prefetch hints, .L2::cache_hint and its policy: no effect][.v2|.v4|.v8 (.v8 and .v4 of 64-bit types, "
+             "which alone take .L2::evict_*: .global with -arch=sm_100 and later)].{b,u,s}{8,16,32,64}|.f32|.f64, cvta[.to].{global,local,const}.u64, "
              "selp, bra[.uni] to labels of the statement, and .reg declarations")
 
 # wgmma exists only on sm_90a: NVRTC refuses it for sm_90, the architecture CuPy picks for an H100 or H200.
@@ -58,6 +64,16 @@ _CONSTRAINT_TYPES = {"r": "unsigned int", "l": "unsigned long long", "f": "float
 _PTX_TYPES = {"pred": "bool", "b16": "unsigned short", "u16": "unsigned short", "s16": "short",
               "b32": "unsigned int", "u32": "unsigned int", "s32": "int", "f32": "float",
               "b64": "unsigned long long", "u64": "unsigned long long", "s64": "long long", "f64": "double"}
+_SIZES = {"bool": 1, "unsigned char": 1, "unsigned short": 2, "short": 2, "unsigned int": 4, "int": 4, "float": 4,
+          "unsigned long long": 8, "long long": 8, "double": 8}
+_UNSIGNED = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
+_SIGNED = {1: "signed char", 2: "short", 4: "int", 8: "long long"}
+# The memory orders of ld and st on the CPU. .relaxed, .acquire and .release are C++ atomics of that order, which
+# the race check counts as atomic operations: PTX's strong operations never race with each other either.
+# .volatile is a C++ volatile access, what CUDA C++ compiles its volatile accesses to, and the race check counts
+# it as the plain access it counts those as.
+_LOAD_ORDERS = {"relaxed": "__ATOMIC_RELAXED", "acquire": "__ATOMIC_ACQUIRE"}
+_STORE_ORDERS = {"relaxed": "__ATOMIC_RELAXED", "release": "__ATOMIC_RELEASE"}
 _COMPARISONS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _NS = "gpt2cupy::ptx::"
 
@@ -140,6 +156,98 @@ class _Operand:
             raise AsmError(f'asm operand constraint "{self.constraint}" is not one of "r", "l", "f", "d", "h", "n"')
         self.type = _CONSTRAINT_TYPES[letters[0]]
         self.local = f"gpt2cupy_asm_{index}"
+
+
+def _qualifiers_of(kind):
+    """The qualifiers PTX gives ld or st, by what they say; each may appear once, in any order."""
+    return {
+        "state space": ("global", "shared", "shared::cta", "shared::cluster", "local")
+                       + (("const",) if kind == "ld" else ()),
+        "memory order": ("weak", "volatile", "relaxed", "acquire" if kind == "ld" else "release"),
+        "scope": ("cta", "cluster", "gpu", "sys"),
+        "vector width": ("v2", "v4", "v8"),
+        "cache operator": ("ca", "cg", "cs", "lu", "cv") if kind == "ld" else ("wb", "cg", "cs", "wt"),
+        "non-coherent": ("nc",) if kind == "ld" else (),
+        "L1 eviction priority": ("L1::evict_normal", "L1::evict_unchanged", "L1::evict_first", "L1::evict_last",
+                                 "L1::no_allocate"),
+        "L2 eviction priority": ("L2::evict_normal", "L2::evict_first", "L2::evict_last"),
+        "prefetch size": ("L2::64B", "L2::128B", "L2::256B") if kind == "ld" else (),
+        "cache hint": ("L2::cache_hint",),
+    }
+
+
+# Bytes of each type ld and st move, and whether it is signed (sign-extended into a wider register).
+_MEMORY_TYPES = {f"{kind}{bits}": (bits // 8, kind == "s") for kind in "bus" for bits in (8, 16, 32, 64)}
+_MEMORY_TYPES.update(f32=(4, False), f64=(8, False))
+
+
+def _at_least_sm_100(architecture):
+    number = re.fullmatch(r"(?:sm|compute)_(\d+)[af]?", architecture or "")
+    return bool(number) and int(number.group(1)) >= 100
+
+
+class _MemoryAccess:
+    """What one ld or st instruction asks, read from its name: the state space, the memory order and scope, the
+    vector width and the type. Cache operators, eviction priorities, prefetch sizes and cache policies steer a
+    GPU's caches only; they are checked as PTX allows them, then have no effect on the CPU."""
+
+    def __init__(self, opcode, architecture):
+        self.opcode = opcode
+        self.kind, *qualifiers, type_name = opcode.split(".")
+        if type_name not in _MEMORY_TYPES:
+            hint = (": PTX has no such type for ld and st; move half-precision values as their bits, .b16 in an "
+                    '"h" register' if type_name in ("f16", "bf16", "f16x2", "bf16x2") else
+                    ": the CPU executor runs no 128-bit registers" if type_name == "b128" else "")
+            raise AsmError(f"the CPU executor does not run '{opcode}': .{type_name} is not a type it loads or stores"
+                           f"{hint}. It runs: {SUPPORTED}")
+        self.size, self.signed = _MEMORY_TYPES[type_name]
+        self.type_name = type_name
+        found = {}
+        for qualifier in qualifiers:
+            category = next((c for c, names in _qualifiers_of(self.kind).items() if qualifier in names), None)
+            if category is None:
+                raise AsmError(f"the CPU executor does not run '{opcode}': .{qualifier} is not a qualifier of "
+                               f"{self.kind} it knows. It runs: {SUPPORTED}")
+            if category in found:
+                raise AsmError(f"{opcode}: two {category} qualifiers (.{found[category]} and .{qualifier})")
+            found[category] = qualifier
+        self.space = found.get("state space", "generic")
+        self.shared = self.space.startswith("shared")
+        self.order, self.scope = found.get("memory order", "weak"), found.get("scope")
+        self.count = {"v2": 2, "v4": 4, "v8": 8}.get(found.get("vector width"), 1)
+        self.cache_hint = "cache hint" in found
+        self.check(found, architecture)
+
+    def check(self, found, architecture):
+        """Refuse what PTX (and so ptxas) refuses, so that what runs here also compiles for a GPU."""
+        strong = self.order in ("relaxed", "acquire", "release")
+        if strong and self.scope is None:
+            raise AsmError(f"{self.opcode}: .{self.order} needs a scope (.cta, .cluster, .gpu or .sys)")
+        if not strong and self.scope is not None:
+            raise AsmError(f"{self.opcode}: a scope (.{self.scope}) goes with .relaxed, .acquire or .release only")
+        if self.order != "weak" and (self.space not in ("generic", "global") and not self.shared
+                                     or "cache operator" in found or "non-coherent" in found):
+            raise AsmError(f"{self.opcode}: .{self.order} is for .global and .shared (or generic) addresses, "
+                           "without a cache operator or .nc")
+        if "non-coherent" in found and self.space != "global":
+            raise AsmError(f"{self.opcode}: .nc is for ld.global only")
+        if ("prefetch size" in found or self.cache_hint) and self.space not in ("generic", "global"):
+            raise AsmError(f"{self.opcode}: prefetch sizes and .L2::cache_hint are for global memory only")
+        if self.count * self.size == 32:  # 256 bits: .v8 of 32-bit types, .v4 of 64-bit ones
+            if self.space not in ("generic", "global") or not _at_least_sm_100(architecture):
+                raise AsmError(f"{self.opcode}: 256-bit loads and stores are for global memory on sm_100 and "
+                               f"later (-arch={architecture or '...'} here); compile with -arch=sm_100 or use .v4 "
+                               "of 32-bit types")
+        elif self.count == 8:
+            raise AsmError(f"{self.opcode}: .v8 is for 32-bit types only (.b32, .u32, .s32, .f32)")
+        elif "L2 eviction priority" in found:  # as ptxas 13 says for sm_90
+            raise AsmError(f"{self.opcode}: .{found['L2 eviction priority']} is for 256-bit loads and stores only "
+                           "(.v8 of 32-bit types, .v4 of 64-bit ones); elsewhere use .L2::cache_hint and a policy")
+
+    @property
+    def sinks_allowed(self):
+        """Whether PTX lets `_` stand for an element (not read, or not written): in 256-bit accesses only."""
+        return self.count * self.size == 32
 
 
 def _statement(inside, line, architecture=None, serial=0):
@@ -274,22 +382,36 @@ class _Body:
             return self.registers[text][0]
         raise AsmError(f"PTX operand '{text}' is neither an asm operand (%0, %1, ...) nor a declared .reg register")
 
+    def register_type(self, text):
+        """The C++ type of the register a scalar operand names (its constraint's, or its .reg declaration's); None
+        for a number."""
+        text = text.strip()
+        local = self.scalar(text)
+        for operand in self.operands:
+            if operand.local == local:
+                return operand.type
+        return self.registers[text][1] if text in self.registers else None
+
     def vector(self, text, length, what):
+        return [self.scalar(e) for e in self.vector_elements(text, length, what)]
+
+    def vector_elements(self, text, length, what):
+        """The operands in a vector operand {a, b, ...} of `length` registers, as written."""
         if not (text.startswith("{") and text.endswith("}")):
             raise AsmError(f"{what}: expected a vector operand {{...}} of {length} registers, got '{text}'")
-        elements = [self.scalar(e) for e in text[1:-1].split(",")]
+        elements = [e.strip() for e in text[1:-1].split(",")]
         if len(elements) != length:
             raise AsmError(f"{what}: expected {length} registers in '{text}', got {len(elements)}")
         return elements
 
     def address(self, text, what):
-        """[register], [register+offset] or [register-offset], as a 64-bit C++ value."""
-        match = re.fullmatch(r"\[\s*([^\]+\-]+?)\s*(?:([+-])\s*(\w+))?\s*\]", text)
+        """[register], [register+offset], [register-offset] or [register+-offset], as a 64-bit C++ value."""
+        match = re.fullmatch(r"\[\s*([^\]+\-]+?)\s*(?:([+-])\s*(-?)\s*(\w+))?\s*\]", text)
         if not match:
             raise AsmError(f"{what}: expected an address operand [register] or [register+offset], got '{text}'")
-        base, sign, offset = match.groups()
+        base, sign, negative, offset = match.groups()
         value = f"{_NS}bits<unsigned long long>({self.scalar(base)})"
-        return f"({value} {sign} (unsigned long long){self.scalar(offset)})" if sign else value
+        return f"({value} {sign} (unsigned long long){self.scalar(negative + offset)})" if sign else value
 
     def declare(self, text):
         match = re.fullmatch(r"\s*\.(\w+)\s+(.+)", text)
@@ -401,6 +523,81 @@ class _Body:
         cpp_type = _PTX_TYPES[match.group("type")]
         left, right = (f"{_NS}bits<{cpp_type}>({self.scalar(o)})" for o in operands[1:])
         return f"{self.scalar(operands[0])} = ({left} {_COMPARISONS[match.group('comparison')]} {right});"
+
+    def cvta_pointer(self, match, operands):
+        # Global, local and constant addresses are the generic pointers themselves here (local memory is the
+        # thread's stack, __constant__ an ordinary variable): 64 bits, which a .u32 address cannot hold.
+        self.expect(operands, 2, match.group(0))
+        if match.group("type") == "u32":
+            raise AsmError(f"{match.group(0)}: the CPU executor's {match.group('space')} addresses are 64-bit "
+                           "pointers: use .u64")
+        return f"{_NS}assign({self.scalar(operands[0])}, {_NS}bits<unsigned long long>({self.scalar(operands[1])}));"
+
+    # ---- plain loads and stores ----
+    def load_or_store(self, match, operands):
+        """ld d, [a] (and st [a], b): the access through a struct as wide and as aligned as the whole vector, so
+        that a misaligned address stops the thread (the alignment check the kernel is compiled with) as it stops a
+        GPU, and element by element, so that each element is a load or store the race check sees."""
+        access = _MemoryAccess(match.group(0), self.architecture)
+        self.expect(operands, 2 + access.cache_hint, match.group(0))
+        registers, address = (operands[0], operands[1]) if access.kind == "ld" else (operands[1], operands[0])
+        elements = self.elements(registers, access)
+        # The cache policy is a 64-bit register the GPU's L2 reads as a hint; here it is only read.
+        statements = [f"(void){self.scalar(operands[2])};"] if access.cache_hint else []
+        qualifiers = ("const " if access.kind == "ld" else "") + ("volatile " if access.order == "volatile" else "")
+        location = self.address(address, access.opcode)
+        if access.shared:
+            location = (f"{_NS}from_shared({location}, \"{access.opcode}: the address is not a shared-memory address "
+                        f"(from __cvta_generic_to_shared or cvta.to.shared)\", {self.line})")
+        statements += [f"struct alignas({access.count * access.size}) gpt2cupy_vector "
+                       f"{{ {_UNSIGNED[access.size]} element[{access.count}]; }};",
+                       f"{qualifiers}gpt2cupy_vector* gpt2cupy_at = "
+                       f"({qualifiers}gpt2cupy_vector*)({location});"]
+        if access.order == "release" and access.scope in ("gpu", "sys"):
+            # A release to other blocks: what the thread wrote before is published first, as __threadfence() then
+            # a store does it (and as the race check reads it: a fence, then an atomic operation).
+            statements.append("__threadfence();")
+        for index, register in enumerate(elements):
+            if register is not None:
+                place = f"gpt2cupy_at->element[{index}]"
+                statements.append(self.load(register, place, access) if access.kind == "ld"
+                                  else self.store(place, register, access))
+        return "{ " + " ".join(statements) + " }"
+
+    def elements(self, text, access):
+        """The registers of a vector operand {a, b, ...} (None for a sink `_`), or of a scalar one."""
+        if access.count == 1:
+            return [text]
+        elements = self.vector_elements(text, access.count, access.opcode)
+        if "_" in elements and not access.sinks_allowed:
+            raise AsmError(f"{access.opcode}: the sink _ stands for an element only in 256-bit loads and stores")
+        return [None if e == "_" else e for e in elements]
+
+    def register_size(self, text, access, cpp_type):
+        """Bytes of the register, which PTX allows wider than the type (integers are extended into it and cut
+        from it), but a floating-point register only as wide."""
+        size = _SIZES.get(cpp_type, 0)
+        if size < access.size or cpp_type == "bool" or (cpp_type in ("float", "double") and size != access.size):
+            raise AsmError(f"{access.opcode}: the register '{text}' ({cpp_type}) cannot hold .{access.type_name}")
+        return size
+
+    def load(self, register, place, access):
+        cpp_type = self.register_type(register)
+        if cpp_type is None:
+            raise AsmError(f"{access.opcode}: the destination '{register}' is not a register")
+        size = self.register_size(register, access, cpp_type)
+        order = _LOAD_ORDERS.get(access.order)
+        value = f"__atomic_load_n(&{place}, {order})" if order else f"({_UNSIGNED[access.size]}){place}"
+        if size > access.size:  # .s types sign-extend into a wider register, the others zero-extend
+            value = f"({_UNSIGNED[size]})" + (f"({_SIGNED[access.size]})" if access.signed else "") + value
+        return f"{_NS}assign({self.scalar(register)}, {value});"
+
+    def store(self, place, register, access):
+        cpp_type = self.register_type(register)  # None for a number
+        size = self.register_size(register, access, cpp_type) if cpp_type else access.size
+        value = f"({_UNSIGNED[access.size]}){_NS}bits<{_UNSIGNED[size]}>({self.scalar(register)})"  # the low bits
+        order = _STORE_ORDERS.get(access.order)
+        return f"__atomic_store_n(&{place}, {value}, {order});" if order else f"{place} = {value};"
 
     # ---- Hopper: warpgroup products and the async proxy ----
     def require_sm_90a(self, opcode):
@@ -595,6 +792,8 @@ class _Body:
         (r"cvt\.rna(?P<satfinite>\.satfinite)?\.tf32\.f32", cvt_tf32),
         (rf"cvt\.(?P<to>{_INTEGER})\.(?P<from>{_INTEGER})", cvt_integer),
         (rf"cvta(?P<to>\.to)?{_SHARED}\.(?P<type>u32|u64)", cvta),
+        (r"cvta(?:\.to)?\.(?P<space>global|local|const)\.(?P<type>u32|u64)", cvta_pointer),
+        (r"(?:ld|st)(?:\.[\w:]+)+", load_or_store),
         (r"mov\.(?P<type>b16|u16|s16|b32|u32|s32|f32|b64|u64|s64|f64)", mov),
         (rf"setp\.(?P<comparison>eq|ne|lt|le|gt|ge)\.(?P<type>{_INTEGER})", setp),
         (r"wgmma\.mma_async\.sync\.aligned\.m64n(?P<n>\d+)k(?P<k>\d+)\.(?P<d>\w+)\.(?P<a>\w+)\.(?P<b>\w+)", wgmma_mma),

@@ -24,10 +24,10 @@ gpt2_cupy.set_float32_matmul_precision's names (the op does not read that settin
   - float32, precision "highest" (3xTF32): every operand of every product, P and dS included, is split into
     big = x rounded to TF32 and small = the rest rounded to TF32, and each product is small·big + big·small
     + big·big, each 16-wide step's products summed from zero and added to the running sum in float32. The
-    outputs are float32, as accurate as chapter 08's float32 kernels make them (measured on an H200 at GPT-2's
+    outputs are float32, as accurate as chapter 08's float32 kernels make them (measured on an H100 at GPT-2's
     shape: out, dq, dk, dv within 1.2e-7 to 6.1e-7 of float64, relative to their largest element; chapter
-    08's kernels 3.4e-7 to 1.7e-6), for three times TF32's tensor work: 2.2 ms forward and backward there,
-    TF32 0.77 ms, chapter 08's float32 kernels 1.6 ms (bench/tensor_core_attention.json).
+    08's kernels 3.4e-7 to 1.7e-6), for three times TF32's tensor work: 1.8 ms forward and backward there,
+    TF32 0.55 ms, chapter 08's float32 kernels 1.6 ms (bench/tensor_core_attention.json).
   - float32, precision "medium" is a ValueError: bf16 products take bf16 inputs (F.scaled_dot_product_attention
     converts float32 ones at set_float32_matmul_precision("medium")).
 dk and dv of a key/value head are summed over the query heads of its group in float32 before they are stored.
@@ -37,10 +37,12 @@ row_dot = rowsum(dout ⊙ out); then one pass computes dk, dv (a block per tile 
 queries of every head of the group) and another dq (a block per tile of queries, looping over keys). No
 atomics: the same bits on every run.
 
-Each kernel takes its format and shape as template parameters: warps per block (a warp owns 16 rows:
-queries, or keys in the dk, dv pass) and the tile of the other axis a block takes at a time. FORWARD_TILES,
-DK_DV_TILES and DQ_TILES say what the op launches for each format and d; bench/tensor_core_attention.py
-times other candidates through the same launchers.
+Each kernel takes its format and shape as template parameters: warps per block, the tile of the other axis
+a block takes at a time, and strips per warp: a warp owns 16 rows (queries, or keys in the dk, dv pass) per
+strip, and each fragment of the other axis it reads from shared memory serves all its strips, so two strips
+read half the shared memory per multiply, for twice the registers. FORWARD_TILES, DK_DV_TILES and DQ_TILES
+say what the op launches for each format and d; bench/tensor_core_attention.py times other candidates
+through the same launchers.
 """
 
 import math
@@ -50,8 +52,8 @@ from ml_dtypes import bfloat16
 
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.elementwise import copy
-from gpt2_cupy.ops.arrays import (LARGEST_GRID_Y, ceil_div, check, check_views, element_offset, element_strides,
-                                  empty_like_views, float4_aligned, storage_of)
+from gpt2_cupy.ops.arrays import (LARGEST_GRID_Y, ceil_div, check, check_views, empty_heads_side_by_side,
+                                  empty_like_views, float4_aligned, head_layout, heads_readable)
 from gpt2_cupy.precision import PRECISIONS
 
 HEAD_SIZES = (32, 64, 128)
@@ -61,39 +63,45 @@ DTYPES = tuple(ELEMENT)
 # ("float"), or as 3xTF32 ("Tf32x3"); and which of the float32 ones each precision runs.
 FORMAT_ELEMENT = {"bfloat16": "bfloat16", "float": "float", "Tf32x3": "float"}
 FLOAT32_FORMAT = {None: "float", "high": "float", "highest": "Tf32x3"}
+# Compiler options of each format's kernels. --ftz=true flushes float32 results below 2^-126 to zero, which
+# makes each exp2f one MUFU.EX2 instead of four instructions (three keep such tiny results exact): nothing
+# that small changes a bf16 or TF32 result. 3xTF32 keeps float32's subnormals, as chapter 08's kernels do.
+# (The CPU executor takes the option and keeps subnormals.)
+FORMAT_OPTIONS = {"bfloat16": ("--ftz=true",), "float": ("--ftz=true",), "Tf32x3": ()}
 # Multiply-adds (B·H·T²·d) below which F.scaled_dot_product_attention keeps attention on chapter 08's float32
 # kernels: that small, it is bound by its launches on a GPU, and the CPU executor runs it faster.
 SMALL_ATTENTION = 1 << 24
 ROW_PADDING = 8                 # elements after each row of a shared tile (Fragments<Element>::PADDING)
 FLOAT = 4                       # bytes
-ROWS_PER_WARP = 16
+ROWS_PER_STRIP = 16             # rows of a strip: one A fragment of mma.sync
 ROW_DOT_THREADS = 256           # per block of the row_dot kernel
 ROW_DOT_GROUP = 8               # elements of a row per row_dot lane: d / 8 lanes a row
 ROW_ALIGNMENT_BYTES = 16        # every row of every tensor must start on 16 bytes (cp.async's copies)
-HEAD_LAYOUT = numpy.dtype([("offset", numpy.int64), ("batch", numpy.int64), ("head", numpy.int64),
-                           ("row", numpy.int64)])   # the kernels' struct HeadLayout
-# (warps per block, keys per tile) of the forward and of the dq pass; (warps per block, queries per tile)
-# of the dk, dv pass, for each format and d: the fastest of TILE_CANDIDATES measured by
-# bench/tensor_core_attention.py on an H200 at GPT-2's shape (d = 64) and Llama's (d = 128, grouped heads).
-# The dk, dv pass holds two 16 x d sums, d registers per lane, besides the tile's two 16 x tile products
-# (tile / 4 registers each), so dq takes half the tile at d = 128, to leave room for its fragments of Q
-# and dO. TF32's fragments take twice the registers of bf16's, and its tiles twice the shared memory.
-# 3xTF32 reads TF32's tiles and fragments and splits them in each step: at d = 64 its dk, dv pass takes 229
-# registers a thread to TF32's 168 (its forward and dq pass 168, as TF32's), and at d = 128 all 255, where its
-# forward runs fastest on tiles of 32 keys.
-FORWARD_TILES = {"bfloat16": {32: (4, 64), 64: (4, 64), 128: (8, 128)},
-                 "float": {32: (4, 32), 64: (4, 32), 128: (8, 64)},
-                 "Tf32x3": {32: (4, 32), 64: (4, 32), 128: (4, 32)}}
-DK_DV_TILES = {"bfloat16": {32: (4, 32), 64: (4, 32), 128: (4, 64)},
-               "float": {32: (4, 32), 64: (4, 32), 128: (8, 32)},
-               "Tf32x3": {32: (4, 32), 64: (4, 32), 128: (8, 32)}}
-DQ_TILES = {"bfloat16": {32: (4, 64), 64: (4, 64), 128: (4, 32)},
-            "float": {32: (4, 32), 64: (4, 32), 128: (8, 32)},
-            "Tf32x3": {32: (4, 32), 64: (4, 32), 128: (8, 32)}}
+# (warps per block, keys per tile, strips of 16 queries per warp) of the forward and of the dq pass; (warps
+# per block, queries per tile, strips of 16 keys per warp) of the dk, dv pass, for each format and d: the
+# fastest of TILE_CANDIDATES measured by bench/tensor_core_attention.py on an H100 at GPT-2's shape (d = 64,
+# taken for d = 32 too) and Llama's (d = 128, grouped heads). Two strips pay where a pass reads the most
+# shared memory per product: the dk, dv pass, whose four products all read Q or dO from shared memory,
+# takes 0.109 ms in bf16 at GPT-2's shape with two strips and 0.117 with one. The forward keeps its queries
+# in registers and runs faster with one strip (0.066 ms to 0.070): two take 244 registers a thread, so that
+# an SM holds 8 warps instead of 12 to hide the latencies of the softmax between the products. At d = 128
+# the sums of two strips take more registers than a thread has (they spill), except in bf16's dq pass.
+# TF32's fragments take twice the registers of bf16's, and its tiles twice the shared memory; 3xTF32 reads
+# TF32's tiles and fragments and splits them in each step, and at d = 128 takes all 255 registers a thread
+# has, whatever the shape.
+FORWARD_TILES = {"bfloat16": {32: (4, 64, 1), 64: (4, 64, 1), 128: (4, 32, 1)},
+                 "float": {32: (4, 32, 1), 64: (4, 32, 1), 128: (8, 64, 1)},
+                 "Tf32x3": {32: (4, 32, 1), 64: (4, 32, 1), 128: (4, 32, 1)}}
+DK_DV_TILES = {"bfloat16": {32: (4, 32, 2), 64: (4, 32, 2), 128: (4, 64, 1)},
+               "float": {32: (4, 16, 2), 64: (4, 16, 2), 128: (8, 32, 1)},
+               "Tf32x3": {32: (4, 16, 2), 64: (4, 16, 2), 128: (8, 32, 1)}}
+DQ_TILES = {"bfloat16": {32: (4, 64, 1), 64: (4, 64, 1), 128: (4, 32, 2)},
+            "float": {32: (4, 32, 2), 64: (4, 32, 2), 128: (8, 32, 1)},
+            "Tf32x3": {32: (4, 32, 1), 64: (4, 32, 1), 128: (8, 32, 1)}}
 # The shapes bench/tensor_core_attention.py times for each kernel (and tests check), the ones above among them.
-TILE_CANDIDATES = {"forward": ((4, 32), (4, 64), (8, 64), (4, 128), (8, 128)),
-                   "dk_dv": ((4, 32), (4, 64), (8, 32), (8, 64)),
-                   "dq": ((4, 32), (4, 64), (8, 32), (8, 64))}
+TILE_CANDIDATES = {"forward": ((4, 32, 1), (4, 64, 1), (8, 64, 1), (8, 128, 1), (4, 32, 2), (4, 64, 2), (8, 64, 2)),
+                   "dk_dv": ((4, 32, 1), (4, 64, 1), (8, 32, 1), (8, 64, 1), (4, 16, 2), (4, 32, 2), (8, 16, 2)),
+                   "dq": ((4, 32, 1), (4, 64, 1), (8, 32, 1), (8, 64, 1), (4, 32, 2), (4, 64, 2), (8, 32, 2))}
 
 
 def _tile_bytes(d, element_bytes):
@@ -101,28 +109,34 @@ def _tile_bytes(d, element_bytes):
     return (d + ROW_PADDING) * element_bytes
 
 
-def forward_shared_bytes(d, warps, keys, element_bytes=2):
+def _block_rows(warps, strips):
+    """Rows a block owns: queries (forward, dq) or keys (dk, dv)."""
+    return ROWS_PER_STRIP * strips * warps
+
+
+def forward_shared_bytes(d, warps, keys, strips, element_bytes=2):
     """The forward's dynamic shared memory: the query tile and two stages of K and of V."""
-    return (ROWS_PER_WARP * warps + 4 * keys) * _tile_bytes(d, element_bytes)
+    return (_block_rows(warps, strips) + 4 * keys) * _tile_bytes(d, element_bytes)
 
 
-def dk_dv_shared_bytes(d, warps, queries, element_bytes=2):
+def dk_dv_shared_bytes(d, warps, queries, strips, element_bytes=2):
     """The dk, dv pass's: the K and V tiles, two stages of Q and dO, two of lse and of row_dot."""
-    return (2 * ROWS_PER_WARP * warps + 4 * queries) * _tile_bytes(d, element_bytes) + 4 * queries * FLOAT
+    return (2 * _block_rows(warps, strips) + 4 * queries) * _tile_bytes(d, element_bytes) + 4 * queries * FLOAT
 
 
-def dq_shared_bytes(d, warps, keys, element_bytes=2):
+def dq_shared_bytes(d, warps, keys, strips, element_bytes=2):
     """The dq pass's: the Q and dO tiles and two stages of K and of V."""
-    return (2 * ROWS_PER_WARP * warps + 4 * keys) * _tile_bytes(d, element_bytes)
+    return (2 * _block_rows(warps, strips) + 4 * keys) * _tile_bytes(d, element_bytes)
 
 
-def _kernel(name, fmt, d, warps, tile, shared):
+def _kernel(name, fmt, d, warps, tile, strips, shared):
     """One instantiation of a kernel template, its dynamic shared memory allowed (one module each, so that a
     run compiles only the versions it uses). fmt: a key of FORMAT_ELEMENT; the kernel's Format argument is
     left to its default, Element, where the two are the same."""
     element = FORMAT_ELEMENT[fmt]
-    full_name = f"{name}<{element}, {d}, {warps}, {tile}{'' if fmt == element else ', ' + fmt}>"
-    kernel = kernels.function("tensor_core_attention", full_name, name_expressions=(full_name,))
+    full_name = f"{name}<{element}, {d}, {warps}, {tile}, {strips}{'' if fmt == element else ', ' + fmt}>"
+    kernel = kernels.function("tensor_core_attention", full_name, name_expressions=(full_name,),
+                              options=FORMAT_OPTIONS[fmt])
     if kernel.max_dynamic_shared_size_bytes < shared:
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
         kernel.max_dynamic_shared_size_bytes = shared
@@ -166,8 +180,8 @@ def _sizes(operation, q, k, v, others=()):
     if (H_kv == 0 and H > 0) or (H_kv > 0 and H % H_kv != 0):
         raise ValueError(f"{operation}: q has H = {H} heads and k, v have H_kv = {H_kv}: H must be a multiple of "
                          "H_kv (each key/value head serves H // H_kv query heads)")
-    if ceil_div(T, ROWS_PER_WARP) > LARGEST_GRID_Y:
-        raise ValueError(f"{operation}: T = {T} is too long for one launch (at most {LARGEST_GRID_Y * ROWS_PER_WARP})")
+    if ceil_div(T, ROWS_PER_STRIP) > LARGEST_GRID_Y:
+        raise ValueError(f"{operation}: T = {T} is too long for one launch (at most {LARGEST_GRID_Y * ROWS_PER_STRIP})")
     unaligned = [name for name, (array, _, _) in arrays.items() if array is not None and not float4_aligned(array)]
     if unaligned:
         raise ValueError(f"{operation}: {', '.join(unaligned)} must start on a 16-byte boundary (the kernels copy "
@@ -178,28 +192,7 @@ def _sizes(operation, q, k, v, others=()):
 def _readable(array):
     """array itself when the kernels can read it where it lies (its rows contiguous, each starting on 16 bytes,
     in an array that is C-contiguous itself), else a C-contiguous copy."""
-    strides = element_strides(array)
-    rows_fit = strides[-1] == 1 or array.shape[-1] == 1
-    aligned = all(stride * array.itemsize % ROW_ALIGNMENT_BYTES == 0
-                  for stride, size in zip(strides[:-1], array.shape) if size > 1)
-    if rows_fit and aligned and storage_of(array).flags.c_contiguous:
-        return array
-    return copy("tensor_core_attention_input", array)
-
-
-def head_layout(array):
-    """(the C-contiguous array holding `array`, the HeadLayout that says where in it the (B, heads, T, d)
-    tensor lies), as the kernels take them."""
-    layout = numpy.zeros((), dtype=HEAD_LAYOUT)
-    strides = element_strides(array)
-    layout["offset"] = element_offset(array)
-    layout["batch"], layout["head"], layout["row"] = strides[:3]
-    return storage_of(array), layout[()]
-
-
-def _empty_output(B, H, T, d, dtype):
-    """out as (B, T, H d) memory seen as (B, H, T, d): what y.transpose(1, 2).view(B, T, C) reads without a copy."""
-    return backend.xp.empty((B, T, H, d), dtype=dtype).transpose(0, 2, 1, 3)
+    return array if heads_readable(array, ROW_ALIGNMENT_BYTES) else copy("tensor_core_attention_input", array)
 
 
 def _scale(scale, d):
@@ -216,7 +209,7 @@ def tensor_core_attention_forward(q, k, v, causal=True, scale=None, out=None, pr
     fmt = _format(name, q.dtype, precision)
     q, k, v = (_readable(x) for x in (q, k, v))
     if out is None:
-        out = _empty_output(B, H, T, d, q.dtype)
+        out = empty_heads_side_by_side((B, H, T, d), q.dtype)
     elif _readable(out) is not out:
         raise ValueError(f"{name}: out (strides {out.strides}) must have contiguous rows that start on 16 bytes")
     lse = backend.xp.empty((B, H, T), dtype=numpy.float32)
@@ -254,12 +247,12 @@ def _head_sizes(q, k):
     return B * H, H, k.shape[1], T, d
 
 
-def _forward(out, lse, q, k, v, causal, scale, warps, keys, fmt=None):
+def _forward(out, lse, q, k, v, causal, scale, warps, keys, strips, fmt=None):
     heads, H, H_kv, T, d = _head_sizes(q, k)
-    shared = forward_shared_bytes(d, warps, keys, q.itemsize)
-    kernel = _kernel("tensor_core_attention_forward", fmt or ELEMENT[q.dtype], d, warps, keys, shared)
+    shared = forward_shared_bytes(d, warps, keys, strips, q.itemsize)
+    kernel = _kernel("tensor_core_attention_forward", fmt or ELEMENT[q.dtype], d, warps, keys, strips, shared)
     (out, out_at), (q, q_at), (k, k_at), (v, v_at) = (head_layout(x) for x in (out, q, k, v))
-    kernel((heads, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
+    kernel((heads, ceil_div(T, _block_rows(warps, strips))), (32 * warps,),
            (out, lse, q, k, v, numpy.int32(T), numpy.int32(H), numpy.int32(H_kv), numpy.float32(scale),
             numpy.int32(bool(causal)), out_at, q_at, k_at, v_at), shared_mem=shared)
 
@@ -273,23 +266,24 @@ def _row_dot(row_dot, dout, out):
         (row_dot, dout, out, numpy.int32(rows), numpy.int32(d), numpy.int32(T), numpy.int32(H), dout_at, out_at))
 
 
-def _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, warps, queries, fmt=None):
+def _dk_dv(dk, dv, dout, q, k, v, lse, row_dot, causal, scale, warps, queries, strips, fmt=None):
     heads, H, H_kv, T, d = _head_sizes(q, k)
-    shared = dk_dv_shared_bytes(d, warps, queries, q.itemsize)
-    kernel = _kernel("tensor_core_attention_backward_dk_dv", fmt or ELEMENT[q.dtype], d, warps, queries, shared)
+    shared = dk_dv_shared_bytes(d, warps, queries, strips, q.itemsize)
+    kernel = _kernel("tensor_core_attention_backward_dk_dv", fmt or ELEMENT[q.dtype], d, warps, queries, strips,
+                     shared)
     (dk, dk_at), (dv, dv_at), (dout, dout_at), (q, q_at), (k, k_at), (v, v_at) = (
         head_layout(x) for x in (dk, dv, dout, q, k, v))
-    kernel((heads // H * H_kv, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
+    kernel((heads // H * H_kv, ceil_div(T, _block_rows(warps, strips))), (32 * warps,),
            (dk, dv, dout, q, k, v, lse, row_dot, numpy.int32(T), numpy.int32(H), numpy.int32(H_kv),
             numpy.float32(scale), numpy.int32(bool(causal)), dk_at, dv_at, dout_at, q_at, k_at, v_at),
            shared_mem=shared)
 
 
-def _dq(dq, dout, q, k, v, lse, row_dot, causal, scale, warps, keys, fmt=None):
+def _dq(dq, dout, q, k, v, lse, row_dot, causal, scale, warps, keys, strips, fmt=None):
     heads, H, H_kv, T, d = _head_sizes(q, k)
-    shared = dq_shared_bytes(d, warps, keys, q.itemsize)
-    kernel = _kernel("tensor_core_attention_backward_dq", fmt or ELEMENT[q.dtype], d, warps, keys, shared)
+    shared = dq_shared_bytes(d, warps, keys, strips, q.itemsize)
+    kernel = _kernel("tensor_core_attention_backward_dq", fmt or ELEMENT[q.dtype], d, warps, keys, strips, shared)
     (dq, dq_at), (dout, dout_at), (q, q_at), (k, k_at), (v, v_at) = (head_layout(x) for x in (dq, dout, q, k, v))
-    kernel((heads, ceil_div(T, ROWS_PER_WARP * warps)), (32 * warps,),
+    kernel((heads, ceil_div(T, _block_rows(warps, strips))), (32 * warps,),
            (dq, dout, q, k, v, lse, row_dot, numpy.int32(T), numpy.int32(H), numpy.int32(H_kv),
             numpy.float32(scale), numpy.int32(bool(causal)), dq_at, dout_at, q_at, k_at, v_at), shared_mem=shared)
