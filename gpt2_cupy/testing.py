@@ -10,6 +10,10 @@
 Arrays may come from either backend: they are copied to numpy (float64) before any arithmetic.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
@@ -78,6 +82,32 @@ def assert_within_summation_bound(got, terms, start=0.0, axis=0):
     error = np.abs(_float64(got) - (start64 + terms64.sum(axis=axis)))
     assert np.all(error <= bound), (f"largest error {error.max():.3g}, "
                                     f"bound there {np.ravel(bound)[error.argmax()]:.3g}")
+
+
+# One launch of a kernel (out, x, shift): out eight zeros, x = 1 .. 8, both of the dtype named, shift an int32.
+_ONE_LAUNCH = """
+import sys
+import numpy as np
+from gpt2_cupy import backend
+kernel = backend.RawModule(code=sys.argv[1]).get_function(sys.argv[2])
+dtype = np.dtype(sys.argv[3])
+out, x = backend.xp.zeros(8, dtype=dtype), backend.xp.arange(1, 9, dtype=dtype)
+try:
+    kernel((1,), (1,), (out, x, np.int32(int(sys.argv[4]))))
+    backend.synchronize()
+    print("ok")
+except Exception as error:
+    print(type(error).__name__, error)
+"""
+
+
+def launch_in_a_process_of_its_own(code, name, dtype, shift):
+    """What became of one launch of kernel `name` of `code`, taking (out, x, shift) as _ONE_LAUNCH gives them, run
+    in a fresh Python process: "ok", or the backend's error, its type and message. A GPU's CUDA context does not
+    survive a misaligned access, so a test that makes one on purpose makes it there."""
+    result = subprocess.run([sys.executable, "-c", _ONE_LAUNCH, code, name, np.dtype(dtype).name, str(shift)],
+                            capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    return result.stdout + result.stderr
 
 
 def torch_or_none():

@@ -8,14 +8,11 @@ A misaligned access ends a GPU's CUDA context for good, so on the GPU each fault
 its own.
 """
 
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from gpt2_cupy import backend
+from gpt2_cupy.testing import launch_in_a_process_of_its_own
 
 # out[0] = the sum of the 4, 2 or 1 floats at x + shift bytes, read as one float4, float2 or float; out[1] = 1
 # after a float2 store at out + 2 + shift / 4 floats. shift = 0 is aligned for all of them.
@@ -40,27 +37,8 @@ extern "C" __global__ void write_float2(float* out, const float* x, int shift)
 KERNELS = ("read_float4", "read_float", "write_float2")
 MISALIGNED_SHIFTS = {"read_float4": (4, 8), "read_float": (2,), "write_float2": (4,)}
 
-# Runs one launch in a fresh process and prints what became of it: the backend's own error text, or "ok".
-SCRIPT = """
-import sys
-import numpy as np
-from gpt2_cupy import backend
-kernel = backend.RawModule(code=sys.argv[1]).get_function(sys.argv[2])
-out, x = backend.xp.zeros(8, dtype=np.float32), backend.xp.arange(1, 9, dtype=np.float32)
-try:
-    kernel((1,), (1,), (out, x, np.int32(int(sys.argv[3]))))
-    backend.synchronize()
-    print("ok")
-except Exception as error:
-    print(type(error).__name__, error)
-"""
-
-
 def launch_elsewhere(name, shift):
-    root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "-c", SCRIPT, ACCESSES, name, str(shift)], capture_output=True,
-                            text=True, cwd=root, timeout=300)
-    return result.stdout + result.stderr
+    return launch_in_a_process_of_its_own(ACCESSES, name, np.float32, shift)
 
 
 @pytest.mark.parametrize("name", KERNELS)

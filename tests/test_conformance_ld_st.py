@@ -14,14 +14,11 @@ access". Such a launch ends a GPU's CUDA context for good, so on the GPU each on
 the executor stops those too.)
 """
 
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from gpt2_cupy import backend
+from gpt2_cupy.testing import launch_in_a_process_of_its_own
 
 # ---------------------------------------------------------------------------------------------------------
 # Every type and vector width, through global memory: each thread loads its group of elements and stores it
@@ -418,27 +415,8 @@ MISALIGNED_SHIFTS = [("load_v4", 4), ("load_v4", 8), ("load_v2", 4), ("load_vola
 # undefined). The executor stops them as it stops the others.
 MISALIGNED_UNCHECKED_ON_A_GPU = [("store_local_v2", 4), ("load_const_v4", 8)]
 
-# Runs one launch in a fresh process and prints what became of it: the backend's own error text, or "ok".
-SCRIPT = """
-import sys
-import numpy as np
-from gpt2_cupy import backend
-kernel = backend.RawModule(code=sys.argv[1]).get_function(sys.argv[2])
-out, x = backend.xp.zeros(8, dtype=np.uint32), backend.xp.arange(1, 9, dtype=np.uint32)
-try:
-    kernel((1,), (1,), (out, x, np.int32(int(sys.argv[3]))))
-    backend.synchronize()
-    print("ok")
-except Exception as error:
-    print(type(error).__name__, error)
-"""
-
-
 def launch_elsewhere(name, shift):
-    root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "-c", SCRIPT, MISALIGNED, name, str(shift)], capture_output=True,
-                            text=True, cwd=root, timeout=300)
-    return result.stdout + result.stderr
+    return launch_in_a_process_of_its_own(MISALIGNED, name, np.uint32, shift)
 
 
 @pytest.mark.parametrize("name", ALIGNED_RESULTS)
