@@ -42,8 +42,8 @@
 //    by V without a trip through shared memory.
 //  - The dk, dv pass computes the transposed products, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, so that its keys are
 //    the rows of the result and Pᵀ, dSᵀ are again A fragments for dV += Pᵀ dO and dK += dSᵀ Q.
-// Exponentials are exp2f of scores in log2 units: e^(x - m) = 2^(x log2 e - m log2 e). The op compiles the
-// bf16 and TF32 kernels with --ftz=true, which makes each exp2f a single MUFU.EX2.
+// Exponentials are exp2f of scores in log2 units: e^(x - m) = 2^(x log2 e - m log2 e). CuPy compiles every
+// kernel with -ftz=true, under which each exp2f is a single MUFU.EX2.
 // Deterministic: every output element is summed by one thread in a fixed order, no atomics, so the bits
 // are the same on every run; dk and dv of a key/value head are summed over the query heads of its group
 // one after the other by the same block.

@@ -63,11 +63,6 @@ DTYPES = tuple(ELEMENT)
 # ("float"), or as 3xTF32 ("Tf32x3"); and which of the float32 ones each precision runs.
 FORMAT_ELEMENT = {"bfloat16": "bfloat16", "float": "float", "Tf32x3": "float"}
 FLOAT32_FORMAT = {None: "float", "high": "float", "highest": "Tf32x3"}
-# Compiler options of each format's kernels. --ftz=true flushes float32 results below 2^-126 to zero, which
-# makes each exp2f one MUFU.EX2 instead of four instructions (three keep such tiny results exact): nothing
-# that small changes a bf16 or TF32 result. 3xTF32 keeps float32's subnormals, as chapter 08's kernels do.
-# (The CPU executor takes the option and keeps subnormals.)
-FORMAT_OPTIONS = {"bfloat16": ("--ftz=true",), "float": ("--ftz=true",), "Tf32x3": ()}
 # Multiply-adds (B·H·T²·d) below which F.scaled_dot_product_attention keeps attention on chapter 08's float32
 # kernels: that small, it is bound by its launches on a GPU, and the CPU executor runs it faster.
 SMALL_ATTENTION = 1 << 24
@@ -135,8 +130,7 @@ def _kernel(name, fmt, d, warps, tile, strips, shared):
     left to its default, Element, where the two are the same."""
     element = FORMAT_ELEMENT[fmt]
     full_name = f"{name}<{element}, {d}, {warps}, {tile}, {strips}{'' if fmt == element else ', ' + fmt}>"
-    kernel = kernels.function("tensor_core_attention", full_name, name_expressions=(full_name,),
-                              options=FORMAT_OPTIONS[fmt])
+    kernel = kernels.function("tensor_core_attention", full_name, name_expressions=(full_name,))
     if kernel.max_dynamic_shared_size_bytes < shared:
         # Beyond 48 KB a kernel must ask for its dynamic shared memory before its first launch.
         kernel.max_dynamic_shared_size_bytes = shared
