@@ -307,7 +307,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax
         raise ValueError(f"{name}: the softmax variant needs the lse that attention_forward returned")
     heads = [_heads(x) for x in (q, k, v)]
     readable = [_readable(x) for x in heads]
-    if all(storage_of(r) is storage_of(x) for r, x in zip(readable, (q, k, v))):  # all read where they lie
+    if all(r is h for r, h in zip(readable, heads)):  # all read where they lie: gradients laid out alike
         gradients = empty_like_views(*heads)
     else:
         gradients = [backend.xp.empty(x.shape, dtype=np.float32) for x in heads]
