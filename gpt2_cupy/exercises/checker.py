@@ -2,8 +2,9 @@
 
 How to add an exercise to chapter NN
 ------------------------------------
-1. In `gpt2_cupy/exercises/chapter_NN.py` (create it from an existing one if missing, and add it to
-   `_CHAPTERS` in `gpt2_cupy/exercises/__init__.py`), append an `Exercise` to `EXERCISES`:
+1. In `gpt2_cupy/exercises/chapter_NN.py` (chapters 00-09 have one; for a new chapter create it from
+   chapter_00.py and add it to `_CHAPTERS` in `gpt2_cupy/exercises/__init__.py`), append an `Exercise` to
+   `EXERCISES` (chapter_00.py is a complete example):
 
        def _scale_arguments(size, rng):
            n = size["n"]
