@@ -11,7 +11,8 @@ from gpt2_cupy.exercises import checker
 
 # For every exercise, text replacements of its solution that break it: "guard" removes the bounds guard,
 # "wrong element" writes the result to another (valid) element, "barrier" removes a __syncthreads() (for
-# exercises that have one). "Nothing written" is derived for every exercise (its body emptied).
+# exercises that have one; "second barrier" another one). "Nothing written" is derived for every exercise
+# (its body emptied).
 BROKEN = {
     "00.scale_and_add": {
         "guard": ("if (i < n) {", "{"),
@@ -20,6 +21,18 @@ BROKEN = {
     "00.matrix_add": {
         "guard": ("if (row < rows && column < columns) {", "{"),
         "wrong element": ("out[i] =", "out[column * rows + row] ="),
+    },
+    "01.column_blocked": {
+        "guard": ("if (row < M && col < N) C[", "C["),
+        "wrong element": ("C[row * N + col] = sums[i]", "C[row * N + N - 1 - col] = sums[i]"),
+        "barrier": ("__syncthreads();  // the tiles are complete", "// the tiles are complete"),
+        "second barrier": ("__syncthreads();  // nobody overwrites", "// nobody overwrites"),
+    },
+    "01.tiled_transposed_b": {
+        "guard": ("if (row < M && col < N) {", "{"),
+        "wrong element": ("C[row * N + col] = sum", "C[(M - 1 - row) * N + col] = sum"),
+        "barrier": ("__syncthreads();  // the tiles are complete", "// the tiles are complete"),
+        "second barrier": ("__syncthreads();  // nobody overwrites", "// nobody overwrites"),
     },
 }
 
@@ -88,11 +101,11 @@ def test_the_wrong_element_fails(exercise_id):
 
 @pytest.mark.skipif(not ON_CPU, reason="a missing barrier is found by the CPU executor's race check; on a GPU "
                                        "the race may not bite, and the kernel may pass")
-@pytest.mark.parametrize("exercise_id", [i for i in IDS if "barrier" in BROKEN.get(i, {})])
-def test_a_missing_barrier_is_a_race(exercise_id):
-    result = checker.run_check(exercises.exercise(exercise_id), _broken(exercise_id, "barrier"))
+@pytest.mark.parametrize("exercise_id, barrier", [(i, kind) for i in IDS for kind in BROKEN.get(i, {}) if "barrier" in kind])
+def test_a_missing_barrier_is_a_race(exercise_id, barrier):
+    result = checker.run_check(exercises.exercise(exercise_id), _broken(exercise_id, barrier))
     assert not result.passed
-    assert re.search(r"a race on \S+: .*a __syncthreads\(\) is missing between the writes and the reads",
+    assert re.search(r"a race on [^:]+: .*a __syncthreads\(\) is missing between the writes and the reads",
                      result.message)
 
 

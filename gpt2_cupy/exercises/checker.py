@@ -357,7 +357,8 @@ def _race_report(message, source):
         what = f"{place.group(2)}[{place.group(3)}]"
     else:
         shared = re.findall(r"__shared__\s+[\w\s]*?(\w+)\s*\[", _without_comments(source))
-        what = f"`{shared[0]}`" if len(shared) == 1 else "shared memory"
+        what = (f"`{shared[0]}`" if len(shared) == 1 else
+                f"shared memory ({' or '.join(f'`{name}`' for name in shared)})" if shared else "shared memory")
     pair = _RACE_WRITE_READ.search(message)
     if pair:
         thread1, block1, verb1, thread2, block2, _ = pair.groups()
