@@ -34,6 +34,41 @@ BROKEN = {
         "barrier": ("__syncthreads();  // the tiles are complete", "// the tiles are complete"),
         "second barrier": ("__syncthreads();  // nobody overwrites", "// nobody overwrites"),
     },
+    # Chapters 04-06 (their own tests beyond these: tests/test_exercises_04_06.py)
+    "04.log_softmax": {
+        "guard": ("if (row >= rows) {\n        return;  // the whole warp leaves together: the shuffles below see all 32 lanes\n    }\n", ""),
+        "wrong element": ("out[(long long)row * columns + column] =", "out[(long long)row * columns + columns - 1 - column] ="),
+    },
+    "04.online_max_and_sum": {
+        "guard": ("if (row >= rows) {\n        return;\n    }\n", ""),
+        "wrong element": ("maximum[row] = m;", "maximum[rows - 1 - row] = m;"),
+    },
+    "05.rmsnorm_forward": {
+        "guard": ("if (row >= rows) {\n        return;\n    }\n", ""),
+        "wrong element": ("y[(long long)row * columns + column] =", "y[(long long)row * columns + columns - 1 - column] ="),
+    },
+    "05.layernorm_backward_dx": {
+        "guard": ("if (row >= rows) {\n        return;\n    }\n", ""),
+        "wrong element": ("dx[start + column] =", "dx[start + columns - 1 - column] ="),
+    },
+    "05b.dyt_forward": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("y[i] =", "y[n - 1 - i] ="),
+    },
+    "05b.dyt_partial_sums": {
+        "guard": ("if (column < columns) {\n        for", "{\n        for"),
+        "wrong element": ("weight_partials[(long long)blockIdx.y * columns + column] = weight_total;",
+                          "weight_partials[(long long)blockIdx.y * columns + columns - 1 - column] = weight_total;"),
+        "barrier": ("__syncthreads();  // all eight slots written", "// all eight slots written"),
+    },
+    "06.token_position_forward": {
+        "guard": ("if (i < B * T * C) {", "{"),
+        "wrong element": ("out[i] =", "out[B * T * C - 1 - i] ="),
+    },
+    "06.grouped_backward": {
+        "guard": ("if (c < C) {", "{"),
+        "wrong element": ("dweight[v * C + c] = sum;", "dweight[(V - 1 - v) * C + c] = sum;"),
+    },
 }
 
 IDS = [exercise_id for exercise_id, _, _ in exercises.list()]
