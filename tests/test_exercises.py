@@ -43,6 +43,18 @@ BROKEN = {
         "guard": ("if (row >= rows) {\n        return;\n    }\n", ""),
         "wrong element": ("maximum[row] = m;", "maximum[rows - 1 - row] = m;"),
     },
+    "04b.online_block": {
+        "guard": ("if (blockIdx.x >= rows) {\n        return;  // the whole block leaves: no thread of it waits at a barrier below\n    }\n", ""),
+        "wrong element": ("y[(long long)blockIdx.x * columns + column] =", "y[(long long)blockIdx.x * columns + columns - 1 - column] ="),
+        "barrier": ("__syncthreads();  // every warp's state is in shared memory", "// every warp's state is in shared memory"),
+        "second barrier": ("__syncthreads();  // the row's state is in shared memory", "// the row's state is in shared memory"),
+    },
+    "04b.backward_block": {
+        "guard": ("if (blockIdx.x >= rows) {\n        return;  // the whole block leaves: no thread of it waits at a barrier below\n    }\n", ""),
+        "wrong element": ("dx[start + column] =", "dx[start + columns - 1 - column] ="),
+        "barrier": ("__syncthreads();  // every warp's sum is in shared memory", "// every warp's sum is in shared memory"),
+        "second barrier": ("__syncthreads();  // the row's dot product is in shared memory", "// the row's dot product is in shared memory"),
+    },
     "05.rmsnorm_forward": {
         "guard": ("if (row >= rows) {\n        return;\n    }\n", ""),
         "wrong element": ("y[(long long)row * columns + column] =", "y[(long long)row * columns + columns - 1 - column] ="),

@@ -1,4 +1,5 @@
-"""Chapter 04's graded exercises: row kernels with a warp per row and shuffles."""
+"""Chapter 04's and 04b's graded exercises: row kernels with a warp per row and shuffles, and long rows with a
+block per row."""
 
 import numpy
 
@@ -57,4 +58,57 @@ EXERCISES = [
         # The maximum is one of the inputs, exactly; the sum of up to 1000 terms in (0, 1], each rescaled
         # a few times, is off by a few float32 roundings of the sum.
         rtol=1e-5, atol=0.0),
+]
+
+
+# ---- Chapter 04b: long rows, a block per row ----------------------------------------------------------------
+
+BLOCK_THREADS = 256
+BLOCKS_MULTIPLE = 8  # the grid is rounded up to a multiple of 8 blocks: a block past the last row must do nothing
+# (rows, columns): one element; rows shorter than the block; longer, not multiples of anything; a long row
+LONG_ROW_SIZES = ({"rows": 1, "columns": 1}, {"rows": 3, "columns": 100}, {"rows": 5, "columns": 1001},
+                  {"rows": 2, "columns": 4099})
+
+
+def _block_per_row_launch(size):
+    return (blocks(size["rows"], BLOCKS_MULTIPLE) * BLOCKS_MULTIPLE,), (BLOCK_THREADS,)
+
+
+def _online_block_arguments(size, rng):
+    rows, columns = size["rows"], size["columns"]
+    return [Output("y", (rows, columns)), Input("x", rng.normal(0.0, 3.0, (rows, columns)).astype(numpy.float32)),
+            Scalar("rows", numpy.int32(rows)), Scalar("columns", numpy.int32(columns))]
+
+
+def _softmax(x, rows, columns):
+    z = x.astype(numpy.float64)
+    e = numpy.exp(z - z.max(axis=-1, keepdims=True))
+    return {"y": e / e.sum(axis=-1, keepdims=True)}
+
+
+def _backward_block_arguments(size, rng):
+    rows, columns = size["rows"], size["columns"]
+    y = _softmax(rng.normal(0.0, 3.0, (rows, columns)), rows, columns)["y"].astype(numpy.float32)
+    return [Output("dx", (rows, columns)), Input("dout", rng.standard_normal((rows, columns), dtype=numpy.float32)),
+            Input("y", y), Scalar("rows", numpy.int32(rows)), Scalar("columns", numpy.int32(columns)),
+            Scalar("scale", numpy.float32(0.125))]
+
+
+def _softmax_backward(dout, y, rows, columns, scale):
+    dout, y = dout.astype(numpy.float64), y.astype(numpy.float64)
+    return {"dx": numpy.float64(scale) * y * (dout - (dout * y).sum(axis=-1, keepdims=True))}
+
+
+EXERCISES += [
+    Exercise(
+        id="04b.online_block", title="Softmax of long rows: the online (m, d) over a block", kernel="softmax_online_block",
+        arguments=_online_block_arguments, launch=_block_per_row_launch, reference=_softmax, sizes=LONG_ROW_SIZES,
+        # y is at most 1: a few float32 roundings of each term and of the sum of up to 4099 terms
+        rtol=1e-5, atol=1e-7),
+    Exercise(
+        id="04b.backward_block", title="Softmax backward of long rows: a block's dot product", kernel="softmax_backward_block",
+        arguments=_backward_block_arguments, launch=_block_per_row_launch, reference=_softmax_backward,
+        sizes=LONG_ROW_SIZES,
+        # dx = s y (dout - dot): the dot product of up to 4099 terms rounds to a few 1e-7, times y <= 1
+        rtol=1e-4, atol=1e-7),
 ]
