@@ -33,6 +33,17 @@ def test_an_online_sum_that_is_not_rescaled_is_wrong():
     assert "maximum[" not in result.message  # the maxima are still right: the message names the sum
 
 
+def test_a_block_softmax_that_forgets_the_last_lanes_state_is_wrong():
+    # Warp 0's lanes past the block's warps must hold an empty state (the lowest float, 0). Holding (0, 1), as
+    # if each had seen one value 0, adds exp(0 - m) to the row's sum per such lane.
+    result = _check_changed("04b.online_block", "m = lane < blockDim.x / WARP_SIZE ? warp_maxima[lane] : LOWEST_FLOAT;\n"
+                            "        d = lane < blockDim.x / WARP_SIZE ? warp_sums[lane] : 0.0f;",
+                            "m = lane < blockDim.x / WARP_SIZE ? warp_maxima[lane] : 0.0f;\n"
+                            "        d = lane < blockDim.x / WARP_SIZE ? warp_sums[lane] : 1.0f;")
+    assert not result.passed
+    assert ": y[" in result.message
+
+
 def test_rmsnorm_with_the_mean_subtracted_is_layernorm_not_rmsnorm():
     result = _check_changed("05.rmsnorm_forward", "y[(long long)row * columns + column] = x_row[column] * scale",
                             "y[(long long)row * columns + column] = (x_row[column] - 0.5f) * scale")
@@ -72,7 +83,7 @@ def test_a_lookup_without_the_id_check_reads_outside_the_table():
 
 def test_every_exercise_of_these_chapters_is_listed_with_its_chapter():
     listed = {exercise_id: chapter for exercise_id, chapter, _ in exercises.list()}
-    for chapter, names in {"04": ("log_softmax", "online_max_and_sum"),
+    for chapter, names in {"04": ("log_softmax", "online_max_and_sum"), "04b": ("online_block", "backward_block"),
                            "05": ("rmsnorm_forward", "layernorm_backward_dx"),
                            "05b": ("dyt_forward", "dyt_partial_sums"),
                            "06": ("token_position_forward", "grouped_backward")}.items():
