@@ -44,6 +44,14 @@ BROKEN = {
         "wrong element": ("sums[column] += total", "sums[columns - 1 - column] += total"),
         "barrier": ("__syncthreads();", ""),
     },
+    "03.gelu_forward_sigmoid": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("y[i] =", "y[n - 1 - i] ="),
+    },
+    "03.silu_backward": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("dx[i] =", "dx[n - 1 - i] ="),
+    },
 }
 
 IDS = [exercise_id for exercise_id, _, _ in exercises.list()]
