@@ -141,6 +141,9 @@ def seed_of(exercise_id):
 
 def run_check(exercise, source):
     """The Result of `source` on `exercise` (printing nothing)."""
+    if not isinstance(source, str):
+        raise TypeError(f"{exercise.id}: source must be the kernel's CUDA C as a str (the string you would give "
+                        f"RawKernel), got {type(source).__name__}")
     problem = _signature_problem(exercise, source)
     if problem:
         return Result(False, f"{exercise.id}: {problem}")
