@@ -5,7 +5,8 @@
 At N = 8192 rows (B·T = 8 x 1024) and V = 50257, each variant's time and its bandwidth counted as the
 bytes that cannot be avoided: reading the logits once and writing dlogits once (2·N·V·4 bytes, 3.3 GB),
 next to the device's copy bandwidth (the ceiling) and PyTorch's cross_entropy forward+backward.
-Variants: the chapter's first version (one thread per row), the fused kernel keeping each row in shared
+Variants: the chapter's first version (one thread per row), its second step (one block per row, the row kept
+in shared memory, float by float: kernels/steps/cross_entropy_block_per_row.cu), the fused kernel keeping each row in shared
 memory (the package's path, float4s; also compiled with 2 and 8 float4 loads in flight instead of 4), the same writing
 dlogits in place of the logits, the fused kernel reading each row twice (second time from L2, if it is
 still there), and the forward kernel followed by the backward kernel (each reads the logits once).
@@ -19,6 +20,7 @@ from gpt2_cupy.ops.arrays import ceil_div
 
 N, V = 8192, 50257
 IGNORE_INDEX = -1
+BLOCK_STEP_STATIC_SHARED_BYTES = 2 * 32 * 4  # the block step's two arrays of one float per warp
 
 
 def candidates(logits, targets, dlogits):
@@ -43,6 +45,13 @@ def candidates(logits, targets, dlogits):
         one_thread_per_row((ceil_div(N, 256),), (256,), (dlogits, scratch_losses, logits, targets, np.int32(N),
                                                      np.int32(V), ignore, scale))
 
+    block_per_row = kernels.function("steps/cross_entropy_block_per_row")
+    block_per_row.max_dynamic_shared_size_bytes = backend.shared_memory_per_block() - BLOCK_STEP_STATIC_SHARED_BYTES
+
+    def block_step():
+        block_per_row((N,), (ce.ROW_THREADS,), (dlogits, scratch_losses, logits, targets, np.int32(V), ignore, scale),
+                      shared_mem=4 * V)
+
     def fused_with_vectors_in_flight(vectors):
         # The package's kernel compiled with another VECTORS_PER_STEP: how many float4 loads per thread the
         # memory needs.
@@ -59,6 +68,7 @@ def candidates(logits, targets, dlogits):
 
     runs = {
         "one thread per row (the first version)": first_version,
+        "one block per row, row in shared memory, float by float (the second step)": block_step,
         "fused, row kept in shared memory": lambda: ce.cross_entropy_fused(logits, targets, ignore_index=IGNORE_INDEX,
                                                                            dlogits=dlogits),
         "fused, in place (dlogits = logits)": lambda: ce.cross_entropy_fused(logits, targets,
