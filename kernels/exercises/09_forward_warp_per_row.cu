@@ -2,15 +2,6 @@
 // lane + 32, ...; the 32 pairs (maximum, sum) merge by shuffles; lane 0 writes lse and the row's loss.
 #include "special_values.cuh"
 
-__device__ void merge(float& maximum, float& sum, float other_maximum, float other_sum)
-{
-    float largest = fmaxf(maximum, other_maximum);
-    if (largest != NEGATIVE_INFINITY) {
-        sum = sum * expf(maximum - largest) + other_sum * expf(other_maximum - largest);
-        maximum = largest;
-    }
-}
-
 extern "C" __global__ void cross_entropy_forward_warp(float* lse, float* row_losses, const float* logits,
                                                       const int* targets, int N, int V, int ignore_index)
 {
@@ -21,10 +12,22 @@ extern "C" __global__ void cross_entropy_forward_warp(float* lse, float* row_los
     const float* z = logits + (long long)row * V;
     float maximum = NEGATIVE_INFINITY, sum = 0.0f;
     for (int j = lane; j < V; j += 32) {
-        merge(maximum, sum, z[j], 1.0f);  // one element is the pair (z_j, 1)
+        float x = z[j];
+        if (x > maximum) {  // the maximum grows: rescale the sum so far
+            sum = sum * expf(maximum - x) + 1.0f;
+            maximum = x;
+        } else {
+            sum += expf(x - maximum);
+        }
     }
-    for (int offset = 16; offset > 0; offset /= 2) {
-        merge(maximum, sum, __shfl_xor_sync(0xffffffff, maximum, offset), __shfl_xor_sync(0xffffffff, sum, offset));
+    for (int offset = 16; offset > 0; offset /= 2) {  // merge the lanes' pairs, as chapter 04 merges them
+        float other_maximum = __shfl_xor_sync(0xffffffff, maximum, offset);
+        float other_sum = __shfl_xor_sync(0xffffffff, sum, offset);
+        float largest = fmaxf(maximum, other_maximum);
+        if (largest != NEGATIVE_INFINITY) {  // both empty (a lane past V holds (-inf, 0)): nothing to rescale
+            sum = sum * expf(maximum - largest) + other_sum * expf(other_maximum - largest);
+            maximum = largest;
+        }
     }
     if (lane == 0) {
         float log_sum_exp = maximum + logf(sum);
