@@ -18,6 +18,7 @@ __global__ void attention_backward_dq_row(float* dq, float* rowdot, const float*
     const float* keys = k + (long long)head * T * D;
     const float* values = v + (long long)head * T * D;
     float scale = rsqrtf((float)D), query[D], gradient[D], dout_row[D], dot = 0.0f;
+#pragma unroll
     for (int c = 0; c < D; ++c) {
         query[c] = q[row + c] * scale;
         dout_row[c] = dout[row + c];
@@ -28,15 +29,18 @@ __global__ void attention_backward_dq_row(float* dq, float* rowdot, const float*
     float row_lse = lse[(long long)head * T + t];
     for (int j = 0; j <= (causal ? t : T - 1); ++j) {
         float s = 0.0f, dp = 0.0f;
+#pragma unroll
         for (int c = 0; c < D; ++c) {
             s += query[c] * keys[(long long)j * D + c];
             dp += dout_row[c] * values[(long long)j * D + c];
         }
         float ds = expf(s - row_lse) * (dp - dot);
+#pragma unroll
         for (int c = 0; c < D; ++c) {
             gradient[c] += ds * keys[(long long)j * D + c];
         }
     }
+#pragma unroll
     for (int c = 0; c < D; ++c) {
         dq[row + c] = gradient[c] * scale;
     }
@@ -53,6 +57,7 @@ __global__ void attention_backward_dk_dv_row(float* dk, float* dv, const float* 
     }
     long long row = ((long long)head * T + j) * D, first = (long long)head * T;
     float scale = rsqrtf((float)D), key[D], value[D], key_gradient[D], value_gradient[D];
+#pragma unroll
     for (int c = 0; c < D; ++c) {
         key[c] = k[row + c] * scale;
         value[c] = v[row + c];
@@ -62,17 +67,20 @@ __global__ void attention_backward_dk_dv_row(float* dk, float* dv, const float* 
         const float* query = q + (first + t) * D;
         const float* dout_row = dout + (first + t) * D;
         float s = 0.0f, dp = 0.0f;
+#pragma unroll
         for (int c = 0; c < D; ++c) {
             s += query[c] * key[c];
             dp += dout_row[c] * value[c];
         }
         float p = expf(s - lse[first + t]);
         float ds = p * (dp - rowdot[first + t]);
+#pragma unroll
         for (int c = 0; c < D; ++c) {
             value_gradient[c] += p * dout_row[c];
             key_gradient[c] += ds * query[c];
         }
     }
+#pragma unroll
     for (int c = 0; c < D; ++c) {
         dk[row + c] = key_gradient[c] * scale;
         dv[row + c] = value_gradient[c];

@@ -22,6 +22,7 @@ __global__ void __launch_bounds__(TILE) attention_forward_key_tiles(float* out, 
     const float* keys = k + (long long)head * T * D;
     const float* values = v + (long long)head * T * D;
     float query[D], o[D];
+#pragma unroll
     for (int c = 0; c < D; ++c) {
         query[c] = active ? q[((long long)head * T + t) * D + c] * rsqrtf((float)D) : 0.0f;
         o[c] = 0.0f;
@@ -41,6 +42,7 @@ __global__ void __launch_bounds__(TILE) attention_forward_key_tiles(float* out, 
             const float4* key = reinterpret_cast<const float4*>(key_tile[jj]);
             const float4* value = reinterpret_cast<const float4*>(value_tile[jj]);
             float s = 0.0f;
+#pragma unroll
             for (int c = 0; c < D / 4; ++c) {
                 float4 kc = key[c];
                 s += query[4 * c] * kc.x;  // one multiply-add each (chapter 01)
@@ -52,6 +54,7 @@ __global__ void __launch_bounds__(TILE) attention_forward_key_tiles(float* out, 
             float correction = expf(m - m_new);
             float p = expf(s - m_new);
             l = l * correction + p;
+#pragma unroll
             for (int c = 0; c < D / 4; ++c) {
                 float4 vc = value[c];
                 o[4 * c] = o[4 * c] * correction + p * vc.x;
@@ -63,6 +66,7 @@ __global__ void __launch_bounds__(TILE) attention_forward_key_tiles(float* out, 
         }
     }
     if (active) {
+#pragma unroll
         for (int c = 0; c < D; ++c) {
             out[((long long)head * T + t) * D + c] = o[c] / l;
         }

@@ -1,7 +1,7 @@
 // Fused causal attention, the first step: one thread per query row, the online softmax over the keys one
 // at a time, nothing written but the output and the row's log-sum-exp. q, k, v, out: (heads, T, D) in
 // order; lse: (heads, T). Grid (ceil(T / blockDim.x), heads). D, the head size, is a template parameter:
-// the thread's query and running output are arrays of D floats that stay in registers.
+// the loops over it unroll, and the thread's query and running output, arrays of D floats, stay in registers.
 #include "special_values.cuh"
 
 template <int D>
@@ -16,6 +16,7 @@ __global__ void attention_forward_row(float* out, float* lse, const float* q, co
     const float* keys = k + (long long)head * T * D;
     const float* values = v + (long long)head * T * D;
     float query[D], o[D];
+#pragma unroll
     for (int c = 0; c < D; ++c) {
         query[c] = q[((long long)head * T + t) * D + c] * rsqrtf((float)D);  // the scale 1/sqrt(d), once
         o[c] = 0.0f;
@@ -24,6 +25,7 @@ __global__ void attention_forward_row(float* out, float* lse, const float* q, co
     int last = causal ? t : T - 1;           // query t sees keys 0..t
     for (int j = 0; j <= last; ++j) {
         float s = 0.0f;
+#pragma unroll
         for (int c = 0; c < D; ++c) {
             s += query[c] * keys[(long long)j * D + c];
         }
@@ -31,11 +33,13 @@ __global__ void attention_forward_row(float* out, float* lse, const float* q, co
         float correction = expf(m - m_new);  // rescales what was summed under the old maximum (0 at j = 0)
         float p = expf(s - m_new);
         l = l * correction + p;
+#pragma unroll
         for (int c = 0; c < D; ++c) {
             o[c] = o[c] * correction + p * values[(long long)j * D + c];
         }
         m = m_new;
     }
+#pragma unroll
     for (int c = 0; c < D; ++c) {
         out[((long long)head * T + t) * D + c] = o[c] / l;
     }
