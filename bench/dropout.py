@@ -5,9 +5,10 @@
 GB/s of the chapter's first step (one element per thread, a Philox call each), dropout_forward and
 dropout_backward (each reads n floats and writes n: 8 bytes per element; the mask is regenerated, never read)
 against the device's copy bandwidth, at GPT-2 small's two dropout shapes with B = 8, T = 1024: the residual
-stream (B, T, C) = 6.3M elements and the attention probabilities (B, H, T, T) = 101M elements. PyTorch's
-dropout next to it when installed: its forward writes a one-byte mask besides y (9 bytes per element) and its
-backward reads that mask (9 bytes); both are counted in PyTorch's figures as the bytes it really moves.
+stream (B, T, C) = 6.3M elements and the attention probabilities (B, H, T, T) = 101M elements. Also
+dropout_forward allocating its output, as PyTorch's call does. PyTorch's dropout next to it when installed: its forward
+writes a one-byte mask besides y (9 bytes per element) and its backward reads that mask (9 bytes); both are
+counted in PyTorch's figures as the bytes it really moves.
 """
 
 import numpy as np
@@ -35,6 +36,7 @@ def rates(shape, state, cupy, torch):
         "dropout, one element per thread (the first step)": (ours, lambda: one_per_thread(
             (ceil_div(n, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,), (out, x, state, p, np.int32(n)))),
         "dropout_forward": (ours, lambda: dropout_forward(x, P, state, out=out)),
+        "dropout_forward, allocating y (as torch's does)": (ours, lambda: dropout_forward(x, P, state)),
         "dropout_backward": (ours, lambda: dropout_backward(x, P, state, out=out)),
         "advance_rng_state + dropout_forward": (ours, lambda: (advance_rng_state(state, n),
                                                               dropout_forward(x, P, state, out=out))),
