@@ -6,9 +6,9 @@ GB/s of the chapter's first step (one element per thread, a Philox call each), d
 dropout_backward (each reads n floats and writes n: 8 bytes per element; the mask is regenerated, never read)
 against the device's copy bandwidth, at GPT-2 small's two dropout shapes with B = 8, T = 1024: the residual
 stream (B, T, C) = 6.3M elements and the attention probabilities (B, H, T, T) = 101M elements. Also
-dropout_forward allocating its output, as PyTorch's call does. PyTorch's dropout next to it when installed: its forward
-writes a one-byte mask besides y (9 bytes per element) and its backward reads that mask (9 bytes); both are
-counted in PyTorch's figures as the bytes it really moves.
+dropout_forward allocating its output, as PyTorch's call does. PyTorch's dropout next to it when installed:
+its forward writes a one-byte mask besides y (9 bytes per element) and its backward reads that mask (9 bytes);
+both are counted in PyTorch's figures as the bytes it really moves.
 """
 
 import numpy as np
