@@ -33,6 +33,7 @@ extern "C" __global__ void cross_entropy_forward_warp(float* lse, float* row_los
         float log_sum_exp = maximum + logf(sum);
         int target = targets[row];
         lse[row] = log_sum_exp;
-        row_losses[row] = target == ignore_index ? 0.0f : log_sum_exp - z[target];
+        bool valid = 0 <= target && target < V;  // else NaN: a wrong target shows in the loss
+        row_losses[row] = target == ignore_index ? 0.0f : valid ? log_sum_exp - z[target] : QUIET_NAN;
     }
 }
