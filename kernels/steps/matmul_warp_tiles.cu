@@ -7,11 +7,6 @@ constexpr int BLOCK_TILE = 128;  // rows and columns of C per block
 constexpr int TILE_K = 8;        // depth of one slice of K
 constexpr int THREAD_TILE = 8;   // rows and columns of C per thread
 
-__device__ __forceinline__ void unpack(float* values, float4 v)
-{
-    values[0] = v.x; values[1] = v.y; values[2] = v.z; values[3] = v.w;
-}
-
 extern "C" __global__ void __launch_bounds__(256) matmul_warp_tiles(
     float* C, const float* A, const float* B, int M, int N, int K)
 {
@@ -28,7 +23,6 @@ extern "C" __global__ void __launch_bounds__(256) matmul_warp_tiles(
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 
     float acc[THREAD_TILE][THREAD_TILE] = {};
-    float a_values[THREAD_TILE], b_values[THREAD_TILE];
     for (int k0 = 0; k0 < K; k0 += TILE_K) {
         float4 a = (m0 + a_row < M && k0 + a_col < K)
             ? *reinterpret_cast<const float4*>(&A[(m0 + a_row) * K + k0 + a_col]) : zero;
@@ -41,10 +35,14 @@ extern "C" __global__ void __launch_bounds__(256) matmul_warp_tiles(
         __syncthreads();
 #pragma unroll
         for (int k = 0; k < TILE_K; ++k) {
-            unpack(a_values, *reinterpret_cast<const float4*>(&a_tile[k][row_base]));
-            unpack(a_values + 4, *reinterpret_cast<const float4*>(&a_tile[k][row_base + 16]));
-            unpack(b_values, *reinterpret_cast<const float4*>(&b_tile[k][col_base]));
-            unpack(b_values + 4, *reinterpret_cast<const float4*>(&b_tile[k][col_base + 32]));
+            float4 a_low = *reinterpret_cast<const float4*>(&a_tile[k][row_base]);
+            float4 a_high = *reinterpret_cast<const float4*>(&a_tile[k][row_base + 16]);
+            float a_values[THREAD_TILE] = {a_low.x, a_low.y, a_low.z, a_low.w,
+                                             a_high.x, a_high.y, a_high.z, a_high.w};
+            float4 b_low = *reinterpret_cast<const float4*>(&b_tile[k][col_base]);
+            float4 b_high = *reinterpret_cast<const float4*>(&b_tile[k][col_base + 32]);
+            float b_values[THREAD_TILE] = {b_low.x, b_low.y, b_low.z, b_low.w,
+                                             b_high.x, b_high.y, b_high.z, b_high.w};
 #pragma unroll
             for (int i = 0; i < THREAD_TILE; ++i)
 #pragma unroll
