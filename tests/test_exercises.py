@@ -99,6 +99,32 @@ BROKEN = {
         "guard": ("if (i < n) {", "{"),
         "wrong element": ("dx[i] =", "dx[n - 1 - i] ="),
     },
+    "07.dropout_residual": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("out[i] =", "out[n - 1 - i] ="),
+    },
+    "07.box_muller": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("z[i] =", "z[n - 1 - i] ="),
+    },
+    "08.forward_warp_per_row": {
+        "guard": ("if (t >= T) {", "if (false) {"),
+        "wrong element": ("out[t * d + c] =", "out[(T - 1 - t) * d + c] ="),
+    },
+    "08.dv_query_tiles": {
+        "guard": ("if (j < T) {", "{"),
+        "wrong element": ("dv[j * D + c] = gradient[c]", "dv[(T - 1 - j) * D + c] = gradient[c]"),
+        "barrier": ("__syncthreads();  // the tiles are complete", "// the tiles are complete"),
+        "second barrier": ("__syncthreads();  // nobody still reads", "// nobody still reads"),
+    },
+    "09.forward_warp_per_row": {
+        "guard": ("if (row >= N) {", "if (false) {"),
+        "wrong element": ("row_losses[row] =", "row_losses[N - 1 - row] ="),
+    },
+    "09.backward_from_lse": {
+        "guard": ("if (row >= N) {", "if (false) {"),
+        "wrong element": ("dlogits[i] =", "dlogits[(long long)(N - 1 - row) * V + j] ="),
+    },
 }
 
 IDS = [exercise_id for exercise_id, _, _ in exercises.list()]
