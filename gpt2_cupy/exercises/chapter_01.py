@@ -1,0 +1,3 @@
+"""Chapter 01's graded exercises."""
+
+EXERCISES = []

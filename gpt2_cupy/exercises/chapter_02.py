@@ -1,0 +1,3 @@
+"""Chapter 02's graded exercises."""
+
+EXERCISES = []

@@ -1,0 +1,3 @@
+"""Chapter 03's graded exercises."""
+
+EXERCISES = []

@@ -1,0 +1,3 @@
+"""Chapter 04's graded exercises."""
+
+EXERCISES = []

@@ -1,0 +1,3 @@
+"""Chapter 08's graded exercises."""
+
+EXERCISES = []

@@ -1,0 +1,130 @@
+"""The graded exercises' checker: every solution passes, and every broken version of it fails with a message
+that names its problem, on the GPU and on the CPU executor."""
+
+import re
+
+import numpy
+import pytest
+
+from gpt2_cupy import backend, exercises
+from gpt2_cupy.exercises import checker
+
+# For every exercise, text replacements of its solution that break it: "guard" removes the bounds guard,
+# "wrong element" writes the result to another (valid) element, "barrier" removes a __syncthreads() (for
+# exercises that have one). "Nothing written" is derived for every exercise (its body emptied).
+BROKEN = {
+    "00.scale_and_add": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("out[i] =", "out[n - 1 - i] ="),
+    },
+    "00.matrix_add": {
+        "guard": ("if (row < rows && column < columns) {", "{"),
+        "wrong element": ("out[i] =", "out[column * rows + row] ="),
+    },
+}
+
+IDS = [exercise_id for exercise_id, _, _ in exercises.list()]
+ON_CPU = backend.name == "cpu"
+
+
+def _broken(exercise_id, kind):
+    old, new = BROKEN[exercise_id][kind]
+    source = exercises.solution(exercise_id)
+    assert source.count(old) == 1, f"{exercise_id}: {old!r} is not in its solution exactly once"
+    return source.replace(old, new)
+
+
+def _with_empty_body(exercise_id):
+    """The solution with its kernel's body emptied: what a skeleton holds."""
+    exercise = exercises.exercise(exercise_id)
+    source = exercises.solution(exercise_id)
+    start = source.index("{", source.index(f"void {exercise.kernel}("))
+    return source[:start] + "{\n    // your code here\n}\n"
+
+
+def test_there_are_exercises_and_each_has_its_broken_versions():
+    assert len(IDS) >= 2
+    assert len(set(IDS)) == len(IDS)
+    for exercise_id in IDS:
+        assert re.fullmatch(r"\d\d[a-z]?\.\w+", exercise_id)
+        assert exercise_id.split(".")[0] == exercises.exercise(exercise_id).chapter
+        assert {"guard", "wrong element"} <= set(BROKEN.get(exercise_id, {})), f"{exercise_id}: add it to BROKEN"
+        if "__syncthreads()" in exercises.solution(exercise_id):
+            assert "barrier" in BROKEN[exercise_id], f"{exercise_id}: its solution has a barrier; add its removal"
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_the_solution_passes(exercise_id, capsys):
+    result = exercises.check(exercise_id, exercises.solution(exercise_id))
+    assert result.passed, result.message
+    assert capsys.readouterr().out == result.message + "\n"
+    assert result.message.startswith(f"{exercise_id}: passed at ")
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_nothing_written_fails(exercise_id):
+    result = checker.run_check(exercises.exercise(exercise_id), _with_empty_body(exercise_id))
+    assert not result.passed
+    assert "was never written" in result.message and "NaN" in result.message
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_a_missing_bounds_guard_fails(exercise_id):
+    result = checker.run_check(exercises.exercise(exercise_id), _broken(exercise_id, "guard"))
+    assert not result.passed
+    if ON_CPU:  # the executor's bounds check names the thread and the element
+        assert re.search(r"thread \S+ of block \S+ (read|wrote) \w+\[\d+\], (one )?past its end", result.message)
+    else:  # a GPU has no bounds check: the guard region after each output sees the stray write
+        assert re.search(r"\w+\[\d+\] was written, past the end of \w+", result.message)
+    assert "bounds check" in result.message
+
+
+@pytest.mark.parametrize("exercise_id", IDS)
+def test_the_wrong_element_fails(exercise_id):
+    result = checker.run_check(exercises.exercise(exercise_id), _broken(exercise_id, "wrong element"))
+    assert not result.passed
+    assert re.search(r"\w+\[[\d, ]+\] is \S+, expected \S+ \(\d+ of \d+ elements are off", result.message)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="a missing barrier is found by the CPU executor's race check; on a GPU "
+                                       "the race may not bite, and the kernel may pass")
+@pytest.mark.parametrize("exercise_id", [i for i in IDS if "barrier" in BROKEN.get(i, {})])
+def test_a_missing_barrier_is_a_race(exercise_id):
+    result = checker.run_check(exercises.exercise(exercise_id), _broken(exercise_id, "barrier"))
+    assert not result.passed
+    assert re.search(r"a race on \S+: .*a __syncthreads\(\) is missing between the writes and the reads",
+                     result.message)
+
+
+def test_a_compile_error_quotes_the_compiler_with_its_line():
+    source = exercises.solution("00.scale_and_add").replace("y[i];", "z[i];")
+    line = source[:source.index("z[i]")].count("\n") + 1
+    result = checker.run_check(exercises.exercise("00.scale_and_add"), source)
+    assert not result.passed
+    assert result.message.startswith(f"00.scale_and_add: the kernel does not compile: line {line}: ")
+    assert "z" in result.message
+
+
+def test_a_missing_kernel_or_a_wrong_parameter_list_is_named():
+    exercise = exercises.exercise("00.scale_and_add")
+    renamed = exercises.solution("00.scale_and_add").replace("void scale_and_add(", "void saxpy(")
+    assert "defines no kernel" in checker.run_check(exercise, renamed).message
+    extra = exercises.solution("00.scale_and_add").replace("int n)", "int n, int m)")
+    assert "has 6 parameters, but the exercise passes 5: (out, x, y, alpha, n)" in checker.run_check(exercise, extra).message
+
+
+def test_a_write_into_the_guard_is_named_without_the_executor():
+    """What a GPU reports: the guard after out is what shows the stray write."""
+    exercise = exercises.exercise("00.scale_and_add")
+    argument = checker.Output("out", (10,))
+    whole = checker._unwritten(10 + 4, numpy.dtype(numpy.float32))
+    whole[:10] = numpy.arange(10)
+    assert checker._output_problem(exercise, argument, whole.copy(), 10, numpy.arange(10.0)) == ""
+    whole[11] = numpy.nan  # a NaN computed from an input's guard still counts as written
+    message = checker._output_problem(exercise, argument, whole, 10, numpy.arange(10.0))
+    assert message.startswith("out[11] was written, past the end of out (it has 10 elements, valid indices 0..9)")
+
+
+def test_unknown_exercise_is_a_key_error_naming_the_known_ones():
+    with pytest.raises(KeyError, match="00.scale_and_add"):
+        exercises.check("99.nothing", "")
