@@ -276,7 +276,12 @@ def _output_problem(exercise, argument, whole, count, expected):
                 "thread whose index lies past the end must do nothing. Is the bounds check missing?")
     actual = whole[:count].astype(numpy.float64)
     expected = numpy.asarray(expected, dtype=numpy.float64).ravel()
-    if argument.initial is None:
+    if argument.initial is not None:
+        before = numpy.asarray(argument.initial, dtype=dtype).ravel()
+        if numpy.array_equal(whole[:count], before) and not numpy.array_equal(expected, before):
+            return (f"{name} was never written: every element still holds what it held before the launch (the "
+                    f"kernel adds into {name}: `+=`)")
+    else:
         never = numpy.flatnonzero(_still_unwritten(whole[:count], dtype))
         if never.size == count:
             every = "its only element still holds" if count == 1 else f"all {count} of its elements still hold"
@@ -357,7 +362,8 @@ def _race_report(message, source):
         what = f"{place.group(2)}[{place.group(3)}]"
     else:
         shared = re.findall(r"__shared__\s+[\w\s]*?(\w+)\s*\[", _without_comments(source))
-        what = f"`{shared[0]}`" if len(shared) == 1 else "shared memory"
+        what = (f"`{shared[0]}`" if len(shared) == 1 else
+                f"shared memory ({' or '.join(f'`{name}`' for name in shared)})" if shared else "shared memory")
     pair = _RACE_WRITE_READ.search(message)
     if pair:
         thread1, block1, verb1, thread2, block2, _ = pair.groups()
