@@ -1,11 +1,11 @@
-#define THREADS 128
+#define PARTIAL_SUM_THREADS 128
 
 // The first pass of the gradient norm: block b sums the squares of the elements i with
 // (i / blockDim.x) % gridDim.x == b (a grid-stride loop) into partial_sums[b]. Every thread issues four
 // loads before it adds anything, so that four of them are in flight at once.
 extern "C" __global__ void gradient_norm_partial_sums(float* partial_sums, const float* grads, int n)
 {
-    __shared__ float partial[THREADS];
+    __shared__ float partial[PARTIAL_SUM_THREADS];
     int stride = gridDim.x * blockDim.x;
     float sum = 0.0f;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += 4 * stride) {

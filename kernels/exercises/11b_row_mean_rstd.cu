@@ -1,7 +1,7 @@
-#define THREADS 128
+#define ROW_THREADS 128
 
 // The sum of one value per thread over the block, in a fixed order; every thread gets the total.
-__device__ float block_sum(float value, float* shared)
+__device__ float block_total(float value, float* shared)
 {
     shared[threadIdx.x] = value;
     __syncthreads();
@@ -20,19 +20,19 @@ __device__ float block_sum(float value, float* shared)
 // cancellation), and rstd = 1 / sqrt(variance + eps).
 extern "C" __global__ void row_mean_rstd(float* mean, float* rstd, const float* x, int columns, float eps)
 {
-    __shared__ float shared[THREADS];
+    __shared__ float shared[ROW_THREADS];
     const float* row = x + (long)blockIdx.x * columns;
     float sum = 0.0f;
     for (int c = threadIdx.x; c < columns; c += blockDim.x) {
         sum += row[c];
     }
-    float row_mean = block_sum(sum, shared) / columns;
+    float row_mean = block_total(sum, shared) / columns;
     float squares = 0.0f;
     for (int column = threadIdx.x; column < columns; column += blockDim.x) {
         float centred = row[column] - row_mean;
         squares += centred * centred;
     }
-    float variance = block_sum(squares, shared) / columns;
+    float variance = block_total(squares, shared) / columns;
     if (threadIdx.x == 0) {
         mean[blockIdx.x] = row_mean;
         rstd[blockIdx.x] = rsqrtf(variance + eps);

@@ -1,10 +1,10 @@
-#define THREADS 256
+#define LOSS_THREADS 256
 
 // The mean of n per-token losses, in one block: each thread sums a strided share, then a tree adds the
 // partial sums in a fixed order, so the loss has the same bits on every run.
 extern "C" __global__ void mean_loss(float* loss, const float* losses, int n)
 {
-    __shared__ float partial[THREADS];
+    __shared__ float partial[LOSS_THREADS];
     float sum = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         sum += losses[i];
