@@ -1,4 +1,5 @@
-"""Chapter 13's graded exercises: counting tokens, and counting a text's bytes with a shared-memory histogram."""
+"""Chapter 13's graded exercises: the length of the character each UTF-8 byte starts, and a shared-memory histogram
+of a text's bytes."""
 
 import numpy
 
@@ -6,15 +7,8 @@ from gpt2_cupy.exercises.checker import Exercise, Input, Output, Scalar, blocks
 
 THREADS_PER_BLOCK = 256
 HISTOGRAM_BLOCKS = 4   # byte_histogram: a fixed grid of this many blocks of 256 threads, one per byte value
-SAMPLE = "吾輩は猫である。名前はまだ無い。ROMEO: What light through yonder window breaks? ２０２４年\n".encode()
-
-
-def _token_counts_arguments(size, rng):
-    n, vocab = size["n"], size["vocab"]
-    ids = rng.zipf(1.3, n) % vocab   # a few frequent ids and a long tail, like a real text's
-    return [Output("counts", (vocab,), dtype=numpy.int32, initial=numpy.zeros(vocab, numpy.int32)),
-            Input("ids", ids.astype(numpy.int32)),
-            Scalar("n", numpy.int32(n))]
+# Characters of 1, 2, 3 and 4 bytes: ASCII, é, kana, kanji and full-width forms, and 𠮷 (outside the BMP)
+SAMPLE = "吾輩は猫である。名前はまだ無い。ROMEO: What light through yonder window breaks? ２０２４年 café 𠮷野家\n".encode()
 
 
 def _text_bytes(n):
@@ -22,28 +16,47 @@ def _text_bytes(n):
     return (SAMPLE * (n // len(SAMPLE) + 1))[:n]
 
 
+def _words(n):
+    """The text's n bytes as little-endian int32 words, the last one padded with zero bytes (not counted)."""
+    return numpy.frombuffer(_text_bytes(n) + bytes(-n % 4), dtype="<i4").copy()
+
+
+def _bytes_of(words, n):
+    return numpy.frombuffer(words.astype("<i4").tobytes(), dtype=numpy.uint8)[:n]
+
+
+def _utf8_lengths_arguments(size, rng):
+    n = size["n"]
+    return [Output("lengths", (n,), dtype=numpy.int32), Input("words", _words(n)), Scalar("n", numpy.int32(n))]
+
+
+def _utf8_lengths_reference(words, n):
+    data = _bytes_of(words, n)
+    lengths = numpy.select([data < 0x80, (data & 0xE0) == 0xC0, (data & 0xF0) == 0xE0, (data & 0xF8) == 0xF0],
+                           [1, 2, 3, 4], default=0)
+    return {"lengths": lengths.astype(numpy.float64)}
+
+
 def _byte_histogram_arguments(size, rng):
     n = size["n"]
-    padded = _text_bytes(n) + bytes(-n % 4)   # whole words; the padding bytes are not counted
-    words = numpy.frombuffer(padded, dtype="<i4").copy()
+    words = _words(n)
     return [Output("counts", (256,), dtype=numpy.int32, initial=numpy.zeros(256, numpy.int32)),
             Input("words", words),
             Scalar("n", numpy.int32(n))]
 
 
 def _byte_histogram_reference(counts, words, n):
-    data = numpy.frombuffer(words.astype("<i4").tobytes(), dtype=numpy.uint8)[:n]
-    return {"counts": numpy.bincount(data, minlength=256).astype(numpy.float64)}
+    return {"counts": numpy.bincount(_bytes_of(words, n), minlength=256).astype(numpy.float64)}
 
 
 EXERCISES = [
     Exercise(
-        id="13.token_counts", title="How often each token occurs", kernel="token_counts",
-        arguments=_token_counts_arguments,
+        id="13.utf8_lengths", title="The length of the character each UTF-8 byte starts", kernel="utf8_lengths",
+        arguments=_utf8_lengths_arguments,
         launch=lambda size: ((blocks(size["n"], THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,)),
-        reference=lambda counts, ids, n: {"counts": numpy.bincount(ids, minlength=counts.size).astype(numpy.float64)},
-        sizes=({"n": 1, "vocab": 5}, {"n": 255, "vocab": 64}, {"n": 257, "vocab": 2048}, {"n": 5000, "vocab": 100}),
-        rtol=0.0),  # counts are exact
+        reference=_utf8_lengths_reference,
+        sizes=({"n": 1}, {"n": 255}, {"n": 257}, {"n": 3001}),
+        rtol=0.0),  # a length is right or wrong
     Exercise(
         id="13.byte_histogram", title="A byte histogram of UTF-8 text, in shared memory", kernel="byte_histogram",
         arguments=_byte_histogram_arguments,
