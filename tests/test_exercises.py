@@ -215,3 +215,13 @@ def test_a_write_into_the_guard_is_named_without_the_executor():
 def test_unknown_exercise_is_a_key_error_naming_the_known_ones():
     with pytest.raises(KeyError, match="00.scale_and_add"):
         exercises.check("99.nothing", "")
+
+
+def test_a_kernel_with_launch_bounds_is_found():
+    source = exercises.solution("00.scale_and_add").replace("void scale_and_add(", "void __launch_bounds__(256) scale_and_add(")
+    assert checker.run_check(exercises.exercise("00.scale_and_add"), source).passed
+
+
+def test_a_source_that_is_not_text_is_a_type_error():
+    with pytest.raises(TypeError, match="CUDA C as a str"):
+        exercises.check("00.scale_and_add", object())

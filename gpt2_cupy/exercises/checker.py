@@ -30,16 +30,19 @@ How to add an exercise to chapter NN
    machine); below it the solution, a collapsed code cell (metadata `"jupyter": {"source_hidden": true,
    "outputs_hidden": true}`, tag `solution`) whose first line is `# export: kernels/exercises/NN_scale.cu`,
    which assigns the solution's source as its first string literal and checks it. Then run
-   `python -m gpt2_cupy.export chapters/` to write kernels/exercises/NN_scale.cu.
+   `python -m gpt2_cupy.export chapters/` to write kernels/exercises/NN_scale.cu. A solution may not define
+   a __device__ function that another kernel file defines (tests/test_export.py): write it inline, or
+   #include the kernels/include/ header that has it. State the tolerance and its reason in the task's text.
 3. In tests/test_exercises.py, add the exercise's broken versions to BROKEN: text replacements of the
    solution that remove the bounds guard, write to the wrong element, and (where it has one) remove a
    __syncthreads(); "nothing written" is derived for every exercise. The tests fail for an exercise
-   without them.
+   without them. Each replaced text must occur exactly once in the solution. The missing-barrier case is
+   asserted on the CPU only: on a GPU a race may not bite.
 
 What a check does, at each size in order, stopping at the first problem:
   - every Output is filled with a NaN of its own bits (integers: SENTINEL) and followed by a guard region of
-    the same, every Input by a guard of plain NaN; the kernel gets the arrays' first elements only, so a write past the end lands
-    in the guard (a GPU cannot tell; the guard can);
+    the same, every Input by a guard of plain NaN; the kernel gets the arrays' first elements only, so a
+    write past the end lands in the guard (a GPU cannot tell; the guard can);
   - on the CPU the launch runs under the executor's bounds and race checks (gpt2_cupy.cpu.checks), whose
     first report is translated into the learner's words, thread and block included;
   - then: a guard written ("out[1000] was written, past the end of out"), an element never written, or the
@@ -138,6 +141,9 @@ def seed_of(exercise_id):
 
 def run_check(exercise, source):
     """The Result of `source` on `exercise` (printing nothing)."""
+    if not isinstance(source, str):
+        raise TypeError(f"{exercise.id}: source must be the kernel's CUDA C as a str (the string you would give "
+                        f"RawKernel), got {type(source).__name__}")
     problem = _signature_problem(exercise, source)
     if problem:
         return Result(False, f"{exercise.id}: {problem}")
@@ -161,8 +167,8 @@ def run_check(exercise, source):
 def _signature_problem(exercise, source):
     """A sentence when the source lacks the kernel or gives it the wrong number of parameters, else ''."""
     name = re.escape(exercise.kernel)
-    found = re.search(r'(?:extern\s+"C"\s+__global__|__global__\s+extern\s+"C")\s+void\s+' + name + r"\s*\(([^)]*)\)",
-                      _without_comments(source))
+    found = re.search(r'(?:extern\s+"C"\s+__global__|__global__\s+extern\s+"C")\s+void\s+'
+                      r"(?:__launch_bounds__\s*\([^)]*\)\s*)?" + name + r"\s*\(([^)]*)\)", _without_comments(source))
     if not found:
         return f'the source defines no kernel `extern "C" __global__ void {exercise.kernel}(...)`'
     parameters = [p for p in found.group(1).split(",") if p.strip() and p.strip() != "void"]
