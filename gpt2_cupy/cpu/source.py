@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from . import inline_asm, toolchain
 from .errors import CompileError
+from .toolchain import SOURCE_NAME, source_location
 
-SOURCE_NAME = "kernel.cu"
 ENTRIES_NAME = "gpt2cupy-entries"
 
 GLOBAL_MARKER = "__gpt2cupy_global__"
@@ -53,6 +53,13 @@ _EXTERN_SHARED = re.compile(
 _EXTERN_OR_SHARED = re.compile(rf"\b(?:extern|{SHARED_MARKER})\b")
 
 
+# `static` in a __shared__ declaration (`static __shared__ float partial[32];`, the block-reduction idiom in a
+# __device__ function, or `__shared__ static ...`): a __shared__ variable is static already, one per block,
+# and __shared__ becomes `static thread_local` here, so the learner's own `static` is dropped, in either order.
+_STATIC_OF_SHARED = re.compile(
+    rf"\bstatic\b(?P<between>[^;{{}}]*?\b{SHARED_MARKER}\b)|(?<=\b{SHARED_MARKER}\b)(?P<after>[^;{{}}]*?)\bstatic\b")
+
+
 def _is_extern_shared(declaration):
     return re.search(r"\bextern\b", declaration) is not None and SHARED_MARKER in declaration
 _GLOBAL_FUNCTION = re.compile(
@@ -61,7 +68,6 @@ _GLOBAL_FUNCTION = re.compile(
 # a regular expression can follow (a macro such as THREADS_FOR(ROWS) expands to ((ROWS) / 4 * 8)), replaced
 # by their index in a list.
 _NUMBERED_LAUNCH_BOUNDS = re.compile(rf"{BOUNDS_MARKER}\((?P<index>\d+)\)")
-_LINE_MARKER = re.compile(r'^# (\d+) "([^"]*)"', re.M)
 
 # NVRTC options with no meaning on a CPU: accepted and ignored.
 _IGNORED_OPTION_PREFIXES = (
@@ -175,18 +181,6 @@ def find_kernels(preprocessed, bounds_arguments):
     return kernels
 
 
-def source_location(preprocessed, offset):
-    """(file, line) of a place in the preprocessor's output, from its line markers: file is SOURCE_NAME for
-    the learner's source, else the path of the header it comes from; (None, None) before the first marker."""
-    line, file = 1, None
-    for marker in _LINE_MARKER.finditer(preprocessed, 0, offset):
-        line, file = int(marker.group(1)), marker.group(2)
-        marker_end = marker.end()
-    if file is None:
-        return None, None
-    return file, line + preprocessed.count("\n", marker_end, offset) - 1
-
-
 def _source_line(preprocessed, offset):
     """The learner's line number of a place in the preprocessor's output, or None outside their source."""
     file, line = source_location(preprocessed, offset)
@@ -272,6 +266,7 @@ def prepare(code, options):
                 "gpt2cupy::DynamicShared{gpt2cupy_dynamic_shared_memory()};")
 
     body = _EXTERN_SHARED.sub(pointer_to_dynamic_shared, user)
+    body = _STATIC_OF_SHARED.sub(lambda match: match.group("between") or match.group("after") or "", body)
     body = _NUMBERED_LAUNCH_BOUNDS.sub("", body).replace(GLOBAL_MARKER, "").replace(SHARED_MARKER, "static thread_local")
     return PreparedSource(kernels=kernels, body=header + body)
 

@@ -7,6 +7,7 @@ headers and runtime, the compiler's version), so a kernel is compiled once per m
 import hashlib
 import os
 import platform
+import re
 import shutil
 import struct
 import subprocess
@@ -22,6 +23,9 @@ HERE = Path(__file__).resolve().parent
 INCLUDE_DIRECTORY = HERE / "include"
 HEADERS = ("executor_abi.h", "cuda_builtins.h")
 RUNTIME_SOURCE = "runtime.cpp"
+# The name the kernel's source goes by in the preprocessor's line markers and in compiler messages.
+SOURCE_NAME = "kernel.cu"
+_LINE_MARKER = re.compile(r'^# (\d+) "([^"]*)"', re.M)
 
 # -O2 for speed; no -ffast-math, so results stay IEEE; no -march=native, so they match from machine to machine.
 # -Werror=vla: an array sized by a variable (warpSize, a parameter) is refused, as nvcc refuses it.
@@ -162,6 +166,18 @@ def preprocess(text, flags, describe):
             raise CompileError(describe(result.stderr))
         os.replace(partial, output)
     return output.read_text()
+
+
+def source_location(preprocessed, offset):
+    """(file, line) of a place in the preprocessor's output, from its line markers: file is SOURCE_NAME for
+    the learner's source, else the path of the header it comes from; (None, None) before the first marker."""
+    line, file = 1, None
+    for marker in _LINE_MARKER.finditer(preprocessed, 0, offset):
+        line, file = int(marker.group(1)), marker.group(2)
+        marker_end = marker.end()
+    if file is None:
+        return None, None
+    return file, line + preprocessed.count("\n", marker_end, offset) - 1
 
 
 def build_runtime():
