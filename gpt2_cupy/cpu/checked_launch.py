@@ -43,9 +43,24 @@ class Region:
         return self.end - self.start
 
 
+def allocation_of(array):
+    """[start, end) of the memory an array argument was cut from: for a view (`base[3:]`, CUDA's `d_base + 3`)
+    its base's, as a GPU reads base[2] through `in[-1]` without a fault; for an array of its own, its bytes."""
+    start, end = array.ctypes.data, array.ctypes.data + array.nbytes
+    owner = array
+    while isinstance(owner.base, numpy.ndarray):
+        owner = owner.base
+    if owner is not array and owner.flags.c_contiguous:
+        owner_start = owner.ctypes.data
+        if owner_start <= start and end <= owner_start + owner.nbytes:
+            return owner_start, owner_start + owner.nbytes
+    return start, end
+
+
 def regions_of(arrays):
-    """The memory regions of the array arguments [(index, array)], overlapping arguments merged."""
-    spans = sorted((array.ctypes.data, array.ctypes.data + array.nbytes, index, array) for index, array in arrays)
+    """The memory regions of the array arguments [(index, array)], each the whole allocation it was cut from
+    (allocation_of), overlapping ones merged."""
+    spans = sorted((*allocation_of(array), index, array) for index, array in arrays)
     regions = []
     for start, end, index, array in spans:
         if regions and start < regions[-1].end:

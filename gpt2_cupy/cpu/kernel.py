@@ -335,7 +335,7 @@ class Function:
             access = {1: "write", 0: "read"}.get(result.fault_is_write, "access")
             raise OutOfBoundsError(
                 f"kernel '{self.name}', {where}: out-of-bounds {access} of '{self.parameters[index].name}' at "
-                f"element {element}; it has {array.size} elements ({array.dtype}, valid indices 0..{array.size - 1})")
+                f"element {element}; {_valid_indices(array)}")
         if result.failure == runtime.ASSERTION_FAILED:
             raise KernelError(f"kernel '{self.name}', {where}: {message}")
         if result.failure == runtime.UNDEFINED_SHUFFLE:
@@ -354,6 +354,18 @@ class Function:
         for index, address in addresses.items():
             replaced[index] = address
         return replaced
+
+
+def _valid_indices(array):
+    """What an array argument's indices may be, in words: those of its elements, and for a view those of the
+    allocation around it, which a GPU reads without a fault too."""
+    start, end = checked_launch.allocation_of(array)
+    itemsize = max(array.itemsize, 1)
+    first, last = (start - array.ctypes.data) // itemsize, (end - array.ctypes.data) // itemsize - 1
+    if (first, last) == (0, array.size - 1):
+        return f"it has {array.size} elements ({array.dtype}, valid indices 0..{array.size - 1})"
+    return (f"it has {array.size} elements ({array.dtype}) and is a view into an allocation of "
+            f"{(end - start) // itemsize}, so the valid indices are {first}..{last}")
 
 
 def _is_null_pointer(value):

@@ -60,6 +60,37 @@ _STATIC_OF_SHARED = re.compile(
     rf"\bstatic\b(?P<between>[^;{{}}]*?\b{SHARED_MARKER}\b)|(?<=\b{SHARED_MARKER}\b)(?P<after>[^;{{}}]*?)\bstatic\b")
 
 
+def _value_initialized_shared(text):
+    """Each __shared__ declarator given an empty initializer: `__shared__ __half tile[64], row[8];` becomes
+    `__shared__ __half tile[64]{}, row[8]{};`. Without one, g++ guards a thread_local array of a class type
+    (__half, __nv_bfloat16) with a flag that the first of the block's threads to get there writes and the others
+    read, which the race check would report as the kernel's race; with one the zeros are constant, set before
+    any thread runs, and the array holds what an uninitialised one holds here. (A __shared__ variable with an
+    initializer of its own was refused before: see _refuse_initialized_shared.)"""
+    pieces, copied = [], 0
+    for marker in re.finditer(rf"\b{SHARED_MARKER}\b", text):
+        if marker.start() < copied:
+            continue
+        end, depth, angle, position = text.find(";", marker.end()), 0, 0, marker.end()
+        if end < 0:
+            break
+        declaration = []
+        for position in range(marker.end(), end):
+            character = text[position]
+            if character in "([{":
+                depth += 1
+            elif character in ")]}":
+                depth -= 1
+            elif depth == 0 and character in "<>":  # template arguments (a declarator has no comparison here)
+                angle += 1 if character == "<" else -1
+            elif depth == 0 and angle == 0 and character == ",":
+                declaration.append("{}")
+            declaration.append(character)
+        pieces.append(text[copied:marker.end()] + "".join(declaration) + "{}")
+        copied = end
+    return "".join(pieces) + text[copied:]
+
+
 def _is_extern_shared(declaration):
     return re.search(r"\bextern\b", declaration) is not None and SHARED_MARKER in declaration
 _GLOBAL_FUNCTION = re.compile(
@@ -267,6 +298,7 @@ def prepare(code, options):
 
     body = _EXTERN_SHARED.sub(pointer_to_dynamic_shared, user)
     body = _STATIC_OF_SHARED.sub(lambda match: match.group("between") or match.group("after") or "", body)
+    body = _value_initialized_shared(body)
     body = _NUMBERED_LAUNCH_BOUNDS.sub("", body).replace(GLOBAL_MARKER, "").replace(SHARED_MARKER, "static thread_local")
     return PreparedSource(kernels=kernels, body=header + body)
 
