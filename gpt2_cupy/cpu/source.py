@@ -60,33 +60,81 @@ _STATIC_OF_SHARED = re.compile(
     rf"\bstatic\b(?P<between>[^;{{}}]*?\b{SHARED_MARKER}\b)|(?<=\b{SHARED_MARKER}\b)(?P<after>[^;{{}}]*?)\bstatic\b")
 
 
-def _value_initialized_shared(text):
-    """Each __shared__ declarator given an empty initializer: `__shared__ __half tile[64], row[8];` becomes
-    `__shared__ __half tile[64]{}, row[8]{};`. Without one, g++ guards a thread_local array of a class type
-    (__half, __nv_bfloat16) with a flag that the first of the block's threads to get there writes and the others
-    read, which the race check would report as the kernel's race; with one the zeros are constant, set before
-    any thread runs, and the array holds what an uninitialised one holds here. (A __shared__ variable with an
-    initializer of its own was refused before: see _refuse_initialized_shared.)"""
+def _declarators(declaration):
+    """The declaration after __shared__ (`float tile[32][33], row[8]`) cut at its top-level commas: [text, ...]."""
+    pieces, depth, angle, start = [], 0, 0, 0
+    for position, character in enumerate(declaration):
+        if character in "([{":
+            depth += 1
+        elif character in ")]}":
+            depth -= 1
+        elif depth == 0 and character in "<>":  # template arguments (a declarator has no comparison here)
+            angle += 1 if character == "<" else -1
+        elif depth == 0 and angle == 0 and character == ",":
+            pieces.append(declaration[start:position])
+            start = position + 1
+    return pieces + [declaration[start:]]
+
+
+_ATTRIBUTE = re.compile(r"\b(?:__attribute__|alignas|__declspec)\s*\(")
+
+
+def _declared_name(declarator):
+    """The name a declarator declares (`tile` of `__attribute__((aligned(16))) float tile[32][33]`), or None
+    where it is not a plain name, pointer or array (a function pointer, an initializer)."""
+    while (attribute := _ATTRIBUTE.search(declarator)) is not None:
+        inside = _parameter_list(declarator, attribute.end() - 1)
+        declarator = declarator[:attribute.start()] + " " + declarator[attribute.end() + len(inside) + 1:]
+    before_bounds = re.split(r"\[", declarator, maxsplit=1)[0]
+    if re.search(r"[()=]", before_bounds):
+        return None
+    name = re.search(r"([A-Za-z_]\w*)\s*$", before_bounds)
+    return name.group(1) if name else None
+
+
+def _shared_declarations(text):
+    """Every __shared__ declaration of the text made C++ (extern ones were made pointers before).
+
+    In a function, the declaration becomes a local struct of its variables, placed in the block's shared-memory
+    window, and a reference to each variable: `__shared__ float tile[32][33], row[8];` becomes
+        struct gpt2cupy_shared_1 { float tile[32][33], row[8]; (its names and function) };
+        auto& gpt2cupy_shared_1_ = gpt2cupy::shared_variable<gpt2cupy_shared_1>();
+        auto& tile = gpt2cupy_shared_1_.tile; auto& row = gpt2cupy_shared_1_.row;
+    all on the declaration's line. A GPU lays out a kernel's __shared__ variables in one window that ends where
+    its memory does, and so does cuda_builtins.h: an access past the end faults there and here alike.
+
+    Elsewhere (at namespace scope, or a declarator that is not a plain name, pointer or array) it stays a
+    `static thread_local` variable, one per block as well, with an empty initializer on each declarator.
+    Without one g++ guards a thread_local array of a class type (__half, __nv_bfloat16) with a flag that the
+    first of the block's threads writes and the others read, which the race check would report as a race; the
+    zeros of an empty initializer are set before any thread runs. (A __shared__ variable with an initializer
+    of its own was refused before: _refuse_initialized_shared.)"""
+    in_function = _function_scopes(text)
     pieces, copied = [], 0
-    for marker in re.finditer(rf"\b{SHARED_MARKER}\b", text):
+    for serial, marker in enumerate(re.finditer(rf"\b{SHARED_MARKER}\b", text)):
         if marker.start() < copied:
             continue
-        end, depth, angle, position = text.find(";", marker.end()), 0, 0, marker.end()
+        end = text.find(";", marker.end())
         if end < 0:
             break
-        declaration = []
-        for position in range(marker.end(), end):
-            character = text[position]
-            if character in "([{":
-                depth += 1
-            elif character in ")]}":
-                depth -= 1
-            elif depth == 0 and character in "<>":  # template arguments (a declarator has no comparison here)
-                angle += 1 if character == "<" else -1
-            elif depth == 0 and angle == 0 and character == ",":
-                declaration.append("{}")
-            declaration.append(character)
-        pieces.append(text[copied:marker.end()] + "".join(declaration) + "{}")
+        line_start = text.rfind("\n", 0, marker.start()) + 1
+        statement_start = max(line_start, *(text.rfind(c, 0, marker.start()) + 1 for c in ";{}"))
+        specifiers = text[statement_start:marker.start()]
+        declarators = _declarators(text[marker.end():end])
+        names = [_declared_name(d) for d in declarators]
+        lines = "\n" * text.count("\n", statement_start, end)
+        if in_function(marker.start()) and None not in names:
+            struct = f"gpt2cupy_shared_{serial}"
+            members = " ".join(f"{specifiers}{text[marker.end():end]}".split())
+            references = " ".join(f"auto& {name} = {struct}_.{name};" for name in names)
+            replacement = (f"struct {struct} {{ {members}; "
+                           f"static constexpr unsigned serial() {{ return {serial}; }} "
+                           f'static constexpr const char* names() {{ return "{", ".join(names)}"; }} '
+                           "static constexpr const char* where() { return __PRETTY_FUNCTION__; } }; "
+                           f"auto& {struct}_ = gpt2cupy::shared_variable<{struct}>(); {references}")
+        else:
+            replacement = f"{specifiers}static thread_local {'{}, '.join(declarators)}{{}}"
+        pieces.append(text[copied:statement_start] + replacement + lines)
         copied = end
     return "".join(pieces) + text[copied:]
 
@@ -298,8 +346,8 @@ def prepare(code, options):
 
     body = _EXTERN_SHARED.sub(pointer_to_dynamic_shared, user)
     body = _STATIC_OF_SHARED.sub(lambda match: match.group("between") or match.group("after") or "", body)
-    body = _value_initialized_shared(body)
-    body = _NUMBERED_LAUNCH_BOUNDS.sub("", body).replace(GLOBAL_MARKER, "").replace(SHARED_MARKER, "static thread_local")
+    body = _shared_declarations(body)
+    body = _NUMBERED_LAUNCH_BOUNDS.sub("", body).replace(GLOBAL_MARKER, "")
     return PreparedSource(kernels=kernels, body=header + body)
 
 
@@ -405,6 +453,12 @@ template <auto Kernel, class... A> struct KernelCall<Kernel, void (*)(A...)> {
     }
 };
 } }  // namespace gpt2cupy::(unnamed)
+// The library's __shared__ declarations, for messages and for each kernel's count of static shared memory.
+extern "C" const gpt2cupy::SharedDeclaration* gpt2cupy_shared_layout(unsigned* count) {
+    gpt2cupy::place_shared_declarations();
+    *count = gpt2cupy::shared_layout.count;
+    return gpt2cupy::shared_layout.declarations;
+}
 """
 
 
