@@ -479,8 +479,12 @@ def translation_unit(prepared, entry_expressions):
 def describe_compile_failure(log, code, what):
     """The compiler's log, kept to what concerns the learner's source, with that source's lines numbered."""
     lines = [line for line in log.splitlines() if line.strip()]
+    # (a header's static_assert says what the executor leaves out, and what to use instead: kept, by the header's
+    # name as the kernel includes it)
+    refusals = [re.sub(rf"^{re.escape(str(toolchain.INCLUDE_DIRECTORY))}/([^:]+):\d+:\d+: error: static assertion failed: ",
+                       r"<\1>: ", line) for line in lines if "static assertion failed: not on the CPU executor" in line]
     about_source = [line for line in lines if SOURCE_NAME in line or not line.startswith(("/", "In file"))]
-    message = "\n".join(about_source) or log
+    message = "\n".join(refusals + about_source) or log
     message = re.sub(r"/[^\s:]*/unit\.cpp", "kernel-unit.cpp", message)
     wrong_lines = sorted({int(n) for n in re.findall(rf"{re.escape(SOURCE_NAME)}:(\d+):", message)})
     numbered = code.splitlines()
