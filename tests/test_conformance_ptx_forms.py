@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
+from test_conformance_tensor_cores import assert_each_lane_got_its_elements
 
 # Four 8x8 matrices of 16-bit values in shared memory; lane 8m + r gives the address of row r of matrix m, and
 # each lane writes out the four registers it receives. LOAD is the ldmatrix instruction, as written.
@@ -55,14 +56,7 @@ def test_ldmatrix_in_cutlass_order_loads_what_the_isa_order_loads(instruction, c
     kernel = backend.RawKernel(LDMATRIX, "load_matrices", options=(f"-DCOUNT={count}", f'-DLOAD="{instruction}"'))
     out = to_device(np.zeros((32, 4), dtype=np.uint32))
     kernel((1,), (32,), (to_device(matrices), out))
-    got = to_host(out)
-    lanes = np.arange(32)
-    for m in range(count):
-        seen = matrices[m].T if transpose else matrices[m]
-        low, high = seen[lanes // 4, 2 * (lanes % 4)], seen[lanes // 4, 2 * (lanes % 4) + 1]
-        np.testing.assert_array_equal(got[:, m], low.astype(np.uint32) | high.astype(np.uint32) << 16,
-                                      err_msg=f"matrix {m}")
-    np.testing.assert_array_equal(got[:, count:], 0)
+    assert_each_lane_got_its_elements(to_host(out), matrices, count, transpose)
 
 
 # D = A·B + C for one m16n8kK tile with f16 A, B, C and D, one warp. A is 16xK row-major, B is given transposed

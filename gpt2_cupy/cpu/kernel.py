@@ -27,6 +27,9 @@ MAX_GRID_DIMENSIONS = (2**31 - 1, 65535, 65535)
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024
 MAX_DYNAMIC_SHARED_BYTES = 227 * 1024
 STATIC_SHARED_LIMIT_BYTES = 48 * 1024
+# The __shared__ variables of all a module's functions lie below a block's dynamic shared memory, in a window
+# of runtime.cpp's (shared_arena_bytes: 4 MiB) that holds them, the dynamic memory and the room after it.
+MODULE_SHARED_LIMIT_BYTES = 1024 * 1024
 
 _C_NAMES = {("i", 1): "signed char", ("u", 1): "unsigned char", ("i", 2): "short", ("u", 2): "unsigned short",
             ("i", 4): "int", ("u", 4): "unsigned int", ("i", 8): "long long", ("u", 8): "unsigned long long",
@@ -476,8 +479,14 @@ class RawModule:
     def compile(self, log_stream=None):
         runtime.library()  # kernels resolve their calls into the runtime when loaded
         if self._library is None:
-            self._library, self._shared_layout = _kernel_library(
-                self.code, self._source, self.options, self._expressions, "the module")
+            library, shared_layout = _kernel_library(self.code, self._source, self.options, self._expressions,
+                                                     "the module")
+            total = max((offset + size for offset, size, _, _ in shared_layout), default=0)
+            if total > MODULE_SHARED_LIMIT_BYTES:
+                raise CompileError(f"the module's __shared__ variables take {total} bytes in all, more than the "
+                                   f"{MODULE_SHARED_LIMIT_BYTES} the CPU executor lays out for one module: compile "
+                                   "its kernels in several modules")
+            self._library, self._shared_layout = library, shared_layout
         return self
 
     def _race_check_entry_address(self, name):

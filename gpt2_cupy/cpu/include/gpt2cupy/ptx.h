@@ -434,7 +434,7 @@ inline void wgmma_wait_group(unsigned long long pending, int line) {
 // static array may have), at the one place there whose low 18 bits it holds. So that a static __shared__
 // tile is an error rather than a read of the wrong bytes, to_shared notes when the block takes the shared
 // address of a pointer into dynamic shared memory, and a descriptor is refused before that.
-constexpr unsigned long long dynamic_shared_bytes = 227 * 1024;  // runtime.cpp's buffer (an H100's limit)
+constexpr unsigned long long dynamic_shared_bytes = 227 * 1024;  // the most a block has (an H100's limit)
 
 inline unsigned long long& dynamic_shared_noted() {
     static thread_local unsigned long long block;  // the block tag once a pointer into it was converted
