@@ -62,6 +62,16 @@ extern "C" __global__ void dynamic_shifted(float* out, const float* x, int shift
     out[threadIdx.x] = staged[24 + threadIdx.x + shift];
 }
 """,
+    "static_before": r"""
+// Eight threads copy x into a __shared__ array and read it back `back` elements before.
+extern "C" __global__ void static_before(float* out, const float* x, int back)
+{
+    __shared__ float staged[8];
+    staged[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    out[threadIdx.x] = staged[(int)threadIdx.x - back];
+}
+""",
     "static_into_dynamic": r"""
 // A __shared__ array followed by the launch's dynamic shared memory: reading past the array's end reads the
 // dynamic memory, which follows it in the block's window (on a GPU, and in the executor).
@@ -128,10 +138,28 @@ def test_an_access_past_the_shared_window_stops_the_kernel(name, shift, threads,
             kernel((1,), (threads,), (out, x, np.int32(shift)), shared_mem=shared_mem, **checks)
 
 
+def test_an_access_far_before_the_shared_window_stops_the_kernel():
+    # 8 KiB before the block's first array: below the window on a GPU (which keeps 1 KiB for the system below a
+    # block's own shared memory, so a read just before the first array may not fault there). The executor finds
+    # it under the bounds check, whose second pass puts the window against a guard below it.
+    if backend.name == "cuda":
+        outcome = launch_elsewhere("static_before", 2048, 8, 0)
+        assert re.search(r"ILLEGAL_ADDRESS|illegal (memory access|address)", outcome), outcome
+        return
+    from gpt2_cupy.cpu import OutOfBoundsError
+    kernel = backend.RawModule(code=KERNELS["static_before"]).get_function("static_before")
+    out, x = np.zeros(8, np.float32), np.arange(1, 9, dtype=np.float32)
+    with pytest.raises(OutOfBoundsError, match=r"kernel 'static_before', block \(0, 0, 0\), thread \(\d+, 0, 0\): "
+                                               r"out-of-bounds read of shared memory, before the start of 'staged'"):
+        kernel((1,), (8,), (out, x, np.int32(2048)), check_bounds=True)
+    kernel((1,), (8,), (out, x, np.int32(1)), check_bounds=True)  # staged[-1]: the system's bytes, on a GPU
+
+
 # The same kernels reading inside the window: the GPU goes on, and the executor's checks report nothing.
 INSIDE = [
     ("warp_partials", 8, 256, 0),
     ("static_shifted", 0, 8, 0),
+    ("static_before", 0, 8, 0),
     ("dynamic_shifted", 0, 8, 128),
     ("dynamic_shifted", -24, 8, 128),   # the first elements of the dynamic memory
     ("static_into_dynamic", 4, 8, 128),  # past the __shared__ array, into the dynamic memory after it

@@ -30,6 +30,10 @@ STATIC_SHARED_LIMIT_BYTES = 48 * 1024
 # The __shared__ variables of all a module's functions lie below a block's dynamic shared memory, in a window
 # of runtime.cpp's (shared_arena_bytes: 4 MiB) that holds them, the dynamic memory and the room after it.
 MODULE_SHARED_LIMIT_BYTES = 1024 * 1024
+DYNAMIC_SHARED_ALIGNMENT = 128  # runtime.cpp's dynamic_shared_alignment
+# Below a block's own shared memory an H100 keeps 1 KiB for the system, inside the block's window: a read a little
+# before the first array does not fault there.
+RESERVED_SHARED_BYTES = 1024
 
 _C_NAMES = {("i", 1): "signed char", ("u", 1): "unsigned char", ("i", 2): "short", ("u", 2): "unsigned short",
             ("i", 4): "int", ("u", 4): "unsigned int", ("i", 8): "long long", ("u", 8): "unsigned long long",
@@ -309,16 +313,20 @@ class Function:
 
     # ---- launching -----------------------------------------------------------------------------------
     def _launch(self, grid, block, values, reverse_order=False, show_output=True, track_races=False, global_ranges=(),
-                shared_mem=None, unchecked_alignment=False):
+                shared_mem=None, unchecked_alignment=False, shared_against_lower_guard=False):
         """track_races: run the build whose every memory access is checked (see checked_launch);
         shared_mem: the launch's dynamic shared memory in bytes (None: as much as a block may have);
         unchecked_alignment: run that build without tracking, for its lack of alignment checks (the bounds
-        check's pass on arrays moved off their alignment)."""
+        check's pass on arrays moved off their alignment);
+        shared_against_lower_guard: the block's shared memory starts against an inaccessible guard rather than
+        ending against one (the bounds check's pass with arrays against the guards below them)."""
         race_build = track_races or unchecked_alignment
         entry_address = (self.race_check_entry_address() if race_build else None) or self._entry_address
         track_races = track_races and entry_address != self._entry_address
         result, output = runtime.launch(entry_address, self._pack(*values), grid, block, reverse_order, track_races,
-                                        global_ranges, shared_mem, _shared_slack_bytes(self.shared_layout))
+                                        global_ranges, shared_mem, _shared_slack_bytes(self.shared_layout),
+                                        _dynamic_offset_above_lower_guard(self.shared_layout, shared_mem)
+                                        if shared_against_lower_guard else None)
         if output and show_output:
             sys.stdout.write(output)
             sys.stdout.flush()
@@ -407,14 +415,14 @@ def _static_shared_bytes(shared_layout, kernel_name):
     whose instances cannot be told apart by name here, the largest instance's."""
     base = kernel_name.split("<")[0].strip()
     per_instance = {}
-    for _, size, _, where in shared_layout:
-        found = _DECLARING_FUNCTION.fullmatch(where)
+    for place in shared_layout:
+        found = _DECLARING_FUNCTION.fullmatch(place.function)
         if found is None:
             continue
         name = re.match(r"\s*([A-Za-z_]\w*)\s*(?:<|\()", found.group("function"))
         if name and name.group(1) == base:
             key = found.group("function") + found.group("instance")
-            per_instance[key] = per_instance.get(key, 0) + size
+            per_instance[key] = per_instance.get(key, 0) + place.bytes
     return max(per_instance.values(), default=0)
 
 
@@ -423,16 +431,44 @@ def _shared_slack_bytes(shared_layout):
     keeps inside the window faults: the bytes of the __shared__ declarations below the last one. Reading past the
     end of the last by fewer bytes may, on a GPU that put it lower, read another; a read that reaches the guard is
     past the end of the window in any order (with a single declaration, right at the end)."""
-    return shared_layout[-1][0] if shared_layout else 0
+    return shared_layout[-1].offset if shared_layout else 0
+
+
+def _dynamic_offset_above_lower_guard(shared_layout, dynamic_bytes):
+    """Where the dynamic memory starts above the guard below the window, for the window to lie against that guard
+    as _shared_slack_bytes has it lie against the guard above: the first __shared__ declaration as many bytes
+    above the guard as the others and the system's reserved bytes take (a read that far before it lies before the
+    window in any order), all of them below the dynamic memory, aligned as cuda_builtins.h places them."""
+    if not shared_layout:
+        return RESERVED_SHARED_BYTES
+    # cuda_builtins.h starts the declarations at (dynamic memory - total) rounded down to their largest alignment
+    alignment = max(max(place.alignment for place in shared_layout), 16)
+    total = _shared_total_bytes(shared_layout)
+    others = total - shared_layout[0].bytes
+    offset = _round_up(others + RESERVED_SHARED_BYTES, alignment) + _round_up(total, alignment)
+    # (with dynamic memory, the window is moved up to keep it aligned as a launch's dynamic memory is: 128 bytes)
+    return _round_up(offset, DYNAMIC_SHARED_ALIGNMENT) if dynamic_bytes != 0 else offset
+
+
+def _shared_total_bytes(shared_layout):
+    return max((place.offset + place.bytes for place in shared_layout), default=0)
+
+
+def _round_up(value, multiple):
+    return (value + multiple - 1) // multiple * multiple
 
 
 def _shared_overrun_message(shared_layout, past_end, dynamic_bytes):
-    """What a fault past the block's shared memory ran off, in words."""
-    arrays = ", ".join(f"'{names}' ({size} bytes)" for _, size, names, _ in shared_layout)
+    """What a fault past the block's shared memory ran off (before its start, for a negative past_end), in words."""
+    if past_end < 0:
+        first = f"'{shared_layout[0].names}'" if shared_layout else "the dynamic shared memory"
+        return (f"before the start of {first}, the first of the block's shared memory. A GPU stops the kernel there "
+                "with an illegal address")
+    arrays = ", ".join(f"'{place.names}' ({place.bytes} bytes)" for place in shared_layout)
     static = f"the module's __shared__ variables {arrays}" if arrays else "no __shared__ variables"
     dynamic = (f"then the launch's {dynamic_bytes} bytes of dynamic shared memory (extern __shared__, shared_mem)"
                if dynamic_bytes else "no dynamic shared memory (shared_mem=0)")
-    last = ("the dynamic shared memory" if dynamic_bytes else f"'{shared_layout[-1][2]}'" if shared_layout
+    last = ("the dynamic shared memory" if dynamic_bytes else f"'{shared_layout[-1].names}'" if shared_layout
             else "shared memory")
     where = "right at the end" if past_end == 0 else f"{past_end} bytes past the end"
     return (f"{where} of {last}, the last of the block's shared memory ({static}; {dynamic}). A GPU stops the "
@@ -481,7 +517,7 @@ class RawModule:
         if self._library is None:
             library, shared_layout = _kernel_library(self.code, self._source, self.options, self._expressions,
                                                      "the module")
-            total = max((offset + size for offset, size, _, _ in shared_layout), default=0)
+            total = _shared_total_bytes(shared_layout)
             if total > MODULE_SHARED_LIMIT_BYTES:
                 raise CompileError(f"the module's __shared__ variables take {total} bytes in all, more than the "
                                    f"{MODULE_SHARED_LIMIT_BYTES} the CPU executor lays out for one module: compile "

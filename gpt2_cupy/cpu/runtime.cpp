@@ -176,8 +176,12 @@ struct gpt2cupy_launch_request {
     int global_range_count;
     // The launch's dynamic shared memory in bytes (of the dynamic_shared_bytes a block may have at most).
     unsigned long long dynamic_shared_bytes;
-    // Bytes left between the end of the block's shared memory and the guard after it (see place_shared_window).
+    // Bytes left between the end of the block's shared memory and the guard after it (see place_shared_window);
+    // or, with shared_against_lower_guard, the bounds check's window against the guard below: its dynamic
+    // memory starts shared_dynamic_offset bytes above the guard's end.
     unsigned long long shared_slack_bytes;
+    int shared_against_lower_guard;
+    unsigned long long shared_dynamic_offset;
 };
 }
 
@@ -1245,11 +1249,19 @@ SharedArena& shared_arena() {
 // The window of the launch's blocks on this OS thread: `dynamic_bytes` of dynamic shared memory end `slack_bytes`
 // below the guard, to within their alignment. The slack is what the __shared__ variables below the last one
 // take (kernel.py): a GPU's compiler lays them out in an order of its own, in which a read past one of them may
-// still lie inside the window, and so the guard is where no order of them reaches.
-void place_shared_window(unsigned long long dynamic_bytes, unsigned long long slack_bytes) {
+// still lie inside the window, and so the guard is where no order of them reaches. Against the lower guard (the
+// bounds check's pass with arrays against the guards below them), the window lies against the guard below the
+// arena instead: its dynamic memory `dynamic_offset` bytes above the arena's start, which kernel.py chooses so
+// that the first __shared__ variable lies as far above the guard as the others take.
+void place_shared_window(unsigned long long dynamic_bytes, unsigned long long slack_bytes, bool against_lower_guard,
+                         unsigned long long dynamic_offset) {
     SharedArena& arena = shared_arena();
     arena.dynamic_bytes = std::min<unsigned long long>(dynamic_bytes, dynamic_shared_bytes);
     slack_bytes = std::min<unsigned long long>(slack_bytes, shared_arena_bytes / 2);
+    if (against_lower_guard) {
+        arena.dynamic = arena.low + std::min<unsigned long long>(dynamic_offset, shared_arena_bytes / 2);
+        return;
+    }
     arena.dynamic = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(arena.guard - slack_bytes - arena.dynamic_bytes) &
                                             ~(uintptr_t)(dynamic_shared_alignment - 1));
 }
@@ -1257,7 +1269,8 @@ void place_shared_window(unsigned long long dynamic_bytes, unsigned long long sl
 // Runs blocks of the launch until none are left; returns when done or failed.
 void run_blocks(Launch& launch) {
     BlockRunner& runner = runner_of_this_thread();
-    place_shared_window(launch.request().dynamic_shared_bytes, launch.request().shared_slack_bytes);
+    place_shared_window(launch.request().dynamic_shared_bytes, launch.request().shared_slack_bytes,
+                        launch.request().shared_against_lower_guard != 0, launch.request().shared_dynamic_offset);
     FloatingPointDefaults floating_point_defaults;
     use_alternate_signal_stack();
     sigjmp_buf recovery;
@@ -2034,7 +2047,7 @@ void gpt2cupy_shuffle_from_absent_lane(unsigned int mask, unsigned int source) {
 void* gpt2cupy_dynamic_shared_memory(void) {
     // One block runs on an OS thread at a time, so the OS thread's window is the block's.
     SharedArena& arena = shared_arena();
-    if (arena.dynamic == nullptr) place_shared_window(dynamic_shared_bytes, 0);  // not in a launch: all of it
+    if (arena.dynamic == nullptr) place_shared_window(dynamic_shared_bytes, 0, false, 0);  // not in a launch: all of it
     return arena.dynamic;
 }
 
@@ -2047,6 +2060,12 @@ int gpt2cupy_shared_overrun(unsigned long long address, unsigned long long* byte
             *bytes_past_end = address - reinterpret_cast<unsigned long long>(arena->dynamic + arena->dynamic_bytes);
             *dynamic_bytes = arena->dynamic_bytes;
             return 1;
+        }
+        const unsigned long long low = reinterpret_cast<unsigned long long>(arena->low);
+        if (address < low && low - address <= shared_low_guard_bytes) {  // before the window's start
+            *bytes_past_end = low - address;
+            *dynamic_bytes = arena->dynamic_bytes;
+            return -1;
         }
     }
     return 0;
