@@ -84,7 +84,8 @@ def assert_within_summation_bound(got, terms, start=0.0, axis=0):
                                     f"bound there {np.ravel(bound)[error.argmax()]:.3g}")
 
 
-# One launch of a kernel (out, x, shift): out eight zeros, x = 1 .. 8, both of the dtype named, shift an int32.
+# One launch of a kernel (out, x, shift) in one block of the threads named: out eight zeros, x = 1 .. 8, both of
+# the dtype named, shift an int32; with the dynamic shared memory named.
 _ONE_LAUNCH = """
 import sys
 import numpy as np
@@ -93,7 +94,7 @@ kernel = backend.RawModule(code=sys.argv[1]).get_function(sys.argv[2])
 dtype = np.dtype(sys.argv[3])
 out, x = backend.xp.zeros(8, dtype=dtype), backend.xp.arange(1, 9, dtype=dtype)
 try:
-    kernel((1,), (1,), (out, x, np.int32(int(sys.argv[4]))))
+    kernel((1,), (int(sys.argv[5]),), (out, x, np.int32(int(sys.argv[4]))), shared_mem=int(sys.argv[6]))
     backend.synchronize()
     print("ok")
 except Exception as error:
@@ -101,11 +102,12 @@ except Exception as error:
 """
 
 
-def launch_in_a_process_of_its_own(code, name, dtype, shift):
+def launch_in_a_process_of_its_own(code, name, dtype, shift, threads=1, shared_mem=0):
     """What became of one launch of kernel `name` of `code`, taking (out, x, shift) as _ONE_LAUNCH gives them, run
     in a fresh Python process: "ok", or the backend's error, its type and message. A GPU's CUDA context does not
-    survive a misaligned access, so a test that makes one on purpose makes it there."""
-    result = subprocess.run([sys.executable, "-c", _ONE_LAUNCH, code, name, np.dtype(dtype).name, str(shift)],
+    survive a misaligned access or an illegal address, so a test that makes one on purpose makes it there."""
+    result = subprocess.run([sys.executable, "-c", _ONE_LAUNCH, code, name, np.dtype(dtype).name, str(shift),
+                             str(threads), str(shared_mem)],
                             capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=300)
     return result.stdout + result.stderr
 

@@ -266,7 +266,11 @@ def test_ldmatrix_gives_each_lane_its_elements(count, transpose, to_device, to_h
     kernel = backend.RawKernel(LDMATRIX, "load_matrices", options=options)
     out = to_device(np.zeros((32, 4), dtype=np.uint32))
     kernel((1,), (32,), (to_device(matrices), out))
-    got = to_host(out)
+    assert_each_lane_got_its_elements(to_host(out), matrices, count, transpose)
+
+
+def assert_each_lane_got_its_elements(got, matrices, count, transpose):
+    """got[lane, m]: the register m of each lane after an ldmatrix of `count` of the 8x8 `matrices` (0 past count)."""
     lanes = np.arange(32)
     for m in range(count):
         seen = matrices[m].T if transpose else matrices[m]

@@ -588,7 +588,8 @@ def test_a_destination_off_128_bytes_is_refused(rng):
 def test_a_box_past_the_end_of_shared_memory_is_refused(rng):
     from gpt2_cupy.cpu import KernelError
     array = backend.xp.asarray(bf16_bits(rng, (256, 64)))
-    with pytest.raises(KernelError, match="past the end of the block's dynamic shared memory"):
+    # (the kernel's own fill of the box's bytes runs past the 16 KiB before the copy: either stops the launch)
+    with pytest.raises(KernelError, match="(past|right at) the end of the( block's)? dynamic shared memory"):
         copy_box(array, 0, 0, 256, 64, 128, shared_mem=16 * 1024)
 
 

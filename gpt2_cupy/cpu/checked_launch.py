@@ -1,7 +1,8 @@
 """The bounds and race checks: a launch run more than once, each time on fresh copies of its arrays.
 
 bounds  The arrays' bytes are copied right against an inaccessible region, above them and then below
-        them, so the first access past either end faults; the fault's address names the array, the element,
+        them (and the block's shared memory, which always ends at a guard, starts at one in that second
+        pass), so the first access past either end faults; the fault's address names the array, the element,
         the block and the thread. The copies keep the arrays' 16-byte alignment, as GPU memory does, which
         can leave a few bytes between an array and its guard: a write there is found after the launch,
         and a read there by one more pass with the bytes exactly against the guard, unaligned.
@@ -43,9 +44,24 @@ class Region:
         return self.end - self.start
 
 
+def allocation_of(array):
+    """[start, end) of the memory an array argument was cut from: for a view (`base[3:]`, CUDA's `d_base + 3`)
+    its base's, as a GPU reads base[2] through `in[-1]` without a fault; for an array of its own, its bytes."""
+    start, end = array.ctypes.data, array.ctypes.data + array.nbytes
+    owner = array
+    while isinstance(owner.base, numpy.ndarray):
+        owner = owner.base
+    if owner is not array and owner.flags.c_contiguous:
+        owner_start = owner.ctypes.data
+        if owner_start <= start and end <= owner_start + owner.nbytes:
+            return owner_start, owner_start + owner.nbytes
+    return start, end
+
+
 def regions_of(arrays):
-    """The memory regions of the array arguments [(index, array)], overlapping arguments merged."""
-    spans = sorted((array.ctypes.data, array.ctypes.data + array.nbytes, index, array) for index, array in arrays)
+    """The memory regions of the array arguments [(index, array)], each the whole allocation it was cut from
+    (allocation_of), overlapping ones merged."""
+    spans = sorted((*allocation_of(array), index, array) for index, array in arrays)
     regions = []
     for start, end, index, array in spans:
         if regions and start < regions[-1].end:
@@ -60,13 +76,14 @@ def launch_checked(function, grid, block, values, arrays, bounds, races, shared_
     """Launch `function` (a kernel.Function) with the checks asked for; raise what they find."""
     regions = regions_of(arrays)
 
-    def run(make_copy, reverse_order=False, show_output=False, track_races=False, unchecked_alignment=False):
+    def run(make_copy, reverse_order=False, show_output=False, track_races=False, unchecked_alignment=False,
+            shared_below=False):
         copies = [make_copy(region) for region in regions]
         addresses = {index: copy.address + (array.ctypes.data - region.start)
                      for region, copy in zip(regions, copies) for index, array in region.members}
         ranges = [(copy.address, copy.address + copy.nbytes) for copy in copies] if track_races else ()
         result = function._launch(grid, block, function._with_addresses(values, addresses), reverse_order,
-                                  show_output, track_races, ranges, shared_mem, unchecked_alignment)
+                                  show_output, track_races, ranges, shared_mem, unchecked_alignment, shared_below)
         return result, copies
 
     def above_guard(region):
@@ -86,7 +103,7 @@ def launch_checked(function, grid, block, values, arrays, bounds, races, shared_
         function._raise_for(result, locate=lambda address: _locate(address, regions, kept), bounds_checked=bounds)
         if bounds:
             _raise_for_overwritten_canary(function, regions, kept)
-            result, below = run(below_guard)
+            result, below = run(below_guard, shared_below=True)  # shared memory against its lower guard too
             try:
                 function._raise_for(result, locate=lambda address: _locate(address, regions, below), bounds_checked=True)
                 _raise_for_overwritten_canary(function, regions, below)

@@ -1,6 +1,8 @@
 """The teaching checks, off by default: switched on per call, by a `with` block, or by GPT2_CUPY_CHECKS.
 
-    bounds  an out-of-bounds read or write of an array argument is reported with kernel, block and thread
+    bounds  an out-of-bounds read or write of an array argument (its whole allocation, for a view) is reported
+            with kernel, block and thread; so is one far before the block's shared memory (one past its end is
+            reported with the checks off too, as a GPU stops there)
     races   the launch runs again with every memory access checked: two threads touching one place with no
             barrier or atomic between them (a missing __syncthreads(), a lost `x += 1`) are reported
 """

@@ -25,9 +25,77 @@
 // the copy engine can read it at: here each thread holds its own copy of the parameters, the same bytes.
 #define __grid_constant__
 // A block's threads run as fibers of one OS thread, so a thread_local variable is one per block:
-// exactly the lifetime and sharing of __shared__ memory. (extern __shared__ arrays are rewritten by
-// the compiler driver into a pointer to the block's dynamic shared memory.)
+// exactly the lifetime and sharing of __shared__ memory. The compiler driver (source.py) rewrites what it
+// can better: a __shared__ declaration in a function becomes a reference into the block's shared-memory
+// window (gpt2cupy::shared_variable, below), and extern __shared__ arrays a pointer to its dynamic part.
 #define __shared__ static thread_local
+
+// ---- __shared__ variables in the block's shared-memory window ------------------------------------------
+namespace gpt2cupy {
+namespace {  // one of each per kernel library
+// The library's __shared__ declarations in functions, each a struct of the variables it declares (source.py
+// writes it), placed one after another when the library is loaded, as a GPU places a kernel's. They lie just
+// below the block's dynamic shared memory, which runtime.cpp puts against an inaccessible guard: an access
+// past the last of them (without dynamic shared memory) or past the dynamic memory faults, as on a GPU, and
+// one from an array into the next stays inside the window, as on a GPU.
+struct SharedDeclaration {
+    unsigned long long offset, bytes, alignment;
+    unsigned serial;       // its place in the source: declarations lie in the order they are written
+    const char* names;     // the variables it declares, "tile, row"
+    const char* function;  // the function that declares them, as __PRETTY_FUNCTION__ spells its local struct's
+};
+constexpr unsigned max_shared_declarations = 4096;
+struct SharedLayout {
+    unsigned long long bytes = 0, alignment = 16;
+    unsigned count = 0;
+    SharedDeclaration declarations[max_shared_declarations];
+};
+SharedLayout shared_layout;  // constant-initialised: ready before any declaration registers
+
+// Called once per declaration (per instance of a template) when the library is loaded, in an order C++ leaves
+// open; place_shared_declarations then lays them out in the source's order. Returns the declaration's index.
+unsigned register_shared(unsigned serial, unsigned long long bytes, unsigned long long alignment, const char* names,
+                         const char* function) {
+    SharedLayout& layout = shared_layout;
+    if (layout.count == max_shared_declarations) __builtin_trap();  // a library of 4096 declarations: not a kernel
+    layout.declarations[layout.count] = SharedDeclaration{0, bytes, alignment, serial, names, function};
+    return layout.count++;
+}
+
+// Every declaration's offset, in the order of their serials (one instance of a template after another in the
+// order they registered): called by the executor once the library is loaded, before any launch.
+void place_shared_declarations() {
+    SharedLayout& layout = shared_layout;
+    layout.bytes = 0;
+    unsigned placed = 0;
+    for (unsigned serial = 0; placed < layout.count; ++serial) {
+        for (unsigned k = 0; k < layout.count; ++k) {
+            SharedDeclaration& declaration = layout.declarations[k];
+            if (declaration.serial != serial) continue;
+            declaration.offset = (layout.bytes + declaration.alignment - 1) / declaration.alignment * declaration.alignment;
+            layout.bytes = declaration.offset + declaration.bytes;
+            if (declaration.alignment > layout.alignment) layout.alignment = declaration.alignment;
+            ++placed;
+        }
+    }
+}
+
+// Which declaration S is (a template's static member: dynamic initialization, before dlopen returns).
+template <class S> struct SharedPlace { static const unsigned index; };
+template <class S>
+const unsigned SharedPlace<S>::index = register_shared(S::serial(), sizeof(S), alignof(S), S::names(), S::where());
+
+// The block's instance of declaration S: the declarations end where the dynamic shared memory starts, their
+// start rounded down to the largest alignment (no constructor runs, as none runs for __shared__ memory on a GPU).
+template <class S>
+__forceinline__ S& shared_variable() {
+    const SharedLayout& layout = shared_layout;
+    const unsigned long long end = (unsigned long long)gpt2cupy_dynamic_shared_memory();
+    const unsigned long long start = (end - layout.bytes) & ~(layout.alignment - 1);
+    return *reinterpret_cast<S*>(start + layout.declarations[SharedPlace<S>::index].offset);
+}
+}  // namespace
+}  // namespace gpt2cupy
 
 // ---- where a thread is -----------------------------------------------------------------------------
 // The types by their qualified names: a kernel may name a parameter `dim3` or `uint3`, as nvcc allows.

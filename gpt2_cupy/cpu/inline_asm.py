@@ -22,11 +22,13 @@ import re
 from pathlib import Path
 
 from .errors import CompileError
+from .toolchain import SOURCE_NAME, source_location
 
 _EXECUTOR = Path(__file__).resolve().parent  # its headers: cuda_builtins.h, include/...
 
 SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 only),bf16,f16}.<same>.f32, "
-             "ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans][.shared].b16, "
+             "mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f16.f16.f16.f16, "
+             "ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans][.shared].b16 (its qualifiers in any order), "
              "cp.async.{ca,cg}.shared.global, cp.async.commit_group, cp.async.wait_group, cp.async.wait_all, "
              "cvt.rna[.satfinite].tf32.f32, cvt between u32/s32/u64/s64, cvta[.to].shared, mov, setp, "
              "wgmma.mma_async.sync.aligned.m64n{8..256}k16.f32.{bf16,f16}.<same> with both matrices by descriptor "
@@ -78,6 +80,32 @@ _COMPARISONS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": 
 _NS = "gpt2cupy::ptx::"
 
 
+# Instructions whose qualifiers ptxas reads as a set: each qualifier belongs to one category (a pattern here),
+# whatever its place, so `ldmatrix.sync.aligned.x4.m8n8.shared.b16` (CUTLASS's order) is the instruction that
+# the PTX ISA writes `ldmatrix.sync.aligned.m8n8.x4.shared.b16`. The categories are listed in the ISA's order;
+# in_canonical_order puts an opcode's qualifiers in it before the opcode is matched, so each instruction below
+# is written in one order only. An instruction with a qualifier of no category, or two of one, is left as
+# written: the match then fails and says what the executor runs.
+_QUALIFIER_CATEGORIES = {
+    "ldmatrix": (r"sync", r"aligned", r"m8n8", r"x[124]", r"trans", r"shared(?:::cta)?", r"b16"),
+}
+
+
+def in_canonical_order(opcode):
+    """The opcode with its qualifiers in the order _QUALIFIER_CATEGORIES gives its instruction (if it has one)."""
+    name, *qualifiers = opcode.split(".")
+    categories = _QUALIFIER_CATEGORIES.get(name)
+    if categories is None:
+        return opcode
+    placed = {}
+    for qualifier in qualifiers:
+        category = next((i for i, pattern in enumerate(categories) if re.fullmatch(pattern, qualifier)), None)
+        if category is None or category in placed:
+            return opcode
+        placed[category] = qualifier
+    return ".".join([name] + [placed[i] for i in sorted(placed)])
+
+
 class AsmError(Exception):
     """An asm statement the executor cannot run; the message says why, without the line."""
 
@@ -85,7 +113,6 @@ class AsmError(Exception):
 def translate(preprocessed, code, architecture=None):
     """The preprocessed kernel text with every asm statement of the kernel's own source made C++.
     architecture: the -arch option's value (sm_90a, ...), which decides whether wgmma compiles."""
-    from .source import SOURCE_NAME, source_location  # source imports this module
     pieces, position = [], 0
     for serial, match in enumerate(_ASM.finditer(preprocessed)):
         if match.start() < position:
@@ -346,6 +373,7 @@ class _Body:
             condition = f"!{self.scalar(predicate)}" if negate else self.scalar(predicate)
             return f"if ({condition}) {{ {self.instruction(text[guard.end():])} }}"
         opcode, rest = (re.split(r"\s+", text, maxsplit=1) + [""])[:2]
+        opcode = in_canonical_order(opcode)
         operands = [o.strip() for o in _split_top_level(rest, ",")] if rest.strip() else []
         if opcode == ".reg":
             return self.declare(rest)
@@ -434,21 +462,31 @@ class _Body:
     def mma(self, match, operands):
         shape, a_type, b_type = match.group("shape"), match.group("a"), match.group("b")
         k = 8 if shape == "m16n8k8" else 16
-        if a_type != b_type or (a_type == "tf32" and k != 8):
+        # C and D of f16 (two to a 32-bit register) go with f16 A and B only, C and D of one type
+        half_accumulators = match.group("d") == "f16"
+        if (a_type != b_type or (a_type == "tf32" and k != 8) or match.group("c") != match.group("d")
+                or (half_accumulators and a_type != "f16")):
             raise AsmError(f"the CPU executor does not run '{match.group(0)}': it runs mma.sync with A and B of one "
-                           "type: tf32 at m16n8k8, bf16 or f16 at m16n8k8 and m16n8k16, with f32 C and D")
+                           "type: tf32 at m16n8k8, bf16 or f16 at m16n8k8 and m16n8k16, with f32 C and D; and f16 A "
+                           "and B with f16 C and D")
         per_register = 1 if a_type == "tf32" else 2
         a_count, b_count = 16 * k // 32 // per_register, k * 8 // 32 // per_register
         self.expect(operands, 4, "mma.sync")
-        d = self.vector(operands[0], 4, "mma.sync D")
+        accumulators = 2 if half_accumulators else 4
+        d = self.vector(operands[0], accumulators, "mma.sync D")
         a = self.vector(operands[1], a_count, "mma.sync A")
         b = self.vector(operands[2], b_count, "mma.sync B")
-        c = self.vector(operands[3], 4, "mma.sync C")
+        c = self.vector(operands[3], accumulators, "mma.sync C")
         as_bits = lambda values, kind: ", ".join(f"{_NS}bits<{kind}>({v})" for v in values)  # noqa: E731
-        return (f"{{ const unsigned gpt2cupy_a[{a_count}] = {{{as_bits(a, 'unsigned')}}}; "
-                f"const unsigned gpt2cupy_b[{b_count}] = {{{as_bits(b, 'unsigned')}}}; "
-                f"const float gpt2cupy_c[4] = {{{as_bits(c, 'float')}}}; float gpt2cupy_d[4]; "
-                f"{_NS}Tile<{k}, {_NS}Input::{a_type}>::multiply(gpt2cupy_d, gpt2cupy_a, gpt2cupy_b, gpt2cupy_c, {self.line}); "
+        multiply = f"{_NS}Tile<{k}, {_NS}Input::{a_type}>::multiply"
+        inputs = (f"const unsigned gpt2cupy_a[{a_count}] = {{{as_bits(a, 'unsigned')}}}; "
+                  f"const unsigned gpt2cupy_b[{b_count}] = {{{as_bits(b, 'unsigned')}}}; ")
+        if half_accumulators:
+            return (f"{{ {inputs}const unsigned gpt2cupy_c[2] = {{{as_bits(c, 'unsigned')}}}; unsigned gpt2cupy_d[2]; "
+                    f"{_NS}multiply_half_accumulators<{k}>(gpt2cupy_d, gpt2cupy_a, gpt2cupy_b, gpt2cupy_c, {self.line}); "
+                    + " ".join(f"{_NS}assign({target}, gpt2cupy_d[{i}]);" for i, target in enumerate(d)) + " }")
+        return (f"{{ {inputs}const float gpt2cupy_c[4] = {{{as_bits(c, 'float')}}}; float gpt2cupy_d[4]; "
+                f"{multiply}(gpt2cupy_d, gpt2cupy_a, gpt2cupy_b, gpt2cupy_c, {self.line}); "
                 + " ".join(f"{_NS}assign({target}, gpt2cupy_d[{i}]);" for i, target in enumerate(d)) + " }")
 
     def ldmatrix(self, match, operands):
@@ -783,7 +821,8 @@ class _Body:
     _SHARED = r"\.shared(?:::cta)?"
     _INTEGER = r"u32|s32|b32|u64|s64|b64"
     INSTRUCTIONS = (
-        (r"mma\.sync\.aligned\.(?P<shape>m16n8k8|m16n8k16)\.row\.col\.f32\.(?P<a>\w+)\.(?P<b>\w+)\.f32", mma),
+        (r"mma\.sync\.aligned\.(?P<shape>m16n8k8|m16n8k16)\.row\.col\.(?P<d>f32|f16)\.(?P<a>\w+)\.(?P<b>\w+)\.(?P<c>f32|f16)",
+         mma),
         (rf"ldmatrix\.sync\.aligned\.m8n8\.x(?P<count>[124])(?P<trans>\.trans)?(?P<shared>{_SHARED})?\.b16", ldmatrix),
         (rf"cp\.async\.(?P<cache>ca|cg){_SHARED}\.global(?:\.L2::(?:64|128|256)B)?(?P<hint>\.L2::cache_hint)?", cp_async),
         (r"cp\.async\.commit_group", commit_group),

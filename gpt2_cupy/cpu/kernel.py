@@ -27,6 +27,13 @@ MAX_GRID_DIMENSIONS = (2**31 - 1, 65535, 65535)
 DEFAULT_DYNAMIC_SHARED_BYTES = 48 * 1024
 MAX_DYNAMIC_SHARED_BYTES = 227 * 1024
 STATIC_SHARED_LIMIT_BYTES = 48 * 1024
+# The __shared__ variables of all a module's functions lie below a block's dynamic shared memory, in a window
+# of runtime.cpp's (shared_arena_bytes: 4 MiB) that holds them, the dynamic memory and the room after it.
+MODULE_SHARED_LIMIT_BYTES = 1024 * 1024
+DYNAMIC_SHARED_ALIGNMENT = 128  # runtime.cpp's dynamic_shared_alignment
+# Below a block's own shared memory an H100 keeps 1 KiB for the system, inside the block's window: a read a little
+# before the first array does not fault there.
+RESERVED_SHARED_BYTES = 1024
 
 _C_NAMES = {("i", 1): "signed char", ("u", 1): "unsigned char", ("i", 2): "short", ("u", 2): "unsigned short",
             ("i", 4): "int", ("u", 4): "unsigned int", ("i", 8): "long long", ("u", 8): "unsigned long long",
@@ -130,10 +137,11 @@ def _argument_layout(parameters):
 class Function:
     """A compiled kernel, launched like CuPy's: function(grid, block, args, shared_mem=0)."""
 
-    def __init__(self, name, signature, entry_address, entry, static_shared_bytes=0):
+    def __init__(self, name, signature, entry_address, entry, static_shared_bytes=0, shared_layout=()):
         self.name = name
         self.max_threads_per_block = signature.max_threads_per_block if signature else 1024
         self.static_shared_bytes = static_shared_bytes
+        self.shared_layout = list(shared_layout)  # its module's __shared__ declarations (runtime.shared_layout)
         # What a GPU reports for a kernel until it is raised: the 48 KiB a block gets, less its __shared__ arrays.
         self._max_dynamic_shared_size_bytes = DEFAULT_DYNAMIC_SHARED_BYTES - static_shared_bytes
         names = signature.parameter_names if signature else []
@@ -305,16 +313,20 @@ class Function:
 
     # ---- launching -----------------------------------------------------------------------------------
     def _launch(self, grid, block, values, reverse_order=False, show_output=True, track_races=False, global_ranges=(),
-                shared_mem=None, unchecked_alignment=False):
+                shared_mem=None, unchecked_alignment=False, shared_against_lower_guard=False):
         """track_races: run the build whose every memory access is checked (see checked_launch);
         shared_mem: the launch's dynamic shared memory in bytes (None: as much as a block may have);
         unchecked_alignment: run that build without tracking, for its lack of alignment checks (the bounds
-        check's pass on arrays moved off their alignment)."""
+        check's pass on arrays moved off their alignment);
+        shared_against_lower_guard: the block's shared memory starts against an inaccessible guard rather than
+        ending against one (the bounds check's pass with arrays against the guards below them)."""
         race_build = track_races or unchecked_alignment
         entry_address = (self.race_check_entry_address() if race_build else None) or self._entry_address
         track_races = track_races and entry_address != self._entry_address
         result, output = runtime.launch(entry_address, self._pack(*values), grid, block, reverse_order, track_races,
-                                        global_ranges, shared_mem)
+                                        global_ranges, shared_mem, _shared_slack_bytes(self.shared_layout),
+                                        _dynamic_offset_above_lower_guard(self.shared_layout, shared_mem)
+                                        if shared_against_lower_guard else None)
         if output and show_output:
             sys.stdout.write(output)
             sys.stdout.flush()
@@ -335,7 +347,12 @@ class Function:
             access = {1: "write", 0: "read"}.get(result.fault_is_write, "access")
             raise OutOfBoundsError(
                 f"kernel '{self.name}', {where}: out-of-bounds {access} of '{self.parameters[index].name}' at "
-                f"element {element}; it has {array.size} elements ({array.dtype}, valid indices 0..{array.size - 1})")
+                f"element {element}; {_valid_indices(array)}")
+        overrun = runtime.shared_overrun(result.fault_address) if result.failure == runtime.MEMORY_FAULT else None
+        if overrun:
+            access = {1: "write", 0: "read"}.get(result.fault_is_write, "access")
+            raise OutOfBoundsError(f"kernel '{self.name}', {where}: out-of-bounds {access} of shared memory, "
+                                   f"{_shared_overrun_message(self.shared_layout, *overrun)}")
         if result.failure == runtime.ASSERTION_FAILED:
             raise KernelError(f"kernel '{self.name}', {where}: {message}")
         if result.failure == runtime.UNDEFINED_SHUFFLE:
@@ -356,6 +373,18 @@ class Function:
         return replaced
 
 
+def _valid_indices(array):
+    """What an array argument's indices may be, in words: those of its elements, and for a view those of the
+    allocation around it, which a GPU reads without a fault too."""
+    start, end = checked_launch.allocation_of(array)
+    itemsize = max(array.itemsize, 1)
+    first, last = (start - array.ctypes.data) // itemsize, (end - array.ctypes.data) // itemsize - 1
+    if (first, last) == (0, array.size - 1):
+        return f"it has {array.size} elements ({array.dtype}, valid indices 0..{array.size - 1})"
+    return (f"it has {array.size} elements ({array.dtype}) and is a view into an allocation of "
+            f"{(end - start) // itemsize}, so the valid indices are {first}..{last}")
+
+
 def _is_null_pointer(value):
     """What CuPy passes as a null pointer: an integer 0 of 8 bytes (a Python int becomes a numpy.int64)."""
     if isinstance(value, bool) or isinstance(value, numpy.bool_):
@@ -370,38 +399,80 @@ def _kernel_library(code, prepared, options, entry_expressions, what, for_race_c
     flags = source.compiler_flags(options)
     library = toolchain.build_kernel(unit, flags, lambda log: source.describe_compile_failure(log, code, what),
                                      for_race_check)
-    return ctypes.CDLL(str(library)), toolchain.thread_local_sizes(library)
+    loaded = ctypes.CDLL(str(library))
+    return loaded, runtime.shared_layout(loaded)
 
 
-def _function_of_local_variable(symbol):
-    """The mangled function a function-local static belongs to: `_ZZ6matmulILb0EEvPfE6a_tile` ->
-    `6matmulILb0EEvPf`; None for another symbol."""
-    if not symbol.startswith("_ZZ"):
-        return None
-    for end in range(len(symbol) - 1, 2, -1):
-        if symbol[end] != "E":
-            continue
-        digits = re.match(r"\d+", symbol[end + 1:])
-        if digits and re.fullmatch(r"(_\d*_?)?", symbol[end + 1 + len(digits.group()) + int(digits.group()):]):
-            return symbol[3:end]
-    return None
+# Where cuda_builtins.h's SharedDeclaration says a declaration lies: the __PRETTY_FUNCTION__ of a member of its local
+# struct, "static constexpr const char* row_sums(float*, int)::gpt2cupy_shared_3::where()", with
+# " [with T = float]" after it in an instance of a template.
+_DECLARING_FUNCTION = re.compile(r".*?\bconst char\* (?P<function>.*)::gpt2cupy_shared_\d+::where\(\)(?P<instance>.*)")
 
 
-def _static_shared_bytes(thread_local_sizes, kernel_name):
+def _static_shared_bytes(shared_layout, kernel_name):
     """The bytes of the __shared__ variables declared in a kernel's body (what a GPU counts as its static
     shared memory); those of __device__ functions it calls are not counted here. For a template kernel,
     whose instances cannot be told apart by name here, the largest instance's."""
     base = kernel_name.split("<")[0].strip()
-    per_function = {}
-    for symbol, size in thread_local_sizes.items():
-        function = _function_of_local_variable(symbol)
-        if function is not None:
-            per_function[function] = per_function.get(function, 0) + size
-    plain = per_function.get(f"{len(base)}{base}", 0)
-    if "<" not in kernel_name:
-        return plain
-    instances = [size for function, size in per_function.items() if function.startswith(f"{len(base)}{base}I")]
-    return max(instances, default=0)
+    per_instance = {}
+    for place in shared_layout:
+        found = _DECLARING_FUNCTION.fullmatch(place.function)
+        if found is None:
+            continue
+        name = re.match(r"\s*([A-Za-z_]\w*)\s*(?:<|\()", found.group("function"))
+        if name and name.group(1) == base:
+            key = found.group("function") + found.group("instance")
+            per_instance[key] = per_instance.get(key, 0) + place.bytes
+    return max(per_instance.values(), default=0)
+
+
+def _shared_slack_bytes(shared_layout):
+    """Where the guard after the block's shared memory must lie, past its end, so that only an access no GPU layout
+    keeps inside the window faults: the bytes of the __shared__ declarations below the last one. Reading past the
+    end of the last by fewer bytes may, on a GPU that put it lower, read another; a read that reaches the guard is
+    past the end of the window in any order (with a single declaration, right at the end)."""
+    return shared_layout[-1].offset if shared_layout else 0
+
+
+def _dynamic_offset_above_lower_guard(shared_layout, dynamic_bytes):
+    """Where the dynamic memory starts above the guard below the window, for the window to lie against that guard
+    as _shared_slack_bytes has it lie against the guard above: the first __shared__ declaration as many bytes
+    above the guard as the others and the system's reserved bytes take (a read that far before it lies before the
+    window in any order), all of them below the dynamic memory, aligned as cuda_builtins.h places them."""
+    if not shared_layout:
+        return RESERVED_SHARED_BYTES
+    # cuda_builtins.h starts the declarations at (dynamic memory - total) rounded down to their largest alignment
+    alignment = max(max(place.alignment for place in shared_layout), 16)
+    total = _shared_total_bytes(shared_layout)
+    others = total - shared_layout[0].bytes
+    offset = _round_up(others + RESERVED_SHARED_BYTES, alignment) + _round_up(total, alignment)
+    # (with dynamic memory, the window is moved up to keep it aligned as a launch's dynamic memory is: 128 bytes)
+    return _round_up(offset, DYNAMIC_SHARED_ALIGNMENT) if dynamic_bytes != 0 else offset
+
+
+def _shared_total_bytes(shared_layout):
+    return max((place.offset + place.bytes for place in shared_layout), default=0)
+
+
+def _round_up(value, multiple):
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _shared_overrun_message(shared_layout, past_end, dynamic_bytes):
+    """What a fault past the block's shared memory ran off (before its start, for a negative past_end), in words."""
+    if past_end < 0:
+        first = f"'{shared_layout[0].names}'" if shared_layout else "the dynamic shared memory"
+        return (f"before the start of {first}, the first of the block's shared memory. A GPU stops the kernel there "
+                "with an illegal address")
+    arrays = ", ".join(f"'{place.names}' ({place.bytes} bytes)" for place in shared_layout)
+    static = f"the module's __shared__ variables {arrays}" if arrays else "no __shared__ variables"
+    dynamic = (f"then the launch's {dynamic_bytes} bytes of dynamic shared memory (extern __shared__, shared_mem)"
+               if dynamic_bytes else "no dynamic shared memory (shared_mem=0)")
+    last = ("the dynamic shared memory" if dynamic_bytes else f"'{shared_layout[-1].names}'" if shared_layout
+            else "shared memory")
+    where = "right at the end" if past_end == 0 else f"{past_end} bytes past the end"
+    return (f"{where} of {last}, the last of the block's shared memory ({static}; {dynamic}). A GPU stops the "
+            "kernel there with an illegal address")
 
 
 def _entry(library, index):
@@ -444,8 +515,14 @@ class RawModule:
     def compile(self, log_stream=None):
         runtime.library()  # kernels resolve their calls into the runtime when loaded
         if self._library is None:
-            self._library, self._thread_local_sizes = _kernel_library(
-                self.code, self._source, self.options, self._expressions, "the module")
+            library, shared_layout = _kernel_library(self.code, self._source, self.options, self._expressions,
+                                                     "the module")
+            total = _shared_total_bytes(shared_layout)
+            if total > MODULE_SHARED_LIMIT_BYTES:
+                raise CompileError(f"the module's __shared__ variables take {total} bytes in all, more than the "
+                                   f"{MODULE_SHARED_LIMIT_BYTES} the CPU executor lays out for one module: compile "
+                                   "its kernels in several modules")
+            self._library, self._shared_layout = library, shared_layout
         return self
 
     def _race_check_entry_address(self, name):
@@ -487,14 +564,15 @@ class RawModule:
                 f"kernel '{name}' is not declared extern \"C\", so its compiled name is mangled and CuPy cannot "
                 f"find it either: write extern \"C\" __global__ void {name}(...), or pass it in name_expressions")
         address, entry = _entry(self._library, self._expressions.index(name))
-        static_shared = _static_shared_bytes(self._thread_local_sizes, name)
+        static_shared = _static_shared_bytes(self._shared_layout, name)
         if static_shared > STATIC_SHARED_LIMIT_BYTES:
             raise CompileError(
                 f"kernel '{name}' declares {static_shared} bytes of __shared__ arrays, more than the "
                 f"{STATIC_SHARED_LIMIT_BYTES} (48 KiB) a kernel may declare statically (ptxas refuses: 'uses too "
                 "much shared data'). Beyond 48 KiB, use extern __shared__ (dynamic) memory and raise "
                 "max_dynamic_shared_size_bytes")
-        function = Function(name, signature, address, entry, static_shared_bytes=static_shared)
+        function = Function(name, signature, address, entry, static_shared_bytes=static_shared,
+                            shared_layout=self._shared_layout)
         function.race_check_entry_address = lambda: self._race_check_entry_address(name)
         self._functions[name] = function
         return function

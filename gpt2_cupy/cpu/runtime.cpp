@@ -22,6 +22,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -175,6 +176,12 @@ struct gpt2cupy_launch_request {
     int global_range_count;
     // The launch's dynamic shared memory in bytes (of the dynamic_shared_bytes a block may have at most).
     unsigned long long dynamic_shared_bytes;
+    // Bytes left between the end of the block's shared memory and the guard after it (see place_shared_window);
+    // or, with shared_against_lower_guard, the bounds check's window against the guard below: its dynamic
+    // memory starts shared_dynamic_offset bytes above the guard's end.
+    unsigned long long shared_slack_bytes;
+    int shared_against_lower_guard;
+    unsigned long long shared_dynamic_offset;
 };
 }
 
@@ -1185,9 +1192,85 @@ private:
 #endif
 };
 
+// ---- shared memory: one window per OS thread, against an inaccessible guard --------------------------------
+// A GPU gives each block one window of shared memory: the kernel's __shared__ variables, then the launch's
+// dynamic shared memory (extern __shared__), and an access past the window's end stops the kernel with an illegal
+// address. Here the window of the blocks an OS thread runs lies in an arena of that thread's, ending where an
+// inaccessible guard begins: the dynamic memory as close below the guard as its alignment (128 bytes) allows,
+// the library's __shared__ variables just below it (cuda_builtins.h places them, counting down from the dynamic
+// memory's start). So an access past the end of the last array faults in the guard, and the fault's address says
+// it was shared memory. (Past dynamic memory whose size is not a multiple of 128 bytes, the bytes up to the next
+// multiple go unreported; below the window's start, nothing is reported: the arena's bytes are there.) Below the arena, another guard: a kernel never reaches it, but a library
+// whose __shared__ variables outgrew the arena would, rather than other memory.
+constexpr size_t shared_arena_bytes = 4 * 1024 * 1024;
+constexpr size_t shared_guard_bytes = size_t(1) << 32;  // a 32-bit shared address can go no further
+constexpr size_t shared_low_guard_bytes = 64 * 1024;
+constexpr size_t dynamic_shared_alignment = 128;
+
+struct SharedArena {
+    char* low = nullptr;   // the arena's first accessible byte
+    char* guard = nullptr; // its first inaccessible byte past the end
+    char* dynamic = nullptr;  // the current launch's dynamic shared memory, `dynamic_bytes` long
+    unsigned long long dynamic_bytes = 0;
+    size_t guard_bytes = 0;
+};
+
+std::mutex shared_arenas_mutex;
+std::vector<SharedArena*> shared_arenas;  // every OS thread's, for the fault's message
+thread_local SharedArena* this_thread_shared_arena = nullptr;
+
+SharedArena& shared_arena() {
+    if (this_thread_shared_arena != nullptr) return *this_thread_shared_arena;
+    size_t guard_bytes = shared_guard_bytes;  // where the system refuses that much address space, less
+    void* mapping = MAP_FAILED;
+    while (guard_bytes >= 64 * 1024) {
+        mapping = mmap(nullptr, shared_low_guard_bytes + shared_arena_bytes + guard_bytes, PROT_NONE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (mapping != MAP_FAILED) break;
+        guard_bytes >>= 2;
+    }
+    if (mapping == MAP_FAILED) {
+        std::perror("gpt2_cupy CPU executor: no memory for shared memory");
+        std::abort();
+    }
+    SharedArena* arena = new SharedArena();  // lives as long as the thread, and is kept for the fault's message
+    arena->low = static_cast<char*>(mapping) + shared_low_guard_bytes;
+    arena->guard = arena->low + shared_arena_bytes;
+    arena->guard_bytes = guard_bytes;
+    mprotect(arena->low, shared_arena_bytes, PROT_READ | PROT_WRITE);
+    {
+        std::lock_guard<std::mutex> lock(shared_arenas_mutex);
+        shared_arenas.push_back(arena);
+    }
+    this_thread_shared_arena = arena;
+    return *arena;
+}
+
+// The window of the launch's blocks on this OS thread: `dynamic_bytes` of dynamic shared memory end `slack_bytes`
+// below the guard, to within their alignment. The slack is what the __shared__ variables below the last one
+// take (kernel.py): a GPU's compiler lays them out in an order of its own, in which a read past one of them may
+// still lie inside the window, and so the guard is where no order of them reaches. Against the lower guard (the
+// bounds check's pass with arrays against the guards below them), the window lies against the guard below the
+// arena instead: its dynamic memory `dynamic_offset` bytes above the arena's start, which kernel.py chooses so
+// that the first __shared__ variable lies as far above the guard as the others take.
+void place_shared_window(unsigned long long dynamic_bytes, unsigned long long slack_bytes, bool against_lower_guard,
+                         unsigned long long dynamic_offset) {
+    SharedArena& arena = shared_arena();
+    arena.dynamic_bytes = std::min<unsigned long long>(dynamic_bytes, dynamic_shared_bytes);
+    slack_bytes = std::min<unsigned long long>(slack_bytes, shared_arena_bytes / 2);
+    if (against_lower_guard) {
+        arena.dynamic = arena.low + std::min<unsigned long long>(dynamic_offset, shared_arena_bytes / 2);
+        return;
+    }
+    arena.dynamic = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(arena.guard - slack_bytes - arena.dynamic_bytes) &
+                                            ~(uintptr_t)(dynamic_shared_alignment - 1));
+}
+
 // Runs blocks of the launch until none are left; returns when done or failed.
 void run_blocks(Launch& launch) {
     BlockRunner& runner = runner_of_this_thread();
+    place_shared_window(launch.request().dynamic_shared_bytes, launch.request().shared_slack_bytes,
+                        launch.request().shared_against_lower_guard != 0, launch.request().shared_dynamic_offset);
     FloatingPointDefaults floating_point_defaults;
     use_alternate_signal_stack();
     sigjmp_buf recovery;
@@ -1962,9 +2045,30 @@ void gpt2cupy_shuffle_from_absent_lane(unsigned int mask, unsigned int source) {
 }
 
 void* gpt2cupy_dynamic_shared_memory(void) {
-    // One block runs on an OS thread at a time, so one buffer per OS thread is the block's.
-    alignas(256) static thread_local unsigned char memory[dynamic_shared_bytes];
-    return memory;
+    // One block runs on an OS thread at a time, so the OS thread's window is the block's.
+    SharedArena& arena = shared_arena();
+    if (arena.dynamic == nullptr) place_shared_window(dynamic_shared_bytes, 0, false, 0);  // not in a launch: all of it
+    return arena.dynamic;
+}
+
+int gpt2cupy_shared_overrun(unsigned long long address, unsigned long long* bytes_past_end,
+                            unsigned long long* dynamic_bytes) {
+    std::lock_guard<std::mutex> lock(shared_arenas_mutex);
+    for (const SharedArena* arena : shared_arenas) {
+        const unsigned long long guard = reinterpret_cast<unsigned long long>(arena->guard);
+        if (address >= guard && address - guard < arena->guard_bytes) {
+            *bytes_past_end = address - reinterpret_cast<unsigned long long>(arena->dynamic + arena->dynamic_bytes);
+            *dynamic_bytes = arena->dynamic_bytes;
+            return 1;
+        }
+        const unsigned long long low = reinterpret_cast<unsigned long long>(arena->low);
+        if (address < low && low - address <= shared_low_guard_bytes) {  // before the window's start
+            *bytes_past_end = low - address;
+            *dynamic_bytes = arena->dynamic_bytes;
+            return -1;
+        }
+    }
+    return 0;
 }
 
 int gpt2cupy_printf(const char* format, ...) {

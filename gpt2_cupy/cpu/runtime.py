@@ -1,5 +1,6 @@
 """The ctypes face of runtime.cpp: one launch call, and memory with guard pages for the bounds check."""
 
+import collections
 import ctypes
 import os
 from functools import lru_cache
@@ -29,7 +30,8 @@ class LaunchRequest(ctypes.Structure):
                 ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("reverse_order", ctypes.c_int), ("worker_count", ctypes.c_int), ("track_races", ctypes.c_int),
                 ("global_ranges", ctypes.POINTER(ctypes.c_ulonglong)), ("global_range_count", ctypes.c_int),
-                ("dynamic_shared_bytes", ctypes.c_ulonglong)]
+                ("dynamic_shared_bytes", ctypes.c_ulonglong), ("shared_slack_bytes", ctypes.c_ulonglong),
+                ("shared_against_lower_guard", ctypes.c_int), ("shared_dynamic_offset", ctypes.c_ulonglong)]
 
 
 class Race(ctypes.Structure):
@@ -74,7 +76,43 @@ def library():
                                            ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong)]
     lib.gpt2cupy_guarded_alloc.restype = ctypes.c_void_p
     lib.gpt2cupy_guarded_free.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+    lib.gpt2cupy_shared_overrun.argtypes = [ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_ulonglong),
+                                            ctypes.POINTER(ctypes.c_ulonglong)]
     return lib
+
+
+def shared_overrun(address):
+    """(bytes past the end of the block's shared memory, the launch's dynamic shared bytes) for a faulting
+    address in the guard after a shared-memory window (runtime.cpp); (-bytes before the guard's end, the same)
+    for one in the guard below it; None for any other address."""
+    past_end, dynamic_bytes = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+    side = library().gpt2cupy_shared_overrun(address, ctypes.byref(past_end), ctypes.byref(dynamic_bytes))
+    if side == 0:
+        return None
+    return side * past_end.value, dynamic_bytes.value
+
+
+class SharedDeclaration(ctypes.Structure):
+    """One __shared__ declaration of a kernel library (cuda_builtins.h): its place, size, names and function."""
+    _fields_ = [("offset", ctypes.c_ulonglong), ("bytes", ctypes.c_ulonglong), ("alignment", ctypes.c_ulonglong),
+                ("serial", ctypes.c_uint), ("names", ctypes.c_char_p), ("function", ctypes.c_char_p)]
+
+
+# One __shared__ declaration of a kernel library, as shared_layout gives it.
+SharedPlace = collections.namedtuple("SharedPlace", "offset bytes names function alignment")
+
+
+def shared_layout(kernel_library):
+    """[SharedPlace] of a kernel library's __shared__ declarations in functions, in the order they lie in the
+    block's shared memory. Lays them out first: call it once the library is loaded, before it runs a kernel."""
+    layout = kernel_library.gpt2cupy_shared_layout
+    layout.restype = ctypes.POINTER(SharedDeclaration)
+    layout.argtypes = [ctypes.POINTER(ctypes.c_uint)]
+    count = ctypes.c_uint()
+    declarations = layout(ctypes.byref(count))
+    found = [SharedPlace(d.offset, d.bytes, d.names.decode(), d.function.decode(), d.alignment)
+             for d in (declarations[k] for k in range(count.value))]
+    return sorted(found)
 
 
 def worker_count():
@@ -84,16 +122,20 @@ def worker_count():
 
 
 def launch(entry_address, packed_arguments, grid, block, reverse_order=False, track_races=False, global_ranges=(),
-           dynamic_shared_bytes=None):
+           dynamic_shared_bytes=None, shared_slack_bytes=0, shared_dynamic_offset=None):
     """Run a kernel to the end. Returns (LaunchResult, printf output as text).
     track_races: the kernel was built for the race check, and its accesses are to be checked;
     global_ranges: then, the [start, end) addresses of its array arguments;
-    dynamic_shared_bytes: the launch's dynamic shared memory (None: all a block may have), where bulk copies land."""
+    dynamic_shared_bytes: the launch's dynamic shared memory (None: all a block may have), where bulk copies land;
+    shared_slack_bytes: bytes left between the end of the block's shared memory and the guard after it;
+    shared_dynamic_offset: if given, the window lies against the guard below it instead, its dynamic memory this
+    many bytes above the guard's end."""
     lib = library()
     ranges = (ctypes.c_ulonglong * max(1, 2 * len(global_ranges)))(*[bound for pair in global_ranges for bound in pair])
     shared = 2**64 - 1 if dynamic_shared_bytes is None else dynamic_shared_bytes  # the runtime caps it at its own
     request = LaunchRequest(entry_address, packed_arguments, grid, block, int(reverse_order), worker_count(),
-                            int(track_races), ranges, len(global_ranges), shared)
+                            int(track_races), ranges, len(global_ranges), shared, shared_slack_bytes,
+                            shared_dynamic_offset is not None, shared_dynamic_offset or 0)
     result = LaunchResult()
     output = ctypes.c_void_p()
     output_length = ctypes.c_ulonglong()

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from . import inline_asm, toolchain
 from .errors import CompileError
+from .toolchain import SOURCE_NAME, source_location
 
-SOURCE_NAME = "kernel.cu"
 ENTRIES_NAME = "gpt2cupy-entries"
 
 GLOBAL_MARKER = "__gpt2cupy_global__"
@@ -53,6 +53,92 @@ _EXTERN_SHARED = re.compile(
 _EXTERN_OR_SHARED = re.compile(rf"\b(?:extern|{SHARED_MARKER})\b")
 
 
+# `static` in a __shared__ declaration (`static __shared__ float partial[32];`, the block-reduction idiom in a
+# __device__ function, or `__shared__ static ...`): a __shared__ variable is static already, one per block,
+# and __shared__ becomes `static thread_local` here, so the learner's own `static` is dropped, in either order.
+_STATIC_OF_SHARED = re.compile(
+    rf"\bstatic\b(?P<between>[^;{{}}]*?\b{SHARED_MARKER}\b)|(?<=\b{SHARED_MARKER}\b)(?P<after>[^;{{}}]*?)\bstatic\b")
+
+
+def _declarators(declaration):
+    """The declaration after __shared__ (`float tile[32][33], row[8]`) cut at its top-level commas: [text, ...]."""
+    pieces, depth, angle, start = [], 0, 0, 0
+    for position, character in enumerate(declaration):
+        if character in "([{":
+            depth += 1
+        elif character in ")]}":
+            depth -= 1
+        elif depth == 0 and character in "<>":  # template arguments (a declarator has no comparison here)
+            angle += 1 if character == "<" else -1
+        elif depth == 0 and angle == 0 and character == ",":
+            pieces.append(declaration[start:position])
+            start = position + 1
+    return pieces + [declaration[start:]]
+
+
+_ATTRIBUTE = re.compile(r"\b(?:__attribute__|alignas|__declspec)\s*\(")
+
+
+def _declared_name(declarator):
+    """The name a declarator declares (`tile` of `__attribute__((aligned(16))) float tile[32][33]`), or None
+    where it is not a plain name, pointer or array (a function pointer, an initializer)."""
+    while (attribute := _ATTRIBUTE.search(declarator)) is not None:
+        inside = _parameter_list(declarator, attribute.end() - 1)
+        declarator = declarator[:attribute.start()] + " " + declarator[attribute.end() + len(inside) + 1:]
+    before_bounds = re.split(r"\[", declarator, maxsplit=1)[0]
+    if re.search(r"[()=]", before_bounds):
+        return None
+    name = re.search(r"([A-Za-z_]\w*)\s*$", before_bounds)
+    return name.group(1) if name else None
+
+
+def _shared_declarations(text):
+    """Every __shared__ declaration of the text made C++ (extern ones were made pointers before).
+
+    In a function, the declaration becomes a local struct of its variables, placed in the block's shared-memory
+    window, and a reference to each variable: `__shared__ float tile[32][33], row[8];` becomes
+        struct gpt2cupy_shared_1 { float tile[32][33], row[8]; (its names and function) };
+        auto& gpt2cupy_shared_1_ = gpt2cupy::shared_variable<gpt2cupy_shared_1>();
+        auto& tile = gpt2cupy_shared_1_.tile; auto& row = gpt2cupy_shared_1_.row;
+    all on the declaration's line. A GPU lays out a kernel's __shared__ variables in one window that ends where
+    its memory does, and so does cuda_builtins.h: an access past the end faults there and here alike.
+
+    Elsewhere (at namespace scope, or a declarator that is not a plain name, pointer or array) it stays a
+    `static thread_local` variable, one per block as well, with an empty initializer on each declarator.
+    Without one g++ guards a thread_local array of a class type (__half, __nv_bfloat16) with a flag that the
+    first of the block's threads writes and the others read, which the race check would report as a race; the
+    zeros of an empty initializer are set before any thread runs. (A __shared__ variable with an initializer
+    of its own was refused before: _refuse_initialized_shared.)"""
+    in_function = _function_scopes(text)
+    pieces, copied = [], 0
+    for serial, marker in enumerate(re.finditer(rf"\b{SHARED_MARKER}\b", text)):
+        if marker.start() < copied:
+            continue
+        end = text.find(";", marker.end())
+        if end < 0:
+            break
+        line_start = text.rfind("\n", 0, marker.start()) + 1
+        statement_start = max(line_start, *(text.rfind(c, 0, marker.start()) + 1 for c in ";{}"))
+        specifiers = text[statement_start:marker.start()]
+        declarators = _declarators(text[marker.end():end])
+        names = [_declared_name(d) for d in declarators]
+        lines = "\n" * text.count("\n", statement_start, end)
+        if in_function(marker.start()) and None not in names:
+            struct = f"gpt2cupy_shared_{serial}"
+            members = " ".join(f"{specifiers}{text[marker.end():end]}".split())
+            references = " ".join(f"auto& {name} = {struct}_.{name};" for name in names)
+            replacement = (f"struct {struct} {{ {members}; "
+                           f"static constexpr unsigned serial() {{ return {serial}; }} "
+                           f'static constexpr const char* names() {{ return "{", ".join(names)}"; }} '
+                           "static constexpr const char* where() { return __PRETTY_FUNCTION__; } }; "
+                           f"auto& {struct}_ = gpt2cupy::shared_variable<{struct}>(); {references}")
+        else:
+            replacement = f"{specifiers}static thread_local {'{}, '.join(declarators)}{{}}"
+        pieces.append(text[copied:statement_start] + replacement + lines)
+        copied = end
+    return "".join(pieces) + text[copied:]
+
+
 def _is_extern_shared(declaration):
     return re.search(r"\bextern\b", declaration) is not None and SHARED_MARKER in declaration
 _GLOBAL_FUNCTION = re.compile(
@@ -61,7 +147,6 @@ _GLOBAL_FUNCTION = re.compile(
 # a regular expression can follow (a macro such as THREADS_FOR(ROWS) expands to ((ROWS) / 4 * 8)), replaced
 # by their index in a list.
 _NUMBERED_LAUNCH_BOUNDS = re.compile(rf"{BOUNDS_MARKER}\((?P<index>\d+)\)")
-_LINE_MARKER = re.compile(r'^# (\d+) "([^"]*)"', re.M)
 
 # NVRTC options with no meaning on a CPU: accepted and ignored.
 _IGNORED_OPTION_PREFIXES = (
@@ -175,18 +260,6 @@ def find_kernels(preprocessed, bounds_arguments):
     return kernels
 
 
-def source_location(preprocessed, offset):
-    """(file, line) of a place in the preprocessor's output, from its line markers: file is SOURCE_NAME for
-    the learner's source, else the path of the header it comes from; (None, None) before the first marker."""
-    line, file = 1, None
-    for marker in _LINE_MARKER.finditer(preprocessed, 0, offset):
-        line, file = int(marker.group(1)), marker.group(2)
-        marker_end = marker.end()
-    if file is None:
-        return None, None
-    return file, line + preprocessed.count("\n", marker_end, offset) - 1
-
-
 def _source_line(preprocessed, offset):
     """The learner's line number of a place in the preprocessor's output, or None outside their source."""
     file, line = source_location(preprocessed, offset)
@@ -272,7 +345,9 @@ def prepare(code, options):
                 "gpt2cupy::DynamicShared{gpt2cupy_dynamic_shared_memory()};")
 
     body = _EXTERN_SHARED.sub(pointer_to_dynamic_shared, user)
-    body = _NUMBERED_LAUNCH_BOUNDS.sub("", body).replace(GLOBAL_MARKER, "").replace(SHARED_MARKER, "static thread_local")
+    body = _STATIC_OF_SHARED.sub(lambda match: match.group("between") or match.group("after") or "", body)
+    body = _shared_declarations(body)
+    body = _NUMBERED_LAUNCH_BOUNDS.sub("", body).replace(GLOBAL_MARKER, "")
     return PreparedSource(kernels=kernels, body=header + body)
 
 
@@ -378,6 +453,12 @@ template <auto Kernel, class... A> struct KernelCall<Kernel, void (*)(A...)> {
     }
 };
 } }  // namespace gpt2cupy::(unnamed)
+// The library's __shared__ declarations, for messages and for each kernel's count of static shared memory.
+extern "C" const gpt2cupy::SharedDeclaration* gpt2cupy_shared_layout(unsigned* count) {
+    gpt2cupy::place_shared_declarations();
+    *count = gpt2cupy::shared_layout.count;
+    return gpt2cupy::shared_layout.declarations;
+}
 """
 
 
@@ -398,8 +479,12 @@ def translation_unit(prepared, entry_expressions):
 def describe_compile_failure(log, code, what):
     """The compiler's log, kept to what concerns the learner's source, with that source's lines numbered."""
     lines = [line for line in log.splitlines() if line.strip()]
+    # (a header's static_assert says what the executor leaves out, and what to use instead: kept, by the header's
+    # name as the kernel includes it)
+    refusals = [re.sub(rf"^{re.escape(str(toolchain.INCLUDE_DIRECTORY))}/([^:]+):\d+:\d+: error: static assertion failed: ",
+                       r"<\1>: ", line) for line in lines if "static assertion failed: not on the CPU executor" in line]
     about_source = [line for line in lines if SOURCE_NAME in line or not line.startswith(("/", "In file"))]
-    message = "\n".join(about_source) or log
+    message = "\n".join(refusals + about_source) or log
     message = re.sub(r"/[^\s:]*/unit\.cpp", "kernel-unit.cpp", message)
     wrong_lines = sorted({int(n) for n in re.findall(rf"{re.escape(SOURCE_NAME)}:(\d+):", message)})
     numbered = code.splitlines()

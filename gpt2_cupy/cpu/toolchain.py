@@ -7,8 +7,8 @@ headers and runtime, the compiler's version), so a kernel is compiled once per m
 import hashlib
 import os
 import platform
+import re
 import shutil
-import struct
 import subprocess
 import tempfile
 from functools import lru_cache
@@ -22,6 +22,9 @@ HERE = Path(__file__).resolve().parent
 INCLUDE_DIRECTORY = HERE / "include"
 HEADERS = ("executor_abi.h", "cuda_builtins.h")
 RUNTIME_SOURCE = "runtime.cpp"
+# The name the kernel's source goes by in the preprocessor's line markers and in compiler messages.
+SOURCE_NAME = "kernel.cu"
+_LINE_MARKER = re.compile(r'^# (\d+) "([^"]*)"', re.M)
 
 # -O2 for speed; no -ffast-math, so results stay IEEE; no -march=native, so they match from machine to machine.
 # -Werror=vla: an array sized by a variable (warpSize, a parameter) is refused, as nvcc refuses it.
@@ -164,6 +167,18 @@ def preprocess(text, flags, describe):
     return output.read_text()
 
 
+def source_location(preprocessed, offset):
+    """(file, line) of a place in the preprocessor's output, from its line markers: file is SOURCE_NAME for
+    the learner's source, else the path of the header it comes from; (None, None) before the first marker."""
+    line, file = 1, None
+    for marker in _LINE_MARKER.finditer(preprocessed, 0, offset):
+        line, file = int(marker.group(1)), marker.group(2)
+        marker_end = marker.end()
+    if file is None:
+        return None, None
+    return file, line + preprocessed.count("\n", marker_end, offset) - 1
+
+
 def build_runtime():
     """The executor's runtime library, built on first use."""
     library = cache_directory() / f"runtime-{_fingerprint('runtime')}.so"
@@ -190,26 +205,3 @@ def build_kernel(translation_unit, flags, describe, for_race_check=False):
     flags = (*ALIGNMENT_CHECK_FLAGS, *flags)
     library = cache_directory() / f"kernel-{_fingerprint(translation_unit, *flags)}.so"
     return _build(library, translation_unit, flags, describe)
-
-
-def thread_local_sizes(library):
-    """{symbol name: bytes} of the thread-local variables in a built library's symbol table: the
-    __shared__ variables of its kernels (a kernel's own are named _ZZ<length><kernel>E...). Empty where
-    the library is not 64-bit little-endian ELF."""
-    data = Path(library).read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        return {}
-    section_offset, = struct.unpack_from("<Q", data, 0x28)
-    section_size, section_count = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, section_offset + k * section_size) for k in range(section_count)]
-    sizes = {}
-    for _, kind, _, _, offset, size, link, _, _, entry_size in sections:
-        if kind != 2 or entry_size == 0:  # SHT_SYMTAB
-            continue
-        names_offset = sections[link][4]
-        for at in range(offset, offset + size, entry_size):
-            name_index, info, _, _, _, symbol_size = struct.unpack_from("<IBBHQQ", data, at)
-            if info & 0xF == 6:  # STT_TLS
-                end = data.index(b"\0", names_offset + name_index)
-                sizes[data[names_offset + name_index:end].decode()] = symbol_size
-    return sizes

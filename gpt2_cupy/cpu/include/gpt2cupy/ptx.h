@@ -195,6 +195,38 @@ struct Tile {
     }
 };
 
+// A value rounded to the nearest f16 (ties to even), as its bits: past the largest finite value (65504) by half
+// a unit or more it is infinity, below 2^-14 a subnormal (a multiple of 2^-24); a NaN is the canonical 0x7fff.
+inline unsigned short to_f16(double value) {
+    if (value != value) return 0x7fff;
+    const unsigned short sign = value < 0 || (value == 0 && __builtin_signbit(value)) ? 0x8000 : 0;
+    const double magnitude = value < 0 ? -value : value;
+    if (magnitude >= 65520.0) return sign | 0x7c00;
+    if (magnitude == 0) return sign;
+    int exponent = 0;
+    __builtin_frexp(magnitude, &exponent);            // magnitude = f * 2^exponent, 0.5 <= f < 1
+    const int unit = exponent - 11 < -24 ? -24 : exponent - 11;  // f16 keeps 11 significant bits
+    const double units = __builtin_rint(__builtin_ldexp(magnitude, -unit));  // exact, then ties to even
+    if (unit == -24) return sign | (unsigned short)units;  // subnormal (1024: the smallest normal)
+    const double rounded = __builtin_ldexp(units, unit);
+    __builtin_frexp(rounded, &exponent);
+    const unsigned mantissa = (unsigned)__builtin_ldexp(rounded, 11 - exponent) - 1024;
+    return sign | (unsigned short)((exponent + 14) << 10 | mantissa);
+}
+
+// mma.sync with f16 C and D: two halves to a register (the lower-numbered element in the low half). D = A·B + C is
+// formed as for f32 accumulators, then rounded to f16. (The tensor core's own accumulation is unspecified; sums
+// that f16 holds exactly, as the tests use, come out the same.)
+template <int depth>
+inline void multiply_half_accumulators(unsigned (&d)[2], const unsigned (&a)[Tile<depth, Input::f16>::a_registers],
+                                       const unsigned (&b)[Tile<depth, Input::f16>::b_registers],
+                                       const unsigned (&c)[2], int line) {
+    float c_wide[4], d_wide[4];
+    for (int i = 0; i < 4; ++i) c_wide[i] = (float)from_f16((unsigned short)(c[i / 2] >> (16 * (i % 2))));
+    Tile<depth, Input::f16>::multiply(d_wide, a, b, c_wide, line);
+    for (int r = 0; r < 2; ++r) d[r] = (unsigned)to_f16(d_wide[2 * r]) | (unsigned)to_f16(d_wide[2 * r + 1]) << 16;
+}
+
 // ---- ldmatrix ------------------------------------------------------------------------------------------
 // Up to four 8x8 matrices of 16-bit elements. Lane 8m + r gives the address of row r of matrix m; lane l
 // receives, in register m, elements 2(l % 4) and 2(l % 4) + 1 of row l / 4 (with .trans: rows 2(l % 4) and
@@ -402,7 +434,7 @@ inline void wgmma_wait_group(unsigned long long pending, int line) {
 // static array may have), at the one place there whose low 18 bits it holds. So that a static __shared__
 // tile is an error rather than a read of the wrong bytes, to_shared notes when the block takes the shared
 // address of a pointer into dynamic shared memory, and a descriptor is refused before that.
-constexpr unsigned long long dynamic_shared_bytes = 227 * 1024;  // runtime.cpp's buffer (an H100's limit)
+constexpr unsigned long long dynamic_shared_bytes = 227 * 1024;  // the most a block has (an H100's limit)
 
 inline unsigned long long& dynamic_shared_noted() {
     static thread_local unsigned long long block;  // the block tag once a pointer into it was converted
