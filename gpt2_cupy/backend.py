@@ -11,6 +11,10 @@ Everything else imports the names below and never asks which backend is active:
     address(a)    where an array's data starts (device memory on a GPU, host memory on the CPU)
     multiprocessor_count()   the GPU's streaming multiprocessors; on the CPU an H100's 132, so that ops
                   that size their grid by it take the same path (and give the same results) on both
+    runs_wgmma()  whether Hopper's wgmma runs: compute capability 9.0 (H100, H200), or the CPU executor,
+                  which emulates it and stands for an H100
+    TENSOR_CORES_EMULATED    True on the CPU, whose executor runs the tensor cores' instructions lane by
+                  lane (gpt2_cupy.dispatch keeps products off them where a float32 kernel is as accurate)
     RawKernel(code, name, options=())
     RawModule(code=..., options=(), name_expressions=None) with .get_function(name)
                   CuPy's own (or the executor's), with kernels/include/ on the include path, so that any
@@ -41,7 +45,7 @@ from functools import lru_cache
 
 import numpy
 
-from gpt2_cupy import kernels
+from gpt2_cupy.kernel_files import include_options
 
 _ENV = "GPT2_CUPY_BACKEND"
 
@@ -160,6 +164,13 @@ if _cupy is not None:
     def multiprocessor_count():
         return _cupy.cuda.Device().attributes["MultiProcessorCount"]
 
+    @lru_cache(maxsize=None)  # the products ask at every call
+    def runs_wgmma():
+        """Whether this GPU runs wgmma: compute capability 9.0 (H100, H200); sm_90a code runs nowhere else."""
+        return _cupy.cuda.Device().compute_capability == "90"
+
+    TENSOR_CORES_EMULATED = False
+
     @lru_cache(maxsize=None)  # the attribute table is slow to read, and the ops ask at every call
     def shared_memory_per_block():
         """Bytes of shared memory one block may have once its kernel opts in: 227 KiB on an H100."""
@@ -228,6 +239,12 @@ else:
     def multiprocessor_count():
         return 132  # an H100's: kernels sized by it split their work as they would on one
 
+    def runs_wgmma():
+        """The executor emulates wgmma, and stands for an H100 everywhere."""
+        return True
+
+    TENSOR_CORES_EMULATED = True  # lane by lane: a tensor-core product costs about 40 float32 kernels' time
+
     def launch_dependent(kernel, grid, block, args, shared_mem=0):
         """An ordinary launch: the executor runs each launch to its end before the next starts, so there is no
         tail to overlap (kernels/include/dependent_launch.cuh's instructions do nothing here)."""
@@ -286,13 +303,13 @@ class _RecordableModule:
 
 def RawKernel(code, name, options=(), **keywords):
     """The backend's RawKernel, able to #include the device helpers of kernels/include/."""
-    kernel = _RawKernel(code, name, options=tuple(options) + kernels.include_options(), **keywords)
+    kernel = _RawKernel(code, name, options=tuple(options) + include_options(), **keywords)
     return kernel if _cupy is not None else _RecordableKernel(kernel)
 
 
 def RawModule(code=None, options=(), **keywords):
     """The backend's RawModule, able to #include the device helpers of kernels/include/."""
-    module = _RawModule(code=code, options=tuple(options) + kernels.include_options(), **keywords)
+    module = _RawModule(code=code, options=tuple(options) + include_options(), **keywords)
     return module if _cupy is not None else _RecordableModule(module)
 
 

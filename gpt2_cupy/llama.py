@@ -26,14 +26,13 @@ import numpy
 
 from gpt2_cupy import backend, nn, safetensors_files
 from gpt2_cupy.autograd import Tensor, init_generator, is_grad_enabled, no_grad
+from gpt2_cupy.dispatch import decode_attention, gemv_takes, linear_forward
 from gpt2_cupy.elementwise import converted
 from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
 from gpt2_cupy.model import KVCache
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.ops.argmax import argmax_forward
-from gpt2_cupy.ops.decode_attention import decode_attention_forward
 from gpt2_cupy.ops.gemv import gemv_forward, gemv_rmsnorm_forward, gemv_rope_store
-from gpt2_cupy.ops.linear import few_rows_times_bf16, linear_forward
 from gpt2_cupy.ops.rope import rope_store_new_positions
 
 # Generation, where the products are GEMVs; the same bits either way. Measured on an H200 (bench/llama_generation.py
@@ -168,7 +167,7 @@ class LlamaAttention(nn.Module):
                 qkv = backend.xp.concatenate([linear(x).data for linear in (self.q_proj, self.k_proj, self.v_proj)],
                                              axis=-1)
             q = rope_store_new_positions(qkv, keys, values, self.n_heads, **rope)   # (B, H, T, hd)
-        y = Tensor(decode_attention_forward(q, keys, values, length))                  # (B, H, T, hd)
+        y = Tensor(decode_attention(q, keys, values, length))                  # (B, H, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_heads * self.head_dim)
         return project(self.o_proj, y, residual, norm)
 
@@ -183,7 +182,7 @@ def project(linear, x, residual, norm=None):
     bias = None if linear.bias is None else linear.bias.data
     x, residual = backend.xp.ascontiguousarray(x.data), backend.xp.ascontiguousarray(residual.data)
     fold = norm is not None and linear.out_features <= FOLD_NORMS_MOST_CHANNELS
-    if fold and few_rows_times_bf16(x, linear.weight.data):
+    if fold and gemv_takes(x, linear.weight.data):
         eps = numpy.finfo(numpy.float32).eps if norm.eps is None else norm.eps    # F.rms_norm's default
         y, normed = gemv_rmsnorm_forward(x, linear.weight.data, norm.weight.data, bias, residual=residual, eps=eps)
         return Tensor(y), Tensor(normed)
@@ -244,7 +243,7 @@ class SharedRows:
 
     def one_gemv(self, x):
         """Whether together(x) is one GEMV launch: shared bf16 rows times a generation step's few rows."""
-        return self.weight is not None and few_rows_times_bf16(x.data, self.weight)
+        return self.weight is not None and gemv_takes(x.data, self.weight)
 
     def __call__(self, x):
         """The layers' outputs (..., out_features) for x (..., in_features), as Tensors: views of the one product's

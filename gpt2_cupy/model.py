@@ -25,7 +25,7 @@ import numpy
 from gpt2_cupy import backend, nn, safetensors_files
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.autograd import Tensor, is_grad_enabled, init_generator
-from gpt2_cupy.ops.decode_attention import decode_attention_forward
+from gpt2_cupy.dispatch import decode_attention
 
 
 @dataclass
@@ -285,5 +285,5 @@ class _LayerCache:
             raise NotImplementedError("GPT: the kv_cache path computes softmax attention only")
         self.store(k, v)
         queries = backend.xp.ascontiguousarray(q.data)                       # (B, H, n, hs)
-        return Tensor(decode_attention_forward(queries, self.cache.keys[self.index], self.cache.values[self.index],
-                                               self.start + q.shape[2]))
+        return Tensor(decode_attention(queries, self.cache.keys[self.index], self.cache.values[self.index],
+                                       self.start + q.shape[2]))

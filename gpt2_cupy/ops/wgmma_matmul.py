@@ -9,8 +9,8 @@
 float32 a and b go through wgmma's .tf32 instruction, which reads each value's upper 19 bits (sign, exponent,
 10 mantissa bits: the value rounded toward zero to TF32) and takes its operands K-major only: a (M, K) and
 b (N, K), the defaults; their rows a multiple of 4 floats. launch_tf32_wgmma_product takes any layout (copying
-an operand K-major first) and 3xTF32 (float32 accuracy from three TF32 products); gpt2_cupy.ops.
-tensor_core_matmul sends its large 2-D float32 products there.
+an operand K-major first) and 3xTF32 (float32 accuracy from three TF32 products); gpt2_cupy.dispatch sends
+large 2-D products there.
 
 The Linear layer's three products, x: (B*T, C_in), W: (C_out, C_in), each read as it lies in memory:
 
@@ -112,7 +112,7 @@ def _check_element(operation, name, array):
 
 
 def _require_hopper(operation):
-    if wgmma_runs():
+    if backend.runs_wgmma():
         return
     device = backend.xp.cuda.Device()
     raise RuntimeError(f"{operation}: wgmma runs only on compute capability 9.0 (H100, H200); this GPU "
@@ -309,13 +309,6 @@ def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, a
     # 3xTF32's third part, big times big, from k = 2 segment_k on: its sums are summed apart
     k_apart = a_rows.shape[1] if products == 3 else None
     return launch_wgmma_matmul(a_rows, b_rows, out, bias, accumulate, False, True, k_apart=k_apart)
-
-
-@functools.lru_cache(maxsize=None)  # the Linear layer asks at every bf16 product
-def wgmma_runs():
-    """Whether this backend runs wgmma: a GPU of compute capability 9.0, or the CPU executor (which emulates it,
-    and stands for an H100 everywhere)."""
-    return backend.name != "cuda" or backend.xp.cuda.Device().compute_capability == "90"
 
 
 def wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=False, transpose_a=False,
