@@ -190,7 +190,7 @@ def transformers_run(torch, shape, prompts, new_tokens):
 def gemv_products(torch):
     """GB/s of weights for few-row products at the decode's matrix shapes: GEMV, the tiled GEMM, cuBLAS."""
     from gpt2_cupy.ops.gemv import gemv_forward
-    from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
+    from gpt2_cupy.dispatch import bf16_product
 
     xp, rows_tried, results = backend.xp, (1, 2, 4, 8, 16), []
     for N, K in ((4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096), (128256, 2048), (512, 2048)):
@@ -202,7 +202,7 @@ def gemv_products(torch):
             if R <= 8:
                 entry["gemv_gb_per_s"] = 2 * N * K / benchmark.seconds_per_call(lambda: gemv_forward(x, weight, out=y)) / 1e9
             entry["tiled_gemm_gb_per_s"] = 2 * N * K / benchmark.seconds_per_call(
-                lambda: launch_bf16_product(x, weight, y, transpose_b=True)) / 1e9
+                lambda: bf16_product(x, weight, y, transpose_b=True)) / 1e9
             if torch is not None:
                 tw, tx = torch.randn(N, K, device="cuda").bfloat16(), torch.randn(R, K, device="cuda").bfloat16()
                 entry["cublas_gb_per_s"] = 2 * N * K / benchmark.seconds_per_call(lambda: torch.matmul(tx, tw.T)) / 1e9

@@ -2,7 +2,10 @@
 
 Everything else imports the names below and never asks which backend is active:
 
-    name          "cuda" or "cpu"
+    name          "cuda" or "cpu" (for people to read; code asks the capabilities below)
+    ON_GPU        True when a GPU runs the kernels (CuPy), False on the CPU executor
+    device_id()   the current GPU's number, -1 on the CPU
+    device_count()           GPUs this process sees: 0 on the CPU
     xp            the array module: cupy or numpy
     asnumpy(a)    a numpy copy of an array from either module
     synchronize() wait for launched kernels to finish (a no-op on the CPU, whose launches are synchronous)
@@ -121,6 +124,7 @@ def _report_device_checks():
 
 if _cupy is not None:
     name = "cuda"
+    ON_GPU = True
     xp = _cupy
     _RawKernel = _cupy.RawKernel
     _RawModule = _cupy.RawModule
@@ -161,6 +165,12 @@ if _cupy is not None:
     def address(array):
         return array.data.ptr
 
+    def device_id():
+        return _cupy.cuda.Device().id
+
+    def device_count():
+        return _cupy.cuda.runtime.getDeviceCount()
+
     def multiprocessor_count():
         return _cupy.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -196,6 +206,7 @@ if _cupy is not None:
 
 else:
     name = "cpu"
+    ON_GPU = False
     xp = numpy
     from .cpu import RawKernel as _RawKernel, RawModule as _RawModule  # (only the CPU backend needs the executor)
 
@@ -235,6 +246,12 @@ else:
 
     def address(array):
         return array.ctypes.data
+
+    def device_id():
+        return -1
+
+    def device_count():
+        return 0
 
     def multiprocessor_count():
         return 132  # an H100's: kernels sized by it split their work as they would on one

@@ -405,7 +405,7 @@ def grid_stride_blocks(needed, gpu_limit=None):
     """Blocks for a grid-stride launch that would need `needed` blocks to give each thread one step: at most
     gpu_limit on a GPU (None: no limit), at most CPU_EXECUTOR_BLOCKS_PER_CORE per core on the CPU executor.
     Each element is computed by one thread from its own operands whatever the grid: the same bits."""
-    if backend.name == "cpu":
+    if not backend.ON_GPU:
         gpu_limit = CPU_EXECUTOR_BLOCKS_PER_CORE * (os.cpu_count() or 1)
     return needed if gpu_limit is None else min(needed, gpu_limit)
 
@@ -567,7 +567,7 @@ def converted(array, dtype, out=None):
     with out (an array of dtype and array's shape), the converted values written into out."""
     if out is None and array.dtype == dtype:
         return array
-    if backend.name == "cpu" and array.dtype == BFLOAT16 and numpy.dtype(dtype) == numpy.float32 and (
+    if not backend.ON_GPU and array.dtype == BFLOAT16 and numpy.dtype(dtype) == numpy.float32 and (
             out is None or (out.dtype == numpy.float32 and out.shape == array.shape)):
         return bf16_widened_on_the_host(array, out)
     return elementwise("to", "a", [array], compute_dtype=dtype, out=out)

@@ -781,7 +781,7 @@ def launch_ranks(argv):
     known, rank_argv = nproc_parser.parse_known_args(argv)
     if known.nproc is None or "WORLD_SIZE" in os.environ:
         return None
-    gpus = backend.xp.cuda.runtime.getDeviceCount() if backend.name == "cuda" else 0
+    gpus = backend.device_count()
     if known.nproc > gpus:   # one GPU per rank: refused before any rank starts, not after each one fails
         where = f"this machine has {gpus}" if gpus else "this machine has none (the kernels run on the CPU executor)"
         print(f"error: --nproc {known.nproc} trains on {known.nproc} GPUs, one process each, through NCCL; {where}. "
@@ -806,7 +806,7 @@ def main(argv=None):
     try:
         trainer = Trainer(config, resume=resume)
         if trainer.is_main:
-            print(f"{backend.name}: {trainer.model.get_num_params() / 1e6:.2f}M parameters, "
+            print(f"{backend.device_name()}: {trainer.model.get_num_params() / 1e6:.2f}M parameters, "
                   f"{trainer.tokens_per_step} tokens per "
                   f"step on {trainer.world_size} rank(s), writing {trainer.out_dir}/", file=sys.stderr)
         trainer.run()

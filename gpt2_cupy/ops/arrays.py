@@ -37,7 +37,7 @@ def counters(count):
     counter back to zero, so a captured graph replays with them). A launch that needs more gets new ones, and the
     old stay (a graph captured with them may replay). Two launches that use them must not run at the same time
     (on two streams of one device), or their counts would mix."""
-    device = backend.xp.cuda.Device().id if backend.name == "cuda" else -1
+    device = backend.device_id()
     held = _counters.setdefault(device, [])
     if not held or held[-1].size < count:
         held.append(backend.xp.zeros(max(count, 256), dtype=numpy.uint32))
@@ -56,8 +56,8 @@ def rows(array):
 
 def _check_one(operation, name, array, dtype, contiguous):
     if not isinstance(array, backend.xp.ndarray):
-        raise TypeError(f"{operation}: {name} must be a {backend.xp.__name__}.ndarray (the active backend is "
-                        f"{backend.name}), got {type(array).__module__}.{type(array).__name__}")
+        raise TypeError(f"{operation}: {name} must be a {backend.xp.__name__}.ndarray (the active backend's "
+                        f"arrays), got {type(array).__module__}.{type(array).__name__}")
     if array.dtype != dtype:
         raise TypeError(f"{operation}: {name} has dtype {array.dtype}; it must be {numpy.dtype(dtype).name}")
     if contiguous and not array.flags.c_contiguous:
