@@ -11,7 +11,7 @@ Three shapes, random weights (the speed does not depend on them), built in bf16 
                bf16).
 Greedy decoding from a random prompt, batch 1, the next token chosen on the device (argmax):
 - decode tokens/s, ours eager (a Python call per op) and ours with the step captured as a CUDA graph
-  (Llama.generate(..., cuda_graph=True)'s DecodeGraph), and transformers' LlamaForCausalLM in bf16 with
+  (Llama.generate(..., cuda_graph=True)'s gpt2_cupy.generation.DecodeGraph), and transformers' LlamaForCausalLM in bf16 with
   generate(cache_implementation="static") in the same run (its decode rate: (tokens of a long run - 1) over
   the long run's time minus a one-token run's);
 - the bound: every weight read once per token at the measured copy bandwidth, tokens/s = bandwidth / bytes;
@@ -48,7 +48,8 @@ import numpy as np
 from gpt2_cupy import backend, benchmark, nn, testing
 from gpt2_cupy.autograd import manual_seed, no_grad
 from gpt2_cupy.elementwise import converted
-from gpt2_cupy.llama import DecodeGraph, Llama, LlamaConfig
+from gpt2_cupy.generation import DecodeGraph
+from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.ops.arrays import BFLOAT16
 
 SHAPES = {

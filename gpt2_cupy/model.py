@@ -24,8 +24,8 @@ import numpy
 
 from gpt2_cupy import backend, nn, safetensors_files
 from gpt2_cupy.nn import functional as F
-from gpt2_cupy.autograd import Tensor, is_grad_enabled, init_generator
-from gpt2_cupy.dispatch import decode_attention
+from gpt2_cupy.autograd import is_grad_enabled, init_generator
+from gpt2_cupy.generation import KVCache
 
 
 @dataclass
@@ -171,8 +171,12 @@ class GPT(nn.Module):
         return optim.AdamW(groups, lr=learning_rate, betas=betas)
 
     def new_kv_cache(self, batch_size, max_length):
-        """Room for the keys and values of max_length positions in every layer, for generation."""
-        return KVCache(self.config, batch_size, max_length)
+        """Room for the keys and values of max_length positions in every layer, for generation
+        (gpt2_cupy.generation.KVCache; each attention layer stores into and reads its layer of it)."""
+        config = self.config
+        if max_length > config.block_size:
+            raise ValueError(f"new_kv_cache: max_length {max_length} > block_size {config.block_size}")
+        return KVCache(config.n_layer, batch_size, config.n_head, config.n_embd // config.n_head, max_length)
 
     # ---- Hugging Face checkpoints ---------------------------------------------------------------------
 
@@ -243,47 +247,3 @@ def _positions(B, start, T):
     if start == 0:
         _training_positions[B, T] = positions
     return positions
-
-
-class KVCache:
-    """The keys and values of every position seen so far, per layer: (B, H, max_length, hs) each.
-
-    With a cache, the model's input holds only new positions; their queries attend to every cached key
-    and, causally, to each other. Only under no_grad: generation needs no gradients.
-    """
-
-    def __init__(self, config, batch_size, max_length):
-        if max_length > config.block_size:
-            raise ValueError(f"new_kv_cache: max_length {max_length} > block_size {config.block_size}")
-        shape = (batch_size, config.n_head, max_length, config.n_embd // config.n_head)
-        self.keys = [backend.xp.zeros(shape, numpy.float32) for _ in range(config.n_layer)]
-        self.values = [backend.xp.zeros(shape, numpy.float32) for _ in range(config.n_layer)]
-        self.length = 0          # positions stored; the model advances it after each forward
-        self.max_length = max_length
-
-    def layer(self, index):
-        return _LayerCache(self, index)
-
-
-class _LayerCache:
-    def __init__(self, cache, index):
-        self.cache, self.index, self.start = cache, index, cache.length
-
-    def store(self, k, v):
-        """Copy the new positions' keys and values (B, H, n, hs) into the cache, at positions start..start+n-1."""
-        end = self.start + k.shape[2]
-        if end > self.cache.max_length:
-            raise ValueError(f"GPT: the kv_cache holds {self.cache.max_length} positions, {end} asked")
-        self.cache.keys[self.index][:, :, self.start:end] = k.data
-        self.cache.values[self.index][:, :, self.start:end] = v.data
-
-    def attend(self, q, k, v, variant="softmax"):
-        """Queries (B, H, n, hs) at positions start..start+n-1 over keys 0..start+n-1, the new ones stored first:
-        the decode kernel (gpt2_cupy.ops.decode_attention), which reads the cache where it is, splits the keys
-        across blocks and lets each group of query heads share its key-value head's reads."""
-        if variant != "softmax":
-            raise NotImplementedError("GPT: the kv_cache path computes softmax attention only")
-        self.store(k, v)
-        queries = backend.xp.ascontiguousarray(q.data)                       # (B, H, n, hs)
-        return Tensor(decode_attention(queries, self.cache.keys[self.index], self.cache.values[self.index],
-                                       self.start + q.shape[2]))

@@ -45,7 +45,7 @@
 //   That norm costs one block a round trip to L2 and a sum; as a kernel of its own it costs a launch, the wait
 //   for the product's end and a second wait before the next product. But the epilogue's registers (48 a thread
 //   against the plain product's 32) leave room for 5 blocks a multiprocessor instead of 8, fewer loads in
-//   flight: Llama 3.2 1B's decode step gained, Llama 2 7B's lost (gpt2_cupy.llama.FOLD_NORMS_MOST_CHANNELS).
+//   flight: Llama 3.2 1B's decode step gained, Llama 2 7B's lost (gpt2_cupy.generation.FOLD_NORMS_MOST_CHANNELS).
 //   Capping the registers instead (__launch_bounds__(256, 8): 32 a thread, the norm in a noinline function so
 //   that only that epilogue spills) measured slower on an H200 (captured decode step, same run, 2026-11-27):
 //   1B 1047 -> 983 tokens/s; the same cap on the GATED product (40 registers, 44 bytes of spills in the loop)
