@@ -51,14 +51,11 @@ import os
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.ops.arrays import BFLOAT16, LARGEST_INT, THREADS_PER_BLOCK, WARP_SIZE, ceil_div
+from gpt2_cupy.dtypes import BFLOAT16, C_TYPES, LARGEST_INT
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, WARP_SIZE, ceil_div
 
 OPERAND_NAMES = "abcdefgh"
 
-# numpy dtype -> the C type a kernel reads it as
-C_TYPES = {numpy.dtype(numpy.float32): "float", numpy.dtype(numpy.float64): "double",
-           numpy.dtype(numpy.int32): "int", numpy.dtype(numpy.int64): "long long",
-           numpy.dtype(numpy.bool_): "bool", numpy.dtype(numpy.uint8): "unsigned char", BFLOAT16: "__nv_bfloat16"}
 BF16 = C_TYPES[BFLOAT16]
 
 
