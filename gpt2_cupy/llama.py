@@ -20,13 +20,11 @@ Generation's machinery (the cache, the decode step with its GEMV folds, the capt
 gpt2_cupy.generation's: a forward with a kv_cache and generate hand the model to it.
 """
 
-import json
-import os
 from dataclasses import asdict, dataclass, fields
 
 import numpy
 
-from gpt2_cupy import backend, generation, nn, safetensors_files
+from gpt2_cupy import backend, generation, nn, pretrained, safetensors_files
 from gpt2_cupy.autograd import Tensor, init_generator, is_grad_enabled
 from gpt2_cupy.elementwise import converted
 from gpt2_cupy.generation import SharedRows
@@ -236,12 +234,7 @@ class Llama(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type=None):
         """AdamW with two groups: matrices decay, norm weights do not."""
-        from gpt2_cupy import optim
-
-        parameters = self.parameters()
-        groups = [{"params": [p for p in parameters if p.ndim >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in parameters if p.ndim < 2], "weight_decay": 0.0}]
-        return optim.AdamW(groups, lr=learning_rate, betas=betas)
+        return pretrained.adamw(self, weight_decay, learning_rate, betas)
 
     def new_kv_cache(self, batch_size, max_length):
         """Room for the keys (after RoPE) and values of max_length positions in every layer, for generation:
@@ -265,8 +258,7 @@ class Llama(nn.Module):
         model.safetensors.index.json; weights in float32, float16 or bfloat16, read one tensor at a time.
         torch_dtype (transformers' name): None or float32 keeps float32 parameters; bfloat16 stores them in
         bf16 for generation (a bf16 checkpoint exactly)."""
-        with open(os.path.join(directory, "config.json")) as file:
-            config = LlamaConfig.from_hf(json.load(file))
+        config = LlamaConfig.from_hf(pretrained.read_config(directory))
         model = cls(config)
         if torch_dtype is not None:
             model.to(torch_dtype)
@@ -285,19 +277,13 @@ class Llama(nn.Module):
         tied = {"lm_head.weight", "model.embed_tokens.weight"}
         if config.tie_word_embeddings and loaded & tied:
             loaded |= tied                   # one matrix under two names, stored under either
-        missing = [name for name in parameters if name not in loaded]
-        if missing:
-            raise ValueError(f"{missing[0]}: missing from the checkpoint in {directory}"
-                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        pretrained.check_loaded(parameters, loaded, directory)
         return model
 
     def save_pretrained(self, directory, dtype="float32", max_shard_size=None):
         """Write config.json and model.safetensors (or shards of at most max_shard_size bytes with their index)
         that transformers.LlamaForCausalLM.from_pretrained reads; dtype "float32", "float16" or "bfloat16"."""
-        os.makedirs(directory, exist_ok=True)
         tensors = {name: parameter.data for name, parameter in self.named_parameters(remove_duplicate=False)}
         if self.config.tie_word_embeddings:
             del tensors["lm_head.weight"]    # stored once, as Hugging Face does
-        safetensors_files.write_tensors(directory, tensors, dtype=dtype, max_shard_bytes=max_shard_size)
-        with open(os.path.join(directory, "config.json"), "w") as file:
-            json.dump(self.config.to_hf(torch_dtype=dtype), file, indent=2)
+        pretrained.write(directory, tensors, self.config.to_hf(torch_dtype=dtype), dtype, max_shard_size)
