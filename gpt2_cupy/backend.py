@@ -195,8 +195,8 @@ if _cupy is not None:
         has ended, where a CUDA graph is being captured. CuPy's launch takes no launch attributes, so this one
         goes to the driver's cuLaunchKernelEx (through ctypes, as gpt2_cupy.tensor_map reaches the driver).
         Launched one at a time from Python, a kernel waits for the host, not for the kernel before it, and
-        there the driver's launch measured slower (Llama 2 7B on an H200: eager decoding 41 -> 15 tokens/s,
-        a 2048-token prefill 57 -> 90 ms): outside a capture this is CuPy's ordinary launch."""
+        there the driver's launch is the slower (bench/design_choices.json): outside a capture this is CuPy's
+        ordinary launch."""
         if not (DEPENDENT_LAUNCHES and _capturing and _has_dependent_launch(_cupy.cuda.Device().id)):
             return kernel(grid, block, args, shared_mem=shared_mem)
         from gpt2_cupy.driver_launch import launch_with_programmatic_serialization

@@ -19,9 +19,8 @@ column x its last stride. Transposed and sliced views are read the same way, thr
 The common broadcast, x * weight + bias (every operand either runs along the rows, last stride 1, or is
 broadcast along them, stride 0), has a kernel of its own when a row's length is a multiple of 4: it walks
 the output as the contiguous path does, in groups of 4 neighbouring elements (one division per group finds
-its row), and reads each operand that runs along the row 4 columns at a time, in one 16-byte load. Read
-one column at a time, as the general kernel does, that broadcast reaches about 81 % of the copy bandwidth
-of an H200; 4 at a time, 89 %.
+its row), and reads each operand that runs along the row 4 columns at a time, in one 16-byte load, closer
+to the copy bandwidth than one column at a time, as the general kernel reads (bench/design_choices.json).
 
 An output may be a view too (an in-place write into a transpose or a slice, x.T.add_(1)): it is written
 through its own offset and strides, so that every other view of the same memory sees the change. Its
@@ -171,8 +170,8 @@ def storage_and_offset(operation, name, array, writable=False):
 
 ELEMENTS_PER_THREAD = 4   # the strided kernel: each thread computes 4 elements of a row, loads first
 BLOCKS_PER_MULTIPROCESSOR = 8  # 8 blocks of 256 threads: 2048 threads, as many as a multiprocessor holds
-# The rows kernel launches 4 times as many blocks as fit at once: measured on an H200 for x * w + b over
-# (4096, 4096) and (21845, 768), 86.5 % of copy bandwidth with one round of blocks, 88 % with two, 89 % with four.
+# The rows kernel launches 4 times as many blocks as fit at once: a little closer to the copy bandwidth than one
+# or two rounds (bench/design_choices.json).
 ROWS_ROUNDS_OF_BLOCKS = 4
 # The CPU executor runs every GPU thread as a fiber, which costs about 50 ns on top of the thread's work, and
 # its blocks on the machine's cores: there 2 blocks per core, each thread stepping through many elements,

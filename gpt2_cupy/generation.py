@@ -31,7 +31,7 @@ from gpt2_cupy.ops.gemv import gemv_forward, gemv_rmsnorm_forward, gemv_rope_sto
 from gpt2_cupy.ops.rope import rope_store_new_positions
 
 # The decode step's folds, the same bits either way; the tokens/s that chose them are in
-# bench/llama_generation.json ("decode_settings", from bench/llama_generation.py --settings).
+# bench/design_choices.json (bench/llama_generation.py --settings generation.FOLD_ROPE=False measures them).
 FOLD_ROPE = True                   # RoPE and the cache's store in the q, k, v GEMV (gemv_rope_store)
 # The RMSNorm after o_proj and down_proj in that GEMV's last block, for models of at most this many channels (0:
 # never). The launch saved is paid for in every block of the product (more registers a thread, fewer loads in

@@ -47,10 +47,8 @@ ROW_CHOICES = (1, 2, 4, 8)        # the kernel's ROWS template instances: the sm
 WARPS_PER_BLOCK = 8               # kernels/gemv.cu's GEMV_WARPS
 WARPS_PER_OUTPUT = (1, 2, 4, 8)
 # Several warps share each output row when there are fewer outputs than WARPS_PER_MULTIPROCESSOR warps per
-# multiprocessor, or when a row is longer than WARP_ROW_BYTES: measured on an H200 with the weights cold in L2
-# (bench/llama_generation.py --gemv), more warps per row than that only add blocks and partial sums; in the
-# whole decode step (--settings, tokens/s, plain loads), 32 warps per multiprocessor gave Llama 3.2 1B 965
-# against 987 and Llama 2 7B 231 against 230.
+# multiprocessor, or when a row is longer than WARP_ROW_BYTES: more warps per row than that only add blocks and
+# partial sums (bench/design_choices.json; bench/llama_generation.py --gemv and --settings measure them).
 WARPS_PER_MULTIPROCESSOR = 16
 WARP_ROW_BYTES = 8192
 # gemv_rmsnorm_forward: the last block's 8 warps hold a row of at most this many columns in registers, 16 a
