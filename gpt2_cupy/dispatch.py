@@ -88,15 +88,10 @@ def product(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, b
     if a.dtype == BFLOAT16:
         return bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias)
     K = a.shape[-2] if transpose_a else a.shape[-1]
-    if out.size == 0:
-        return out
-    if K == 0:  # an empty sum
-        if not accumulate:
-            backend.fill_zero(out)
-        return _add_bias(out, bias)
     precision = get_float32_matmul_precision()
-    if precision != "highest" or _highest_on_tensor_cores(out, K):
+    if out.size and K and (precision != "highest" or _highest_on_tensor_cores(out, K)):
         return _tensor_core_product(a, b, out, transpose_a, transpose_b, accumulate, precision, bias)
+    # (an empty product: the float32 op fills out with zeros, or keeps it with accumulate)
     return _add_bias(launch_float32_matmul(a, b, out, transpose_a, transpose_b, accumulate), bias)
 
 
