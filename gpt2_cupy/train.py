@@ -123,12 +123,21 @@ class TrainConfig:
     zero: bool = option(False, "with several ranks: ZeRO-1, AdamW's state sharded over the ranks")
 
 
+# GPTConfig's fields, which TrainConfig repeats as options (the vocabulary comes from the corpus).
+GPT_FIELDS = tuple(name for name in (f.name for f in fields(GPTConfig)) if name != "vocab_size")
+
+
 def llama_config(config, vocab_size):
     """A Llama of the preset's size: its width, layers and heads; the MLP's width 8/3 of the model's rounded up to
     a multiple of 64 (three matrices as many parameters as GPT-2's two of 4 C), as Meta sized Llama's."""
     return LlamaConfig(vocab_size=vocab_size, hidden_size=config.n_embd,
                        intermediate_size=ceil_div(8 * config.n_embd // 3, 64) * 64, num_hidden_layers=config.n_layer,
                        num_attention_heads=config.n_head, max_position_embeddings=config.block_size)
+
+
+def gpt_config(config, vocab_size):
+    """The GPTConfig of a run: every GPTConfig field is a TrainConfig option of the same name."""
+    return GPTConfig(**{name: getattr(config, name) for name in GPT_FIELDS}, vocab_size=vocab_size)
 
 
 def make_config(**options):
@@ -261,9 +270,7 @@ class Trainer:
         if config.model == "llama":
             self.model_config = llama_config(config, vocab_size)
         else:
-            self.model_config = GPTConfig(block_size=config.block_size, vocab_size=vocab_size, n_layer=config.n_layer,
-                                          n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
-                                          bias=config.bias, norm=config.norm, attention=config.attention)
+            self.model_config = gpt_config(config, vocab_size)
         set_float32_matmul_precision(config.matmul_precision)
         self.autocast = autocast(device_type="cuda", dtype=BFLOAT16 if config.dtype == "bf16" else None)
         manual_seed(config.seed)
