@@ -89,7 +89,7 @@ def product(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, b
         return bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias)
     K = a.shape[-2] if transpose_a else a.shape[-1]
     precision = get_float32_matmul_precision()
-    if out.size and K and (precision != "highest" or _highest_on_tensor_cores(out, K)):
+    if out.size and K and (precision != "highest" or highest_on_tensor_cores(out, K)):
         return _tensor_core_product(a, b, out, transpose_a, transpose_b, accumulate, precision, bias)
     # (an empty product: the float32 op fills out with zeros, or keeps it with accumulate)
     return _add_bias(launch_float32_matmul(a, b, out, transpose_a, transpose_b, accumulate), bias)
@@ -145,7 +145,7 @@ def _copy_pays(out):
     return min(out.shape[-2:]) >= MIN_COPIED_EXTENT
 
 
-def _highest_on_tensor_cores(out, K):
+def highest_on_tensor_cores(out, K):
     """A float32 product at "highest" as 3xTF32 on the wgmma (as accurate as float32, gpt2_cupy.precision, and
     faster there), where the tensor cores are the GPU's own: the executor's emulation runs three products at many
     times the float32 kernel's time."""
