@@ -41,7 +41,7 @@ from gpt2_cupy.ops import attention as attention_ops
 from gpt2_cupy.ops.attention import (attention_backward, attention_backward_naive, attention_forward,
                                      attention_forward_naive)
 from gpt2_cupy.ops.decode_attention import decode_attention_forward
-from gpt2_cupy.ops.matmul import batched_matmul
+from gpt2_cupy.dispatch import batched_matmul
 from gpt2_cupy.ops.softmax import softmax_forward
 from gpt2_cupy.testing import torch_or_none
 

@@ -18,7 +18,8 @@ import numpy as np
 
 from gpt2_cupy import backend, benchmark, kernels
 from gpt2_cupy.ops.arrays import ceil_div
-from gpt2_cupy.ops.linear import bias_backward, linear_backward, linear_forward
+from gpt2_cupy.dispatch import linear_backward, linear_forward
+from gpt2_cupy.ops.linear import bias_backward
 from gpt2_cupy.testing import torch_or_none
 
 ROWS = 32 * 1024  # B * T

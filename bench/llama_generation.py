@@ -11,7 +11,7 @@ Three shapes, random weights (the speed does not depend on them), built in bf16 
                bf16).
 Greedy decoding from a random prompt, batch 1, the next token chosen on the device (argmax):
 - decode tokens/s, ours eager (a Python call per op) and ours with the step captured as a CUDA graph
-  (Llama.generate(..., cuda_graph=True)'s DecodeGraph), and transformers' LlamaForCausalLM in bf16 with
+  (Llama.generate(..., cuda_graph=True)'s gpt2_cupy.generation.DecodeGraph), and transformers' LlamaForCausalLM in bf16 with
   generate(cache_implementation="static") in the same run (its decode rate: (tokens of a long run - 1) over
   the long run's time minus a one-token run's);
 - the bound: every weight read once per token at the measured copy bandwidth, tokens/s = bandwidth / bytes;
@@ -48,7 +48,8 @@ import numpy as np
 from gpt2_cupy import backend, benchmark, nn, testing
 from gpt2_cupy.autograd import manual_seed, no_grad
 from gpt2_cupy.elementwise import converted
-from gpt2_cupy.llama import DecodeGraph, Llama, LlamaConfig
+from gpt2_cupy.generation import DecodeGraph
+from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.ops.arrays import BFLOAT16
 
 SHAPES = {
@@ -190,7 +191,7 @@ def transformers_run(torch, shape, prompts, new_tokens):
 def gemv_products(torch):
     """GB/s of weights for few-row products at the decode's matrix shapes: GEMV, the tiled GEMM, cuBLAS."""
     from gpt2_cupy.ops.gemv import gemv_forward
-    from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
+    from gpt2_cupy.dispatch import bf16_product
 
     xp, rows_tried, results = backend.xp, (1, 2, 4, 8, 16), []
     for N, K in ((4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096), (128256, 2048), (512, 2048)):
@@ -202,7 +203,7 @@ def gemv_products(torch):
             if R <= 8:
                 entry["gemv_gb_per_s"] = 2 * N * K / benchmark.seconds_per_call(lambda: gemv_forward(x, weight, out=y)) / 1e9
             entry["tiled_gemm_gb_per_s"] = 2 * N * K / benchmark.seconds_per_call(
-                lambda: launch_bf16_product(x, weight, y, transpose_b=True)) / 1e9
+                lambda: bf16_product(x, weight, y, transpose_b=True)) / 1e9
             if torch is not None:
                 tw, tx = torch.randn(N, K, device="cuda").bfloat16(), torch.randn(R, K, device="cuda").bfloat16()
                 entry["cublas_gb_per_s"] = 2 * N * K / benchmark.seconds_per_call(lambda: torch.matmul(tx, tw.T)) / 1e9

@@ -21,7 +21,8 @@ import numpy  # noqa: E402
 
 from gpt2_cupy import backend, benchmark, kernels  # noqa: E402
 from gpt2_cupy.ops import matmul as ops_matmul  # noqa: E402
-from gpt2_cupy.ops.matmul import k_splits, matmul  # noqa: E402
+from gpt2_cupy.dispatch import matmul  # noqa: E402
+from gpt2_cupy.ops.matmul import k_splits  # noqa: E402
 from gpt2_cupy.testing import relative_error, torch_or_none  # noqa: E402
 
 SQUARE_SIZES = (512, 1024, 2048, 4096)

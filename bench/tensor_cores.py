@@ -23,8 +23,8 @@ import numpy  # noqa: E402
 
 from gpt2_cupy import backend, benchmark, kernels  # noqa: E402
 from gpt2_cupy.ops.matmul import launch_float32_matmul  # noqa: E402
-from gpt2_cupy.ops.tensor_core_matmul import (launch_bf16_matmul, launch_tf32_mma_sync, tensor_core_matmul,  # noqa: E402
-                                               to_bf16)
+from gpt2_cupy.dispatch import tensor_core_matmul  # noqa: E402
+from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_matmul, launch_tf32_mma_sync, to_bf16  # noqa: E402
 from gpt2_cupy.ops.wgmma_matmul import launch_tf32_wgmma_product, wgmma_matmul  # noqa: E402
 from gpt2_cupy.testing import relative_error, torch_or_none  # noqa: E402
 
@@ -47,7 +47,7 @@ def _blocks(n, size):
 
 def _has_wgmma():
     """wgmma runs on compute capability 9.0 (H100, H200), and on the CPU executor, which emulates it."""
-    return backend.name != "cuda" or backend.xp.cuda.Device().compute_capability == "90"
+    return backend.runs_wgmma()
 
 
 def _torch():

@@ -2,7 +2,10 @@
 
 Everything else imports the names below and never asks which backend is active:
 
-    name          "cuda" or "cpu"
+    name          "cuda" or "cpu" (for people to read; code asks the capabilities below)
+    ON_GPU        True when a GPU runs the kernels (CuPy), False on the CPU executor
+    device_id()   the current GPU's number, -1 on the CPU
+    device_count()           GPUs this process sees: 0 on the CPU
     xp            the array module: cupy or numpy
     asnumpy(a)    a numpy copy of an array from either module
     synchronize() wait for launched kernels to finish (a no-op on the CPU, whose launches are synchronous)
@@ -11,6 +14,10 @@ Everything else imports the names below and never asks which backend is active:
     address(a)    where an array's data starts (device memory on a GPU, host memory on the CPU)
     multiprocessor_count()   the GPU's streaming multiprocessors; on the CPU an H100's 132, so that ops
                   that size their grid by it take the same path (and give the same results) on both
+    runs_wgmma()  whether Hopper's wgmma runs: compute capability 9.0 (H100, H200), or the CPU executor,
+                  which emulates it and stands for an H100
+    TENSOR_CORES_EMULATED    True on the CPU, whose executor runs the tensor cores' instructions lane by
+                  lane (gpt2_cupy.dispatch keeps products off them where a float32 kernel is as accurate)
     RawKernel(code, name, options=())
     RawModule(code=..., options=(), name_expressions=None) with .get_function(name)
                   CuPy's own (or the executor's), with kernels/include/ on the include path, so that any
@@ -41,7 +48,7 @@ from functools import lru_cache
 
 import numpy
 
-from gpt2_cupy import kernels
+from gpt2_cupy.kernel_files import include_options
 
 _ENV = "GPT2_CUPY_BACKEND"
 
@@ -117,6 +124,7 @@ def _report_device_checks():
 
 if _cupy is not None:
     name = "cuda"
+    ON_GPU = True
     xp = _cupy
     _RawKernel = _cupy.RawKernel
     _RawModule = _cupy.RawModule
@@ -157,8 +165,21 @@ if _cupy is not None:
     def address(array):
         return array.data.ptr
 
+    def device_id():
+        return _cupy.cuda.Device().id
+
+    def device_count():
+        return _cupy.cuda.runtime.getDeviceCount()
+
     def multiprocessor_count():
         return _cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+    @lru_cache(maxsize=None)  # the products ask at every call
+    def runs_wgmma():
+        """Whether this GPU runs wgmma: compute capability 9.0 (H100, H200); sm_90a code runs nowhere else."""
+        return _cupy.cuda.Device().compute_capability == "90"
+
+    TENSOR_CORES_EMULATED = False
 
     @lru_cache(maxsize=None)  # the attribute table is slow to read, and the ops ask at every call
     def shared_memory_per_block():
@@ -174,8 +195,8 @@ if _cupy is not None:
         has ended, where a CUDA graph is being captured. CuPy's launch takes no launch attributes, so this one
         goes to the driver's cuLaunchKernelEx (through ctypes, as gpt2_cupy.tensor_map reaches the driver).
         Launched one at a time from Python, a kernel waits for the host, not for the kernel before it, and
-        there the driver's launch measured slower (Llama 2 7B on an H200: eager decoding 41 -> 15 tokens/s,
-        a 2048-token prefill 57 -> 90 ms): outside a capture this is CuPy's ordinary launch."""
+        there the driver's launch is the slower (bench/design_choices.json): outside a capture this is CuPy's
+        ordinary launch."""
         if not (DEPENDENT_LAUNCHES and _capturing and _has_dependent_launch(_cupy.cuda.Device().id)):
             return kernel(grid, block, args, shared_mem=shared_mem)
         from gpt2_cupy.driver_launch import launch_with_programmatic_serialization
@@ -185,6 +206,7 @@ if _cupy is not None:
 
 else:
     name = "cpu"
+    ON_GPU = False
     xp = numpy
     from .cpu import RawKernel as _RawKernel, RawModule as _RawModule  # (only the CPU backend needs the executor)
 
@@ -225,8 +247,20 @@ else:
     def address(array):
         return array.ctypes.data
 
+    def device_id():
+        return -1
+
+    def device_count():
+        return 0
+
     def multiprocessor_count():
         return 132  # an H100's: kernels sized by it split their work as they would on one
+
+    def runs_wgmma():
+        """The executor emulates wgmma, and stands for an H100 everywhere."""
+        return True
+
+    TENSOR_CORES_EMULATED = True  # lane by lane: a tensor-core product costs about 40 float32 kernels' time
 
     def launch_dependent(kernel, grid, block, args, shared_mem=0):
         """An ordinary launch: the executor runs each launch to its end before the next starts, so there is no
@@ -286,13 +320,13 @@ class _RecordableModule:
 
 def RawKernel(code, name, options=(), **keywords):
     """The backend's RawKernel, able to #include the device helpers of kernels/include/."""
-    kernel = _RawKernel(code, name, options=tuple(options) + kernels.include_options(), **keywords)
+    kernel = _RawKernel(code, name, options=tuple(options) + include_options(), **keywords)
     return kernel if _cupy is not None else _RecordableKernel(kernel)
 
 
 def RawModule(code=None, options=(), **keywords):
     """The backend's RawModule, able to #include the device helpers of kernels/include/."""
-    module = _RawModule(code=code, options=tuple(options) + kernels.include_options(), **keywords)
+    module = _RawModule(code=code, options=tuple(options) + include_options(), **keywords)
     return module if _cupy is not None else _RecordableModule(module)
 
 

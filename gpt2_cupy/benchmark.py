@@ -19,7 +19,7 @@ from . import backend
 
 def meaningful():
     """Whether timings here say anything about a GPU kernel."""
-    return backend.name == "cuda"
+    return backend.ON_GPU
 
 
 def require_gpu(reason="timings on the CPU executor say nothing about a GPU"):

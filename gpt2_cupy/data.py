@@ -24,6 +24,7 @@ import sentencepiece
 from tqdm import tqdm
 
 from gpt2_cupy.checkout import REPOSITORY
+from gpt2_cupy.dtypes import LARGEST_INT
 
 # The repository's data/ folder, when the package runs from a checkout (or an editable install of one);
 # None for an installed wheel, which carries no corpora.
@@ -465,9 +466,7 @@ def is_up_to_date(outputs, inputs, vocab_size):
 # ---------------------------------------------------------------------------------------------------------
 
 
-# Batches hold int32 ids, as the embedding kernels read them. The same limit as gpt2_cupy.ops.arrays.LARGEST_INT,
-# written here so that tokenizing and preparing data need no array backend.
-LARGEST_INT = 2**31 - 1
+# Batches hold int32 ids, as the embedding kernels read them: at most LARGEST_INT of them (gpt2_cupy.dtypes).
 
 
 class Batches:

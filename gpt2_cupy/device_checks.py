@@ -55,7 +55,7 @@ def _flags():
         if backend._capturing:
             raise RuntimeError("device_checks: the first range check ran inside CUDA graph capture; run the step "
                                "once before capturing it (the warm-up), so that the checks' flags exist")
-        if backend.name == "cuda":  # from the default pool, never a graph's: the flags outlive every graph
+        if backend.ON_GPU:  # from the default pool, never a graph's: the flags outlive every graph
             cupy = backend.xp
             with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
                 _state["flags"] = cupy.zeros(SLOTS, dtype=numpy.uint64)

@@ -126,7 +126,7 @@ def init_process_group(backend="nccl", init_method=None, world_size=-1, rank=-1)
 
 
 def _on_gpu():  # (init_process_group's argument `backend`, torch's name, hides the module of that name there)
-    return backend.name == "cuda"
+    return backend.ON_GPU
 
 
 def _use_device(index):

@@ -19,9 +19,8 @@ column x its last stride. Transposed and sliced views are read the same way, thr
 The common broadcast, x * weight + bias (every operand either runs along the rows, last stride 1, or is
 broadcast along them, stride 0), has a kernel of its own when a row's length is a multiple of 4: it walks
 the output as the contiguous path does, in groups of 4 neighbouring elements (one division per group finds
-its row), and reads each operand that runs along the row 4 columns at a time, in one 16-byte load. Read
-one column at a time, as the general kernel does, that broadcast reaches about 81 % of the copy bandwidth
-of an H200; 4 at a time, 89 %.
+its row), and reads each operand that runs along the row 4 columns at a time, in one 16-byte load, closer
+to the copy bandwidth than one column at a time, as the general kernel reads (bench/design_choices.json).
 
 An output may be a view too (an in-place write into a transpose or a slice, x.T.add_(1)): it is written
 through its own offset and strides, so that every other view of the same memory sees the change. Its
@@ -51,14 +50,11 @@ import os
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.ops.arrays import BFLOAT16, LARGEST_INT, THREADS_PER_BLOCK, WARP_SIZE, ceil_div
+from gpt2_cupy.dtypes import BFLOAT16, C_TYPES, LARGEST_INT
+from gpt2_cupy.ops.arrays import THREADS_PER_BLOCK, WARP_SIZE, ceil_div
 
 OPERAND_NAMES = "abcdefgh"
 
-# numpy dtype -> the C type a kernel reads it as
-C_TYPES = {numpy.dtype(numpy.float32): "float", numpy.dtype(numpy.float64): "double",
-           numpy.dtype(numpy.int32): "int", numpy.dtype(numpy.int64): "long long",
-           numpy.dtype(numpy.bool_): "bool", numpy.dtype(numpy.uint8): "unsigned char", BFLOAT16: "__nv_bfloat16"}
 BF16 = C_TYPES[BFLOAT16]
 
 
@@ -174,8 +170,8 @@ def storage_and_offset(operation, name, array, writable=False):
 
 ELEMENTS_PER_THREAD = 4   # the strided kernel: each thread computes 4 elements of a row, loads first
 BLOCKS_PER_MULTIPROCESSOR = 8  # 8 blocks of 256 threads: 2048 threads, as many as a multiprocessor holds
-# The rows kernel launches 4 times as many blocks as fit at once: measured on an H200 for x * w + b over
-# (4096, 4096) and (21845, 768), 86.5 % of copy bandwidth with one round of blocks, 88 % with two, 89 % with four.
+# The rows kernel launches 4 times as many blocks as fit at once: a little closer to the copy bandwidth than one
+# or two rounds (bench/design_choices.json).
 ROWS_ROUNDS_OF_BLOCKS = 4
 # The CPU executor runs every GPU thread as a fiber, which costs about 50 ns on top of the thread's work, and
 # its blocks on the machine's cores: there 2 blocks per core, each thread stepping through many elements,
@@ -405,7 +401,7 @@ def grid_stride_blocks(needed, gpu_limit=None):
     """Blocks for a grid-stride launch that would need `needed` blocks to give each thread one step: at most
     gpu_limit on a GPU (None: no limit), at most CPU_EXECUTOR_BLOCKS_PER_CORE per core on the CPU executor.
     Each element is computed by one thread from its own operands whatever the grid: the same bits."""
-    if backend.name == "cpu":
+    if not backend.ON_GPU:
         gpu_limit = CPU_EXECUTOR_BLOCKS_PER_CORE * (os.cpu_count() or 1)
     return needed if gpu_limit is None else min(needed, gpu_limit)
 
@@ -567,7 +563,7 @@ def converted(array, dtype, out=None):
     with out (an array of dtype and array's shape), the converted values written into out."""
     if out is None and array.dtype == dtype:
         return array
-    if backend.name == "cpu" and array.dtype == BFLOAT16 and numpy.dtype(dtype) == numpy.float32 and (
+    if not backend.ON_GPU and array.dtype == BFLOAT16 and numpy.dtype(dtype) == numpy.float32 and (
             out is None or (out.dtype == numpy.float32 and out.shape == array.shape)):
         return bf16_widened_on_the_host(array, out)
     return elementwise("to", "a", [array], compute_dtype=dtype, out=out)

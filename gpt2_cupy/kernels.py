@@ -15,60 +15,15 @@ A wheel carries the same files inside the package (gpt2_cupy/kernel_sources/, se
 checkout or an editable install reads them where they are edited, in kernels/.
 """
 
-import hashlib
 from functools import lru_cache
-from pathlib import Path
 
-from gpt2_cupy.checkout import REPOSITORY
-
-_PACKAGED = Path(__file__).resolve().parent / "kernel_sources"
-
-
-@lru_cache(maxsize=None)
-def directory():
-    """The folder that holds the .cu files: the wheel's copy, else the checkout's kernels/."""
-    if (_PACKAGED / "include").is_dir():
-        return _PACKAGED
-    if REPOSITORY is not None and (REPOSITORY / "kernels" / "include").is_dir():
-        return REPOSITORY / "kernels"
-    raise FileNotFoundError(
-        f"gpt2_cupy finds no kernels: {_PACKAGED} (an installed wheel's copy) does not exist, and the package "
-        "does not run from a clone of the repository with its kernels/ folder. Install it from a wheel, "
-        "or from a clone (pip install -e .).")
-
-
-def include_directory():
-    """kernels/include/, where the shared device helpers live."""
-    return directory() / "include"
-
-
-@lru_cache(maxsize=None)
-def include_options():
-    """The compiler options that let any kernel `#include "NAME.cuh"` from kernels/include/.
-
-    CuPy keeps a compiled module under a hash of its source and options, not of the headers it includes,
-    so the headers' own hash goes into the options too: an edited header compiles the kernel again.
-    """
-    digest = hashlib.sha256()
-    for header in sorted(include_directory().glob("*.cuh")):
-        digest.update(header.name.encode() + b"\0" + header.read_bytes())
-    return (f"-I{include_directory()}", f"-DGPT2_CUPY_HEADERS=0x{digest.hexdigest()[:15]}")
-
-
-def source(name):
-    """The CUDA C text of kernels/<name>.cu (name may be "steps/<name>")."""
-    path = directory().joinpath(*f"{name}.cu".split("/"))
-    if not path.is_file():
-        available = sorted(str(p.relative_to(directory()))[:-3] for p in directory().rglob("*.cu"))
-        raise FileNotFoundError(f"no kernel file kernels/{name}.cu; there are: {', '.join(available) or 'none'}")
-    return path.read_text()
+from gpt2_cupy import backend
+from gpt2_cupy.kernel_files import directory, include_directory, include_options, source  # noqa: F401 (kernels.source)
 
 
 @lru_cache(maxsize=None)
 def module(name, options=(), name_expressions=()):
     """kernels/<name>.cu compiled as a RawModule of the active backend (once per process)."""
-    from gpt2_cupy import backend
-
     return backend.RawModule(code=source(name), options=tuple(options),
                              name_expressions=tuple(name_expressions) or None)
 

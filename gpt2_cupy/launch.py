@@ -44,7 +44,7 @@ def launch(command, nproc):
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
     unique_id = os.environ.get(distributed.ID_VARIABLE)
-    if unique_id is None and backend.name == "cuda":
+    if unique_id is None and backend.ON_GPU:
         unique_id = distributed.new_unique_id()
     with ctrl_c_as_a_flag() as interrupted:
         ranks = [subprocess.Popen(command, env={**os.environ, **rank_environment(rank, nproc, unique_id)},

@@ -15,17 +15,15 @@
     logits, _ = model(idx_new, kv_cache=cache)                          only the new positions
 """
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass
 
 import numpy
 
-from gpt2_cupy import backend, nn, safetensors_files
+from gpt2_cupy import backend, nn, pretrained, safetensors_files
 from gpt2_cupy.nn import functional as F
-from gpt2_cupy.autograd import Tensor, is_grad_enabled, init_generator
-from gpt2_cupy.ops.decode_attention import decode_attention_forward
+from gpt2_cupy.autograd import is_grad_enabled, init_generator
+from gpt2_cupy.generation import KVCache
 
 
 @dataclass
@@ -162,17 +160,15 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type=None):
         """AdamW with nanoGPT's two groups: matrices and embeddings decay, biases and norm weights do not."""
-        from gpt2_cupy import optim
-
-        parameters = self.parameters()
-        decay = [p for p in parameters if p.ndim >= 2]
-        no_decay = [p for p in parameters if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return optim.AdamW(groups, lr=learning_rate, betas=betas)
+        return pretrained.adamw(self, weight_decay, learning_rate, betas)
 
     def new_kv_cache(self, batch_size, max_length):
-        """Room for the keys and values of max_length positions in every layer, for generation."""
-        return KVCache(self.config, batch_size, max_length)
+        """Room for the keys and values of max_length positions in every layer, for generation
+        (gpt2_cupy.generation.KVCache; each attention layer stores into and reads its layer of it)."""
+        config = self.config
+        if max_length > config.block_size:
+            raise ValueError(f"new_kv_cache: max_length {max_length} > block_size {config.block_size}")
+        return KVCache(config.n_layer, batch_size, config.n_head, config.n_embd // config.n_head, max_length)
 
     # ---- Hugging Face checkpoints ---------------------------------------------------------------------
 
@@ -184,8 +180,7 @@ class GPT(nn.Module):
         """A model from a local Hugging Face GPT-2 directory: config.json and model.safetensors, or shards with
         model.safetensors.index.json; weights in float32, float16 or bfloat16, read one tensor at a time
         (gpt2_cupy.safetensors_files, as Llama.from_pretrained reads them)."""
-        with open(os.path.join(directory, "config.json")) as file:
-            hf = json.load(file)
+        hf = pretrained.read_config(directory)
         config = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
                            n_head=hf["n_head"], n_embd=hf["n_embd"], dropout=dropout, bias=True)
         model = cls(config)
@@ -201,10 +196,7 @@ class GPT(nn.Module):
                 raise ValueError(f"{name}: the checkpoint has this tensor, which a GPT-2 of this config does not")
             loaded.add(name)
         loaded.add("lm_head.weight")               # tied to transformer.wte.weight: stored once
-        missing = [name for name, _ in model.named_parameters(remove_duplicate=False) if name not in loaded]
-        if missing:
-            raise ValueError(f"{missing[0]}: missing from the checkpoint in {directory}"
-                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        pretrained.check_loaded([name for name, _ in model.named_parameters(remove_duplicate=False)], loaded, directory)
         return model
 
     def save_pretrained(self, directory, dtype="float32", max_shard_size=None):
@@ -214,18 +206,15 @@ class GPT(nn.Module):
         if not config.bias or config.norm != "layernorm" or config.attention != "softmax":
             raise ValueError("save_pretrained: Hugging Face's GPT-2 has biases, LayerNorm and softmax attention; "
                              f"this model has bias={config.bias}, norm={config.norm!r}, attention={config.attention!r}")
-        os.makedirs(directory, exist_ok=True)
         tensors = {name: parameter.data.T if name.endswith(self.CONV1D) else parameter.data
                    for name, parameter in self.named_parameters()}  # lm_head.weight is wte's: stored once
-        safetensors_files.write_tensors(directory, tensors, dtype=dtype, max_shard_bytes=max_shard_size)
         hf = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=config.vocab_size,
                   n_positions=config.block_size, n_ctx=config.block_size, n_embd=config.n_embd,
                   n_layer=config.n_layer, n_head=config.n_head, n_inner=None, activation_function="gelu_new",
                   resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
                   layer_norm_epsilon=1e-5, initializer_range=0.02, tie_word_embeddings=True,
                   bos_token_id=50256, eos_token_id=50256, torch_dtype=dtype, gpt2_cupy_config=asdict(config))
-        with open(os.path.join(directory, "config.json"), "w") as file:
-            json.dump(hf, file, indent=2)
+        pretrained.write(directory, tensors, hf, dtype, max_shard_size)
 
 
 _training_positions = {}
@@ -243,47 +232,3 @@ def _positions(B, start, T):
     if start == 0:
         _training_positions[B, T] = positions
     return positions
-
-
-class KVCache:
-    """The keys and values of every position seen so far, per layer: (B, H, max_length, hs) each.
-
-    With a cache, the model's input holds only new positions; their queries attend to every cached key
-    and, causally, to each other. Only under no_grad: generation needs no gradients.
-    """
-
-    def __init__(self, config, batch_size, max_length):
-        if max_length > config.block_size:
-            raise ValueError(f"new_kv_cache: max_length {max_length} > block_size {config.block_size}")
-        shape = (batch_size, config.n_head, max_length, config.n_embd // config.n_head)
-        self.keys = [backend.xp.zeros(shape, numpy.float32) for _ in range(config.n_layer)]
-        self.values = [backend.xp.zeros(shape, numpy.float32) for _ in range(config.n_layer)]
-        self.length = 0          # positions stored; the model advances it after each forward
-        self.max_length = max_length
-
-    def layer(self, index):
-        return _LayerCache(self, index)
-
-
-class _LayerCache:
-    def __init__(self, cache, index):
-        self.cache, self.index, self.start = cache, index, cache.length
-
-    def store(self, k, v):
-        """Copy the new positions' keys and values (B, H, n, hs) into the cache, at positions start..start+n-1."""
-        end = self.start + k.shape[2]
-        if end > self.cache.max_length:
-            raise ValueError(f"GPT: the kv_cache holds {self.cache.max_length} positions, {end} asked")
-        self.cache.keys[self.index][:, :, self.start:end] = k.data
-        self.cache.values[self.index][:, :, self.start:end] = v.data
-
-    def attend(self, q, k, v, variant="softmax"):
-        """Queries (B, H, n, hs) at positions start..start+n-1 over keys 0..start+n-1, the new ones stored first:
-        the decode kernel (gpt2_cupy.ops.decode_attention), which reads the cache where it is, splits the keys
-        across blocks and lets each group of query heads share its key-value head's reads."""
-        if variant != "softmax":
-            raise NotImplementedError("GPT: the kv_cache path computes softmax attention only")
-        self.store(k, v)
-        queries = backend.xp.ascontiguousarray(q.data)                       # (B, H, n, hs)
-        return Tensor(decode_attention_forward(queries, self.cache.keys[self.index], self.cache.values[self.index],
-                                               self.start + q.shape[2]))

@@ -403,8 +403,8 @@ def _check_parameter(name, group_number, index, p):
     where = f"{name}: param_groups[{group_number}]['params'][{index}]"
     data = getattr(p, "data", None)
     if not isinstance(data, backend.xp.ndarray):
-        raise TypeError(f"{where} must have .data, a {backend.xp.__name__}.ndarray (the active backend is "
-                        f"{backend.name}); got {type(p).__name__} with .data of type {type(data).__name__}")
+        raise TypeError(f"{where} must have .data, a {backend.xp.__name__}.ndarray (the active backend's "
+                        f"arrays); got {type(p).__name__} with .data of type {type(data).__name__}")
     if data.dtype != np.float32:
         raise TypeError(f"{where}.data has dtype {data.dtype}; the optimizer works on float32")
     grad = getattr(p, "grad", None)

@@ -8,13 +8,13 @@
     "high"     TF32: inputs rounded to 10 mantissa bits, float32 sums (relative error about 1e-3)
     "medium"   bf16: inputs rounded to 8 mantissa bits, float32 sums (about 1e-2)
 
-The package's products read the setting in one place, gpt2_cupy.ops.matmul.launch_matmul: the Linear
+The package's products read the setting in one place, gpt2_cupy.dispatch.product: the Linear
 layer's forward, input gradient and weight gradient, and the batched products (attention's unfused path).
 At "highest" they run chapter 01's float32 kernels, except on an H100 or H200, where a large 2-D product
 (a Linear layer's, at GPT-2's sizes) runs tensor_core_matmul's 3xTF32 on the wgmma: as accurate (measured
 on an H200: 0.35 to 0.88 of the float32 kernel's error against float64 on GPT-2's Linear products, 0.23 of it
 at 4096³) and faster (bench/tensor_cores.json has both kernels against cuBLAS float32). The CPU executor keeps the float32 kernels.
-Attention (gpt2_cupy.nn.functional.scaled_dot_product_attention) follows the setting too: at "high" its
+Attention (gpt2_cupy.dispatch.attention) follows the setting too: at "high" its
 tensor-core kernels run in TF32, at "medium" in bf16, where they take the shape; at "highest" chapter 08's
 float32 kernels run. The tensor-core kernels have a 3xTF32 format too (tensor_core_attention_forward's
 precision="highest": each operand, and P and dS, split into two TF32 parts), as accurate as chapter 08's

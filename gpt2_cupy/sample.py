@@ -7,7 +7,8 @@
 load_model reads the package's own checkpoints (.npz, written by gpt2_cupy.train) and Hugging Face GPT-2 and
 Llama directories (config.json, safetensors weights, tokenizer.json or tokenizer.model).
 
-Generation keeps a KV cache: the prompt goes through the model once, then each new token costs the
+Sampling happens on the host, one draw per token (gpt2_cupy.generation.next_token). Generation keeps a KV cache
+(gpt2_cupy.generation): the prompt goes through the model once, then each new token costs the
 forward of one position, whose query attends to the cached keys and values of all earlier ones.
 The text is streamed through the tokenizer's IncrementalDecoder, which holds back the bytes of a character
 split over several tokens until it is complete, so a broken character is never printed. Before each draw,
@@ -27,6 +28,7 @@ import numpy
 from gpt2_cupy import backend, checkpoint, data
 from gpt2_cupy.autograd import no_grad
 from gpt2_cupy.checkpoint_tokenizer import load_tokenizer
+from gpt2_cupy.generation import context_length, next_token
 from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.model import GPT, GPTConfig
 
@@ -73,11 +75,6 @@ def load_pretrained(directory):
     known = ", ".join(f"{model_type} ({architecture})" for model_type, (_, architecture) in PRETRAINED_MODELS.items())
     raise ValueError(f"{config_file}: model_type {hf.get('model_type')!r}, architectures {hf.get('architectures')}; "
                      f"this sampler runs {known}")
-
-
-def context_length(config):
-    """How many positions the model attends over: GPT's block_size, Llama's max_position_embeddings."""
-    return getattr(config, "block_size", None) or config.max_position_embeddings
 
 
 # ---- tokens that keep the text valid UTF-8 ---------------------------------------------------------
@@ -156,23 +153,6 @@ class Utf8Mask:
 
 
 # ---- drawing tokens ----------------------------------------------------------------------------------
-
-
-def next_token(logits, temperature, top_k, generator, allowed=None):
-    """One token id drawn from the logits of one position (a numpy float vector); only among the tokens
-    where allowed (a boolean vector, or None for all) is True."""
-    logits = numpy.asarray(logits, dtype=numpy.float64)
-    if allowed is not None:
-        logits = numpy.where(allowed, logits, -numpy.inf)  # before top-k, so that the k are all allowed
-    if temperature == 0:
-        return int(numpy.argmax(logits))  # greedy
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.size:
-        kth_largest = numpy.partition(logits, -top_k)[-top_k]
-        logits = numpy.where(logits < kth_largest, -numpy.inf, logits)  # only the top k remain possible
-    probabilities = numpy.exp(logits - logits.max())
-    probabilities /= probabilities.sum()
-    return int(generator.choice(probabilities.size, p=probabilities))
 
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, seed=0, allowed_tokens=None):

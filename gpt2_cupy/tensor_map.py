@@ -64,7 +64,7 @@ def tensor_map(array, box_rows, box_columns, swizzle=128):
         raise ValueError(f"tensor_map: the array must start on {ALIGNMENT} bytes and its rows lie a multiple of "
                          f"{ALIGNMENT} bytes apart (address {address:#x}, row stride {row_stride})")
     row_stride = max(row_stride, columns * element_bytes)   # a single row's stride is free: make it plausible
-    encode = _cpu_map if backend.name == "cpu" else _driver_map
+    encode = _driver_map if backend.ON_GPU else _cpu_map
     return encode(address, element_bytes, rows, columns, row_stride, box_rows, box_columns, swizzle)
 
 

@@ -337,7 +337,7 @@ def _triangle(x, diagonal, upper):
 def _batched_product(operation, a, b, transpose_a=False, transpose_b=False, out_dtype=None):
     """op(a) @ op(b) over broadcast batch axes: a (..., M, K), b (..., K, N) -> (..., M, N), of a's dtype
     (float32, or bf16), or of out_dtype: float32 from bf16 inputs keeps the tensor cores' sums unrounded."""
-    from gpt2_cupy.ops.matmul import batched_matmul, matmul
+    from gpt2_cupy.dispatch import batched_matmul, matmul
     a_rows = a.shape[-1] if transpose_a else a.shape[-2]
     b_columns = b.shape[-2] if transpose_b else b.shape[-1]
     batch = broadcast_shapes(operation, [a.shape[:-2], b.shape[:-2]], ["input", "other"])

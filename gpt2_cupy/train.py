@@ -8,7 +8,7 @@ One step: for each of grad_accum micro-batches, forward and backward (the gradie
 optimizer's flat buffer); then clip the gradient norm, set the learning rate, one AdamW step, zero the
 gradients. With cuda_graph (the default) the step runs as CUDA graphs (gpt2_cupy.graphs), captured after
 one eager step and replayed with no Python per kernel, with the same results bit for bit: see
-TrainingGraphs. Everything a run writes goes to out_dir (default runs/<corpus>-<preset>/):
+gpt2_cupy.training_graphs. Everything a run writes goes to out_dir (default runs/<corpus>-<preset>/):
 
     checkpoint.npz   model, optimizer state, step, the data sampler's and dropout's random state
     best.npz         the same at the evaluation with the lowest validation loss so far: on a small corpus the
@@ -38,7 +38,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy
@@ -46,20 +46,15 @@ import numpy
 from gpt2_cupy import backend, checkpoint, data, distributed, launch
 from gpt2_cupy.amp import BFLOAT16, autocast
 from gpt2_cupy.autograd import dropout_rng_state, manual_seed, no_grad
-from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
 from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.nn.parallel import DistributedDataParallel
 from gpt2_cupy.ops.arrays import ceil_div
-from gpt2_cupy.ops.residual import residual_forward
-from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision, set_float32_matmul_precision
+from gpt2_cupy.precision import PRECISIONS, set_float32_matmul_precision
+from gpt2_cupy.training_graphs import TrainingGraphs
 from gpt2_cupy.zero import shard_optimizer
 
 RUNS_DIR = Path("runs")
-# The trainer's graphs may take new memory into their pool while capturing: the warm-up leaves every block
-# the step needs in the pool, but CuPy may have split them differently than the capture asks for them.
-# Host reads stay refused in this mode too (gpt2_cupy.backend refuses them while any capture runs).
-CAPTURE_MODE = "relaxed"
 DTYPES = ("float32", "bf16")  # of the activations: bf16 runs the forward under gpt2_cupy.autocast
 
 # Model sizes and the training settings that go with them. tiny trains on the CPU executor in seconds;
@@ -77,43 +72,59 @@ PRESETS = {
 }
 
 
+def option(default, help, flag=None, choices=None):
+    """A TrainConfig field and its command-line option: --the-name (or flag), its help and choices; a bool
+    field is a switch, --name and --no-name."""
+    return field(default=default, metadata=dict(help=help, flag=flag, choices=choices))
+
+
 @dataclass
 class TrainConfig:
-    corpus: str = "tinyshakespeare"  # "tinyshakespeare", "aozora", or a directory with train.bin and val.bin
-    data_dir: str = None            # where the named corpora are; None: $GPT2_CUPY_DATA, then the checkout's data/
-    preset: str = "tiny"
-    model: str = "gpt2"             # "gpt2" or "llama" (RMSNorm, RoPE, SwiGLU, no biases, no dropout) of the preset's size
-    # None: the preset's value
-    n_layer: int = None
-    n_head: int = None
-    n_embd: int = None
-    block_size: int = None          # T: the context the model sees
-    batch_size: int = None          # B: windows per micro-batch
-    grad_accum: int = 1             # micro-batches per optimizer step: B·T·grad_accum tokens per step
-    max_steps: int = None
-    learning_rate: float = None     # the peak, reached after warmup_steps
-    min_lr_fraction: float = 0.1    # cosine decay ends at learning_rate * min_lr_fraction
-    warmup_steps: int = None
-    weight_decay: float = 0.1       # matrices and embeddings only (model.configure_optimizers)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0          # the gradient's global norm is clipped to this; 0 for no clipping
-    dropout: float = None
-    bias: bool = True
-    norm: str = "layernorm"         # "layernorm" or "dyt"
-    attention: str = "softmax"      # "softmax" or "relu"
-    matmul_precision: str = "highest"  # set_float32_matmul_precision's: "highest", "high" (TF32), "medium" (bf16)
-    dtype: str = "float32"          # "bf16": the forward under autocast (bf16 activations, float32 masters and sums)
-    cuda_graph: bool = True         # the step and the evaluation as CUDA graphs (also on the CPU executor, which
-                                    # records and replays them); False: launch by launch, for debugging
-    vocab_size: int = None          # None: the corpus's tokenizer's (or, without one, the largest id + 1)
-    eval_interval: int = None       # steps between evaluations on the validation split
-    eval_batches: int = None        # validation batches per evaluation (the same ones; at most all of them)
-    checkpoint_interval: int = None
-    seed: int = 1337                # initial weights, dropout, and the order of the training windows
-    out_dir: str = None             # None: runs/<corpus>-<preset>
-    progress: bool = True           # the tqdm progress bar
-    zero: bool = False              # with several ranks: ZeRO-1, each rank keeps AdamW's state for 1/N of the parameters
+    """Everything a run is set by; each field is also an option of `python -m gpt2_cupy.train` (parse_arguments).
+    None: the preset's value (PRESETS)."""
+    corpus: str = option("tinyshakespeare", "tinyshakespeare, aozora, or a directory with train.bin and val.bin")
+    data_dir: str = option(None, f"the folder of the named corpora (None: ${data.DATA_DIR_VARIABLE}, then the "
+                                 "repository's data/)")
+    preset: str = option("tiny", "model sizes and training settings (PRESETS)", choices=tuple(PRESETS))
+    model: str = option("gpt2", "gpt2, or llama (RMSNorm, RoPE, SwiGLU, no biases, no dropout) of the preset's size",
+                        choices=("gpt2", "llama"))
+    n_layer: int = option(None, "transformer blocks")
+    n_head: int = option(None, "attention heads")
+    n_embd: int = option(None, "C, channels of the residual stream")
+    block_size: int = option(None, "T, the context length: the context the model sees")
+    batch_size: int = option(None, "B, windows per micro-batch")
+    grad_accum: int = option(1, "micro-batches per optimizer step: B·T·grad_accum tokens per step")
+    max_steps: int = option(None, "optimizer steps", flag="--steps")
+    learning_rate: float = option(None, "the peak learning rate, reached after the warmup", flag="--lr")
+    min_lr_fraction: float = option(0.1, "the cosine decay ends at the peak learning rate times this")
+    warmup_steps: int = option(None, "steps of linear learning-rate warmup", flag="--warmup")
+    weight_decay: float = option(0.1, "on matrices and embeddings only (model.configure_optimizers)")
+    beta1: float = option(0.9, "AdamW's beta1")
+    beta2: float = option(0.95, "AdamW's beta2")
+    grad_clip: float = option(1.0, "the gradient's global norm is clipped to this; 0: no clipping")
+    dropout: float = option(None, "the dropout probability")
+    bias: bool = option(True, "biases in the Linear layers and the norms (--no-bias: none)")
+    norm: str = option("layernorm", "GPT-2's norm: LayerNorm, or DyT (dynamic tanh)", choices=("layernorm", "dyt"))
+    attention: str = option("softmax", "GPT-2's attention weights: softmax, or ReLU (chapter 08)",
+                            choices=("softmax", "relu"))
+    matmul_precision: str = option("highest", "float32 products (set_float32_matmul_precision): highest "
+                                              "(float32), high (TF32), medium (bf16 inputs)", choices=PRECISIONS)
+    dtype: str = option("float32", "bf16: activations in bf16 under autocast, float32 master weights, AdamW state "
+                                   "and sums", choices=DTYPES)
+    cuda_graph: bool = option(True, "run the step and the evaluation as CUDA graphs (the CPU executor records and "
+                                    "replays them too); --no-cuda-graph launches kernel by kernel, for debugging")
+    vocab_size: int = option(None, "None: the corpus's tokenizer's (or, without one, the largest id + 1)")
+    eval_interval: int = option(None, "steps between evaluations on the validation split")
+    eval_batches: int = option(None, "validation batches per evaluation (the same ones; at most all of them)")
+    checkpoint_interval: int = option(None, "steps between checkpoints")
+    seed: int = option(1337, "initial weights, dropout, and the order of the training windows")
+    out_dir: str = option(None, "None: runs/<corpus>-<preset>")
+    progress: bool = option(True, "the tqdm progress bar")
+    zero: bool = option(False, "with several ranks: ZeRO-1, AdamW's state sharded over the ranks")
+
+
+# GPTConfig's fields, which TrainConfig repeats as options (the vocabulary comes from the corpus).
+GPT_FIELDS = tuple(name for name in (f.name for f in fields(GPTConfig)) if name != "vocab_size")
 
 
 def llama_config(config, vocab_size):
@@ -122,6 +133,11 @@ def llama_config(config, vocab_size):
     return LlamaConfig(vocab_size=vocab_size, hidden_size=config.n_embd,
                        intermediate_size=ceil_div(8 * config.n_embd // 3, 64) * 64, num_hidden_layers=config.n_layer,
                        num_attention_heads=config.n_head, max_position_embeddings=config.block_size)
+
+
+def gpt_config(config, vocab_size):
+    """The GPTConfig of a run: every GPTConfig field is a TrainConfig option of the same name."""
+    return GPTConfig(**{name: getattr(config, name) for name in GPT_FIELDS}, vocab_size=vocab_size)
 
 
 def make_config(**options):
@@ -254,9 +270,7 @@ class Trainer:
         if config.model == "llama":
             self.model_config = llama_config(config, vocab_size)
         else:
-            self.model_config = GPTConfig(block_size=config.block_size, vocab_size=vocab_size, n_layer=config.n_layer,
-                                          n_head=config.n_head, n_embd=config.n_embd, dropout=config.dropout,
-                                          bias=config.bias, norm=config.norm, attention=config.attention)
+            self.model_config = gpt_config(config, vocab_size)
         set_float32_matmul_precision(config.matmul_precision)
         self.autocast = autocast(device_type="cuda", dtype=BFLOAT16 if config.dtype == "bf16" else None)
         manual_seed(config.seed)
@@ -557,143 +571,6 @@ class Trainer:
             signal.signal(signal.SIGINT, previous_handler)
 
 
-class TrainingGraphs:
-    """A Trainer's step and evaluation as CUDA graphs (gpt2_cupy.graphs), sharing one memory pool:
-
-        micro_step_graph   forward, loss and backward of the batch in the static buffers inputs and targets;
-                           the gradients add into the optimizer's flat buffer, the loss into report[0]
-        clip_graph         the gradients' global norm into report[1], the gradients clipped (when grad_clip > 0)
-        update_graph       one AdamW step (learning rate and step count read from device memory), then the
-                           gradients and the report zeroed for the next step
-        evaluation_graph   forward and loss of the validation batch in val_inputs, val_targets under no_grad,
-                           the loss added into val_total
-
-    A step: for each micro-batch, copy the batch into inputs and targets and replay micro_step_graph;
-    replay clip_graph; read report (loss sum and norm) with one host copy; stop there on a NaN loss, before
-    anything is updated; write the learning rate into the optimizer's device array; replay update_graph.
-
-    Why the step waits for the GPU once, between the gradients and the update: the host needs the loss for
-    the log anyway, and with it in hand a non-finite loss skips the update on the host, so the parameters
-    and AdamW's moments stay as they were, exactly as in the eager step. The alternative, one graph for the
-    whole step with the update skipped on the device (AdamW reading a "loss is finite" flag), would let the
-    host queue the next step before this one ends; what that wait costs has not been measured here.
-
-    Everything a graph reads at a replay is in device memory, the same arrays every time: the batch, the
-    learning rate (optimizer.upload_hyperparameters()), AdamW's step count, dropout's Philox (seed, offset),
-    which the captured dropout kernels advance on the device. What a replay cannot see is what was fixed at
-    capture: the module modes (train or eval), dropout probabilities, the clipping threshold, the matmul
-    precision, which arrays the parameters are. Before each replay a signature of those is compared with
-    the one at capture; when it differs the step runs eagerly again (the warm-up) and the graphs are
-    captured anew, rather than replaying a graph of another model.
-    """
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.pool = None
-        self.training_signature = self.evaluation_signature = None  # what each was captured with (None: not yet)
-        self.report = None        # (loss sum, gradient norm) of the current step, float32
-        self.val_total = None     # the sum of an evaluation's losses, float32 (1,)
-        self.modules = self.parameters = None   # the model's, listed at the first signature
-
-    def signature(self):
-        trainer = self.trainer
-        if self.modules is None:   # the trainer's model keeps its modules and parameters: listed once, not per step
-            self.modules, self.parameters = list(trainer.model.modules()), trainer.model.parameters()
-        modules = self.modules
-        return (tuple(module.training for module in modules), tuple(getattr(module, "p", None) for module in modules),
-                tuple(id(parameter.data) for parameter in self.parameters), id(dropout_rng_state()),
-                get_float32_matmul_precision(), trainer.config.grad_clip, trainer.config.batch_size,
-                trainer.config.block_size)
-
-    def training_is_current(self):
-        return self.training_signature is not None and self.training_signature == self.signature()
-
-    def evaluation_is_current(self):
-        return self.evaluation_signature is not None and self.evaluation_signature == self.signature()
-
-    def warm_up(self):
-        """The block runs eagerly with the graphs' pool, so that the capture after it finds its memory there."""
-        if self.pool is None:
-            self.pool = graph_pool_handle()
-        return use_pool(self.pool)
-
-    def static_batch(self):
-        """Two (B, T) int32 device buffers for a graph's input ids and targets; zeros are valid ids."""
-        shape = (self.trainer.config.batch_size, self.trainer.config.block_size)
-        return backend.xp.zeros(shape, dtype=numpy.int32), backend.xp.zeros(shape, dtype=numpy.int32)
-
-    # ---- training -----------------------------------------------------------------------------------------
-
-    def capture_training(self):
-        trainer, model, optimizer = self.trainer, self.trainer.model, self.trainer.optimizer
-        self.training_signature = None
-        if self.report is None:
-            self.report = backend.xp.zeros(2, dtype=numpy.float32)
-            self.inputs, self.targets = self.static_batch()
-        loss_sum, norm = self.report[0:1], self.report[1:2]
-        self.micro_step_graph, self.clip_graph, self.update_graph = CUDAGraph(), None, CUDAGraph()
-        with graph(self.micro_step_graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
-            loss = trainer.loss(self.inputs, self.targets)
-            loss.backward(trainer.backward_seed)
-            residual_forward(loss_sum, loss.data.reshape(1), out=loss_sum)
-        del loss  # the graph's activations go back to the pool
-        if trainer.config.grad_clip > 0:
-            self.clip_graph = CUDAGraph()
-            with graph(self.clip_graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
-                backend.copy_into(norm, optimizer.clip_grad_norm_(trainer.config.grad_clip).reshape(1))
-        optimizer.upload_hyperparameters()  # the warm-up's values, already on the device: nothing to copy
-        with graph(self.update_graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
-            optimizer.step()
-            optimizer.zero_grad()
-            backend.fill_zero(self.report)
-        self.training_signature = self.signature()
-
-    def accumulate(self):
-        """The micro-steps and the clipping, replayed; (loss sum, norm) as host floats."""
-        trainer = self.trainer
-        for _ in range(trainer.config.grad_accum):
-            inputs, targets = trainer.train_batches.sample()
-            backend.copy_into(self.inputs, inputs)
-            backend.copy_into(self.targets, targets)
-            self.micro_step_graph.replay()
-        if self.clip_graph is not None:
-            self.clip_graph.replay()
-        loss_sum, norm = (float(value) for value in backend.asnumpy(self.report))
-        return loss_sum, norm
-
-    def update(self):
-        self.trainer.optimizer.upload_hyperparameters()  # this step's learning rate
-        self.update_graph.replay()
-
-    def forget_step(self):
-        """Zero the loss sum and norm of a step that is abandoned (the gradients are the optimizer's to zero)."""
-        if self.report is not None:
-            backend.fill_zero(self.report)
-
-    # ---- evaluation ---------------------------------------------------------------------------------------
-
-    def capture_evaluation(self):
-        self.evaluation_signature = None
-        if self.val_total is None:
-            self.val_total = backend.xp.zeros(1, dtype=numpy.float32)
-            self.val_inputs, self.val_targets = self.static_batch()
-        self.evaluation_graph = CUDAGraph()
-        with no_grad(), graph(self.evaluation_graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
-            loss = self.trainer.loss(self.val_inputs, self.val_targets)
-            residual_forward(self.val_total, loss.data.reshape(1), out=self.val_total)
-        del loss
-        self.evaluation_signature = self.signature()
-
-    def evaluate(self, batches):
-        """The sum of the losses of batches, replayed one by one; a host float."""
-        backend.fill_zero(self.val_total)
-        for inputs, targets in batches:
-            backend.copy_into(self.val_inputs, inputs)
-            backend.copy_into(self.val_targets, targets)
-            self.evaluation_graph.replay()
-        return float(backend.asnumpy(self.val_total)[0])
-
-
 def read_log(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -727,47 +604,22 @@ def plot_losses(records, path=None, title=None, axes=None):
 
 
 def parse_arguments(argv=None):
+    """(TrainConfig, resume) from the command line: one option per TrainConfig field, with its default and help."""
     parser = argparse.ArgumentParser(prog="python -m gpt2_cupy.train", description=__doc__.split("\n")[0],
+                                     epilog="A size or schedule left at None takes the preset's value.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--corpus", default="tinyshakespeare",
-                        help="tinyshakespeare, aozora, or a directory with train.bin and val.bin")
-    parser.add_argument("--data-dir", dest="data_dir",
-                        help=f"the folder of the named corpora (default: ${data.DATA_DIR_VARIABLE}, then the repository's data/)")
-    parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
-    parser.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
-    option = parser.add_argument
-    option("--n-layer", type=int, dest="n_layer")
-    option("--n-head", type=int, dest="n_head")
-    option("--n-embd", type=int, dest="n_embd")
-    option("--block-size", type=int, dest="block_size", help="T, the context length")
-    option("--batch-size", type=int, dest="batch_size", help="B, windows per micro-batch")
-    option("--grad-accum", type=int, dest="grad_accum", default=1, help="micro-batches per step")
-    option("--steps", type=int, dest="max_steps")
-    option("--lr", type=float, dest="learning_rate", help="peak learning rate")
-    option("--min-lr-fraction", type=float, dest="min_lr_fraction", default=0.1)
-    option("--warmup", type=int, dest="warmup_steps")
-    option("--weight-decay", type=float, dest="weight_decay", default=0.1)
-    option("--grad-clip", type=float, dest="grad_clip", default=1.0, help="0: no clipping")
-    option("--dropout", type=float, help="default: the preset's")
-    option("--no-bias", action="store_false", dest="bias")
-    option("--norm", choices=["layernorm", "dyt"], default="layernorm")
-    option("--attention", choices=["softmax", "relu"], default="softmax")
-    option("--matmul-precision", choices=list(PRECISIONS), default="highest", dest="matmul_precision",
-           help="float32 products: highest (float32), high (TF32), medium (bf16 inputs)")
-    option("--dtype", choices=list(DTYPES), default="float32",
-           help="bf16: activations in bf16 under autocast, float32 master weights, AdamW state and sums")
-    option("--cuda-graph", action=argparse.BooleanOptionalAction, default=True, dest="cuda_graph",
-           help="run the step and the evaluation as CUDA graphs; --no-cuda-graph launches kernel by kernel")
-    option("--vocab-size", type=int, dest="vocab_size")
-    option("--eval-interval", type=int, dest="eval_interval")
-    option("--eval-batches", type=int, dest="eval_batches")
-    option("--checkpoint-interval", type=int, dest="checkpoint_interval")
-    option("--seed", type=int, default=1337)
-    option("--out-dir", dest="out_dir", help="default: runs/<corpus>-<preset>")
-    option("--resume", action="store_true", help="continue from <out-dir>/checkpoint.npz")
-    option("--no-progress", action="store_false", dest="progress")
-    option("--zero", action="store_true", help="with several ranks: ZeRO-1, AdamW's state sharded over the ranks")
-    option("--nproc", type=int, help="train on this many GPUs of this machine, one process each (gpt2_cupy.launch)")
+    for config_field in fields(TrainConfig):
+        metadata, name = config_field.metadata, config_field.name
+        flag = metadata["flag"] or "--" + name.replace("_", "-")
+        if config_field.type is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=config_field.default,
+                                help=metadata["help"])
+        else:
+            parser.add_argument(flag, dest=name, type=config_field.type, default=config_field.default,
+                                choices=metadata["choices"], help=metadata["help"])
+    parser.add_argument("--resume", action="store_true", help="continue from <out-dir>/checkpoint.npz")
+    parser.add_argument("--nproc", type=int,
+                        help="train on this many GPUs of this machine, one process each (gpt2_cupy.launch)")
     arguments = vars(parser.parse_args(argv))
     resume = arguments.pop("resume")
     arguments.pop("nproc")  # main() starts the ranks
@@ -781,7 +633,7 @@ def launch_ranks(argv):
     known, rank_argv = nproc_parser.parse_known_args(argv)
     if known.nproc is None or "WORLD_SIZE" in os.environ:
         return None
-    gpus = backend.xp.cuda.runtime.getDeviceCount() if backend.name == "cuda" else 0
+    gpus = backend.device_count()
     if known.nproc > gpus:   # one GPU per rank: refused before any rank starts, not after each one fails
         where = f"this machine has {gpus}" if gpus else "this machine has none (the kernels run on the CPU executor)"
         print(f"error: --nproc {known.nproc} trains on {known.nproc} GPUs, one process each, through NCCL; {where}. "
@@ -806,7 +658,7 @@ def main(argv=None):
     try:
         trainer = Trainer(config, resume=resume)
         if trainer.is_main:
-            print(f"{backend.name}: {trainer.model.get_num_params() / 1e6:.2f}M parameters, "
+            print(f"{backend.device_name()}: {trainer.model.get_num_params() / 1e6:.2f}M parameters, "
                   f"{trainer.tokens_per_step} tokens per "
                   f"step on {trainer.world_size} rank(s), writing {trainer.out_dir}/", file=sys.stderr)
         trainer.run()

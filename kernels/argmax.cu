@@ -9,9 +9,9 @@
 // order, so the result does not depend on how the work is split. Both are launched dependent
 // (dependent_launch.cuh): each starts while the kernel before it ends, and waits before it reads.
 // Folding the first pass into the output head's GEMV (each block's winner as a 64-bit key, value bits ordered
-// above the index's complement, by atomicMax; the last block writes the index and advances the positions) saved
-// three launches but measured slower on an H200 (Llama 3.2 1B decode 1047 -> 1032 tokens/s, 7B unchanged): its
-// epilogue took the GEMV from 32 to 39 registers, and the 525 MB head already streams at 95 % of the copy rate.
+// above the index's complement, by atomicMax; the last block writes the index and advances the positions) saves
+// three launches but is slower: its epilogue takes the GEMV from 32 to 39 registers, and the output head's
+// weights already stream at nearly the copy rate (bench/design_choices.json).
 #include "dependent_launch.cuh"
 #include "storage.cuh"
 #include "warp.cuh"

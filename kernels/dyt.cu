@@ -55,17 +55,8 @@ __global__ void dyt_backward(float* dx, float* weight_partials, float* bias_part
     float a = alpha[0];
 
     float scale[K * WIDTH], dweight[K * WIDTH], dbias[K * WIDTH];
+    begin_column_partials<K, WIDTH>(scale, dweight, dbias, weight, columns);
     float dalpha = 0.0f;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        int column = (lane + k * WARP_SIZE) * WIDTH;
-        load_group<WIDTH>(scale + k * WIDTH, weight + column, column < columns);
-#pragma unroll
-        for (int w = 0; w < WIDTH; ++w) {
-            dweight[k * WIDTH + w] = 0.0f;
-            dbias[k * WIDTH + w] = 0.0f;
-        }
-    }
 
     int first = blockIdx.x * rows_per_block;
     int last = min(first + rows_per_block, rows);

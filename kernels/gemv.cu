@@ -24,10 +24,9 @@
 // before, whose output x is, so that the memory is busy from the moment the blocks start.
 // The weight's 16-byte groups are loaded evict-first (ld.global.cs): read once per token, they should not push
 // out of L2 what the kernels between the products read again, the KV cache, the activations and the norms'
-// weights. Measured on an H200 (the captured decode step, 2026-11-27): Llama 3.2 1B 987 -> 1027 tokens/s (58 ->
-// 60 % of the bound), Llama 2 7B 230 -> 237 (74 -> 76 %). Asking the weights into L2 ahead instead, before the
-// wait (cp.async.bulk.prefetch.L2, while a norm or the attention leaves the memory idle), measured slower on
-// the same H200 beyond 4 MiB a launch (1B: 16 MiB 957, every block's rows 924), and 4 MiB won 1 %.
+// weights. That makes the decode step faster; asking the weights into L2 ahead instead, before the wait
+// (cp.async.bulk.prefetch.L2, while a norm or the attention leaves the memory idle), does not
+// (bench/design_choices.json).
 //
 // More that the same launch can do, because at batch 1 every small kernel between the products costs more time
 // (its launch, its ramp up and down) than its bytes:
@@ -45,11 +44,10 @@
 //   That norm costs one block a round trip to L2 and a sum; as a kernel of its own it costs a launch, the wait
 //   for the product's end and a second wait before the next product. But the epilogue's registers (48 a thread
 //   against the plain product's 32) leave room for 5 blocks a multiprocessor instead of 8, fewer loads in
-//   flight: Llama 3.2 1B's decode step gained, Llama 2 7B's lost (gpt2_cupy.llama.FOLD_NORMS_MOST_CHANNELS).
+//   flight: Llama 3.2 1B's decode step gained, Llama 2 7B's lost (gpt2_cupy.generation.FOLD_NORMS_MOST_CHANNELS).
 //   Capping the registers instead (__launch_bounds__(256, 8): 32 a thread, the norm in a noinline function so
-//   that only that epilogue spills) measured slower on an H200 (captured decode step, same run, 2026-11-27):
-//   1B 1047 -> 983 tokens/s; the same cap on the GATED product (40 registers, 44 bytes of spills in the loop)
-//   1B 1047 -> 979, 7B 236 -> 220. The spills' local-memory traffic costs more than the extra blocks give.
+//   that only that epilogue spills) is slower, here and on the GATED product: the spills' local-memory traffic
+//   costs more than the extra blocks give (bench/design_choices.json).
 // - gemv_rope_store: the q, k, v product's blocks take pairs of channels that RoPE turns together, as GATED
 //   blocks take gate and up rows, and store them turned into q and the KV cache themselves: the bits of the
 //   product followed by kernels/rope.cu's rope_store_new_positions, with no launch between.

@@ -92,16 +92,7 @@ __global__ void layernorm_backward(float* dx, float* weight_partials, float* bia
     int warp = threadIdx.x / WARP_SIZE, warps = blockDim.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
 
     float scale[K * WIDTH], dweight[K * WIDTH], dbias[K * WIDTH];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        int column = (lane + k * WARP_SIZE) * WIDTH;
-        load_group<WIDTH>(scale + k * WIDTH, weight + column, column < columns);
-#pragma unroll
-        for (int w = 0; w < WIDTH; ++w) {
-            dweight[k * WIDTH + w] = 0.0f;
-            dbias[k * WIDTH + w] = 0.0f;
-        }
-    }
+    begin_column_partials<K, WIDTH>(scale, dweight, dbias, weight, columns);
 
     int first = blockIdx.x * rows_per_block;
     int last = min(first + rows_per_block, rows);

@@ -438,8 +438,8 @@ __global__ void __launch_bounds__(THREADS, 1) wgmma_matmul(
 // array is fresh), but a line of in starts on 16 bytes only if in does and its length is a multiple of 4 (in
 // may be a view into an array). Four single floats, still read by neighbouring lanes, take the float4's place
 // in a line that does not, and at the line's end.
-// Measured on an H200 on GPT-2's operands: 3.3 to 3.8 TB/s (bytes read and written), 77 to 91 % of a
-// device-to-device copy; 32 x 32 tiles moved a float at a time ran at 1.7 to 2.5 TB/s.
+// On GPT-2's operands this runs at most of a device-to-device copy's rate, about twice that of 32 x 32 tiles
+// moved a float at a time (bench/design_choices.json).
 enum TF32Part { PART_VALUE = 0, PART_BIG = 1, PART_SMALL = 2 };
 constexpr int OPERAND_TILE = 64;            // rows and k of op(in) per block
 constexpr int OPERAND_THREADS = 256;

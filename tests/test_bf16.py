@@ -196,12 +196,12 @@ def test_linear_in_bf16_on_tensor_cores(rng, monkeypatch, path):
     bias added, one rounding to bf16. dx likewise; dW and db summed in float32 and kept in float32. On an
     H100 or H200 (and the executor) all three take wgmma; elsewhere all three mma.sync. Products
     below SMALL_PRODUCT multiply-adds run on the float32 kernel instead, within the same bound."""
-    from gpt2_cupy.ops import tensor_core_matmul
+    from gpt2_cupy import dispatch
 
-    monkeypatch.setattr(tensor_core_matmul, "SMALL_PRODUCT", 1 << 40 if path.startswith("float32") else 0)
+    monkeypatch.setattr(dispatch, "SMALL_PRODUCT", 1 << 40 if path.startswith("float32") else 0)
     if path == "mma.sync":
-        monkeypatch.setattr(tensor_core_matmul, "wgmma_runs", lambda: False)
-    elif path.startswith("wgmma") and not tensor_core_matmul.wgmma_runs():
+        monkeypatch.setattr(backend, "runs_wgmma", lambda: False)
+    elif path.startswith("wgmma") and not backend.runs_wgmma():
         pytest.skip("this GPU has no wgmma (compute capability 9.0 only)")
     N, C_in, C_out = 12, 40, 24
     x, w, b = bf16_inputs(rng, 2, 6, C_in), bf16_inputs(rng, C_out, C_in, scale=0.2), rng.standard_normal(C_out)
@@ -453,9 +453,9 @@ def test_gpt2_tiny_under_autocast_matches_float32(rng):
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 def test_attention_in_bf16_takes_the_tensor_cores_above_its_size(rng, monkeypatch, heads):
     """F.scaled_dot_product_attention on bf16 heads: the tensor-core kernels (chapter 16) from
-    TENSOR_CORE_ATTENTION_WORK multiply-adds on, chapter 08's float32 kernels below it; both against float64
+    dispatch.TENSOR_CORE_ATTENTION multiply-adds on, chapter 08's float32 kernels below it; both against float64
     softmax attention from the same bf16 inputs, within bf16's rounding of P and of the output."""
-    from gpt2_cupy.nn import functional
+    from gpt2_cupy import dispatch
 
     H, H_kv = heads
     B, T, d = 1, 40, 32
@@ -467,7 +467,7 @@ def test_attention_in_bf16_takes_the_tensor_cores_above_its_size(rng, monkeypatc
     weights /= weights.sum(-1, keepdims=True)
     reference = weights @ v64
     for work, node in ((0, "TensorCoreAttentionBackward"), (1 << 40, "CastBackward")):
-        monkeypatch.setattr(functional, "TENSOR_CORE_ATTENTION_WORK", work)
+        monkeypatch.setattr(dispatch, "TENSOR_CORE_ATTENTION", work)
         y = F.scaled_dot_product_attention(tensor(q, requires_grad=True), tensor(k), tensor(v), is_causal=True,
                                            enable_gqa=H != H_kv)
         assert y.dtype == BF16 and y.grad_fn.name() == node
@@ -477,7 +477,7 @@ def test_attention_in_bf16_takes_the_tensor_cores_above_its_size(rng, monkeypatc
 
 def test_an_empty_bf16_sum_is_zeros_plus_bias_at_every_graph_replay(rng):
     # K = 0: no kernel multiplies; out is zeroed by a kernel, so that a captured graph zeroes it at each replay
-    from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
+    from gpt2_cupy.dispatch import bf16_product
 
     xp = backend.xp
     a, b = xp.zeros((5, 0), dtype=BF16), xp.zeros((0, 9), dtype=BF16)
@@ -485,7 +485,7 @@ def test_an_empty_bf16_sum_is_zeros_plus_bias_at_every_graph_replay(rng):
     out, device_bias = xp.asarray(np.full((5, 9), 7.0, np.float32)), xp.asarray(bias)   # made before the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        launch_bf16_product(a, b, out, bias=device_bias)
+        bf16_product(a, b, out, bias=device_bias)
     for _ in range(2):
         out[...] = 7.0
         g.replay()

@@ -13,14 +13,14 @@ from gpt2_cupy.autograd import Tensor, dropout_rng_state, manual_seed
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.ops.gelu import gelu_forward
 from gpt2_cupy.ops.residual import residual_forward
+from tests import references
 
 N = 1000  # not a multiple of any block size
 
 
 def gelu_tanh(x):
     """GELU's tanh form in float64: the reference."""
-    x = x.astype(np.float64)
-    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+    return references.gelu(x.astype(np.float64), "tanh")
 
 
 # ---- the capture API -------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import pytest
 from gpt2_cupy import backend, functional as F
 from gpt2_cupy.autograd import Tensor, manual_seed
 from gpt2_cupy.testing import finite_difference_gradient, relative_error
+from tests import references
+from tests.references import gelu as gelu_reference
 
 FORWARD_TOLERANCE = 1e-5
 BACKWARD_TOLERANCE = 1e-4   # float32 sums of a few terms against an O(h²) finite difference in float64
@@ -39,25 +41,14 @@ def check_op(function, reference, inputs, to_device, to_host, requires_grad=None
 
 # ---- float64 references ----------------------------------------------------------------------------------
 
-SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
-erf = np.vectorize(math.erf, otypes=[np.float64])
-
-
-def gelu_reference(x, approximate):
-    if approximate == "tanh":
-        return 0.5 * x * (1 + np.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
-    return 0.5 * x * (1 + erf(x / math.sqrt(2)))
-
 
 def softmax_reference(x):
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def layer_norm_reference(x, weight, bias, eps=1e-5):
-    mean = x.mean(axis=-1, keepdims=True)
-    variance = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
-    return (x - mean) / np.sqrt(variance + eps) * weight + bias
+def layer_norm_reference(x, weight, bias):
+    return references.layer_norm(x, weight, bias)[0]
 
 
 def attention_reference(q, k, v, causal=True):

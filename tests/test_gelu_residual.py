@@ -21,6 +21,7 @@ from gpt2_cupy import backend
 from gpt2_cupy.ops.gelu import gelu_backward, gelu_forward
 from gpt2_cupy.ops.residual import fork_backward, residual_backward, residual_forward
 from gpt2_cupy.testing import finite_difference_gradient, torch_or_none
+from tests.references import CUBIC, SQRT_2_OVER_PI, gelu as gelu_reference, gelu_derivative as gelu_derivative_reference
 
 TOLERANCE = 1e-5
 FLOOR = 0.1
@@ -28,25 +29,6 @@ SIZES = [1, 3, 4, 5, 255, 257, 1023, 4099]
 SHAPES = [(n,) for n in SIZES] + [(2, 37, 84), (3, 5, 7)]
 # Zero, the minimum of GELU (where its derivative crosses zero), the cancelling tail, large values.
 SPECIAL = [0.0, -0.0, 1e-30, -0.7524614, -0.75, -3.0, -5.2, -10.0, 10.0, -20.0, 20.0, 0.5]
-
-SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
-CUBIC = 0.044715
-erfc = np.vectorize(math.erfc, otypes=[np.float64])
-
-
-def gelu_reference(x, approximate):
-    if approximate == "tanh":
-        u = SQRT_2_OVER_PI * (x + CUBIC * x**3)
-        return x / (1 + np.exp(-2 * u))  # = x (1 + tanh u) / 2, without its cancellation for negative x
-    return 0.5 * x * erfc(-x / math.sqrt(2))
-
-
-def gelu_derivative_reference(x, approximate):
-    if approximate == "tanh":
-        u = SQRT_2_OVER_PI * (x + CUBIC * x**3)
-        half_one_plus_tanh = 1 / (1 + np.exp(-2 * u))
-        return half_one_plus_tanh + 0.5 * x / np.cosh(u) ** 2 * SQRT_2_OVER_PI * (1 + 3 * CUBIC * x**2)
-    return 0.5 * erfc(-x / math.sqrt(2)) + x * np.exp(-0.5 * x**2) / math.sqrt(2 * math.pi)
 
 
 def error(result, reference):

@@ -1,6 +1,6 @@
 """The GEMV kernel (gpt2_cupy.ops.gemv) for few-row products y = x Wᵀ + b against float64 numpy: every row count
 from 1 to MAX_ROWS, weights in bf16 and float32 with x in either, ragged N and K (16-byte loads and one element
-at a time), with and without bias, one to eight warps per output; linear_forward's routing of bf16 weights of
+at a time), with and without bias, one to eight warps per output; gpt2_cupy.dispatch.linear_forward's routing of bf16 weights of
 few rows to it; the errors for input it does not take; and gemv_rmsnorm_forward, the product's last block
 norming its output, against the separate kernels bit for bit, launch after launch and replayed from a graph.
 
@@ -16,8 +16,8 @@ from gpt2_cupy import backend
 from gpt2_cupy.autograd import Tensor
 from gpt2_cupy.ops import gemv as gemv_ops
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
-from gpt2_cupy.ops.gemv import LINEAR_ROWS, MAX_ROWS, gemv_forward, gemv_rmsnorm_forward
-from gpt2_cupy.ops.linear import linear_forward
+from gpt2_cupy.dispatch import GEMV_ROWS, linear_forward
+from gpt2_cupy.ops.gemv import MAX_ROWS, gemv_forward, gemv_rmsnorm_forward
 from gpt2_cupy.ops.rmsnorm import rmsnorm_forward
 from gpt2_cupy.testing import summation_bound
 
@@ -91,11 +91,11 @@ def test_gemv_residual_gives_the_bits_of_the_product_then_the_add(rng, dtype, K)
 def test_linear_sends_few_rows_of_a_bf16_weight_to_gemv(rng):
     weight = backend.xp.asarray(rng.normal(size=(21, 40)).astype(BFLOAT16))
     bias = backend.xp.asarray(rng.normal(size=21).astype(np.float32))
-    x = backend.xp.asarray(rng.normal(size=(1, LINEAR_ROWS, 40)).astype(np.float32))
+    x = backend.xp.asarray(rng.normal(size=(1, GEMV_ROWS, 40)).astype(np.float32))
     y = linear_forward(x, weight, bias)                     # float32 x, bf16 weight: only the GEMV takes both
-    assert y.dtype == FLOAT32 and y.shape == (1, LINEAR_ROWS, 21)
+    assert y.dtype == FLOAT32 and y.shape == (1, GEMV_ROWS, 21)
     assert np.array_equal(host(y), host(gemv_forward(x, weight, bias)))
-    many = backend.xp.asarray(rng.normal(size=(LINEAR_ROWS + 1, 40)).astype(BFLOAT16))
+    many = backend.xp.asarray(rng.normal(size=(GEMV_ROWS + 1, 40)).astype(BFLOAT16))
     assert_product(linear_forward(many, weight, bias), many, weight, bias)   # the tiled product, float32 sums
     with pytest.raises(TypeError, match="linear_forward: weight has dtype bfloat16; it must be float32"):
         linear_forward(many.astype(np.float32), weight)     # the tiled product takes one dtype for both

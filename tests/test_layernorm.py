@@ -19,30 +19,12 @@ from gpt2_cupy.ops.layernorm import layernorm_backward, layernorm_forward
 from gpt2_cupy.testing import (assert_within_summation_bound, finite_difference_gradient, relative_error,
                                summation_bound)
 
+from tests.references import layer_norm as layernorm_reference, layer_norm_backward as layernorm_backward_terms
 from bench import layernorm_variants  # (the backward kernels with other launch sizes, the first ones)
 
 TOLERANCE = 1e-5
 EPS = 1e-5  # GPT-2's
 COLUMNS = [1, 3, 4, 31, 33, 100, 768, 1000, 1600]
-
-
-def layernorm_reference(x, weight, bias, eps=EPS):
-    x = np.asarray(x, np.float64)
-    mean = x.mean(axis=-1, keepdims=True)
-    rstd = 1 / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
-    y = (x - mean) * rstd * weight + (0 if bias is None else bias)
-    return y, mean[..., 0], rstd[..., 0]
-
-
-def layernorm_backward_terms(dout, x, weight, eps=EPS):
-    """(dx, per-row dweight terms dout * xhat) in float64."""
-    dout, x = np.asarray(dout, np.float64), np.asarray(x, np.float64)
-    mean = x.mean(axis=-1, keepdims=True)
-    rstd = 1 / np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
-    x_hat = (x - mean) * rstd
-    g = weight * dout
-    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - x_hat * (g * x_hat).mean(axis=-1, keepdims=True))
-    return dx, dout * x_hat
 
 
 def inputs(rng, shape):

@@ -197,16 +197,17 @@ def test_decode_with_norms_in_the_products_gives_the_bits_of_separate_norms(mode
     # Generation's norms after o_proj and down_proj done by those GEMVs' last blocks (FOLD_NORMS_MOST_CHANNELS): two
     # per layer, the last down_proj's giving the model's norm; the logits of prefill and decode steps are the bits
     # of the norms as kernels of their own.
-    from gpt2_cupy import llama
+    from gpt2_cupy import generation
 
     _, model16 = models
     idx = backend.xp.asarray(rng.integers(0, CONFIG["vocab_size"], (1, 7)).astype(np.int32))
     folded_launches = []
-    fused = llama.gemv_rmsnorm_forward
-    monkeypatch.setattr(llama, "gemv_rmsnorm_forward", lambda *a, **k: folded_launches.append(1) or fused(*a, **k))
+    fused = generation.gemv_rmsnorm_forward
+    monkeypatch.setattr(generation, "gemv_rmsnorm_forward",
+                        lambda *a, **k: folded_launches.append(1) or fused(*a, **k))
 
     def logits_of_steps(fold):
-        monkeypatch.setattr(llama, "FOLD_NORMS_MOST_CHANNELS", CONFIG["hidden_size"] if fold else 0)
+        monkeypatch.setattr(generation, "FOLD_NORMS_MOST_CHANNELS", CONFIG["hidden_size"] if fold else 0)
         with no_grad():
             cache = model16.new_kv_cache(1, 8)
             steps = [model16(idx[:, :5], kv_cache=cache)[0]]    # prefill: 5 rows, more than a GEMV's (tiled)
@@ -223,24 +224,24 @@ def test_decode_with_norms_in_the_products_gives_the_bits_of_separate_norms(mode
 
 def test_captured_decode_with_rope_and_norms_in_the_products_gives_the_bits_of_separate_kernels(models, rng,
                                                                                                  monkeypatch):
-    # The captured step (DecodeGraph) with RoPE and the cache's store in the q, k, v GEMV (llama.FOLD_ROPE) and the
+    # The captured step (DecodeGraph) with RoPE and the cache's store in the q, k, v GEMV (generation.FOLD_ROPE) and the
     # norms in o_proj's and down_proj's (FOLD_NORMS_MOST_CHANNELS): the logits of the warm-up and of replays are
     # the bits of the separate kernels. Two warps an output: the tiny model's products would take 8, where the q,
     # k, v product keeps its two kernels (gemv_rope_store).
-    from gpt2_cupy import llama
-    from gpt2_cupy.llama import DecodeGraph
+    from gpt2_cupy import generation
+    from gpt2_cupy.generation import DecodeGraph
     from gpt2_cupy.ops import gemv as gemv_ops
 
     _, model16 = models
     monkeypatch.setattr(gemv_ops, "_warps_per_output", lambda N, row_bytes: 2)
     idx = backend.xp.asarray(rng.integers(0, CONFIG["vocab_size"], (1, 5)).astype(np.int32))
     rope_launches = []
-    fused = llama.gemv_rope_store
-    monkeypatch.setattr(llama, "gemv_rope_store", lambda *a, **k: rope_launches.append(1) or fused(*a, **k))
+    fused = generation.gemv_rope_store
+    monkeypatch.setattr(generation, "gemv_rope_store", lambda *a, **k: rope_launches.append(1) or fused(*a, **k))
 
     def logits_of_steps(fold):
-        monkeypatch.setattr(llama, "FOLD_ROPE", fold)
-        monkeypatch.setattr(llama, "FOLD_NORMS_MOST_CHANNELS", CONFIG["hidden_size"] if fold else 0)
+        monkeypatch.setattr(generation, "FOLD_ROPE", fold)
+        monkeypatch.setattr(generation, "FOLD_NORMS_MOST_CHANNELS", CONFIG["hidden_size"] if fold else 0)
         with no_grad():
             cache = model16.new_kv_cache(1, 9)
             logits, _ = model16(idx, kv_cache=cache)

@@ -18,6 +18,7 @@ from gpt2_cupy import nn
 from gpt2_cupy.autograd import Tensor, no_grad
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.testing import finite_difference_gradient, relative_error, torch_or_none
+from tests import references
 
 # Heads of 32 channels: the fused attention kernels take heads of 32 or 64.
 TINY = dict(block_size=16, vocab_size=37, n_layer=2, n_head=2, n_embd=64)
@@ -25,30 +26,26 @@ TINY = dict(block_size=16, vocab_size=37, n_layer=2, n_head=2, n_embd=64)
 
 # ---- a float64 numpy GPT-2, forward and backward ---------------------------------------------------------
 
-SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
-
-def layer_norm(x, weight, bias, eps=1e-5):
-    mean = x.mean(-1, keepdims=True)
-    rstd = 1 / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps)
-    xhat = (x - mean) * rstd
-    return xhat * weight + bias, (xhat, rstd, weight)
+def layer_norm(x, weight, bias):
+    """(y, what layer_norm_backward needs) for a float64 (..., C) x."""
+    return references.layer_norm(x, weight, bias)[0], (x, weight)
 
 
 def layer_norm_backward(dout, saved):
-    xhat, rstd, weight = saved
-    dxhat = dout * weight
-    dx = rstd * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True))
-    return dx, (dout * xhat).reshape(-1, xhat.shape[-1]).sum(0), dout.reshape(-1, xhat.shape[-1]).sum(0)
+    """(dx, dweight, dbias), the parameters' gradients summed over every row."""
+    x, weight = saved
+    dx, dweight_terms = references.layer_norm_backward(dout, x, weight)
+    C = x.shape[-1]
+    return dx, dweight_terms.reshape(-1, C).sum(0), dout.reshape(-1, C).sum(0)
 
 
 def gelu(x):
-    return 0.5 * x * (1 + np.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x**3)))
+    return references.gelu(x, "tanh")
 
 
 def gelu_derivative(x):
-    th = np.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x**3))
-    return 0.5 * (1 + th) + 0.5 * x * (1 - th**2) * SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x**2)
+    return references.gelu_derivative(x, "tanh")
 
 
 def reference_gpt2(params, idx, targets, n_layer, n_head):

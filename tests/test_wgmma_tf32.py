@@ -2,7 +2,7 @@
 
 wgmma_matmul with float32 a and b runs wgmma's .tf32 instruction, which reads each value's upper 19 bits (the
 value rounded toward zero to TF32): checked against float64 of those bits within float32 summation error, on
-ragged sizes, with bias, accumulate and split K. tensor_core_matmul routes a large 2-D float32 product there
+ragged sizes, with bias, accumulate and split K. gpt2_cupy.dispatch routes a large 2-D float32 product there
 (SMALL_PRODUCT and MIN_COPIED_EXTENT are lowered here, so that small products take the route on the CPU
 executor too): "high" in every layout (an operand that is not K-major copied first), "highest" as 3xTF32,
 whose error against float64 is checked against chapter 01's float32 kernel's on the same inputs, and
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
-from gpt2_cupy.ops import tensor_core_matmul as tensor_core_module
+from gpt2_cupy import dispatch
 from gpt2_cupy.ops import wgmma_matmul as wgmma_module
 from gpt2_cupy.ops.matmul import matmul
-from gpt2_cupy.ops.tensor_core_matmul import tensor_core_matmul
+from gpt2_cupy.dispatch import tensor_core_matmul
 from gpt2_cupy.ops.wgmma_matmul import wgmma_matmul
 from gpt2_cupy.precision import bf16_bits, bf16_values, tf32_split, tf32_values
 from gpt2_cupy.testing import relative_error
@@ -128,8 +128,8 @@ def bf16_dtype():
 def every_product_on_wgmma(monkeypatch):
     """The route's thresholds lowered to 0: the small products of these tests take it (on the CPU executor a
     product at the real SMALL_PRODUCT would take minutes)."""
-    monkeypatch.setattr(tensor_core_module, "SMALL_PRODUCT", 0)
-    monkeypatch.setattr(tensor_core_module, "MIN_COPIED_EXTENT", 0)
+    monkeypatch.setattr(dispatch, "SMALL_PRODUCT", 0)
+    monkeypatch.setattr(dispatch, "MIN_COPIED_EXTENT", 0)
 
 
 LAYOUTS = [(False, True), (False, False), (True, False), (True, True)]   # x Wᵀ, dy W, dyᵀ x, and the fourth
@@ -224,7 +224,7 @@ def test_linear_bias_goes_into_the_products_store(precision, rng, every_product_
     without a bias plus the bias, added once in float32, at every precision ("highest" on the CPU executor runs
     chapter 01's kernel and chapter 02's bias_add, which must agree the same way)."""
     import gpt2_cupy
-    from gpt2_cupy.ops.linear import linear_forward
+    from gpt2_cupy.dispatch import linear_forward
     x, w, bias = operand(rng, (70, 40)), operand(rng, (136, 40)), operand(rng, (136,))
     before = gpt2_cupy.get_float32_matmul_precision()
     gpt2_cupy.set_float32_matmul_precision(precision)
@@ -248,8 +248,8 @@ def test_small_products_keep_the_mma_sync_kernel(rng):
 def test_a_copied_operand_needs_wide_products(rng, monkeypatch):
     """With SMALL_PRODUCT lowered but MIN_COPIED_EXTENT as it is: "high" x Wᵀ (read as it lies) takes the TF32
     wgmma at M = 40, while dy W (W copied K-major first) stays on mma.sync, which rounds to nearest."""
-    monkeypatch.setattr(tensor_core_module, "SMALL_PRODUCT", 0)
-    assert tensor_core_module.MIN_COPIED_EXTENT > 40
+    monkeypatch.setattr(dispatch, "SMALL_PRODUCT", 0)
+    assert dispatch.MIN_COPIED_EXTENT > 40
     a, w = operand(rng, (40, 36)), operand(rng, (24, 36))
     xp = backend.xp
     forward = backend.asnumpy(tensor_core_matmul(xp.asarray(a), xp.asarray(w), transpose_b=True, precision="high"))

@@ -33,23 +33,20 @@ import math
 
 import numpy
 
-from gpt2_cupy import amp, backend, device_checks, tensor_ops
+from gpt2_cupy import amp, backend, device_checks, dispatch, tensor_ops
 from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state, storage_version
 from gpt2_cupy.elementwise import contiguous, converted, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32, same_place, storage_of
 from gpt2_cupy.reduction import normalize_dims
 from gpt2_cupy.ops.attention import attention_backward, attention_forward
-from gpt2_cupy.ops.tensor_core_attention import (HEAD_SIZES as TENSOR_CORE_HEAD_SIZES, SMALL_ATTENTION as
-                                                 TENSOR_CORE_ATTENTION_WORK, tensor_core_attention_backward,
-                                                 tensor_core_attention_forward)
-from gpt2_cupy.precision import get_float32_matmul_precision
+from gpt2_cupy.ops.tensor_core_attention import tensor_core_attention_backward, tensor_core_attention_forward
 from gpt2_cupy.ops.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from gpt2_cupy.ops.dropout import advance_rng_state, dropout_backward, dropout_forward
 from gpt2_cupy.ops.dyt import dyt_backward, dyt_forward
 from gpt2_cupy.ops.embedding import embedding_backward, embedding_forward
 from gpt2_cupy.ops.gelu import gelu_backward, gelu_forward
 from gpt2_cupy.ops.layernorm import layernorm_backward, layernorm_forward
-from gpt2_cupy.ops.linear import linear_backward, linear_forward
+from gpt2_cupy.dispatch import linear_backward, linear_forward
 from gpt2_cupy.ops.softmax import softmax_backward, softmax_forward
 
 
@@ -304,29 +301,6 @@ class TensorCoreAttention(Function):
         return dq, dk, dv, None, None
 
 
-def _tensor_core_format(q, k, v, attn_mask, dropout_p, enable_gqa):
-    """The format attention runs in on the tensor-core kernels, "bf16" or "tf32", or None for not there: bf16
-    q, k, v; float32 ones at the "high" (TF32) or "medium" (bf16) float32 matmul precision. The kernels take
-    (B, H, T, d) heads of a size they know, k and v of one shape with as many keys as queries, H_kv = H or
-    (enable_gqa) dividing it, no mask, no dropout, and at least TENSOR_CORE_ATTENTION_WORK multiply-adds
-    (below that the float32 kernels are as fast)."""
-    if attn_mask is not None or dropout_p != 0.0 or not q.dtype == k.dtype == v.dtype:
-        return None
-    if q.dtype == BFLOAT16:
-        fmt = "bf16"
-    else:
-        fmt = {"high": "tf32", "medium": "bf16"}.get(get_float32_matmul_precision()) if q.dtype == FLOAT32 else None
-    if fmt is None:
-        return None
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-        return None
-    B, H, T, d = q.shape
-    H_kv = k.shape[1]
-    grouped_fits = H_kv == H or (enable_gqa and H % H_kv == 0)
-    fits = d in TENSOR_CORE_HEAD_SIZES and grouped_fits and B * H * T * T * d >= TENSOR_CORE_ATTENTION_WORK
-    return fmt if fits else None
-
-
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """softmax(q kᵀ · scale + mask) v, q (B, H, T, d), k, v (B, H, S, d); is_causal: each query sees keys up to its
@@ -338,19 +312,19 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     A query whose every key is masked gets 0 (and zero gradients), as in PyTorch's math backend (_safe_softmax).
 
     bf16 q, k, v, and float32 ones at set_float32_matmul_precision("high") (TF32) or ("medium") (bf16), run on
-    the tensor-core kernels of chapter 16 where they take the shape (see _tensor_core_format).
-    The fused kernels of chapter 08 run head sizes FUSED_ATTENTION_HEAD_SIZES (1 to 256) with as many keys as
+    the tensor-core kernels of chapter 16 where they take the shape (gpt2_cupy.dispatch.attention has the table).
+    The fused kernels of chapter 08 run head sizes ops.attention.HEAD_SIZES (1 to 256) with as many keys as
     queries: any scale, a bool or float32 mask (read in place, broadcast through strides), dropout (its mask
     regenerated in the backward from Philox, as F.dropout's), grouped heads read without a copy. Anything else
     (T != S, a mask that requires grad, other head sizes) runs PyTorch's "math" path, written with Tensor
     operations (chapter 11b). Both draw dropout's numbers for the same elements of (B, H, T, S) the same way.
     """
-    tensor_core_format = _tensor_core_format(q, k, v, attn_mask, dropout_p, enable_gqa)
-    if tensor_core_format == "bf16" and q.dtype == FLOAT32:   # "medium": bf16 inputs, out rounded once
+    path = dispatch.attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if path == dispatch.TENSOR_CORES_FROM_FLOAT32:   # "medium": bf16 inputs, out rounded once
         return TensorCoreAttention.apply(*(x.to(BFLOAT16) for x in (q, k, v)), bool(is_causal), scale).float()
-    if tensor_core_format is not None:
+    if path == dispatch.TENSOR_CORES:
         return TensorCoreAttention.apply(q, k, v, bool(is_causal), scale)
-    if BFLOAT16 in (q.dtype, k.dtype, v.dtype):  # other bf16 attention: the float32 kernels, converted around
+    if path == dispatch.IN_FLOAT32:  # other bf16 attention: the float32 kernels, converted around
         return in_float32(scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     d = q.shape[-1]
     default_scale = scale is None or math.isclose(scale, 1 / math.sqrt(d), rel_tol=1e-6)
@@ -365,8 +339,6 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
             raise RuntimeError(f"The size of tensor a ({heads}) must match the size of tensor b ({other}) at "
                                f"non-singleton dimension {q.ndim - 3}: q has {heads} heads, k {key_heads} and v "
                                f"{value_heads} (enable_gqa=True: a key and value head serves several query heads)")
-    same_layout = (k.shape == v.shape and k.ndim == q.ndim and q.shape[:-3] == k.shape[:-3]
-                   and q.shape[-2] == k.shape[-2])  # the fused kernels' (B, H or H_kv, T, d)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"scaled_dot_product_attention: dropout_p = {dropout_p}; it must be in [0, 1]")
     if attn_mask is not None and not isinstance(attn_mask, Tensor):
@@ -374,11 +346,10 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     if attn_mask is not None and attn_mask.dtype != numpy.bool_ and attn_mask.dtype.kind != "f":
         raise TypeError("scaled_dot_product_attention: Expected attn_mask dtype to be bool or float or to match query "
                         f"dtype, but got attn_mask.dtype: {attn_mask.dtype} and query.dtype: {q.dtype} instead.")
-    mask_fits = attn_mask is None or (not attn_mask.requires_grad and attn_mask.dtype in (numpy.bool_, FLOAT32))
-    if same_layout and mask_fits and d in FUSED_ATTENTION_HEAD_SIZES:
+    if path == dispatch.FUSED:
         return Attention.apply(q, k, v, bool(is_causal), "softmax", None if default_scale else float(scale),
                                attn_mask, float(dropout_p))
-    if attn_mask is None and dropout_p == 0.0 and default_scale and same_layout and is_causal and key_heads == heads:
+    if path == dispatch.BATCHED_PRODUCTS:
         return MatmulAttention.apply(q, k, v)
     return _attention_from_operations(q, k, v, attn_mask, dropout_p, is_causal, 1 / math.sqrt(d) if scale is None else scale)
 
@@ -567,8 +538,7 @@ def _int32(ids, operation, name):
 # ==== Llama (chapter 17): RMSNorm, RoPE, SwiGLU, grouped-query attention ===================================
 # This last section holds the Functions that gpt2_cupy.llama needs and GPT-2 does not.
 
-from gpt2_cupy.ops.attention import HEAD_SIZES as FUSED_ATTENTION_HEAD_SIZES  # noqa: E402
-from gpt2_cupy.ops.matmul import batched_matmul  # noqa: E402
+from gpt2_cupy.dispatch import batched_matmul  # noqa: E402
 from gpt2_cupy.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward  # noqa: E402
 from gpt2_cupy.ops.rope import rope_backward, rope_forward  # noqa: E402
 from gpt2_cupy.ops.swiglu import swiglu_backward, swiglu_forward  # noqa: E402
@@ -686,5 +656,5 @@ class MatmulAttention(Function):
 
 def causal_attention(q, k, v):
     """softmax(q kᵀ / √D) v with the causal mask, q, k, v (B, H, T, D): chapter 08's fused kernels for the head
-    sizes they take (FUSED_ATTENTION_HEAD_SIZES), the batched-matmul path otherwise (Llama's D = 128)."""
+    sizes they take (ops.attention.HEAD_SIZES), the batched-matmul path otherwise (Llama's D = 128)."""
     return scaled_dot_product_attention(q, k, v, is_causal=True)

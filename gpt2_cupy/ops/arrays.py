@@ -12,20 +12,16 @@ shape or layout a ValueError.
 
 import math
 
-import ml_dtypes
 import numpy
 
 from gpt2_cupy import backend, kernels
+from gpt2_cupy.dtypes import BFLOAT16, C_TYPES, FLOAT32, LARGEST_INT, STORAGE_DTYPES  # noqa: F401 (the ops' names)
 
-LARGEST_INT = 2**31 - 1   # kernels index with int: no array may have more elements
 LARGEST_GRID_Y = 65535    # CUDA's limit on gridDim.y and gridDim.z (gridDim.x goes to 2**31 - 1)
 WARP_SIZE = 32            # kernels/include/warp.cuh's WARP_SIZE
 THREADS_PER_BLOCK = 256   # the default block size of elementwise and row kernels
 SHARED_BYTES_WITHOUT_OPT_IN = 48 * 1024   # the shared memory a block may have without asking for more
 ELLIPSIS = "..."          # in a shape pattern: any number of leading axes, the same in every argument
-FLOAT32 = numpy.dtype(numpy.float32)
-BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)   # bf16, the dtype numpy, CuPy and JAX share (ml_dtypes')
-STORAGE_DTYPES = (FLOAT32, BFLOAT16)       # what the kernels templated on their storage type read and write
 
 
 _counters = {}            # per device: the counters of the last-block pattern (counters()), newest last
@@ -37,7 +33,7 @@ def counters(count):
     counter back to zero, so a captured graph replays with them). A launch that needs more gets new ones, and the
     old stay (a graph captured with them may replay). Two launches that use them must not run at the same time
     (on two streams of one device), or their counts would mix."""
-    device = backend.xp.cuda.Device().id if backend.name == "cuda" else -1
+    device = backend.device_id()
     held = _counters.setdefault(device, [])
     if not held or held[-1].size < count:
         held.append(backend.xp.zeros(max(count, 256), dtype=numpy.uint32))
@@ -56,8 +52,8 @@ def rows(array):
 
 def _check_one(operation, name, array, dtype, contiguous):
     if not isinstance(array, backend.xp.ndarray):
-        raise TypeError(f"{operation}: {name} must be a {backend.xp.__name__}.ndarray (the active backend is "
-                        f"{backend.name}), got {type(array).__module__}.{type(array).__name__}")
+        raise TypeError(f"{operation}: {name} must be a {backend.xp.__name__}.ndarray (the active backend's "
+                        f"arrays), got {type(array).__module__}.{type(array).__name__}")
     if array.dtype != dtype:
         raise TypeError(f"{operation}: {name} has dtype {array.dtype}; it must be {numpy.dtype(dtype).name}")
     if contiguous and not array.flags.c_contiguous:
@@ -80,7 +76,7 @@ def storage_dtype(operation, name, array):
 
 def storage_c_type(dtype):
     """The C type a kernel templated on its storage type is instantiated with: float or __nv_bfloat16."""
-    return "__nv_bfloat16" if dtype == BFLOAT16 else "float"
+    return C_TYPES[BFLOAT16 if dtype == BFLOAT16 else FLOAT32]
 
 
 def _pattern_text(pattern):

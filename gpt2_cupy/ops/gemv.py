@@ -10,7 +10,7 @@ gated: the weight's rows are two matrices, gate (the first N / 2) and up (the re
 silu(x W_gateᵀ) * (x W_upᵀ), Llama's SwiGLU, with the bits of the two products then swiglu_forward.
 Generating a token at batch 1 multiplies one row by every matrix of the model: the whole cost is reading the
 weights once, which this kernel does with 16-byte loads (evict-first from L2: read once, they leave it to what
-is read again) and enough of them in flight to keep the memory busy (kernels/gemv.cu). gpt2_cupy.ops.linear
+is read again) and enough of them in flight to keep the memory busy (kernels/gemv.cu). gpt2_cupy.dispatch
 routes few-row products with a bf16 weight here.
 
     y, normed = gemv_rmsnorm_forward(x, weight, norm_weight, bias=None, residual=None, *, eps=1e-6)
@@ -43,18 +43,12 @@ from gpt2_cupy.ops.rmsnorm import FLOATS_PER_THREAD, rmsnorm_forward, row_layout
 from gpt2_cupy.ops.rope import inverse_frequencies, new_positions_arguments, rope_store_new_positions
 
 MAX_ROWS = 8                      # the kernel's limit: its ROWS template instances
-# linear_forward sends products of at most this many rows here. Measured on an H200 (bench/llama_generation.py
-# --gemv, GB/s of bf16 weights): one row, 3170-4340 against the tiled GEMM's 230-3590; four rows, 1500-2370,
-# 7 times the tiled GEMM's at N = 4096 and at most 1.6 times slower at N >= 11008; eight rows lose up to 3 times.
-LINEAR_ROWS = 4
 ROW_CHOICES = (1, 2, 4, 8)        # the kernel's ROWS template instances: the smallest that holds the rows
 WARPS_PER_BLOCK = 8               # kernels/gemv.cu's GEMV_WARPS
 WARPS_PER_OUTPUT = (1, 2, 4, 8)
 # Several warps share each output row when there are fewer outputs than WARPS_PER_MULTIPROCESSOR warps per
-# multiprocessor, or when a row is longer than WARP_ROW_BYTES: measured on an H200 with the weights cold in L2
-# (bench/llama_generation.py --gemv), more warps per row than that only add blocks and partial sums; in the
-# whole decode step (--settings, tokens/s, plain loads), 32 warps per multiprocessor gave Llama 3.2 1B 965
-# against 987 and Llama 2 7B 231 against 230.
+# multiprocessor, or when a row is longer than WARP_ROW_BYTES: more warps per row than that only add blocks and
+# partial sums (bench/design_choices.json; bench/llama_generation.py --gemv and --settings measure them).
 WARPS_PER_MULTIPROCESSOR = 16
 WARP_ROW_BYTES = 8192
 # gemv_rmsnorm_forward: the last block's 8 warps hold a row of at most this many columns in registers, 16 a
@@ -161,7 +155,7 @@ def gemv_rope_store(x, weight, keys, values, n_heads, *, theta=10000.0, start=0,
 def _check_rows(name, rows):
     if rows > MAX_ROWS:
         raise ValueError(f"{name}: x has {rows} rows; the kernel takes at most {MAX_ROWS} (more rows are the tiled "
-                         "matmul's work: gpt2_cupy.ops.linear.linear_forward)")
+                         "matmul's work: gpt2_cupy.dispatch.linear_forward)")
 
 
 def _load_template(rows, K, x, weight):

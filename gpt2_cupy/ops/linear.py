@@ -1,6 +1,6 @@
 """The linear layer y = x Wᵀ + b (GPT-2's c_attn, c_proj and c_fc), forward and backward, in float32.
 
-    linear_forward(x, weight, bias=None, out=None) -> y
+    linear_forward(x, weight, bias=None, out=None, residual=None) -> y   (residual + x Wᵀ + b when given)
     linear_backward(dout, x, weight, *, dweight, dbias=None, out=None) -> dx
     bias_add(y, bias)              y += bias along the last axis, in place
     bias_backward(dout, dbias)     dbias += dout summed over all axes but the last
@@ -16,22 +16,20 @@ The products are chapter 01's matmul (kernels/matmul.cu); the bias add and the b
 chapter 02's kernels (kernels/bias_add.cu, kernels/bias_partial_sums.cu, kernels/bias_column_sum.cu).
 Arrays are the backend's (cupy on a GPU, numpy on the CPU), float32 and C-contiguous.
 
-bf16 (a model trained in bf16, gpt2_cupy.amp): x, weight and dout bf16, bias, dweight and dbias float32.
-The products run on tensor cores with float32 sums (gpt2_cupy.ops.tensor_core_matmul): y = x Wᵀ + b with
-the bias added to the float32 sum before y is rounded once to bf16; dx = dout W in bf16 (or in float32
-when `out` is a float32 array); dW += doutᵀ x added in float32; db += Σ dout summed in float32.
+This op is chapters 01 and 02's kernels and nothing else. The package's Linear layers go through
+gpt2_cupy.dispatch.linear_forward and linear_backward, which check their arguments with forward_output and
+backward_output below and choose each product's kernel: bf16 (a model trained in bf16, gpt2_cupy.amp: x,
+weight and dout bf16; bias, dweight and dbias float32) on tensor cores with float32 sums, a few rows times a
+bf16 weight on the GEMV, float32 by gpt2_cupy.set_float32_matmul_precision.
 """
-
-import math
 
 import numpy
 
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.elementwise import elementwise
-from gpt2_cupy.ops.arrays import (BFLOAT16, FLOAT32, LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, output,
+from gpt2_cupy.ops.arrays import (FLOAT32, LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, output,
                                   row_width, rows, storage_c_type, storage_dtype)
-from gpt2_cupy.ops.gemv import LINEAR_ROWS as GEMV_ROWS, gemv_forward
-from gpt2_cupy.ops.matmul import launch_matmul
+from gpt2_cupy.ops.matmul import launch_float32_matmul
 
 ROWS_PER_BLOCK = 512  # rows of dout summed by one block of bias_partial_sums (512 to 1024 measured best)
 
@@ -53,45 +51,54 @@ def bias_backward(dout, dbias, rows_per_block=ROWS_PER_BLOCK):
           dbias=(dbias, ("C",)))
     if not isinstance(rows_per_block, (int, numpy.integer)) or rows_per_block < 1:
         raise ValueError(f"bias_backward: rows_per_block must be a positive int, got {rows_per_block!r}")
-    _bias_backward(rows(dout), dbias, rows_per_block)
+    bias_sums(rows(dout), dbias, rows_per_block)
     return dbias
 
 
 def linear_forward(x, weight, bias=None, out=None, residual=None):
-    """y = x Wᵀ + b. x: (..., C_in), weight: (C_out, C_in), bias: (C_out,) or None. Returns y: (..., C_out).
+    """y = x Wᵀ + b. x: (..., C_in), weight: (C_out, C_in), bias: (C_out,) or None; float32. Returns y: (..., C_out).
 
-    x and weight float32, or both bf16 (y bf16); bias float32. A bf16 weight times at most gemv.LINEAR_ROWS rows
-    (generation) goes to the GEMV kernel, which also takes a float32 x (y float32 then).
-    out: an optional C-contiguous array of x's dtype, of shape (..., C_out), to write y into.
-    residual: None, or an array of y's shape and dtype added to it, y = residual + (x Wᵀ + b), with the bits of
-    the product then an add (a transformer block's x + f(x) in generation: inside the GEMV's launch).
+    out: an optional C-contiguous float32 array of shape (..., C_out), to write y into.
+    residual: None, or an array of y's shape added to it, y = residual + (x Wᵀ + b) (a transformer block's
+    x + f(x)).
     """
-    dtype = storage_dtype("linear_forward", "x", x)
-    if few_rows_times_bf16(x, weight):
-        return gemv_forward(x, weight, bias, out=out, residual=residual)      # the weight read once
-    sizes = check("linear_forward", x=(x, ("...", "C_in"), dtype), weight=(weight, ("C_out", "C_in"), dtype),
-                  bias=(bias, ("C_out",)), residual=(residual, ("...", "C_out"), dtype))
-    out = output("linear_forward", out, sizes["..."] + (sizes["C_out"],), dtype=dtype)
-    if dtype == BFLOAT16:
-        from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
-        launch_bf16_product(rows(x), weight, rows(out), transpose_b=True, bias=bias)   # y = x Wᵀ + b, rounded once
-    else:
-        launch_matmul(rows(x), weight, rows(out), transpose_b=True, bias=bias)   # y = x Wᵀ + b
-    if residual is not None:
-        elementwise("residual_add", "a + b", [residual, out], compute_dtype=dtype, out=out)
-    return out
+    out = forward_output(x, weight, bias, out, residual, bf16=False)
+    launch_float32_matmul(rows(x), weight, rows(out), transpose_b=True)            # y = x Wᵀ
+    if bias is not None:
+        launch_bias_add(rows(out), bias)                                          # y += b
+    return add_residual(out, residual)
 
 
 def linear_backward(dout, x, weight, *, dweight, dbias=None, out=None):
     """Gradients of y = x Wᵀ + b, given dout = dL/dy. Returns dx = dout W; adds doutᵀ x into dweight, Σ dout into dbias.
 
-    dout: (..., C_out), x: (..., C_in) as in the forward, weight: (C_out, C_in).
+    dout: (..., C_out), x: (..., C_in) as in the forward, weight: (C_out, C_in), all float32.
     dweight: (C_out, C_in), added into. dbias: (C_out,), added into, or None for a layer without bias.
     out: an optional array of x's shape to write dx into (its old contents are overwritten).
-    dout, x and weight float32, or all three bf16 (dx bf16, or float32 if out is a float32 array: the
-    tensor cores' sums unrounded); dweight and dbias float32 in both cases.
     """
-    dtype = storage_dtype("linear_backward", "dout", dout)
+    out = backward_output(dout, x, weight, dweight, dbias, out, bf16=False)
+    dout_rows = rows(dout)
+    launch_float32_matmul(dout_rows, weight, rows(out))                                    # dx = dout W    (set)
+    launch_float32_matmul(dout_rows, rows(x), dweight, transpose_a=True, accumulate=True)  # dW += doutᵀ x  (add)
+    if dbias is not None:
+        bias_sums(dout_rows, dbias, ROWS_PER_BLOCK)                                        # db += Σ dout   (add)
+    return out
+
+
+# ---- the checks, which gpt2_cupy.dispatch's Linear shares --------------------------------------------------
+
+def forward_output(x, weight, bias, out, residual, bf16=True):
+    """linear_forward's checks; returns out, made if None. bf16: whether bf16 x and weight pass too (y bf16)."""
+    dtype = storage_dtype("linear_forward", "x", x) if bf16 else FLOAT32
+    sizes = check("linear_forward", x=(x, ("...", "C_in"), dtype), weight=(weight, ("C_out", "C_in"), dtype),
+                  bias=(bias, ("C_out",)), residual=(residual, ("...", "C_out"), dtype))
+    return output("linear_forward", out, sizes["..."] + (sizes["C_out"],), dtype=dtype)
+
+
+def backward_output(dout, x, weight, dweight, dbias, out, bf16=True):
+    """linear_backward's checks; returns out (dx), made if None. bf16: whether bf16 dout, x and weight pass too
+    (dx bf16, or float32 if out is a float32 array: the tensor cores' sums unrounded)."""
+    dtype = storage_dtype("linear_backward", "dout", dout) if bf16 else FLOAT32
     sizes = check("linear_backward", dout=(dout, ("...", "C_out"), dtype), x=(x, ("...", "C_in"), dtype),
                   weight=(weight, ("C_out", "C_in"), dtype), dweight=(dweight, ("C_out", "C_in")),
                   dbias=(dbias, ("C_out",)))
@@ -100,19 +107,14 @@ def linear_backward(dout, x, weight, *, dweight, dbias=None, out=None):
     for name, array in (("x", x), ("dout", dout), ("weight", weight)):
         if backend.xp.may_share_memory(dweight, array):
             raise ValueError(f"linear_backward: dweight overlaps {name}; it is added into while {name} is read")
-    dout_rows = rows(dout)
-    launch_matmul(dout_rows, weight, rows(out))                                    # dx = dout W       (set)
-    launch_matmul(dout_rows, rows(x), dweight, transpose_a=True, accumulate=True)  # dW += doutᵀ x     (add)
-    if dbias is not None:
-        _bias_backward(dout_rows, dbias, ROWS_PER_BLOCK)                           # db += Σ_n dout    (add)
     return out
 
 
-def few_rows_times_bf16(x, weight):
-    """Whether y = x Wᵀ is a GEMV's work: a bf16 weight and at most gemv.LINEAR_ROWS rows of x. float32 weights
-    keep the tiled matmul at any row count, and with it the order of its sums."""
-    return (isinstance(weight, backend.xp.ndarray) and weight.dtype == BFLOAT16 and x.ndim >= 1
-            and math.prod(x.shape[:-1]) <= GEMV_ROWS)
+def add_residual(out, residual):
+    """out = residual + out (None: out as it is), the product's bits then an add. Returns out."""
+    if residual is not None:
+        elementwise("residual_add", "a + b", [residual, out], compute_dtype=out.dtype, out=out)
+    return out
 
 
 # ---- unchecked launches: the public functions above have checked their arguments ----------------------------
@@ -137,7 +139,8 @@ def _partial_sums_kernel(width, dtype):
     return kernels.function("bias_partial_sums", names[0 if width == 4 else 1], name_expressions=names)
 
 
-def _bias_backward(dout_rows, dbias, rows_per_block):
+def bias_sums(dout_rows, dbias, rows_per_block):
+    """dbias += dout_rows (rows, C) summed over its rows, in two launches (bias_backward, unchecked)."""
     row_count, columns = dout_rows.shape
     if row_count == 0 or columns == 0:
         return

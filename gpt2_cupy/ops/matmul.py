@@ -26,16 +26,9 @@ input that is the transpose of a C-contiguous array (a.T of one) is used as it i
 transpose flag, and any other layout is first copied into a contiguous array. `out` must be C-contiguous
 and must not overlap a or b. The kernel is kernels/matmul.cu, from chapters/01_matmul.ipynb.
 
-Every product of the package comes through launch_matmul (the Linear layer, the batched products of
-attention's unfused path, these two ops), and that is where gpt2_cupy.set_float32_matmul_precision is
-read: at "highest" (the default) the float32 kernel above runs, except for large 2-D products on a Hopper
-GPU, which go to gpt2_cupy.ops.tensor_core_matmul's 3xTF32, as accurate and faster there
-(tensor_core_matmul.highest_on_tensor_cores); at "high" and "medium" the product goes to
-gpt2_cupy.ops.tensor_core_matmul, in TF32 or with bf16 inputs, with float32 sums in both.
-
-bf16 arrays (gpt2_cupy.amp's products) are multiplied on tensor cores whatever the setting: a and b both
-bf16, out bf16 (the default: the sums rounded once) or float32 (the sums as they are, for a float32
-gradient such as dW += doutᵀ x, or a float32 input's dx).
+This op is chapter 01's kernel and nothing else. The package's products (the Linear layer, Tensor's @,
+attention's unfused path) go through gpt2_cupy.dispatch, which sends them here or to the tensor cores by
+dtype, gpt2_cupy.set_float32_matmul_precision and size.
 """
 
 import numpy
@@ -43,7 +36,6 @@ import numpy
 from gpt2_cupy import backend, kernels
 from gpt2_cupy.ops.arrays import (BFLOAT16, FLOAT32, LARGEST_GRID_Y, THREADS_PER_BLOCK, ceil_div, check, float4_aligned,
                                   output, storage_dtype)
-from gpt2_cupy.precision import get_float32_matmul_precision
 
 TILE = 128        # a block computes a TILE x TILE tile of C (kernels/matmul.cu: TILE_M)
 TILE_K = 8        # K is read in slices of 8 (kernels/matmul.cu: TILE_K)
@@ -110,12 +102,14 @@ def _as_stored(array, transposed):
     return backend.xp.ascontiguousarray(array), transposed
 
 
-def _checked(operation, a, b, transpose_a, transpose_b, out, accumulate, batched):
-    """The public ops' checks: (a, b, transpose_a, transpose_b, out), a and b now C-contiguous."""
+def check_product(operation, a, b, transpose_a, transpose_b, out, accumulate, batched, bf16=False):
+    """The products' checks: (a, b, transpose_a, transpose_b, out), a and b now C-contiguous. bf16: whether bf16
+    a and b pass too (gpt2_cupy.dispatch's products, which run them on tensor cores; out bf16 unless a float32
+    one is given)."""
     a, transpose_a = _as_stored(a, transpose_a)
     b, transpose_b = _as_stored(b, transpose_b)
     batch = ("batch",) if batched else ()
-    dtype = storage_dtype(operation, "a", a)  # float32, or bf16 for both (out bf16 unless a float32 one is given)
+    dtype = storage_dtype(operation, "a", a) if bf16 else FLOAT32
     sizes = check(operation,
                   a=(a, batch + (("K", "M") if transpose_a else ("M", "K")), dtype),
                   b=(b, batch + (("N", "K_of_b") if transpose_b else ("K_of_b", "N")), dtype))
@@ -138,44 +132,18 @@ def _checked(operation, a, b, transpose_a, transpose_b, out, accumulate, batched
     return a, b, transpose_a, transpose_b, out
 
 
-def launch_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, bias=None):
-    """out = op(a) @ op(b) (+ bias), or out += ... with accumulate; 2-D or batched 3-D. Unchecked: for ops that
-    have checked their arguments already (a, b, out C-contiguous float32 of matching shapes, out apart from both;
-    bias None, or out's N columns of float32 for a 2-D out). On tensor cores when set_float32_matmul_precision
-    has chosen "high" or "medium" (see the module's doc), and for bf16 a and b (out bf16 or float32). The bias
-    is added in the product's store where the kernel takes one (the wgmma's and the bf16 kernels: one pass over
-    out instead of two), else by chapter 02's bias_add kernel after it."""
-    if a.dtype == BFLOAT16:
-        from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_product
-        return launch_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias)
+def launch_float32_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False):
+    """out = op(a) @ op(b), or out += ... with accumulate; 2-D or batched 3-D, on chapter 01's kernel. Unchecked:
+    for callers that have checked their arguments (a, b, out C-contiguous float32 of matching shapes, out apart
+    from both: check_product)."""
+    M, N = out.shape[-2:]
     K = a.shape[-2] if transpose_a else a.shape[-1]
     if out.size == 0:
         return out
     if K == 0:  # an empty sum
         if not accumulate:
             backend.fill_zero(out)
-        return add_bias(out, bias)
-    # Imported here: tensor_core_matmul imports this module for its checks.
-    from gpt2_cupy.ops.tensor_core_matmul import highest_on_tensor_cores, launch_tensor_core_matmul
-    precision = get_float32_matmul_precision()
-    if precision != "highest" or highest_on_tensor_cores(out, K):
-        return launch_tensor_core_matmul(a, b, out, transpose_a, transpose_b, accumulate, precision, bias)
-    return add_bias(launch_float32_matmul(a, b, out, transpose_a, transpose_b, accumulate), bias)
-
-
-def add_bias(out, bias):
-    """out += bias along every row (out 2-D float32, bias its N columns of float32, or None for nothing), on
-    chapter 02's bias_add kernel: for the products whose kernel takes no bias. Returns out."""
-    if bias is not None:
-        from gpt2_cupy.ops.linear import launch_bias_add   # linear builds on this module
-        launch_bias_add(out, bias)
-    return out
-
-
-def launch_float32_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False):
-    """launch_matmul on chapter 01's float32 kernel whatever the precision setting (unchecked as it, K at least 1)."""
-    M, N = out.shape[-2:]
-    K = a.shape[-2] if transpose_a else a.shape[-1]
+        return out
     batch = a.shape[0] if a.ndim == 3 else 1
     # float4 loads and stores need rows of a multiple of 4 floats and 16-byte aligned starting addresses.
     vector_loads = (a.shape[-1] % 4 == 0 and b.shape[-1] % 4 == 0 and N % 4 == 0
@@ -202,14 +170,13 @@ def launch_float32_matmul(a, b, out, transpose_a=False, transpose_b=False, accum
 
 
 def matmul(a, b, transpose_a=False, transpose_b=False, out=None, accumulate=False):
-    """op(a) @ op(b) for 2-D float32 (or bf16) arrays, into `out` (a new array if None), or added to it if
-    accumulate.
+    """op(a) @ op(b) for 2-D float32 arrays, into `out` (a new array if None), or added to it if accumulate.
 
     a: (M, K), or (K, M) if transpose_a.  b: (K, N), or (N, K) if transpose_b.  Returns out: (M, N).
     """
-    arguments = _checked("matmul", a, b, transpose_a, transpose_b, out, accumulate, batched=False)
-    a, b, transpose_a, transpose_b, out = arguments
-    return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)
+    a, b, transpose_a, transpose_b, out = check_product("matmul", a, b, transpose_a, transpose_b, out, accumulate,
+                                                        batched=False)
+    return launch_float32_matmul(a, b, out, transpose_a, transpose_b, accumulate)
 
 
 def batched_matmul(a, b, transpose_a=False, transpose_b=False, out=None, accumulate=False):
@@ -218,6 +185,6 @@ def batched_matmul(a, b, transpose_a=False, transpose_b=False, out=None, accumul
     a: (batch, M, K), or (batch, K, M) if transpose_a.  b: (batch, K, N), or (batch, N, K) if transpose_b.
     Returns out: (batch, M, N).
     """
-    arguments = _checked("batched_matmul", a, b, transpose_a, transpose_b, out, accumulate, batched=True)
-    a, b, transpose_a, transpose_b, out = arguments
-    return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate)
+    a, b, transpose_a, transpose_b, out = check_product("batched_matmul", a, b, transpose_a, transpose_b, out,
+                                                        accumulate, batched=True)
+    return launch_float32_matmul(a, b, out, transpose_a, transpose_b, accumulate)

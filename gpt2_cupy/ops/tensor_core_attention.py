@@ -63,9 +63,6 @@ DTYPES = tuple(ELEMENT)
 # ("float"), or as 3xTF32 ("Tf32x3"); and which of the float32 ones each precision runs.
 FORMAT_ELEMENT = {"bfloat16": "bfloat16", "float": "float", "Tf32x3": "float"}
 FLOAT32_FORMAT = {None: "float", "high": "float", "highest": "Tf32x3"}
-# Multiply-adds (B·H·T²·d) below which F.scaled_dot_product_attention keeps attention on chapter 08's float32
-# kernels: that small, it is bound by its launches on a GPU, and the CPU executor runs it faster.
-SMALL_ATTENTION = 1 << 24
 ROW_PADDING = 8                 # elements after each row of a shared tile (Fragments<Element>::PADDING)
 FLOAT = 4                       # bytes
 ROWS_PER_STRIP = 16             # rows of a strip: one A fragment of mma.sync

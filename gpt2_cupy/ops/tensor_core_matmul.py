@@ -19,29 +19,20 @@ Sums are float32 in every case. The Linear layer's three products, x: (N, C_in),
 
 The kernels are kernels/tensor_core_matmul.cu, from chapters/15_tensor_cores.ipynb: 128 x 128 tiles of C
 per block of 256 threads, K in slices of 32 through a 3-stage cp.async pipeline (mma.sync, any GPU since
-Ampere). On a GPU that runs wgmma (H100, H200; and the CPU executor, which stands for an H100), a large 2-D
-product (SMALL_PRODUCT multiply-adds or more; M and N at least MIN_COPIED_EXTENT where its operands are copied
-first) runs on kernels/wgmma_matmul.cu instead: "high" on its TF32 instruction (which reads each float32's
-upper 19 bits: rounded toward zero to TF32, not to nearest as mma.sync's kernel rounds), "highest" as 3xTF32
-on it (one pass splits each operand into TF32 parts, then one TF32 product over three times K, whose big
-times big part is summed in float32 on the CUDA cores every few slices), "medium" on its bf16 one.
+Ampere). bf16 a and b (a model trained in bf16, gpt2_cupy.amp) are multiplied as they are, whatever the
+precision: launch_bf16_matmul takes their rows and a float32 or bf16 out (rounded once, after the float32 sum
+and the optional float32 bias, bias_add's "+ b" fused into the product's store).
 
-The package's products come here through gpt2_cupy.ops.matmul.launch_matmul at the "high" and "medium"
-settings, and at "highest" where highest_on_tensor_cores says so (large 2-D products on a Hopper GPU); other
-products at "highest" stay on chapter 01's float32 kernel.
-
-bf16 arrays (a model trained in bf16, gpt2_cupy.amp) are multiplied as they are, whatever the precision
-setting: launch_bf16_product takes bf16 a and b, a float32 or bf16 out (a bf16 out is rounded once, after
-the float32 sum and the optional float32 bias, bias_add's "+ b" fused into the product's store).
+The package's products reach these kernels through gpt2_cupy.dispatch, which sends large 2-D products on a
+Hopper GPU to Hopper's wgmma (gpt2_cupy.ops.wgmma_matmul) instead.
 """
 
 import numpy
 
 from gpt2_cupy import backend, kernels
-from gpt2_cupy.elementwise import converted, elementwise
+from gpt2_cupy.elementwise import converted
 from gpt2_cupy.ops.arrays import BFLOAT16, THREADS_PER_BLOCK, ceil_div, float4_aligned, storage_c_type
-from gpt2_cupy.ops.matmul import _checked, add_bias, launch_matmul
-from gpt2_cupy.ops.wgmma_matmul import launch_tf32_wgmma_product, launch_wgmma_matmul, wgmma_fits, wgmma_runs
+from gpt2_cupy.ops.matmul import check_product, launch_float32_matmul
 from gpt2_cupy.precision import PRECISIONS, get_float32_matmul_precision
 
 TILE = 128       # rows and columns of C per block (kernels/tensor_core_matmul.cu: TILE)
@@ -49,14 +40,6 @@ DEPTH = 32       # elements of K per slice (DEPTH)
 STAGES = 3       # slices in flight (STAGES)
 THREADS = 256
 TF32_PRODUCTS = {"highest": 3, "high": 1}   # mma products per tile: 3xTF32 or TF32
-# Multiply-adds below which a bf16 product runs on the float32 kernel instead: 2^27 take about 5 µs on an
-# H100's float32 units, close to a launch, so tensor cores gain little there; the CPU executor, which
-# emulates the tensor cores lane by lane, runs such a product 40 times faster on the float32 kernel.
-SMALL_PRODUCT = 1 << 27
-# M and N at least this for a float32 product on wgmma: an operand not K-major is copied first (8 bytes per
-# element, read and written), which costs less than the wgmma saves over mma.sync (2 N flops per element of A,
-# about 3 times faster) once N is a few hundred: at 4 TB/s and 106 against 350 TFLOP/s, N above about 150.
-MIN_COPIED_EXTENT = 256
 BF16_ROW_MULTIPLE = 8                       # bf16 copies' rows are padded to 16 bytes, for 16-byte copies
 
 
@@ -135,100 +118,10 @@ def bf16_rows(x):
     return padded
 
 
-def launch_bf16_product(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, bias=None):
-    """out = op(a) @ op(b) (+ bias), or out += ..., for bf16 a and b: 2-D, or batched 3-D (a, b and out with
-    one leading batch axis). Unchecked: a, b, out C-contiguous of matching shapes, out float32 or bf16, apart
-    from both; bias None or out's N columns of float32."""
-    K = a.shape[-2] if transpose_a else a.shape[-1]
-    if out.size == 0:
-        return out
-    if K == 0:  # an empty sum: 0 (+ bias) into out, or out kept (+ bias)
-        if not accumulate:
-            backend.fill_zero(out)   # a kernel, so that a CUDA graph records it (on the CPU too)
-        if bias is not None:
-            elementwise("bias_add", "a + b", [out, bias], compute_dtype=out.dtype, out=out)
-        return out
-    batch = out.shape[0] if out.ndim == 3 else 1
-    if batch * out.shape[-2] * out.shape[-1] * K < SMALL_PRODUCT:
-        return _small_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias)
-    if out.ndim == 2 and wgmma_runs() and wgmma_fits(a, b):
-        # Hopper's wgmma reads each operand as it lies in memory, k-contiguous or not (its transpose operands):
-        # the Linear forward x Wᵀ, its input gradient dy W and its weight gradient dyᵀ x, none copied.
-        return launch_wgmma_matmul(a, b, out, bias, accumulate, transpose_a, transpose_b)
-    return launch_bf16_matmul(bf16_rows(a), bf16_rows(b), out, K, transpose_a, transpose_b, accumulate, bias)
-
-
-def _small_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias):
-    """A small bf16 product on chapter 01's float32 kernel: the bf16 values widened (exactly), their products
-    exact in float32 as on a tensor core, sums in float32, the bias added, then out rounded once."""
-    if out.dtype == numpy.float32:
-        result = out
-    else:
-        result = converted(out, numpy.float32) if accumulate else backend.xp.empty(out.shape, dtype=numpy.float32)
-    launch_matmul(converted(a, numpy.float32), converted(b, numpy.float32), result, transpose_a, transpose_b,
-                  accumulate)
-    if result is out:
-        add_bias(result, bias)
-    elif bias is not None:   # the float32 sum, rounded once to bf16 as it is stored: one pass for both
-        elementwise("bias_add_to_bf16", "a + b", [result, bias], compute_dtype=numpy.float32, out_dtype=out.dtype,
-                    out=out)
-    else:
-        elementwise("float_to_bf16", "a", [result], compute_dtype=numpy.float32, out_dtype=out.dtype, out=out)
-    return out
-
-
-def _large_on_wgmma(out, K):
-    """Whether a product into out over K runs on the wgmma: a 2-D one of at least SMALL_PRODUCT multiply-adds, on
-    a backend that runs wgmma."""
-    M, N = out.shape[-2:]
-    return out.ndim == 2 and wgmma_runs() and M * N * K >= SMALL_PRODUCT
-
-
-def _copy_pays(out):
-    """Whether copying an operand K-major first (TF32's other layouts, 3xTF32's parts) costs less than the wgmma
-    saves: M and N at least MIN_COPIED_EXTENT."""
-    return min(out.shape[-2:]) >= MIN_COPIED_EXTENT
-
-
-def highest_on_tensor_cores(out, K):
-    """Whether a float32 product into out (M, N) over K runs at "highest" as 3xTF32 on the wgmma instead of on
-    chapter 01's float32 kernel: on a GPU that runs wgmma (H100, H200), for a 2-D product of at least
-    SMALL_PRODUCT multiply-adds with M and N at least MIN_COPIED_EXTENT (3xTF32 copies both operands into their
-    parts first). Both are as accurate as float32 (gpt2_cupy.precision); 3xTF32 is the faster there. The CPU
-    executor keeps the float32 kernel: it emulates the tensor cores lane by lane, three products at 40 times
-    the float32 kernel's time."""
-    return backend.name == "cuda" and _large_on_wgmma(out, K) and _copy_pays(out)
-
-
-def launch_tensor_core_matmul(a, b, out, transpose_a=False, transpose_b=False, accumulate=False,
-                              precision="highest", bias=None):
-    """out = op(a) @ op(b) (+ bias), or out += ..., 2-D or batched 3-D. Unchecked: for callers that have checked
-    their arguments (a, b, out C-contiguous float32 of matching shapes, out apart from both, a known precision;
-    bias None or a 2-D out's N columns of float32, added in the product's store on the wgmma and bf16 kernels,
-    after it on mma.sync's TF32 one). bf16 a and b are multiplied as they are, whatever the precision."""
-    if a.dtype == BFLOAT16:
-        return launch_bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias)
-    K = a.shape[-2] if transpose_a else a.shape[-1]
-    if out.size == 0 or K == 0:  # nothing to multiply: the float32 op fills or keeps out as it should
-        return launch_matmul(a, b, out, transpose_a, transpose_b, accumulate, bias)
-    if _large_on_wgmma(out, K):
-        if precision == "medium":   # bf16 copies (as for mma.sync), then the bf16 wgmma (launch_bf16_product picks it)
-            return launch_bf16_product(converted(a, BFLOAT16), converted(b, BFLOAT16), out, transpose_a, transpose_b,
-                                       accumulate, bias)
-        # TF32 reads x Wᵀ as it lies; other layouts, and 3xTF32's parts, take a K-major copy first.
-        copied = transpose_a or not transpose_b or precision == "highest"
-        if not copied or _copy_pays(out):
-            return launch_tf32_wgmma_product(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision],
-                                             bias)
-    if precision == "medium":
-        return launch_bf16_matmul(to_bf16(a)[0], to_bf16(b)[0], out, K, transpose_a, transpose_b, accumulate, bias)
-    return add_bias(launch_tf32_mma_sync(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision]),
-                    bias)
-
-
 def launch_tf32_mma_sync(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, products=1):
     """out = op(a) @ op(b), or out += ..., on mma.sync's TF32 kernel (any GPU since Ampere): products=1 for TF32
-    (inputs rounded to nearest), 3 for 3xTF32. Unchecked, as launch_tensor_core_matmul, with K at least 1."""
+    (inputs rounded to nearest), 3 for 3xTF32. Unchecked: a, b, out C-contiguous float32 of matching shapes, out
+    apart from both (check_product), K at least 1."""
     K = a.shape[-2] if transpose_a else a.shape[-1]
     lda, ldb = a.shape[-1], b.shape[-1]
     # 16-byte copies need every stored row to start on 16 bytes: rows of a multiple of 4 floats, aligned arrays
@@ -238,12 +131,26 @@ def launch_tf32_mma_sync(a, b, out, transpose_a=False, transpose_b=False, accumu
     return _launch(kernel, shared, out, a, b, K, lda, ldb, a.shape[-2], b.shape[-2], accumulate)
 
 
-def _checked_and_launched(operation, batched, a, b, transpose_a, transpose_b, out, accumulate, precision):
-    precision = get_float32_matmul_precision() if precision is None else precision
-    if precision not in PRECISIONS:
+def check_tensor_core_product(operation, a, b, transpose_a, transpose_b, out, accumulate, precision, batched):
+    """tensor_core_matmul's checks: (a, b, transpose_a, transpose_b, out) as ops.matmul.check_product gives them,
+    float32 or bf16, and a known precision."""
+    if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"{operation}: precision must be one of {PRECISIONS} or None, got {precision!r}")
-    a, b, transpose_a, transpose_b, out = _checked(operation, a, b, transpose_a, transpose_b, out, accumulate, batched)
-    return launch_tensor_core_matmul(a, b, out, transpose_a, transpose_b, accumulate, precision)
+    return check_product(operation, a, b, transpose_a, transpose_b, out, accumulate, batched, bf16=True)
+
+
+def _checked_and_launched(operation, batched, a, b, transpose_a, transpose_b, out, accumulate, precision):
+    a, b, transpose_a, transpose_b, out = check_tensor_core_product(operation, a, b, transpose_a, transpose_b, out,
+                                                                    accumulate, precision, batched)
+    precision = get_float32_matmul_precision() if precision is None else precision
+    K = a.shape[-2] if transpose_a else a.shape[-1]
+    if out.size == 0 or K == 0:  # nothing to multiply: the float32 op fills or keeps out as it should
+        return launch_float32_matmul(a, b, out, transpose_a, transpose_b, accumulate)
+    if a.dtype == BFLOAT16:
+        return launch_bf16_matmul(bf16_rows(a), bf16_rows(b), out, K, transpose_a, transpose_b, accumulate)
+    if precision == "medium":
+        return launch_bf16_matmul(to_bf16(a)[0], to_bf16(b)[0], out, K, transpose_a, transpose_b, accumulate)
+    return launch_tf32_mma_sync(a, b, out, transpose_a, transpose_b, accumulate, TF32_PRODUCTS[precision])
 
 
 def tensor_core_matmul(a, b, transpose_a=False, transpose_b=False, out=None, accumulate=False, precision=None):

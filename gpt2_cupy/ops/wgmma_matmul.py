@@ -9,8 +9,8 @@
 float32 a and b go through wgmma's .tf32 instruction, which reads each value's upper 19 bits (sign, exponent,
 10 mantissa bits: the value rounded toward zero to TF32) and takes its operands K-major only: a (M, K) and
 b (N, K), the defaults; their rows a multiple of 4 floats. launch_tf32_wgmma_product takes any layout (copying
-an operand K-major first) and 3xTF32 (float32 accuracy from three TF32 products); gpt2_cupy.ops.
-tensor_core_matmul sends its large 2-D float32 products there.
+an operand K-major first) and 3xTF32 (float32 accuracy from three TF32 products); gpt2_cupy.dispatch sends
+large 2-D products there.
 
 The Linear layer's three products, x: (B*T, C_in), W: (C_out, C_in), each read as it lies in memory:
 
@@ -50,30 +50,23 @@ BLOCK_K = 64                       # bf16 of K per slice (SLICE_K<__nv_bfloat16>
 STAGE_ROOM = 192 * 1024           # shared memory for the ring of slices (STAGE_ROOM)
 THREADS = 256 + 32                 # two consumer warpgroups and a copy warp (THREADS)
 SLICE_SUMS_BLOCK_N = 128           # tile width with slice sums: room in the registers for two sums
-PING_PONG_WIDTHS = (128,)          # tile widths whose warpgroups take whole tiles in turn (measured on an H200)
+PING_PONG_WIDTHS = (128,)          # tile widths whose warpgroups take whole tiles in turn (bench/design_choices.json)
 # Slices summed by the tensor cores before a float32 addition (3xTF32's big times big part): each addition makes
-# the tensor cores wait, and each slice more in a sum lets their truncated adds cut more bits. On an H200, 2, 4, 6
-# and 8 gave GPT-2 124M "highest" training 74.2k, 75.1k, 76.3k and 76.8k tokens/s; at 6 the error against float64
-# of GPT-2's Linear products was 0.35 to 0.88 of chapter 01's float32 kernel's (at 8, up to 1.12 of it).
+# the tensor cores wait, and each slice more in a sum lets their truncated adds cut more bits. 6: nearly the speed
+# of 8, with an error below chapter 01's float32 kernel's on GPT-2's products (bench/design_choices.json).
 SLICES_PER_SUM = 6
 MN_BOX = 64                        # an MN-major operand's box: 64 of m (n) by 64 of k (MN_BOX)
 MAX_SPLITS = 6                     # stretches of K at most: with out and bias, the 8 operands of one generated sum
 MIN_K_PER_SPLIT = 1024             # elements of K per stretch at least: 16 slices, to keep the pipeline full
-# Multiply-adds per second of a block, by tile width. On an H100, a product whose rounds are full at either width
-# (the output layer's bf16 weight gradient) ran 533 TFLOP/s on 128-wide tiles and 718 on 256-wide: 0.74. Yet on an
-# H200 the attention's qkv forward (8192 x 2304 x 768: 9 rounds of 128-wide tiles, 5 of 256-wide) ran 452 TFLOP/s on
-# 128-wide ping-pong tiles and 435 on 256-wide, which 0.74 does not pick: 0.80 picks it, and keeps every other
-# GPT-2 product's choice but the output layer's bf16-out input gradient (bench/tensor_cores.json has the figures)
+# Multiply-adds per second of a block, by tile width, relative to the widest: the ratio that picks the faster width
+# for GPT-2's products (bench/design_choices.json, bench/tensor_cores.json)
 TILE_SPEED = {256: 1.0, 128: 0.80}
 WIDEST = max(TILE_SPEED)
 # Slices' worth of time a tile's stores hold its tensor cores: a 256-wide tile's two warpgroups store together;
-# 128-wide tiles are ping-pong, one warpgroup storing while the other multiplies (measured on an H200; the
-# products of K = 768 on an H100 agree)
+# 128-wide tiles are ping-pong, one warpgroup storing while the other multiplies (bench/design_choices.json)
 STORE_SLICES = {256: 2, 128: 0}
 # Bytes the GPU's memory moves in the time a 128 x 256 tile multiplies one slice: the unit of split K's partial
-# sums (each stretch's slab written, then read back by add_partial_sums). On an H100, 8192 x 768 x 2304 in bf16
-# took 59.6 µs on 256-wide tiles unsplit (76 slices' time) and 83.6 µs in two stretches (60 slices' time and
-# 100 MB of slabs): about 2 MB a slice.
+# sums (each stretch's slab written, then read back by add_partial_sums); about 2 MB (bench/design_choices.json).
 SLICE_BYTES = 2 * 1024 * 1024
 ROW_BYTES = 128                    # a slice of k in shared memory: 64 bf16 or 32 float32 a row (ROW_BYTES)
 ROW_MULTIPLE = {2: 8, 4: 4}        # rows of a and b in 16-byte pieces: 8 bf16, 4 float32 (by element bytes)
@@ -112,7 +105,7 @@ def _check_element(operation, name, array):
 
 
 def _require_hopper(operation):
-    if wgmma_runs():
+    if backend.runs_wgmma():
         return
     device = backend.xp.cuda.Device()
     raise RuntimeError(f"{operation}: wgmma runs only on compute capability 9.0 (H100, H200); this GPU "
@@ -309,13 +302,6 @@ def launch_tf32_wgmma_product(a, b, out, transpose_a=False, transpose_b=False, a
     # 3xTF32's third part, big times big, from k = 2 segment_k on: its sums are summed apart
     k_apart = a_rows.shape[1] if products == 3 else None
     return launch_wgmma_matmul(a_rows, b_rows, out, bias, accumulate, False, True, k_apart=k_apart)
-
-
-@functools.lru_cache(maxsize=None)  # the Linear layer asks at every bf16 product
-def wgmma_runs():
-    """Whether this backend runs wgmma: a GPU of compute capability 9.0, or the CPU executor (which emulates it,
-    and stands for an H100 everywhere)."""
-    return backend.name != "cuda" or backend.xp.cuda.Device().compute_capability == "90"
 
 
 def wgmma_matmul(a, b, out=None, out_dtype=numpy.float32, bias=None, accumulate=False, transpose_a=False,

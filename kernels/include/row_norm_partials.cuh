@@ -8,7 +8,27 @@
 #ifndef GPT2_CUPY_ROW_NORM_PARTIALS_CUH
 #define GPT2_CUPY_ROW_NORM_PARTIALS_CUH
 
+#include "float_groups.cuh"
 #include "warp.cuh"
+
+// The start of such a backward: a lane's K groups of the weight in scale (zeros past the row's end), for the
+// kernel's own use, and its sums dweight and dbias set to zero.
+template <int K, int WIDTH>
+__device__ __forceinline__ void begin_column_partials(float* scale, float* dweight, float* dbias, const float* weight,
+                                                      int columns)
+{
+    int lane = threadIdx.x % WARP_SIZE;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        int column = (lane + k * WARP_SIZE) * WIDTH;
+        load_group<WIDTH>(scale + k * WIDTH, weight + column, column < columns);
+#pragma unroll
+        for (int w = 0; w < WIDTH; ++w) {
+            dweight[k * WIDTH + w] = 0.0f;
+            dbias[k * WIDTH + w] = 0.0f;
+        }
+    }
+}
 
 template <int K, int WIDTH>
 __device__ __forceinline__ void block_column_partials(const float* dweight, const float* dbias, float* weight_sums,
