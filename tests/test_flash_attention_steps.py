@@ -77,6 +77,24 @@ def test_forward_steps(heads, kv_heads, T, causal, rng, to_device, to_host):
         assert np.abs(to_host(lse) - lse_expected).max() < 1e-5 * np.abs(lse_expected).max() + 1e-5, name
 
 
+@pytest.mark.parametrize("strips", [1, 2])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads, kv_heads, T", SIZES + [(2, 1, 150)])
+def test_pipelined_forward(heads, kv_heads, T, causal, strips, rng, to_device, to_host):
+    """Steps 4 and 5: the cp.async double buffer, with one strip per warp and with two (-DSTRIPS=2); T = 150
+    takes several tiles of keys and a partial last block of rows."""
+    q, k, v = bf16(rng, (heads, T, D)), bf16(rng, (kv_heads, T, D)), bf16(rng, (kv_heads, T, D))
+    out_expected, lse_expected, *_ = reference(q, k, v, np.zeros_like(q), causal)
+    out = to_device(np.full((heads, T, D), np.nan, dtype=np.float32))
+    lse = to_device(np.full((heads, T), np.nan, dtype=np.float32))
+    kernel = kernels.function("steps/attention_forward_pipelined", options=(f"-DSTRIPS={strips}",))
+    kernel((blocks(T, 64 * strips), heads), (128,), (out, lse, to_device(bits(q)), to_device(bits(k)), to_device(bits(v)),
+                                                     np.int32(T), np.int32(heads), np.int32(kv_heads),
+                                                     np.float32(D ** -0.5), np.int32(causal)))
+    assert relative_error(to_host(out), out_expected) < TOLERANCE
+    assert np.abs(to_host(lse) - lse_expected).max() < 1e-5 * np.abs(lse_expected).max() + 1e-5
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads, kv_heads, T", SIZES)
 def test_backward_passes(heads, kv_heads, T, causal, rng, to_device, to_host):
