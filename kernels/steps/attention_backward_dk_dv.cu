@@ -7,38 +7,10 @@
 // Grouped-query attention: a key head's strip loops over the query heads that read it.
 // q, dout: (heads, T, D) bf16; k, v: (kv_heads, T, D) bf16; lse, row_dot: (heads, T); dk, dv: (kv_heads, T, D).
 #include <math_constants.h>   // CUDART_L2E_F = log2(e)
+#include "bf16_fragments.cuh"   // row_pair, column_pair, strip_fragments, bf16_pair
 #include "mma.cuh"
 
 constexpr int D = 64;
-
-__device__ __forceinline__ unsigned row_pair(const unsigned short* matrix, int row, int col, int rows)
-{
-    return row < rows ? *reinterpret_cast<const unsigned*>(matrix + (long long)row * D + col) : 0u;
-}
-
-__device__ __forceinline__ unsigned column_pair(const unsigned short* matrix, int row, int col, int rows)
-{
-    unsigned low = row < rows ? matrix[(long long)row * D + col] : 0u;
-    unsigned high = row + 1 < rows ? matrix[(long long)(row + 1) * D + col] : 0u;
-    return low | (high << 16);
-}
-
-__device__ __forceinline__ unsigned bf16_pair(float low, float high)   // each to nearest, ties to even
-{
-    unsigned l = __float_as_uint(low), h = __float_as_uint(high);
-    return ((l + 0x7FFFu + ((l >> 16) & 1u)) >> 16) | (((h + 0x7FFFu + ((h >> 16) & 1u)) >> 16) << 16);
-}
-
-// The A fragments of a strip of 16 rows starting at row0 (rows past the end are zeros).
-__device__ __forceinline__ void strip_fragments(unsigned (&a)[D / 16][4], const unsigned short* m, int row0, int T)
-{
-    int g = threadIdx.x / 4, t = threadIdx.x % 4;
-    for (int s = 0; s < D / 16; ++s) {
-        for (int i = 0; i < 4; ++i) {
-            a[s][i] = row_pair(m, row0 + g + 8 * (i % 2), 16 * s + 2 * t + 8 * (i / 2), T);
-        }
-    }
-}
 
 // grid (ceil(T / 16), kv_heads), block 32
 extern "C" __global__ void attention_backward_dk_dv(float* dk, float* dv, const unsigned short* q,
@@ -51,8 +23,8 @@ extern "C" __global__ void attention_backward_dk_dv(float* dk, float* dv, const 
     long long kv_head = blockIdx.y, group = heads / kv_heads;
     int key0 = blockIdx.x * 16;
     unsigned k_strip[D / 16][4], v_strip[D / 16][4];
-    strip_fragments(k_strip, k + kv_head * T * D, key0, T);
-    strip_fragments(v_strip, v + kv_head * T * D, key0, T);
+    strip_fragments<D>(k_strip, k + kv_head * T * D, key0, T);
+    strip_fragments<D>(v_strip, v + kv_head * T * D, key0, T);
     float dk_sum[D / 8][4] = {}, dv_sum[D / 8][4] = {};
     for (long long head = kv_head * group; head < (kv_head + 1) * group; ++head) {
         const unsigned short* qh = q + head * T * D;
@@ -61,10 +33,10 @@ extern "C" __global__ void attention_backward_dk_dv(float* dk, float* dv, const 
             float p[2][4] = {}, dp[2][4] = {};  // P^T and dP^T: 16 keys x two tiles of 8 queries
             for (int n = 0; n < 2; ++n) {
                 for (int d = 0; d < D / 16; ++d) {
-                    unsigned q_b[2] = {row_pair(qh, query0 + 8 * n + g, 16 * d + 2 * t, T),
-                                       row_pair(qh, query0 + 8 * n + g, 16 * d + 2 * t + 8, T)};
-                    unsigned dout_b[2] = {row_pair(dout_h, query0 + 8 * n + g, 16 * d + 2 * t, T),
-                                          row_pair(dout_h, query0 + 8 * n + g, 16 * d + 2 * t + 8, T)};
+                    unsigned q_b[2] = {row_pair<D>(qh, query0 + 8 * n + g, 16 * d + 2 * t, T),
+                                       row_pair<D>(qh, query0 + 8 * n + g, 16 * d + 2 * t + 8, T)};
+                    unsigned dout_b[2] = {row_pair<D>(dout_h, query0 + 8 * n + g, 16 * d + 2 * t, T),
+                                          row_pair<D>(dout_h, query0 + 8 * n + g, 16 * d + 2 * t + 8, T)};
                     mma_m16n8k16_bf16(p[n], k_strip[d], q_b);
                     mma_m16n8k16_bf16(dp[n], v_strip[d], dout_b);
                 }
@@ -80,10 +52,10 @@ extern "C" __global__ void attention_backward_dk_dv(float* dk, float* dv, const 
             unsigned ds_a[4] = {bf16_pair(dp[0][0], dp[0][1]), bf16_pair(dp[0][2], dp[0][3]),
                                 bf16_pair(dp[1][0], dp[1][1]), bf16_pair(dp[1][2], dp[1][3])};
             for (int j = 0; j < D / 8; ++j) {   // B operands: dO and Q read down their columns
-                unsigned dout_b[2] = {column_pair(dout_h, query0 + 2 * t, 8 * j + g, T),
-                                      column_pair(dout_h, query0 + 2 * t + 8, 8 * j + g, T)};
-                unsigned q_b[2] = {column_pair(qh, query0 + 2 * t, 8 * j + g, T),
-                                   column_pair(qh, query0 + 2 * t + 8, 8 * j + g, T)};
+                unsigned dout_b[2] = {column_pair<D>(dout_h, query0 + 2 * t, 8 * j + g, T),
+                                      column_pair<D>(dout_h, query0 + 2 * t + 8, 8 * j + g, T)};
+                unsigned q_b[2] = {column_pair<D>(qh, query0 + 2 * t, 8 * j + g, T),
+                                   column_pair<D>(qh, query0 + 2 * t + 8, 8 * j + g, T)};
                 mma_m16n8k16_bf16(dv_sum[j], p_a, dout_b);
                 mma_m16n8k16_bf16(dk_sum[j], ds_a, q_b);
             }

@@ -4,37 +4,10 @@
 // rows of dQ, so the two passes together need no atomics.
 // q, dout: (heads, T, D) bf16; k, v: (kv_heads, T, D) bf16; lse, row_dot: (heads, T); dq: (heads, T, D).
 #include <math_constants.h>   // CUDART_L2E_F = log2(e)
+#include "bf16_fragments.cuh"   // row_pair, column_pair, strip_fragments, bf16_pair
 #include "mma.cuh"
 
 constexpr int D = 64;
-
-__device__ __forceinline__ unsigned row_pair(const unsigned short* matrix, int row, int col, int rows)
-{
-    return row < rows ? *reinterpret_cast<const unsigned*>(matrix + (long long)row * D + col) : 0u;
-}
-
-__device__ __forceinline__ unsigned column_pair(const unsigned short* matrix, int row, int col, int rows)
-{
-    unsigned low = row < rows ? matrix[(long long)row * D + col] : 0u;
-    unsigned high = row + 1 < rows ? matrix[(long long)(row + 1) * D + col] : 0u;
-    return low | (high << 16);
-}
-
-__device__ __forceinline__ unsigned bf16_pair(float low, float high)   // each to nearest, ties to even
-{
-    unsigned l = __float_as_uint(low), h = __float_as_uint(high);
-    return ((l + 0x7FFFu + ((l >> 16) & 1u)) >> 16) | (((h + 0x7FFFu + ((h >> 16) & 1u)) >> 16) << 16);
-}
-
-__device__ __forceinline__ void strip_fragments(unsigned (&a)[D / 16][4], const unsigned short* m, int row0, int T)
-{
-    int g = threadIdx.x / 4, t = threadIdx.x % 4;
-    for (int s = 0; s < D / 16; ++s) {
-        for (int i = 0; i < 4; ++i) {
-            a[s][i] = row_pair(m, row0 + g + 8 * (i % 2), 16 * s + 2 * t + 8 * (i / 2), T);
-        }
-    }
-}
 
 // grid (ceil(T / 16), heads), block 32
 extern "C" __global__ void attention_backward_dq(float* dq, const unsigned short* q, const unsigned short* k,
@@ -48,8 +21,8 @@ extern "C" __global__ void attention_backward_dq(float* dq, const unsigned short
     k += kv_head * T * D;
     v += kv_head * T * D;
     unsigned q_strip[D / 16][4], dout_strip[D / 16][4];
-    strip_fragments(q_strip, q + head * T * D, row0, T);
-    strip_fragments(dout_strip, dout + head * T * D, row0, T);
+    strip_fragments<D>(q_strip, q + head * T * D, row0, T);
+    strip_fragments<D>(dout_strip, dout + head * T * D, row0, T);
     float row_lse[2], row_delta[2];           // rows g and g + 8
     for (int r = 0; r < 2; ++r) {
         int row = row0 + g + 8 * r;
@@ -62,10 +35,10 @@ extern "C" __global__ void attention_backward_dq(float* dq, const unsigned short
         float p[2][4] = {}, ds[2][4] = {};
         for (int n = 0; n < 2; ++n) {
             for (int d = 0; d < D / 16; ++d) {
-                unsigned k_b[2] = {row_pair(k, key0 + 8 * n + g, 16 * d + 2 * t, T),
-                                   row_pair(k, key0 + 8 * n + g, 16 * d + 2 * t + 8, T)};
-                unsigned v_b[2] = {row_pair(v, key0 + 8 * n + g, 16 * d + 2 * t, T),
-                                   row_pair(v, key0 + 8 * n + g, 16 * d + 2 * t + 8, T)};
+                unsigned k_b[2] = {row_pair<D>(k, key0 + 8 * n + g, 16 * d + 2 * t, T),
+                                   row_pair<D>(k, key0 + 8 * n + g, 16 * d + 2 * t + 8, T)};
+                unsigned v_b[2] = {row_pair<D>(v, key0 + 8 * n + g, 16 * d + 2 * t, T),
+                                   row_pair<D>(v, key0 + 8 * n + g, 16 * d + 2 * t + 8, T)};
                 mma_m16n8k16_bf16(p[n], q_strip[d], k_b);
                 mma_m16n8k16_bf16(ds[n], dout_strip[d], v_b);
             }
@@ -79,7 +52,7 @@ extern "C" __global__ void attention_backward_dq(float* dq, const unsigned short
         unsigned ds_a[4] = {bf16_pair(ds[0][0], ds[0][1]), bf16_pair(ds[0][2], ds[0][3]),
                             bf16_pair(ds[1][0], ds[1][1]), bf16_pair(ds[1][2], ds[1][3])};
         for (int j = 0; j < D / 8; ++j) {
-            unsigned k_b[2] = {column_pair(k, key0 + 2 * t, 8 * j + g, T), column_pair(k, key0 + 2 * t + 8, 8 * j + g, T)};
+            unsigned k_b[2] = {column_pair<D>(k, key0 + 2 * t, 8 * j + g, T), column_pair<D>(k, key0 + 2 * t + 8, 8 * j + g, T)};
             mma_m16n8k16_bf16(dq_sum[j], ds_a, k_b);
         }
     }

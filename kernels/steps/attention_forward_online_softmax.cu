@@ -5,28 +5,10 @@
 // comes back by ldmatrix as the A fragment of the product P V.
 // q, k, v: (heads, T, D) bf16; out: (heads, T, D) float32; lse: (heads, T) float32, the natural-log log-sum-exp.
 #include <math_constants.h>   // CUDART_INF_F, CUDART_L2E_F = log2(e)
+#include "bf16_fragments.cuh"   // row_pair, column_pair, strip_fragments, bf16_pair
 #include "mma.cuh"
 
 constexpr int D = 64;
-
-__device__ __forceinline__ unsigned row_pair(const unsigned short* matrix, int row, int col, int rows)
-{
-    return row < rows ? *reinterpret_cast<const unsigned*>(matrix + (long long)row * D + col) : 0u;
-}
-
-// Two bf16 of one column (rows row, row + 1) as one register: V read down its columns; zero past the last row.
-__device__ __forceinline__ unsigned column_pair(const unsigned short* matrix, int row, int col, int rows)
-{
-    unsigned low = row < rows ? matrix[(long long)row * D + col] : 0u;
-    unsigned high = row + 1 < rows ? matrix[(long long)(row + 1) * D + col] : 0u;
-    return low | (high << 16);
-}
-
-__device__ __forceinline__ unsigned short to_bf16(float x)   // to nearest, ties to even (x finite)
-{
-    unsigned bits = __float_as_uint(x);
-    return (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
 
 // grid (ceil(T / 16), heads), block 32
 extern "C" __global__ void attention_forward_online_softmax(float* out, float* lse, const unsigned short* q,
@@ -41,10 +23,10 @@ extern "C" __global__ void attention_forward_online_softmax(float* out, float* l
 
     unsigned a[D / 16][4];
     for (int s = 0; s < D / 16; ++s) {
-        a[s][0] = row_pair(q, row0 + g, 16 * s + 2 * t, T);
-        a[s][1] = row_pair(q, row0 + g + 8, 16 * s + 2 * t, T);
-        a[s][2] = row_pair(q, row0 + g, 16 * s + 2 * t + 8, T);
-        a[s][3] = row_pair(q, row0 + g + 8, 16 * s + 2 * t + 8, T);
+        a[s][0] = row_pair<D>(q, row0 + g, 16 * s + 2 * t, T);
+        a[s][1] = row_pair<D>(q, row0 + g + 8, 16 * s + 2 * t, T);
+        a[s][2] = row_pair<D>(q, row0 + g, 16 * s + 2 * t + 8, T);
+        a[s][3] = row_pair<D>(q, row0 + g + 8, 16 * s + 2 * t + 8, T);
     }
     float o[D / 8][4] = {};                     // O's accumulator: D / 8 tiles of 16 x 8
     float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F};  // rows g and g + 8, in log2 units
@@ -54,8 +36,8 @@ extern "C" __global__ void attention_forward_online_softmax(float* out, float* l
         float s[2][4] = {};                     // S: two 8-key tiles
         for (int n = 0; n < 2; ++n) {
             for (int d = 0; d < D / 16; ++d) {
-                unsigned b[2] = {row_pair(k, key0 + 8 * n + g, 16 * d + 2 * t, T),
-                                 row_pair(k, key0 + 8 * n + g, 16 * d + 2 * t + 8, T)};
+                unsigned b[2] = {row_pair<D>(k, key0 + 8 * n + g, 16 * d + 2 * t, T),
+                                 row_pair<D>(k, key0 + 8 * n + g, 16 * d + 2 * t + 8, T)};
                 mma_m16n8k16_bf16(s[n], a[d], b);
             }
         }
@@ -84,7 +66,7 @@ extern "C" __global__ void attention_forward_online_softmax(float* out, float* l
                 for (int i = 2 * r; i < 2 * r + 2; ++i) {
                     s[n][i] = exp2f(s[n][i] - base);                // now P, unnormalised
                     row_sum[r] += s[n][i];
-                    p_tile[g + 8 * r][8 * n + 2 * t + i % 2] = to_bf16(s[n][i]);
+                    p_tile[g + 8 * r][8 * n + 2 * t + i % 2] = (unsigned short)bf16_pair(s[n][i], 0.0f);  // the low half
                 }
             }
             row_max[r] = new_max;
@@ -93,7 +75,7 @@ extern "C" __global__ void attention_forward_online_softmax(float* out, float* l
         unsigned p[4];                          // lane 8q + r points at row r of 8 x 8 matrix q
         ldmatrix_x4(p, shared_address(&p_tile[lane % 16][8 * (lane / 16)]));
         for (int j = 0; j < D / 8; ++j) {
-            unsigned b[2] = {column_pair(v, key0 + 2 * t, 8 * j + g, T), column_pair(v, key0 + 2 * t + 8, 8 * j + g, T)};
+            unsigned b[2] = {column_pair<D>(v, key0 + 2 * t, 8 * j + g, T), column_pair<D>(v, key0 + 2 * t + 8, 8 * j + g, T)};
             mma_m16n8k16_bf16(o[j], p, b);
         }
         __syncwarp();                           // every lane has read P before the next tile overwrites it

@@ -5,6 +5,7 @@
 // V it reads from shared memory serves both: half the shared-memory traffic per multiply-add, for twice
 // the registers. q: (heads, T, D), k, v: (kv_heads, T, D) bf16; out: (heads, T, D), lse: (heads, T) float32.
 #include <math_constants.h>   // CUDART_INF_F, CUDART_L2E_F = log2(e)
+#include "bf16_fragments.cuh"   // row_pair, column_pair, strip_fragments, bf16_pair
 #include "mma.cuh"
 
 #ifndef STRIPS
@@ -13,17 +14,6 @@
 constexpr int D = 64, WARPS = 4, KEYS = 32;   // a tile: KEYS keys
 constexpr int STRIDE = D + 8;  // a tile row of 144 bytes: ldmatrix's rows stay 16-byte aligned, on other banks
 constexpr int ROWS = 16 * STRIPS * WARPS;     // query rows per block
-
-__device__ __forceinline__ unsigned row_pair(const unsigned short* matrix, int row, int col, int rows)
-{
-    return row < rows ? *reinterpret_cast<const unsigned*>(matrix + (long long)row * D + col) : 0u;
-}
-
-__device__ __forceinline__ unsigned bf16_pair(float low, float high)   // each to nearest, ties to even
-{
-    unsigned l = __float_as_uint(low), h = __float_as_uint(high);
-    return ((l + 0x7FFFu + ((l >> 16) & 1u)) >> 16) | (((h + 0x7FFFu + ((h >> 16) & 1u)) >> 16) << 16);
-}
 
 // The block's threads start the copy of rows key0.. of `matrix` into `tile`, 16 bytes each; rows past T
 // become zeros (0 source bytes, read from row 0 so that the address stays inside the array).
@@ -52,7 +42,7 @@ extern "C" __global__ void attention_forward_pipelined(float* out, float* lse, c
     for (int s = 0; s < STRIPS; ++s)
         for (int d = 0; d < D / 16; ++d)
             for (int i = 0; i < 4; ++i)
-                a[s][d][i] = row_pair(q, row0 + 16 * s + g + 8 * (i % 2), 16 * d + 2 * t + 8 * (i / 2), T);
+                a[s][d][i] = row_pair<D>(q, row0 + 16 * s + g + 8 * (i % 2), 16 * d + 2 * t + 8 * (i / 2), T);
     float o[STRIPS][D / 8][4] = {};
     float row_max[STRIPS][2], row_sum[STRIPS][2] = {};
     for (int s = 0; s < STRIPS; ++s) row_max[s][0] = row_max[s][1] = -CUDART_INF_F;

@@ -2,16 +2,10 @@
 // float32 sums). Q, K: (heads, T, D) bf16, row-major; S: (heads, T, T) float32.
 // A row of Q or K is already in the layout mma wants: the A fragment of Q holds two neighbours of a row
 // (columns 2t, 2t + 1), and so does the B fragment of K^T, whose columns are K's rows. One 32-bit load each.
+#include "bf16_fragments.cuh"   // row_pair, column_pair, strip_fragments, bf16_pair
 #include "mma.cuh"
 
 constexpr int D = 64;  // the head size; a multiple of 16, the k of one mma
-
-// Two neighbouring bf16 of `row` (columns col, col + 1) as one register, the lower column in the low half;
-// zero past the last row, so that a ragged T needs no other special case.
-__device__ __forceinline__ unsigned row_pair(const unsigned short* matrix, int row, int col, int rows)
-{
-    return row < rows ? *reinterpret_cast<const unsigned*>(matrix + (long long)row * D + col) : 0u;
-}
 
 // grid (ceil(T / 16), heads), block 32: one warp, one strip
 extern "C" __global__ void attention_scores_mma(float* scores, const unsigned short* q, const unsigned short* k,
@@ -26,15 +20,15 @@ extern "C" __global__ void attention_scores_mma(float* scores, const unsigned sh
 
     unsigned a[D / 16][4];  // the strip's Q, loaded once: D / 16 A fragments of 16 x 16
     for (int s = 0; s < D / 16; ++s) {
-        a[s][0] = row_pair(q, row0 + g, 16 * s + 2 * t, T);
-        a[s][1] = row_pair(q, row0 + g + 8, 16 * s + 2 * t, T);
-        a[s][2] = row_pair(q, row0 + g, 16 * s + 2 * t + 8, T);
-        a[s][3] = row_pair(q, row0 + g + 8, 16 * s + 2 * t + 8, T);
+        a[s][0] = row_pair<D>(q, row0 + g, 16 * s + 2 * t, T);
+        a[s][1] = row_pair<D>(q, row0 + g + 8, 16 * s + 2 * t, T);
+        a[s][2] = row_pair<D>(q, row0 + g, 16 * s + 2 * t + 8, T);
+        a[s][3] = row_pair<D>(q, row0 + g + 8, 16 * s + 2 * t + 8, T);
     }
     for (int key0 = 0; key0 < T; key0 += 8) {     // 8 keys: one n8 tile of S
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int s = 0; s < D / 16; ++s) {
-            unsigned b[2] = {row_pair(k, key0 + g, 16 * s + 2 * t, T), row_pair(k, key0 + g, 16 * s + 2 * t + 8, T)};
+            unsigned b[2] = {row_pair<D>(k, key0 + g, 16 * s + 2 * t, T), row_pair<D>(k, key0 + g, 16 * s + 2 * t + 8, T)};
             mma_m16n8k16_bf16(c, a[s], b);
         }
         // the accumulator: c[i] is row g + 8 (i / 2), column 2t + i % 2 of the 16 x 8 tile
