@@ -45,6 +45,8 @@ def step_runs(T, rng):
     scale, T32, heads = numpy.float32(D ** -0.5), numpy.int32(T), numpy.int32(B * H)
     grid = (blocks(T, 16), B * H)
     forward = {name: kernels.function(f"steps/{name}") for name in FORWARD_STEPS}
+    pipelined = {strips: kernels.function("steps/attention_forward_pipelined", options=(f"-DSTRIPS={strips}",))
+                 for strips in (1, 2)}
     backward = (kernels.function("steps/attention_backward_dk_dv"), kernels.function("steps/attention_backward_dq"))
     common = (q, k, v, dout, lse, row_dot, T32, heads, heads, scale, numpy.int32(1))
     return {
@@ -52,8 +54,12 @@ def step_runs(T, rng):
             grid, (32,), (out, lse, q, k, v, T32, scale, numpy.int32(1))),
         "step 3 (P from registers), forward": lambda: forward[FORWARD_STEPS[1]](
             grid, (32,), (out, lse, q, k, v, T32, heads, heads, scale, numpy.int32(1))),
-        "steps 6-7 (dK, dV pass; dQ pass), backward": lambda: (backward[0](grid, (32,), (dk, dv, *common)),
-                                                                backward[1](grid, (32,), (dq, *common))),
+        "step 4 (cp.async double buffer), forward": lambda: pipelined[1](
+            (blocks(T, 64), B * H), (128,), (out, lse, q, k, v, T32, heads, heads, scale, numpy.int32(1))),
+        "step 5 (two strips per warp), forward": lambda: pipelined[2](
+            (blocks(T, 128), B * H), (128,), (out, lse, q, k, v, T32, heads, heads, scale, numpy.int32(1))),
+        "step 6 (dK, dV pass; dQ pass), backward": lambda: (backward[0](grid, (32,), (dk, dv, *common)),
+                                                          backward[1](grid, (32,), (dq, *common))),
     }
 
 
