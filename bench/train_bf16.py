@@ -1,4 +1,4 @@
-"""Training in bf16 with CUDA graphs against PyTorch's bf16 autocast, on a GPU (chapter 16's benchmark).
+"""Training in bf16 with CUDA graphs against PyTorch's bf16 autocast, on a GPU (the benchmark of chapters 16a and 16c).
 
     python -m bench.train_bf16 [--steps 1000] [--eval-interval 100] [--timed-steps 10]
 

@@ -452,7 +452,7 @@ def test_gpt2_tiny_under_autocast_matches_float32(rng):
 
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 def test_attention_in_bf16_takes_the_tensor_cores_above_its_size(rng, monkeypatch, heads):
-    """F.scaled_dot_product_attention on bf16 heads: the tensor-core kernels (chapter 16) from
+    """F.scaled_dot_product_attention on bf16 heads: the tensor-core kernels (chapter 16b) from
     dispatch.TENSOR_CORE_ATTENTION multiply-adds on, chapter 08's float32 kernels below it; both against float64
     softmax attention from the same bf16 inputs, within bf16's rounding of P and of the output."""
     from gpt2_cupy import dispatch

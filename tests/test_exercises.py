@@ -178,6 +178,31 @@ BROKEN = {
         "guard": ("if (row < rows) {", "{"),
         "wrong element": ("tokens[row] = token;", "tokens[rows - 1 - row] = token;"),
     },
+    # Chapters 16a-16c
+    "16a.bf16_round": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("out[i] =", "out[n - 1 - i] ="),
+    },
+    "16a.unscale_check": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("unscaled[i] = value;", "unscaled[n - 1 - i] = value;"),
+    },
+    "16b.online_softmax_step": {
+        "guard": ("if (row < rows) {", "{"),
+        "wrong element": ("o[(long long)row * d + c] = total;", "o[(long long)row * d + d - 1 - c] = total;"),
+    },
+    "16b.dv_accumulate": {
+        "guard": ("if (j < T && c < d) {", "{"),
+        "wrong element": ("dv[(long long)j * d + c] += sum;", "dv[(long long)(T - 1 - j) * d + c] += sum;"),
+    },
+    "16c.sgd_device_scalars": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("parameters[i] -=", "parameters[n - 1 - i] -="),
+    },
+    "16c.bias_gelu": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("y[i] =", "y[n - 1 - i] ="),
+    },
 }
 
 IDS = [exercise_id for exercise_id, _, _ in exercises.list()]
