@@ -204,21 +204,30 @@ def _problem_at_size(exercise, kernel, source, size, rng):
     shared_mem = launch[2] if len(launch) > 2 else 0
     threads = int(numpy.prod(grid)) * int(numpy.prod(block))
     guard = max(GUARD_ELEMENTS, threads)
-    buffers, values = {}, []
+    buffers, values, copies = {}, [], []
     for argument in arguments:
         if isinstance(argument, Scalar):
             values.append(argument.value)
             continue
         host = _guarded(argument, guard)
         device = backend.xp.asarray(host)
-        buffers[argument.name] = (argument, device, host.size - guard)
-        values.append(device[:host.size - guard].reshape(_shape_of(argument)))
+        count = host.size - guard
+        # On the CPU the kernel gets an allocation of exactly its elements: a view's whole allocation is
+        # memory a GPU may touch, so the executor's bounds check sees only an allocation's end. On a GPU the
+        # view is given, and the guard region after it catches a stray write.
+        given = device[:count] if backend.ON_GPU else device[:count].copy()
+        buffers[argument.name] = (argument, device, count)
+        values.append(given.reshape(_shape_of(argument)))
+        copies.append((device[:count], given))
     try:
         with backend.checks(bounds=True, races=True):
             kernel(tuple(grid), tuple(block), tuple(values), shared_mem=shared_mem)
         backend.synchronize()
     except Exception as error:
         return _executor_report(error, source)
+    for view, given in copies:
+        if given is not view:
+            view[...] = given
     named = {a.name: (a.array if isinstance(a, Input) else a.value) for a in arguments if not isinstance(a, Output)}
     named.update({a.name: a.initial for a in arguments if isinstance(a, Output) and a.initial is not None})
     expected = exercise.reference(**named)
