@@ -1,4 +1,4 @@
-"""Autograd, one graph per result: Tensor, Function, no_grad, and the random state that dropout draws from.
+"""Autograd, one graph per result: Tensor, Function, no_grad.
 
     x = Tensor(array, requires_grad=True)      a backend array (.data) with a gradient slot (.grad)
     y = SomeFunction.apply(x, ...)             runs SomeFunction.forward; if a gradient is wanted, y.grad_fn
@@ -42,7 +42,6 @@ from gpt2_cupy.ops.arrays import storage_of
 from gpt2_cupy.elementwise import contiguous, converted as _as_dtype
 
 _grad_enabled = True    # switched off inside `with no_grad():`
-_dropout_state = {}     # "rng": dropout's (seed, offset) device array; "init": numpy's generator for weights
 
 _DTYPE_NAMES = {"float32": "torch.float32", "float64": "torch.float64", "int32": "torch.int32",
                 "int64": "torch.int64", "bool": "torch.bool", "uint8": "torch.uint8", "float16": "torch.float16",
@@ -322,6 +321,12 @@ class Tensor:
 
     def masked_fill_(self, mask, value):
         return _ops().masked_fill_(self, mask, value)
+
+    def normal_(self, mean=0.0, std=1.0, *, generator=None):
+        return _ops().normal_(self, mean, std, generator)
+
+    def uniform_(self, a=0.0, b=1.0, *, generator=None):  # PyTorch names them from and to
+        return _ops().uniform_(self, a, b, generator)
 
     __iadd__ = add_   # x += y changes x itself, as in PyTorch (without them Python would rebind x to x + y)
     __isub__ = sub_
@@ -787,29 +792,3 @@ def no_grad():
 
 def is_grad_enabled():
     return _grad_enabled
-
-
-def manual_seed(seed):
-    """Seed dropout (its masks: the counter-based generator from (seed, offset 0)) and initialisation."""
-    _dropout_state["rng"] = backend.xp.array([int(seed), 0], dtype=numpy.uint64)
-    _dropout_state["seed"] = int(seed)
-    _dropout_state["init"] = numpy.random.default_rng(int(seed))
-
-
-def init_generator():
-    """The numpy generator that nn's layers draw their initial weights from (seeded by manual_seed)."""
-    if "init" not in _dropout_state:
-        manual_seed(0)
-    return _dropout_state["init"]
-
-
-def dropout_rng_state():
-    """The (seed, offset) device array of dropout's generator (seed 0 until manual_seed is called)."""
-    if "rng" not in _dropout_state:
-        manual_seed(0)
-    return _dropout_state["rng"]
-
-
-def initial_seed():
-    dropout_rng_state()
-    return _dropout_state["seed"]

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, fields
 import numpy
 
 from gpt2_cupy import backend, nn, safetensors_files
-from gpt2_cupy.autograd import Tensor, init_generator, is_grad_enabled, no_grad
+from gpt2_cupy.autograd import Tensor, is_grad_enabled, no_grad
+from gpt2_cupy.random import init_generator
 from gpt2_cupy.elementwise import converted
 from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
 from gpt2_cupy.model import KVCache

@@ -24,7 +24,8 @@ import numpy
 
 from gpt2_cupy import backend, nn, safetensors_files
 from gpt2_cupy.nn import functional as F
-from gpt2_cupy.autograd import Tensor, is_grad_enabled, init_generator
+from gpt2_cupy.autograd import Tensor, is_grad_enabled
+from gpt2_cupy.random import init_generator
 from gpt2_cupy.ops.decode_attention import decode_attention_forward
 
 

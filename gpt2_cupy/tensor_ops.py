@@ -32,10 +32,10 @@ import re
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import (Function, Tensor, bump_version, init_generator, is_grad_enabled, storage_of,
-                                storage_version)
+from gpt2_cupy.autograd import Function, Tensor, bump_version, is_grad_enabled, storage_of, storage_version
 from gpt2_cupy.elementwise import broadcast_shapes, check_writable, converted, copy, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
+from gpt2_cupy.random import host_stream
 from gpt2_cupy.reduction import normalize_dims, reduce
 
 INT64 = numpy.dtype(numpy.int64)
@@ -847,12 +847,41 @@ def scatter_into(shape, key):
 
 
 def index_put(x, key, value):
-    """x[key] = value in place: for tensors outside any graph (a mask of logits to -inf when sampling)."""
-    if x.requires_grad and is_grad_enabled():
-        raise RuntimeError(LEAF_IN_PLACE)
-    key, _ = _index_key(x, key)
-    x.data[key] = value.data if isinstance(value, Tensor) else value
-    bump_version(x.data)
+    """x[key] = value in place. Inside a graph (x or value requires grad) it is recorded as PyTorch's
+    CopySlices records it: x becomes "x as it was, with value at key", so that value's gradient is the
+    gradient at key and x's old elements there receive none. A leaf that requires grad refuses, as PyTorch."""
+    key, advanced = _index_key(x, key)
+    if not _records(x, value):
+        x.data[key] = value.data if isinstance(value, Tensor) else value
+        bump_version(x.data)
+        return
+    if not advanced:  # a basic index is a view: the in-place copy into it records CopySlices on x
+        copy_(index(x, key), value if isinstance(value, Tensor) else Tensor(backend.xp.asarray(value, x.dtype)))
+        return
+    _become(x, IndexPut.apply(x, _lift(value), key))
+
+
+class IndexPut(Function):
+    """x with value written at an advanced index (a copy; _become writes it into x's own array)."""
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, value, key):
+        ctx.key, ctx.value_shape = key, numpy.shape(value)
+        ctx.value_dtype = getattr(value, "dtype", None)
+        out = copy("index_put", x)
+        out[key] = value
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        to_x = copy("index_put_backward", dout)
+        to_x[ctx.key] = 0  # overwritten: x's old elements there send nothing back
+        to_value = None
+        if ctx.needs_input_grad[1]:
+            selected = dout[ctx.key]
+            to_value = converted(sum_to(selected, ctx.value_shape), ctx.value_dtype)
+        return to_x, to_value, None
 
 
 # ---- in place ------------------------------------------------------------------------------------------------
@@ -1026,6 +1055,23 @@ def masked_fill_(x, mask, value):
     return _write("masked_fill_", "b ? c : a", x, [mask_array, operand], x.dtype)
 
 
+def fill_random_(x, values):
+    """x's elements set to values drawn on the host (normal_, uniform_, random_): a write that no graph
+    records, as PyTorch's random fills."""
+    _records(x)
+    x.data[...] = backend.xp.asarray(numpy.asarray(values).astype(x.dtype))
+    bump_version(x.data)
+    return x
+
+
+def normal_(x, mean=0.0, std=1.0, generator=None):
+    return fill_random_(x, host_stream(generator).normal(mean, std, x.shape))
+
+
+def uniform_(x, low=0.0, high=1.0, generator=None):
+    return fill_random_(x, host_stream(generator).uniform(low, high, x.shape))
+
+
 def _all_true():
     """A 0-d True mask: where(True, src, x) is src, with no gradient to x (x's old values are overwritten)."""
     return backend.xp.ones((), dtype=BOOL)
@@ -1122,7 +1168,8 @@ def gather(x, dim, index):
 
 
 def multinomial(probabilities, num_samples, replacement=False, generator=None):
-    """num_samples indices per row, drawn with the given (unnormalised) weights; from manual_seed's generator."""
+    """num_samples indices per row, drawn with the given (unnormalised) weights; from generator, or the
+    default generator manual_seed seeds."""
     weights = backend.asnumpy(probabilities.data).astype(numpy.float64)
     rows = weights.reshape(-1, weights.shape[-1])
     if (rows < 0).any() or not numpy.isfinite(rows).all():
@@ -1131,7 +1178,7 @@ def multinomial(probabilities, num_samples, replacement=False, generator=None):
         raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
     if not replacement and num_samples > rows.shape[1]:
         raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
-    random = init_generator()
+    random = host_stream(generator)
     drawn = numpy.stack([random.choice(rows.shape[1], size=num_samples, replace=replacement, p=row / row.sum())
                          for row in rows])
     shape = weights.shape[:-1] + (num_samples,)

@@ -26,7 +26,8 @@ import ml_dtypes
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import Tensor, bump_version, init_generator
+from gpt2_cupy.autograd import Tensor, bump_version
+from gpt2_cupy.random import init_generator
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.nn import init, utils
 

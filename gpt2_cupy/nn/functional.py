@@ -34,7 +34,8 @@ import math
 import numpy
 
 from gpt2_cupy import amp, backend, device_checks, tensor_ops
-from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state, storage_version
+from gpt2_cupy.autograd import Function, Tensor, storage_version
+from gpt2_cupy.random import dropout_rng_state
 from gpt2_cupy.elementwise import contiguous, converted, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32, same_place, storage_of
 from gpt2_cupy.reduction import normalize_dims
