@@ -1,6 +1,6 @@
 """Autograd, one graph per result: Tensor, Function, no_grad.
 
-    x = Tensor(array, requires_grad=True)      a backend array (.data) with a gradient slot (.grad)
+    x = Tensor(array, requires_grad=True)      a backend array (.data) with a gradient (.grad, a Tensor)
     y = SomeFunction.apply(x, ...)             runs SomeFunction.forward; if a gradient is wanted, y.grad_fn
                                                is a Node that remembers the call and where its inputs came from
     loss.backward()                            walks the Nodes that reach loss, each after all its consumers
@@ -65,7 +65,7 @@ class Tensor:
             data = backend.xp.asarray(data)
         if not isinstance(data, backend.xp.ndarray):
             data = backend.xp.asarray(data, dtype=numpy.float32)
-        self.data, self.grad = data, None
+        self._data, self._grad = data, None
         self._requires_grad = bool(requires_grad)
         self.grad_fn = None     # the Node that made this tensor; None for a leaf
         self.output_nr = 0      # which of that Node's outputs it is
@@ -84,6 +84,40 @@ class Tensor:
         if not self.is_leaf:
             raise RuntimeError("you can only change requires_grad flags of leaf variables.")
         self._requires_grad = bool(value)
+
+    @property
+    def data(self):
+        """The backend array (numpy's or CuPy's) that holds the values. Where PyTorch's .data is a Tensor
+        sharing the storage, this is the array itself: `p.data += -lr * p.grad` and `p.data[...] = x` write
+        in place all the same, and `p.data = t` takes a Tensor's array (or an array)."""
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        self._data = value.data if isinstance(value, Tensor) else value
+
+    @property
+    def grad(self):
+        """The gradient, a Tensor (None until a backward reaches this leaf). Its array may be a view into
+        an optimizer's flat gradient buffer: writes into it (grad.zero_(), grad *= s) land there."""
+        return self._grad
+
+    @grad.setter
+    def grad(self, value):
+        if isinstance(value, backend.xp.ndarray):  # the engine and optimizers hand over arrays
+            value = Tensor(value)
+        elif value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"assigned grad expected to be a Tensor or None but got grad of type "
+                            f"{type(value).__name__}")
+        if value is not None and value.shape != self.shape:
+            raise RuntimeError("assigned grad has data of a different size")
+        if value is not None and value.dtype != self.dtype:
+            raise RuntimeError("assigned grad has data of a different type")
+        self._grad = value
+
+    def _grad_array(self):
+        """The gradient's backend array, or None."""
+        return None if self._grad is None else self._grad.data
 
     def requires_grad_(self, requires_grad=True):
         self.requires_grad = requires_grad
@@ -105,6 +139,21 @@ class Tensor:
         if self.data.size != 1:
             raise RuntimeError(f"a Tensor with {self.data.size} elements cannot be converted to Scalar")
         return backend.asnumpy(self.data).reshape(()).item()
+
+    def __array__(self, dtype=None, copy=None):
+        """numpy.asarray(tensor): its values on the host, as torch's; refused while it requires grad."""
+        values = self.numpy()
+        return values if dtype is None else values.astype(dtype)
+
+    @property
+    def __cuda_array_interface__(self):
+        """CuPy's cupy.asarray(tensor) and cupy.asnumpy(tensor) read the device array (on a GPU only)."""
+        if backend.name != "cuda":
+            raise AttributeError("__cuda_array_interface__: the tensor lives in host memory (the CPU backend)")
+        if self.requires_grad:
+            raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad. "
+                               "If gradients aren't required, use var.detach() to get Variable that doesn't require grad.")
+        return self.data.__cuda_array_interface__
 
     def tolist(self):
         return backend.asnumpy(self.data).tolist()
@@ -599,7 +648,7 @@ def _accumulate(tensor, gradient):
     if tensor.grad is None:
         tensor.grad = _new_leaf_gradient(tensor, gradient)
     else:
-        _add(tensor.grad, gradient, out=tensor.grad)
+        _add(tensor.grad.data, gradient, out=tensor.grad.data)
 
 
 class GradientSlot:
@@ -740,7 +789,7 @@ class Context:
             return buffer
         if leaf.grad is None:
             leaf.grad = _new_leaf_gradient(leaf)
-        return leaf.grad
+        return leaf.grad.data
 
 
 def _edge(tensor):

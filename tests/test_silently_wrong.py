@@ -162,3 +162,69 @@ def test_d_seed_chooses_and_reports_a_seed():
     chosen = g.seed()
     assert g.initial_seed() == chosen
     assert np.array_equal(host(torch.rand(3, generator=g)), host(torch.rand(3, generator=torch.Generator().manual_seed(chosen))))
+
+
+# ---- .grad is a Tensor ---------------------------------------------------------------------------------------
+
+def _trained_linear():
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    x = torch.tensor(np.linspace(-1, 1, 8).reshape(2, 4))
+    (layer(x) ** 2).sum().backward()
+    return layer, x
+
+
+def test_b_grad_is_a_tensor_with_pytorchs_statistics():
+    """p.grad.std() was numpy's biased std: the lectures' gradient statistics came out wrong, silently."""
+    layer, _ = _trained_linear()
+    g = host(layer.weight.grad)
+    assert isinstance(layer.weight.grad, torch.Tensor)
+    assert np.isclose(layer.weight.grad.std().item(), g.std(ddof=1), rtol=1e-5)
+    assert np.isclose(layer.weight.grad.mean().item(), g.mean(), rtol=1e-5, atol=1e-7)
+    assert np.isclose(layer.weight.grad.abs().max().item(), np.abs(g).max(), rtol=1e-6)
+
+
+def test_b_grad_in_place_and_none():
+    layer, x = _trained_linear()
+    before = host(layer.weight.grad)
+    layer.weight.grad.zero_()
+    assert not host(layer.weight.grad).any()
+    (layer(x) ** 2).sum().backward()   # accumulates into the zeroed gradient
+    assert np.allclose(host(layer.weight.grad), before, rtol=1e-5)
+    layer.weight.grad = None
+    assert layer.weight.grad is None
+    with pytest.raises(RuntimeError, match="different size"):
+        layer.weight.grad = torch.zeros(2, 2)
+    with pytest.raises(TypeError, match="Tensor or None"):
+        layer.weight.grad = [1.0]
+
+
+def test_b_sgd_through_data_as_in_the_lectures():
+    layer, _ = _trained_linear()
+    w, g = host(layer.weight), host(layer.weight.grad)
+    for p in layer.parameters():
+        p.data += -0.1 * p.grad
+    assert np.allclose(host(layer.weight), w - 0.1 * g, rtol=1e-6)
+
+
+def test_b_an_assigned_gradient_reaches_the_optimizer():
+    layer, _ = _trained_linear()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    w = host(layer.weight)
+    layer.weight.grad = torch.ones(3, 4)
+    layer.bias.grad = None
+    b = host(layer.bias)
+    optimizer.step()
+    assert np.allclose(host(layer.weight), w - 0.5)
+    assert np.allclose(host(layer.bias), b)   # no gradient: left as it is, as PyTorch's optimizers do
+    assert isinstance(layer.weight.grad, torch.Tensor)
+    layer.weight.data = torch.zeros(3, 4)     # a new .data: the optimizer copies it into its buffer
+    layer.weight.grad = torch.ones(3, 4)
+    optimizer.step()
+    assert np.allclose(host(layer.weight), -0.5)
+
+
+def test_b_grad_reads_as_an_array_on_the_host():
+    layer, _ = _trained_linear()
+    assert np.array_equal(np.asarray(layer.weight.grad), backend.asnumpy(layer.weight.grad.data))
+    assert np.array_equal(backend.asnumpy(layer.weight.grad), backend.asnumpy(layer.weight.grad.data))

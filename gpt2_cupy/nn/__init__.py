@@ -222,7 +222,7 @@ class Module:
             if set_to_none:
                 parameter.grad = None
             elif parameter.grad is not None:
-                backend.fill_zero(parameter.grad)  # in place: the buffer may be a view into the optimizer's flat one
+                backend.fill_zero(parameter.grad.data)  # in place: the buffer may be a view into the optimizer's flat one
 
 
 class ModuleList(Module):
