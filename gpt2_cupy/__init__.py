@@ -16,12 +16,16 @@ Importing the package is cheap: the submodules load, and kernels compile, when f
 """
 
 import builtins as _builtins
+import contextlib
+import math
+import sys
 import types
 
 import ml_dtypes
 import numpy
 
 from gpt2_cupy import amp
+from gpt2_cupy.devices import device
 from gpt2_cupy import random as _random
 from gpt2_cupy.random import (Generator, default_generator, get_rng_state, initial_seed, manual_seed,  # as torch's
                               seed, set_rng_state)
@@ -32,7 +36,7 @@ __version__ = "0.1.0"
 
 _FROM_AUTOGRAD = ("Tensor", "Function", "no_grad", "is_grad_enabled")
 _FROM_SERIALIZATION = ("save", "load")
-_SUBMODULES = ("nn", "optim", "functional", "autograd", "backend", "model")
+_SUBMODULES = ("nn", "optim", "functional", "autograd", "backend", "model", "utils")
 
 # dtype names, as torch's: numpy dtypes here. bfloat16 is ml_dtypes' (the numpy dtype JAX and CuPy use too);
 # float16 names a dtype that no kernel takes (tensors of it are refused: .to(float16) raises).
@@ -200,6 +204,66 @@ def full_like(input, fill_value, dtype=None, device=None, requires_grad=False):
     return full(input.shape, fill_value, dtype=input.dtype if dtype is None else dtype, requires_grad=requires_grad)
 
 
+def linspace(start, end, steps, *, dtype=None, device=None, requires_grad=False):
+    """steps numbers evenly spaced from start to end, both included (computed in float64, then converted)."""
+    return _made(numpy.linspace(_builtins.float(start), _builtins.float(end), _builtins.int(steps)), dtype,
+                 requires_grad)
+
+
+def logspace(start, end, steps, base=10.0, *, dtype=None, device=None, requires_grad=False):
+    return _made(numpy.logspace(_builtins.float(start), _builtins.float(end), _builtins.int(steps), base=base),
+                 dtype, requires_grad)
+
+
+def eye(n, m=None, *, dtype=None, device=None, requires_grad=False):
+    return _made(numpy.eye(n, m), dtype, requires_grad)
+
+
+def numel(input):
+    return input.numel()
+
+
+def split(tensor, split_size_or_sections, dim=0):
+    return tensor.split(split_size_or_sections, dim)
+
+
+def get_default_dtype():
+    """float32: factories and floats from Python numbers."""
+    return float32
+
+
+def set_default_dtype(d):
+    if dtype_of(d) != float32:
+        raise NotImplementedError(f"set_default_dtype({d}): the default dtype is float32 (the kernels' own)")
+
+
+def is_floating_point(input):
+    return input.is_floating_point()
+
+
+class Size(tuple):
+    """torch.Size: a tuple of sizes (Tensor.shape is a plain tuple here, equal to it)."""
+
+    def numel(self):
+        return math.prod(self)
+
+
+def set_printoptions(precision=None, threshold=None, edgeitems=None, linewidth=None, profile=None, sci_mode=None):
+    """How tensors print (numpy's print options, which their repr uses)."""
+    options = {"precision": precision, "threshold": threshold, "edgeitems": edgeitems, "linewidth": linewidth}
+    if profile == "full":
+        options["threshold"] = sys.maxsize
+    if sci_mode is not None:
+        options["suppress"] = not sci_mode
+    numpy.set_printoptions(**{name: value for name, value in options.items() if value is not None})
+
+
+def inference_mode(mode=True):
+    """torch.inference_mode: no_grad (nothing recorded) when mode is True; a context manager and a decorator."""
+    from gpt2_cupy.autograd import no_grad
+    return no_grad() if mode else contextlib.nullcontext()
+
+
 def equal(input, other):
     """torch.equal: True when both tensors have the same shape and the same values (a Python bool)."""
     from gpt2_cupy import backend
@@ -265,20 +329,28 @@ class _CudaMatmul:
         set_float32_matmul_precision("high" if allowed else "highest")
 
 
-# cudnn.allow_tf32 switches nothing: the package makes no cuDNN calls.
+# cudnn.allow_tf32 switches nothing: the package makes no cuDNN calls. There is no Apple GPU backend: mps is
+# never available (code that prefers it then picks cuda or cpu, which both name the active backend).
 backends = types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=_CudaMatmul()),
-                                 cudnn=types.SimpleNamespace(allow_tf32=False))
+                                 cudnn=types.SimpleNamespace(allow_tf32=False),
+                                 mps=types.SimpleNamespace(is_available=lambda: False, is_built=lambda: False))
 
 
 # torch.exp(x), torch.cat([...]), torch.where(...): the functions of Tensor's methods, from tensor_ops
 _FROM_TENSOR_OPS = {
-    "cat": "cat", "concat": "cat", "stack": "stack", "where": "where", "matmul": "matmul", "clamp": "clamp",
-    "topk": "topk", "multinomial": "multinomial", "masked_fill": "masked_fill", "gather": "gather",
-    "sum": "sum", "mean": "mean", "var": "var", "std": "std", "reshape": "reshape", "permute": "permute",
-    "transpose": "transpose", "unsqueeze": "unsqueeze", "squeeze": "squeeze", "flatten": "flatten",
+    "cat": "cat", "concat": "cat", "concatenate": "cat", "stack": "stack", "where": "where", "matmul": "matmul",
+    "clamp": "clamp", "clip": "clamp", "topk": "topk", "multinomial": "multinomial", "masked_fill": "masked_fill",
+    "gather": "gather", "sum": "sum", "mean": "mean", "var": "var", "std": "std", "reshape": "reshape",
+    "permute": "permute", "transpose": "transpose", "unsqueeze": "unsqueeze", "squeeze": "squeeze",
+    "flatten": "flatten", "allclose": "allclose", "isclose": "isclose", "bincount": "bincount", "histc": "histc",
+    "histogram": "histogram", "unique": "unique", "chunk": "chunk", "unbind": "unbind",
 }
 _TENSOR_METHODS = ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "pow", "tril", "triu", "max",
-                   "min", "argmax", "argmin", "softmax", "log_softmax", "clone")
+                   "min", "argmax", "argmin", "softmax", "log_softmax", "clone", "square", "sign", "sin", "cos", "tan",
+                   "asin", "acos", "atan", "sinh", "cosh", "log10", "log2", "log1p", "expm1", "exp2", "erf",
+                   "reciprocal", "floor", "ceil", "round", "trunc", "frac", "atan2", "maximum", "minimum", "all", "any",
+                   "amax", "amin", "norm", "cumsum", "sort", "argsort", "flip", "roll", "repeat_interleave", "numel",
+                   "t", "split", "detach", "is_floating_point", "neg")
 
 
 def __getattr__(name):

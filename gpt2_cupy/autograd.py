@@ -37,6 +37,7 @@ import weakref
 import numpy
 
 from gpt2_cupy import backend
+from gpt2_cupy.devices import device
 from gpt2_cupy.ops.arrays import storage_of
 # converted: a float32 gradient buffer for a bf16 argument, say
 from gpt2_cupy.elementwise import contiguous, converted as _as_dtype
@@ -128,6 +129,31 @@ class Tensor:
 
     def numel(self):
         return int(self.data.size)
+
+    nelement = numel
+
+    def element_size(self):
+        """Bytes per element."""
+        return self.data.itemsize
+
+    def data_ptr(self):
+        """The address of the first element (device memory on a GPU, host memory on the CPU)."""
+        return backend.address(self.data)
+
+    def is_floating_point(self):
+        return self.dtype.kind == "f" or self.dtype.name == "bfloat16"
+
+    def new_zeros(self, *size, dtype=None, device=None, requires_grad=False):
+        return Tensor(backend.xp.zeros(_sizes(size), dtype=self.dtype if dtype is None else dtype),
+                      requires_grad=requires_grad)
+
+    def new_ones(self, *size, dtype=None, device=None, requires_grad=False):
+        return Tensor(backend.xp.ones(_sizes(size), dtype=self.dtype if dtype is None else dtype),
+                      requires_grad=requires_grad)
+
+    def new_full(self, size, fill_value, dtype=None, device=None, requires_grad=False):
+        return Tensor(backend.xp.full(tuple(size), fill_value, dtype=self.dtype if dtype is None else dtype),
+                      requires_grad=requires_grad)
 
     def numpy(self):
         if self.requires_grad:
@@ -308,6 +334,75 @@ class Tensor:
     def exp(self):
         return _ops().unary("exp", self)
 
+    def square(self):
+        return _ops().unary("square", self)
+
+    def sign(self):
+        return _ops().unary("sign", self)
+
+    def sin(self):
+        return _ops().unary("sin", self)
+
+    def cos(self):
+        return _ops().unary("cos", self)
+
+    def tan(self):
+        return _ops().unary("tan", self)
+
+    def asin(self):
+        return _ops().unary("asin", self)
+
+    def acos(self):
+        return _ops().unary("acos", self)
+
+    def atan(self):
+        return _ops().unary("atan", self)
+
+    def sinh(self):
+        return _ops().unary("sinh", self)
+
+    def cosh(self):
+        return _ops().unary("cosh", self)
+
+    def log10(self):
+        return _ops().unary("log10", self)
+
+    def log2(self):
+        return _ops().unary("log2", self)
+
+    def log1p(self):
+        return _ops().unary("log1p", self)
+
+    def expm1(self):
+        return _ops().unary("expm1", self)
+
+    def exp2(self):
+        return _ops().unary("exp2", self)
+
+    def erf(self):
+        return _ops().unary("erf", self)
+
+    def reciprocal(self):
+        return _ops().unary("reciprocal", self)
+
+    def floor(self):
+        return _ops().unary("floor", self)
+
+    def ceil(self):
+        return _ops().unary("ceil", self)
+
+    def round(self):
+        return _ops().unary("round", self)
+
+    def trunc(self):
+        return _ops().unary("trunc", self)
+
+    def frac(self):
+        return _ops().unary("frac", self)
+
+    def atan2(self, other):
+        return _ops().binary("atan2", self, other)
+
     def log(self):
         return _ops().unary("log", self)
 
@@ -393,29 +488,97 @@ class Tensor:
     def triu(self, diagonal=0):
         return _ops().Triangle.apply(self, diagonal, True)
 
-    def sum(self, dim=None, keepdim=False, dtype=None):
-        return _ops().sum(self, dim, keepdim, dtype)
+    # keepdims: numpy's spelling, which PyTorch accepts too
+    def sum(self, dim=None, keepdim=False, dtype=None, *, keepdims=False):
+        return _ops().sum(self, dim, keepdim or keepdims, dtype)
 
-    def mean(self, dim=None, keepdim=False, dtype=None):
-        return _ops().mean(self, dim, keepdim, dtype)
+    def mean(self, dim=None, keepdim=False, dtype=None, *, keepdims=False):
+        return _ops().mean(self, dim, keepdim or keepdims, dtype)
 
-    def var(self, dim=None, unbiased=True, keepdim=False, *, correction=None):
-        return _ops().var(self, dim, unbiased, keepdim, correction)
+    def var(self, dim=None, unbiased=True, keepdim=False, *, correction=None, keepdims=False):
+        return _ops().var(self, dim, unbiased, keepdim or keepdims, correction)
 
-    def std(self, dim=None, unbiased=True, keepdim=False, *, correction=None):
-        return _ops().std(self, dim, unbiased, keepdim, correction)
+    def std(self, dim=None, unbiased=True, keepdim=False, *, correction=None, keepdims=False):
+        return _ops().std(self, dim, unbiased, keepdim or keepdims, correction)
 
-    def max(self, dim=None, keepdim=False):
-        return _ops().extreme("max", self, dim, keepdim)
+    def max(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().extreme("max", self, dim, keepdim or keepdims)
 
-    def min(self, dim=None, keepdim=False):
-        return _ops().extreme("min", self, dim, keepdim)
+    def min(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().extreme("min", self, dim, keepdim or keepdims)
 
-    def argmax(self, dim=None, keepdim=False):
-        return _ops().argextreme("max", self, dim, keepdim)
+    def amax(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().amax(self, dim, keepdim or keepdims)
 
-    def argmin(self, dim=None, keepdim=False):
-        return _ops().argextreme("min", self, dim, keepdim)
+    def amin(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().amin(self, dim, keepdim or keepdims)
+
+    def argmax(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().argextreme("max", self, dim, keepdim or keepdims)
+
+    def argmin(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().argextreme("min", self, dim, keepdim or keepdims)
+
+    def all(self, dim=None, keepdim=False):
+        return _ops().all_of(self, dim, keepdim)
+
+    def any(self, dim=None, keepdim=False):
+        return _ops().any_of(self, dim, keepdim)
+
+    def norm(self, p="fro", dim=None, keepdim=False, dtype=None):
+        return _ops().norm(self, p, dim, keepdim, dtype)
+
+    def cumsum(self, dim, dtype=None):
+        return _ops().cumsum(self, dim, dtype)
+
+    def sort(self, dim=-1, descending=False, stable=False):
+        return _ops().sort(self, dim, descending, stable)
+
+    def argsort(self, dim=-1, descending=False, stable=False):
+        return _ops().argsort(self, dim, descending, stable)
+
+    def unique(self, sorted=True, return_inverse=False, return_counts=False, dim=None):
+        return _ops().unique(self, sorted, return_inverse, return_counts, dim)
+
+    def flip(self, *dims):
+        return _ops().flip(self, _sizes(dims))
+
+    def roll(self, shifts, dims=None):
+        return _ops().roll(self, shifts, dims)
+
+    def repeat_interleave(self, repeats, dim=None, *, output_size=None):
+        return _ops().repeat_interleave(self, repeats, dim, output_size)
+
+    def repeat(self, *sizes):
+        return _ops().repeat(self, _sizes(sizes))
+
+    def chunk(self, chunks, dim=0):
+        return _ops().chunk(self, chunks, dim)
+
+    def unbind(self, dim=0):
+        return _ops().unbind(self, dim)
+
+    def allclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+        return _ops().allclose(self, other, rtol, atol, equal_nan)
+
+    def isclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+        return _ops().isclose(self, other, rtol, atol, equal_nan)
+
+    def maximum(self, other):
+        return _ops().binary("maximum", self, other)
+
+    def minimum(self, other):
+        return _ops().binary("minimum", self, other)
+
+    def histc(self, bins=100, min=0, max=0):
+        return _ops().histc(self, bins, min, max)
+
+    def retain_grad(self):
+        """Keep this non-leaf's gradient in .grad after backward (a leaf keeps its own anyway)."""
+        if not self.requires_grad:
+            raise RuntimeError("can't retain_grad on Tensor that has requires_grad=False")
+        if self.grad_fn is not None:
+            self.grad_fn.retained[self.output_nr] = weakref.ref(self)
 
     def softmax(self, dim):
         from gpt2_cupy.nn import functional
@@ -438,6 +601,12 @@ class Tensor:
 
     def transpose(self, dim0, dim1):
         return _ops().transpose(self, dim0, dim1)
+
+    def t(self):
+        """The transpose of a matrix (a vector or a number as it is)."""
+        if self.ndim > 2:
+            raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, but self is {self.ndim}D")
+        return self if self.ndim < 2 else self.transpose(0, 1)
 
     @property
     def T(self):
@@ -507,6 +676,13 @@ class Tensor:
     def bool(self):
         return self.to(numpy.bool_)
 
+    def type(self, dtype=None, non_blocking=False):
+        """Without dtype, the type's name ('torch.FloatTensor'); with one, .to(dtype)."""
+        if dtype is None:
+            prefix = "torch.cuda." if backend.name == "cuda" else "torch."
+            return prefix + _TENSOR_TYPES.get(self.dtype.name, self.dtype.name)
+        return self.to(dtype)
+
     def type_as(self, other):
         return self.to(other.dtype)
 
@@ -521,7 +697,7 @@ class Tensor:
         lives on the one backend, so there is nothing to pin (and .to(device, non_blocking=True) copies nothing)."""
         return self
 
-    device = property(lambda self: backend.name)
+    device = property(lambda self: device(backend.name), doc="the active backend, as a torch.device")
     is_cuda = property(lambda self: backend.name == "cuda")
 
 
@@ -549,6 +725,7 @@ class Node:
     def __init__(self, function, ctx, next_edges, outputs):
         self.function, self.ctx, self.next_edges = function, ctx, next_edges
         self.output_shapes = [(array.shape, array.dtype) for array in outputs]
+        self.retained = {}  # output index -> weak reference to the output that called retain_grad()
 
     def name(self):
         # a Function that serves several operations (Binary: add, mul, ...) names the one it ran in ctx.name
@@ -616,6 +793,10 @@ def run_backward(root, output_nr, gradient, retain_graph=False):
         douts = pending.pop(node, None)
         if douts is None:
             continue
+        for index, reference in node.retained.items():  # retain_grad(): the gradient that reached it
+            output = reference()
+            if output is not None and douts[index] is not None:
+                output.grad = douts[index].copy() if output.grad is None else _add(output.grad.data, douts[index])
         gradients = node.apply(douts)
         for edge, input_gradient in zip(node.next_edges, gradients):
             if edge is None or input_gradient is None:

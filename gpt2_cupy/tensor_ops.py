@@ -116,7 +116,14 @@ BINARY = {
     "mul": ("a * b", "d * b", "d * a"),
     "div": ("a / b", "d / b", "-d * a / (b * b)"),
     "pow": ("powf(a, b)", "d * b * powf(a, b - 1.0f)", "d * c * logf(a)"),
+    # on a tie each side receives half, as PyTorch's maximum and minimum
+    "maximum": ("a > b || a != a ? a : b", "a > b ? d : (a == b ? 0.5f * d : 0.0f)",
+                "b > a ? d : (a == b ? 0.5f * d : 0.0f)"),
+    "minimum": ("a < b || a != a ? a : b", "a < b ? d : (a == b ? 0.5f * d : 0.0f)",
+                "b < a ? d : (a == b ? 0.5f * d : 0.0f)"),
+    "atan2": ("atan2f(a, b)", "d * b / (a * a + b * b)", "-d * a / (a * a + b * b)"),
 }
+FLOAT_RESULTS = ("div", "atan2")  # true division and atan2 of integers give floats
 # The kernels' operand letters for the gradients: a, b are the inputs, c the output, d the upstream gradient.
 COMPARISONS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 
@@ -127,7 +134,7 @@ class Binary(Function):
     @staticmethod
     def forward(ctx, a, b, name):
         dtype = result_type(a, b)
-        if name == "div" or (name == "pow" and _category(dtype) == 2):
+        if name in FLOAT_RESULTS or (name == "pow" and _category(dtype) == 2):
             dtype = floating(dtype)
         expression = BINARY[name][0]
         if name == "pow" and not is_floating(dtype):  # integer powers, exactly, through double
@@ -166,6 +173,10 @@ def _lift(value):
 
 
 def compare(name, a, b):
+    if a is None or b is None:  # tensor == None is False, != None True, as Python's default equality
+        if name in ("eq", "ne"):
+            return name == "ne"
+        raise TypeError(f"'{COMPARISONS[name]}' not supported between a Tensor and NoneType")
     a, b = as_operand(a), as_operand(b)
     dtype = result_type(a, b)
     return Tensor(elementwise(name, f"a {COMPARISONS[name]} b", [a, b], compute_dtype=dtype, out_dtype=BOOL,
@@ -195,8 +206,31 @@ UNARY = {
     "relu": ("a > 0 ? a : 0", "y", "a > 0 ? b : 0.0f"),
     "silu": ("a / (1.0f + expf(-a))", "x", "b * (1.0f + a * (1.0f - 1.0f / (1.0f + expf(-a)))) / (1.0f + expf(-a))"),
     "abs": ("a < 0 ? -a : a", "x", "a > 0 ? b : (a < 0 ? -b : 0.0f)"),
+    "square": ("a * a", "x", "2.0f * a * b"),
+    "sign": ("(a > 0) - (a < 0)", "x", "0.0f"),
+    "sin": ("sinf(a)", "x", "b * cosf(a)"),
+    "cos": ("cosf(a)", "x", "-b * sinf(a)"),
+    "tan": ("tanf(a)", "y", "b * (1.0f + a * a)"),
+    "asin": ("asinf(a)", "x", "b * rsqrtf(1.0f - a * a)"),
+    "acos": ("acosf(a)", "x", "-b * rsqrtf(1.0f - a * a)"),
+    "atan": ("atanf(a)", "x", "b / (1.0f + a * a)"),
+    "sinh": ("sinhf(a)", "x", "b * coshf(a)"),
+    "cosh": ("coshf(a)", "x", "b * sinhf(a)"),
+    "log10": ("log10f(a)", "x", "b / (a * 2.302585093f)"),
+    "log2": ("log2f(a)", "x", "b / (a * 0.6931471806f)"),
+    "log1p": ("log1pf(a)", "x", "b / (1.0f + a)"),
+    "expm1": ("expm1f(a)", "y", "b * (a + 1.0f)"),
+    "exp2": ("exp2f(a)", "y", "b * a * 0.6931471806f"),
+    "erf": ("erff(a)", "x", "b * 1.1283791671f * expf(-a * a)"),
+    "reciprocal": ("1.0f / a", "y", "-b * a * a"),
+    "floor": ("floorf(a)", "x", "0.0f"),
+    "ceil": ("ceilf(a)", "x", "0.0f"),
+    "round": ("rintf(a)", "x", "0.0f"),   # half to even, as PyTorch's
+    "trunc": ("truncf(a)", "x", "0.0f"),
+    "frac": ("a - truncf(a)", "x", "b"),
 }
-KEEPS_TYPE = ("neg", "relu", "abs")  # the rest are float functions
+KEEPS_TYPE = ("neg", "relu", "abs", "square", "sign")  # the rest are float functions
+ROUNDINGS = ("floor", "ceil", "round", "trunc")  # of an integer tensor: the tensor itself, as PyTorch's
 
 
 class Unary(Function):
@@ -205,7 +239,10 @@ class Unary(Function):
     @staticmethod
     def forward(ctx, x, name):
         expression, reads, _ = UNARY[name]
-        dtype = x.dtype if name in KEEPS_TYPE else floating(x.dtype)
+        dtype = x.dtype if name in KEEPS_TYPE or (name in ROUNDINGS and not is_floating(x.dtype)) \
+            else floating(x.dtype)
+        if name in ROUNDINGS and not is_floating(x.dtype):
+            expression = "a"
         if name == "neg" and dtype == BOOL:
             raise TypeError("Negation, the `-` operator, on a bool tensor is not supported. If you are trying to "
                             "invert a mask, use the `~` or `logical_not()` operator instead.")
@@ -1183,3 +1220,220 @@ def multinomial(probabilities, num_samples, replacement=False, generator=None):
                          for row in rows])
     shape = weights.shape[:-1] + (num_samples,)
     return Tensor(backend.xp.asarray(drawn.reshape(shape).astype(numpy.int64)))
+
+
+# ---- logic over elements -----------------------------------------------------------------------------------------
+
+def _nonzero_count(x, dims, keepdim):
+    """How many elements of x along dims are not zero (int64), by the generated kernels."""
+    nonzero = elementwise("nonzero", "a != 0", [x.data], compute_dtype=x.dtype, out_dtype=BOOL)
+    dims = normalize_dims("count", dims, x.ndim) if x.ndim else ()
+    return reduce("count_nonzero", "sum", nonzero, dims if dims else None, keepdim) if x.ndim else \
+        nonzero.astype(INT64), (math.prod(x.shape[d] for d in dims) if dims else x.numel())
+
+
+def all_of(x, dim=None, keepdim=False):
+    """True where every element along dim (or of all) is nonzero: a bool tensor."""
+    count, total = _nonzero_count(x, dim, keepdim)
+    return Tensor(elementwise("all", "a == b", [count, total], compute_dtype=INT64, out_dtype=BOOL))
+
+
+def any_of(x, dim=None, keepdim=False):
+    """True where some element along dim (or of all) is nonzero: a bool tensor."""
+    count, _ = _nonzero_count(x, dim, keepdim)
+    return Tensor(elementwise("any", "a > 0", [count], compute_dtype=INT64, out_dtype=BOOL))
+
+
+def isclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    """|input - other| <= atol + rtol |other| elementwise (infinities equal to themselves), as torch.isclose."""
+    a, b = as_operand(input), as_operand(other)
+    nan = " || (a != a && b != b)" if equal_nan else ""
+    return Tensor(elementwise("isclose", f"a == b || fabs(a - b) <= c + d * fabs(b){nan}",
+                              [a, b, float(atol), float(rtol)], compute_dtype=numpy.float64, out_dtype=BOOL))
+
+
+def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    return builtins.bool(all_of(isclose(input, other, rtol, atol, equal_nan)).item())
+
+
+# ---- reordering: each an index, so that the gradient flows back through Index ----------------------------------
+
+def _along(x, dim, positions):
+    """x indexed by the integer array `positions` (any shape along dim) on axis dim: a differentiable copy."""
+    key = (slice(None),) * dim + (positions,)
+    return Index.apply(x, key, True)
+
+
+def flip(x, dims):
+    dims = normalize_dims("flip", (dims,) if isinstance(dims, int) else tuple(dims), x.ndim)
+    for dim in dims:
+        x = _along(x, dim, backend.xp.arange(x.shape[dim] - 1, -1, -1))
+    return x
+
+
+def roll(x, shifts, dims=None):
+    """Elements shifted along dims (wrapping around); without dims, over the flattened tensor."""
+    if dims is None:
+        return roll(flatten(x), shifts, 0).view(x.shape)
+    shifts = (shifts,) if isinstance(shifts, int) else tuple(shifts)
+    dims = normalize_dims("roll", (dims,) if isinstance(dims, int) else tuple(dims), x.ndim)
+    if len(shifts) != len(dims):
+        raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
+    for shift, dim in zip(shifts, dims):
+        size = x.shape[dim]
+        x = _along(x, dim, (backend.xp.arange(size) - shift) % builtins.max(size, 1))
+    return x
+
+
+def repeat_interleave(x, repeats, dim=None, output_size=None):
+    """Each element repeated `repeats` times along dim (an int or one count per element); flattened first
+    without dim."""
+    if dim is None:
+        x, dim = flatten(x), 0
+    (dim,) = normalize_dims("repeat_interleave", (dim,), x.ndim)
+    counts = backend.asnumpy(repeats.data) if isinstance(repeats, Tensor) else repeats
+    positions = numpy.repeat(numpy.arange(x.shape[dim]), counts)
+    return _along(x, dim, backend.xp.asarray(positions))
+
+
+def repeat(x, sizes):
+    """x tiled sizes[i] times along each axis (torch.Tensor.repeat, numpy's tile)."""
+    sizes = tuple(sizes)
+    if len(sizes) < x.ndim:
+        raise RuntimeError("Number of dimensions of repeat dims can not be smaller than number of dimensions of tensor")
+    x = reshape(x, (1,) * (len(sizes) - x.ndim) + x.shape)
+    interleaved = tuple(d for pair in zip(sizes, x.shape) for d in pair)
+    spread = reshape(x, tuple(d for size in x.shape for d in (1, size)))
+    return reshape(expand(spread, interleaved), tuple(r * size for r, size in zip(sizes, x.shape)))
+
+
+SortResult = collections.namedtuple("SortResult", ["values", "indices"])
+
+
+def argsort(x, dim=-1, descending=False, stable=False):
+    (dim,) = normalize_dims("argsort", (dim,), x.ndim) if x.ndim else (0,)
+    keys = x.data
+    if descending:  # stable among equals: sort the reversed axis ascending, then reverse back
+        keys = backend.xp.flip(keys, axis=dim)
+        order = backend.xp.flip(backend.xp.argsort(keys, axis=dim, kind="stable"), axis=dim)
+        order = x.shape[dim] - 1 - order if x.ndim else order
+    else:
+        order = backend.xp.argsort(keys, axis=dim, kind="stable")
+    return Tensor(backend.xp.ascontiguousarray(order).astype(INT64))
+
+
+def sort(x, dim=-1, descending=False, stable=False):
+    """(values, indices) along dim, ascending unless descending; equal elements keep their order."""
+    indices = argsort(x, dim, descending, stable)
+    if x.ndim == 0:
+        return SortResult(x, indices)
+    (dim,) = normalize_dims("sort", (dim,), x.ndim)
+    return SortResult(gather(x, dim, indices), indices)
+
+
+def unique(x, sorted=True, return_inverse=False, return_counts=False, dim=None):
+    """The distinct elements, in ascending order; with the inverse indices and the counts when asked."""
+    if dim is not None:
+        raise NotImplementedError("unique: dim= is not supported; the elements of the flattened tensor are")
+    values, inverse, counts = backend.xp.unique(x.data, return_inverse=True, return_counts=True)
+    results = [Tensor(values)]
+    if return_inverse:
+        results.append(Tensor(inverse.reshape(x.shape).astype(INT64)))
+    if return_counts:
+        results.append(Tensor(counts.astype(INT64)))
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+class CumulativeSum(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim = dim
+        dtype = INT64 if not is_floating(x.dtype) else x.dtype
+        return backend.xp.cumsum(converted(x, dtype) if dtype != BFLOAT16 else converted(x, FLOAT32),
+                                 axis=dim).astype(dtype)
+
+    @staticmethod
+    def backward(ctx, dout):  # each input element reaches every later output: a reversed cumulative sum
+        flipped = backend.xp.flip(dout, axis=ctx.dim)
+        return backend.xp.ascontiguousarray(backend.xp.flip(backend.xp.cumsum(flipped, axis=ctx.dim),
+                                                            axis=ctx.dim)).astype(dout.dtype), None
+
+
+def cumsum(x, dim, dtype=None):
+    (dim,) = normalize_dims("cumsum", (dim,), x.ndim) if x.ndim else (0,)
+    out = CumulativeSum.apply(x if x.ndim else reshape(x, (1,)), dim)
+    out = out if x.ndim else reshape(out, ())
+    return out if dtype is None else out.to(dtype)
+
+
+# ---- counting ------------------------------------------------------------------------------------------------------
+
+def bincount(x, weights=None, minlength=0):
+    counts = numpy.bincount(backend.asnumpy(x.data), None if weights is None else backend.asnumpy(weights.data),
+                            minlength)
+    return Tensor(backend.xp.asarray(counts if weights is not None else counts.astype(INT64)))
+
+
+def histc(x, bins=100, min=0, max=0):
+    """Counts in `bins` equal bins over [min, max] (the data's own range when both are 0), float as torch's."""
+    values = backend.asnumpy(x.data).astype(numpy.float64).reshape(-1)
+    low, high = (values.min(), values.max()) if min == max == 0 and values.size else (min, max)
+    if low == high:
+        low, high = low - 1, high + 1
+    counts, _ = numpy.histogram(values[(values >= low) & (values <= high)], bins=bins, range=(low, high))
+    return Tensor(backend.xp.asarray(counts.astype(x.dtype if is_floating(x.dtype) else FLOAT32)))
+
+
+Histogram = collections.namedtuple("Histogram", ["hist", "bin_edges"])
+
+
+def histogram(x, bins=100, *, range=None, weight=None, density=False):
+    values = backend.asnumpy(x.data).astype(numpy.float64).reshape(-1)
+    if isinstance(bins, Tensor):
+        bins = backend.asnumpy(bins.data)
+    weights = None if weight is None else backend.asnumpy(weight.data).reshape(-1)
+    counts, edges = numpy.histogram(values, bins=bins, range=range, weights=weights, density=density)
+    return Histogram(*(Tensor(backend.xp.asarray(a.astype(x.dtype))) for a in (counts, edges)))
+
+
+# ---- norms and extremes over several axes ---------------------------------------------------------------------------
+
+def norm(x, p="fro", dim=None, keepdim=False, dtype=None):
+    """The p-norm over dim (all elements by default): 2 (or "fro"), 1, inf, or any positive p."""
+    x = x if dtype is None else x.to(dtype)
+    if p in ("fro", 2, 2.0):
+        return unary("sqrt", sum(x * x, dim, keepdim))
+    if p == math.inf:
+        return amax(unary("abs", x), dim, keepdim)
+    return sum(binary("pow", unary("abs", x), p), dim, keepdim) ** (1.0 / p)
+
+
+def amax(x, dim=None, keepdim=False, kind="max"):
+    """The largest (amax) or smallest (amin) element over one or several axes (all without dim)."""
+    if dim is None or dim == ():
+        return extreme(kind, x) if not keepdim else reshape(extreme(kind, x), (1,) * x.ndim)
+    dims = sorted(normalize_dims(f"a{kind}", (dim,) if isinstance(dim, int) else tuple(dim), x.ndim), reverse=True)
+    for d in dims:
+        x = extreme(kind, x, d, keepdim=True).values
+    return x if keepdim else squeeze(x, tuple(dims))
+
+
+def amin(x, dim=None, keepdim=False):
+    return amax(x, dim, keepdim, kind="min")
+
+
+# ---- pieces ------------------------------------------------------------------------------------------------------
+
+def chunk(x, chunks, dim=0):
+    """At most `chunks` pieces of equal size along dim (the last smaller), views of x."""
+    (dim,) = normalize_dims("chunk", (dim,), x.ndim)
+    size = builtins.max(1, -(-x.shape[dim] // chunks))
+    return tuple(index(x, (slice(None),) * dim + (slice(start, start + size),))
+                 for start in range(0, builtins.max(x.shape[dim], 1), size))
+
+
+def unbind(x, dim=0):
+    (dim,) = normalize_dims("unbind", (dim,), x.ndim)
+    return tuple(index(x, (slice(None),) * dim + (i,)) for i in range(x.shape[dim]))
