@@ -334,6 +334,11 @@ class Tensor:
     def exp(self):
         return _ops().unary("exp", self)
 
+    def neg(self):
+        return _ops().unary("neg", self)
+
+    negative = neg
+
     def square(self):
         return _ops().unary("square", self)
 
