@@ -893,7 +893,12 @@ def index_put(x, key, value):
         bump_version(x.data)
         return
     if not advanced:  # a basic index is a view: the in-place copy into it records CopySlices on x
-        copy_(index(x, key), value if isinstance(value, Tensor) else Tensor(backend.xp.asarray(value, x.dtype)))
+        target = index(x, key)
+        value = value if isinstance(value, Tensor) else Tensor(backend.xp.asarray(value, x.dtype))
+        extra = value.ndim - target.ndim  # leading axes of size 1 are dropped, as PyTorch's and numpy's do
+        if extra > 0 and builtins.all(size == 1 for size in value.shape[:extra]):
+            value = reshape(value, value.shape[extra:])
+        copy_(target, value)
         return
     _become(x, IndexPut.apply(x, _lift(value), key))
 

@@ -228,3 +228,14 @@ def test_b_grad_reads_as_an_array_on_the_host():
     layer, _ = _trained_linear()
     assert np.array_equal(np.asarray(layer.weight.grad), backend.asnumpy(layer.weight.grad.data))
     assert np.array_equal(backend.asnumpy(layer.weight.grad), backend.asnumpy(layer.weight.grad.data))
+
+
+def test_c_assignment_drops_leading_axes_of_size_one_as_pytorch():
+    """logits[i] = model(x[[i]]): a (1, C) value into a (C,) row, recorded in the graph."""
+    w = torch.tensor(np.linspace(-1, 1, 5)[None, :], requires_grad=True)
+    rows = torch.zeros(3, 5)
+    for i in range(3):
+        rows[i] = w * (i + 1)
+    (rows * torch.tensor(np.arange(15.0).reshape(3, 5))).sum().backward()
+    expected = sum((i + 1) * np.arange(15.0).reshape(3, 5)[i] for i in range(3))
+    assert np.allclose(host(w.grad), expected[None, :])
