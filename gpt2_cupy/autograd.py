@@ -37,7 +37,7 @@ import weakref
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.devices import device
+from gpt2_cupy import devices
 from gpt2_cupy.ops.arrays import storage_of
 # converted: a float32 gradient buffer for a bf16 argument, say
 from gpt2_cupy.elementwise import contiguous, converted as _as_dtype
@@ -654,6 +654,8 @@ class Tensor:
         for argument in arguments:
             if isinstance(argument, Tensor):
                 dtype = argument.dtype
+            elif isinstance(argument, devices.device):
+                continue
             elif argument in ("bfloat16", "float16") or isinstance(argument, (numpy.dtype, type)):
                 dtype = argument
         if dtype is None:
@@ -702,7 +704,7 @@ class Tensor:
         lives on the one backend, so there is nothing to pin (and .to(device, non_blocking=True) copies nothing)."""
         return self
 
-    device = property(lambda self: device(backend.name), doc="the active backend, as a torch.device")
+    device = property(lambda self: devices.device(backend.name), doc="the active backend, as a torch.device")
     is_cuda = property(lambda self: backend.name == "cuda")
 
 

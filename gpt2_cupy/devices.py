@@ -30,7 +30,8 @@ class device:  # noqa: N801  (torch's name)
 
     def __eq__(self, other):
         if isinstance(other, str):
-            other = device(other)
+            kind, _, number = other.partition(":")
+            return (self.type, self.index) == (kind, int(number) if number.isdigit() else None)
         return isinstance(other, device) and (self.type, self.index) == (other.type, other.index)
 
     def __hash__(self):
