@@ -365,8 +365,10 @@ def _triangle(x, diagonal, upper):
     rows = backend.xp.arange(x.shape[-2], dtype=numpy.int32).reshape(-1, 1)
     columns = backend.xp.arange(x.shape[-1], dtype=numpy.int32)
     keep = "c - b >= d" if upper else "c - b <= d"  # column - row against the diagonal's offset
+    # every operand is converted to the compute type: a bool one would turn rows and columns into bools
+    compute = numpy.dtype(numpy.int32) if x.dtype == BOOL else x.dtype
     return elementwise("triu" if upper else "tril", f"({keep}) ? a : 0", [x, rows, columns, int(diagonal)],
-                       compute_dtype=x.dtype)
+                       compute_dtype=compute, out_dtype=x.dtype)
 
 
 # ---- matrix products -------------------------------------------------------------------------------------

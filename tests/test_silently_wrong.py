@@ -239,3 +239,14 @@ def test_c_assignment_drops_leading_axes_of_size_one_as_pytorch():
     (rows * torch.tensor(np.arange(15.0).reshape(3, 5))).sum().backward()
     expected = sum((i + 1) * np.arange(15.0).reshape(3, 5)[i] for i in range(3))
     assert np.allclose(host(w.grad), expected[None, :])
+
+
+@pytest.mark.parametrize("upper", [False, True])
+@pytest.mark.parametrize("diagonal", [-1, 0, 1, 2])
+def test_triangles_of_a_bool_tensor(upper, diagonal):
+    """triu of a bool tensor (Llama's causal mask, torch.triu(torch.ones(T, T, dtype=torch.bool), 1)) compared
+    rows and columns converted to bool: every row after the first came out all False."""
+    ones = torch.ones(5, 6, dtype=torch.bool)
+    got = torch.triu(ones, diagonal) if upper else torch.tril(ones, diagonal)
+    expected = np.triu(np.ones((5, 6), bool), diagonal) if upper else np.tril(np.ones((5, 6), bool), diagonal)
+    assert got.dtype == torch.bool and np.array_equal(backend.asnumpy(got.data), expected)
