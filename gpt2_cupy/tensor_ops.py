@@ -2,12 +2,14 @@
 
     arithmetic    a + b, a - b, a * b, a / b, a ** b, -a, a @ b   (broadcasting; Python numbers either side)
     comparisons   a == b, a != b, a < b, a <= b, a > b, a >= b    (bool tensors, no gradient)
-    functions     exp log sqrt rsqrt tanh sigmoid relu silu abs clamp, where, masked_fill, tril, triu
-    reductions    sum mean var std max min argmax argmin          (over dim, with keepdim)
+    functions     exp log sqrt rsqrt tanh sigmoid relu silu abs clamp, sin cos tan ... log10 erf floor round
+                  (UNARY), maximum minimum atan2, where, masked_fill, tril, triu
+    reductions    sum mean var std max min amax amin argmax argmin norm all any cumsum   (over dim, keepdim)
     movement      view reshape permute transpose unsqueeze squeeze flatten expand contiguous, indexing,
-                  cat stack
-    sampling      topk multinomial
-    in place      add_ sub_ mul_ div_ zero_ fill_ copy_ clamp_ masked_fill_, x[key] = value
+                  cat stack chunk unbind, flip roll repeat repeat_interleave sort (differentiable indexes)
+    sampling      topk multinomial, normal_ uniform_                                     (generator=)
+    counting      unique bincount histc histogram isclose allclose                      (no gradient)
+    in place      add_ sub_ mul_ div_ zero_ fill_ copy_ clamp_ masked_fill_, x[key] = value (recorded in a graph)
 
 Elementwise operations are one line each: an expression for the generated kernel (gpt2_cupy.elementwise)
 and one for each input's gradient. An input that was broadcast receives the sum of its gradient over the

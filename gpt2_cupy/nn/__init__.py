@@ -2,7 +2,10 @@
 
     Module        named_parameters, named_modules, children, apply, state_dict, load_state_dict, to, repr
     Linear, LayerNorm, DyT, Embedding, Dropout          the layers GPT-2 needs, over the course's kernels
-    GELU, ReLU, SiLU, Identity, Sequential, ModuleList, ModuleDict, Parameter
+    GELU, ReLU, SiLU, Tanh, Sigmoid, LeakyReLU, Softmax, LogSoftmax, Flatten, Identity
+    MSELoss, CrossEntropyLoss, RMSNorm, Sequential, ModuleList, ModuleDict, Parameter
+    Linear, Embedding, LayerNorm and RMSNorm take PyTorch's dtype= (float32 or bfloat16) and device= (any
+    name: one backend holds every array)
     nn.init (normal_, zeros_, ones_, uniform_, xavier_uniform_), nn.utils.clip_grad_norm_, nn.functional (F)
 
 A Module finds its parameters and sub-modules by looking at its own attributes, in the order they were
