@@ -166,6 +166,8 @@ class Tensor:
             raise RuntimeError(f"a Tensor with {self.data.size} elements cannot be converted to Scalar")
         return backend.asnumpy(self.data).reshape(()).item()
 
+    # No __array_priority__: p.data += -lr * p.grad (p.data a backend array) stays numpy's or CuPy's in-place
+    # add, reading the tensor through __array__ or __cuda_array_interface__, so that p.data keeps its memory.
     def __array__(self, dtype=None, copy=None):
         """numpy.asarray(tensor): its values on the host, as torch's; refused while it requires grad."""
         values = self.numpy()

@@ -250,3 +250,10 @@ def test_triangles_of_a_bool_tensor(upper, diagonal):
     got = torch.triu(ones, diagonal) if upper else torch.tril(ones, diagonal)
     expected = np.triu(np.ones((5, 6), bool), diagonal) if upper else np.tril(np.ones((5, 6), bool), diagonal)
     assert got.dtype == torch.bool and np.array_equal(backend.asnumpy(got.data), expected)
+
+
+def test_b_an_update_through_data_is_in_place():
+    layer, _ = _trained_linear()
+    data = layer.weight.data
+    layer.weight.data += -0.1 * layer.weight.grad
+    assert layer.weight.data is data   # the same memory (an optimizer's flat buffer, a state_dict's entry)
