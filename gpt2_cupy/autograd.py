@@ -559,6 +559,15 @@ class Tensor:
     def repeat(self, *sizes):
         return _ops().repeat(self, _sizes(sizes))
 
+    def index_select(self, dim, index):
+        return _ops().index_select(self, dim, index)
+
+    def nonzero(self, *, as_tuple=False):
+        return _ops().nonzero(self, as_tuple)
+
+    def masked_select(self, mask):
+        return _ops().masked_select(self, mask)
+
     def chunk(self, chunks, dim=0):
         return _ops().chunk(self, chunks, dim)
 

@@ -1446,3 +1446,32 @@ def chunk(x, chunks, dim=0):
 def unbind(x, dim=0):
     (dim,) = normalize_dims("unbind", (dim,), x.ndim)
     return tuple(index(x, (slice(None),) * dim + (i,)) for i in range(x.shape[dim]))
+
+
+# ---- selecting -----------------------------------------------------------------------------------------------------
+
+def index_select(x, dim, index):
+    """The entries of x at `index` (a 1-D integer tensor) along dim: a differentiable copy."""
+    (dim,) = normalize_dims("index_select", (dim,), x.ndim)
+    positions = index.data if isinstance(index, Tensor) else backend.xp.asarray(index)
+    if positions.ndim != 1:
+        raise IndexError("index_select(): Index is supposed to be a vector")
+    return _along(x, dim, positions)
+
+
+def nonzero(x, as_tuple=False):
+    """The int64 coordinates of the nonzero elements, one row each (or one tensor per axis with as_tuple)."""
+    coordinates = backend.xp.nonzero(x.data)
+    if as_tuple:
+        return tuple(Tensor(c.astype(INT64)) for c in coordinates)
+    return Tensor(backend.xp.stack(coordinates, axis=1).astype(INT64) if coordinates else
+                  backend.xp.zeros((int(builtins.bool(x.data)), 0), dtype=INT64))
+
+
+def masked_select(x, mask):
+    """The elements of x where mask (broadcast to x's shape) is True, as a 1-D tensor: a differentiable copy."""
+    mask_array = mask.data if isinstance(mask, Tensor) else mask
+    _check_bool("masked_select", "mask", mask_array)
+    shape = broadcast_shapes("masked_select", [x.shape, mask_array.shape], ["self", "mask"])
+    return Index.apply(expand(x, shape) if x.shape != shape else x,
+                       (backend.xp.broadcast_to(mask_array, shape),), True)
