@@ -46,7 +46,8 @@ from pathlib import Path
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, nn, testing
-from gpt2_cupy.autograd import manual_seed, no_grad
+from gpt2_cupy.autograd import no_grad
+from gpt2_cupy.random import manual_seed
 from gpt2_cupy.elementwise import converted
 from gpt2_cupy.generation import DecodeGraph
 from gpt2_cupy.llama import Llama, LlamaConfig

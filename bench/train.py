@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from gpt2_cupy import backend, benchmark, data, functional, testing
-from gpt2_cupy.autograd import Function, manual_seed
+from gpt2_cupy.autograd import Function
+from gpt2_cupy.random import manual_seed
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.train import Trainer, learning_rate, make_config
 

@@ -24,7 +24,7 @@ import time
 import numpy
 
 from gpt2_cupy import backend, benchmark, set_float32_matmul_precision, testing
-from gpt2_cupy.autograd import manual_seed
+from gpt2_cupy.random import manual_seed
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.precision import PRECISIONS
 

@@ -16,20 +16,27 @@ Importing the package is cheap: the submodules load, and kernels compile, when f
 """
 
 import builtins as _builtins
+import contextlib
+import math
+import sys
 import types
 
 import ml_dtypes
 import numpy
 
 from gpt2_cupy import amp
+from gpt2_cupy.devices import device
+from gpt2_cupy import random as _random
+from gpt2_cupy.random import (Generator, default_generator, get_rng_state, initial_seed, manual_seed,  # as torch's
+                              seed, set_rng_state)
 from gpt2_cupy.amp import autocast, get_autocast_dtype, is_autocast_enabled  # as torch's
 from gpt2_cupy.precision import get_float32_matmul_precision, set_float32_matmul_precision  # as torch's
 
 __version__ = "0.1.0"
 
-_FROM_AUTOGRAD = ("Tensor", "Function", "no_grad", "manual_seed", "is_grad_enabled", "initial_seed")
+_FROM_AUTOGRAD = ("Tensor", "Function", "no_grad", "is_grad_enabled")
 _FROM_SERIALIZATION = ("save", "load")
-_SUBMODULES = ("nn", "optim", "functional", "autograd", "backend", "model")
+_SUBMODULES = ("nn", "optim", "functional", "autograd", "backend", "model", "utils")
 
 # dtype names, as torch's: numpy dtypes here. bfloat16 is ml_dtypes' (the numpy dtype JAX and CuPy use too);
 # float16 names a dtype that no kernel takes (tensors of it are refused: .to(float16) raises).
@@ -50,27 +57,59 @@ def dtype_of(value):
 
 
 def from_numpy(array):
-    """A Tensor holding a numpy array's values on the active backend (on a GPU a copy; torch's shares memory)."""
+    """A Tensor over a numpy array, its strides kept (on the CPU it shares the array's memory, as torch's;
+    on a GPU it is a copy)."""
     from gpt2_cupy import backend
     from gpt2_cupy.autograd import Tensor
     if not isinstance(array, numpy.ndarray):
-        raise TypeError(f"from_numpy: expected np.ndarray (got {type(array).__name__})")
+        raise TypeError(f"expected np.ndarray (got {type(array).__name__})")
+    if _builtins.any(stride < 0 for stride in array.strides):
+        raise ValueError("At least one stride in the given numpy array is negative, and tensors with negative "
+                         "strides are not currently supported. (You can probably work around this by making a "
+                         "copy of your array  with array.copy().) ")
     return Tensor(backend.xp.asarray(array))
 
 
-def tensor(data, dtype=None, device=None, requires_grad=False):
-    """A new Tensor from a list, a number or an array; float32 for floats, int64 for integers (as torch)."""
+def _array_of(data):
+    """data as a numpy or backend array: lists of numbers or of one-element tensors, numbers, arrays, Tensors."""
     from gpt2_cupy import backend
     from gpt2_cupy.autograd import Tensor
     if isinstance(data, Tensor):
-        data = data.data
+        return data.data
+    if isinstance(data, (backend.xp.ndarray, numpy.ndarray)):
+        return data
     if isinstance(data, (list, tuple)):  # lists of one-element tensors, as torch.tensor([t1, t2]) takes
-        data = [item.item() if isinstance(item, Tensor) else item for item in data]
-    array = numpy.array(backend.asnumpy(data) if isinstance(data, backend.xp.ndarray) else data)
+        data = [item.item() if isinstance(item, Tensor) else _array_of(item) if isinstance(item, (list, tuple))
+                else item for item in data]
+    return numpy.array(data)
+
+
+def tensor(data, dtype=None, device=None, requires_grad=False, pin_memory=False):
+    """A new Tensor, always a C-contiguous copy of data (a list, a number, a numpy or backend array of any
+    layout, a Tensor); float32 for floats, int64 for integers, as torch.tensor."""
+    from gpt2_cupy import backend
+    from gpt2_cupy.autograd import Tensor
+    array = _array_of(data)
     if dtype is None and array.dtype.kind == "f":
-        dtype = float32
-    return Tensor(backend.xp.asarray(array if dtype is None else array.astype(dtype_of(dtype))),
-                  requires_grad=requires_grad)  # a float64 list to bfloat16: one rounding (ml_dtypes')
+        dtype = float32  # float64 too: the kernels compute in float32 (torch keeps a float64 array's dtype)
+    dtype = array.dtype if dtype is None else dtype_of(dtype)
+    if isinstance(array, numpy.ndarray):  # a float64 list to bfloat16: one rounding (ml_dtypes')
+        array = array.astype(dtype, order="C")
+    return Tensor(backend.xp.array(array, dtype=dtype, order="C", copy=True), requires_grad=requires_grad)
+
+
+def as_tensor(data, dtype=None, device=None):
+    """data itself when it is a Tensor of that dtype, a Tensor over the same memory for a backend array of
+    that dtype (its strides kept), else a new tensor (torch.as_tensor)."""
+    from gpt2_cupy import backend
+    from gpt2_cupy.autograd import Tensor
+    if isinstance(data, Tensor) and (dtype is None or dtype_of(dtype) == data.dtype):
+        return data
+    if isinstance(data, backend.xp.ndarray) and (dtype is None or dtype_of(dtype) == data.dtype):
+        return Tensor(data)
+    if isinstance(data, numpy.ndarray) and backend.name == "cpu" and dtype is None and data.dtype != numpy.float64:
+        return from_numpy(data)
+    return tensor(data, dtype=dtype)
 
 
 # ---- factories: new tensors on the active backend; random ones from manual_seed's generator --------------
@@ -116,25 +155,38 @@ def arange(start, end=None, step=1, dtype=None, device=None, requires_grad=False
     return _made(numpy.arange(start, end, step), dtype, requires_grad)
 
 
-def rand(*size, dtype=None, device=None, requires_grad=False, generator=None):
-    """Uniform in [0, 1), from the generator manual_seed seeds."""
-    from gpt2_cupy.autograd import init_generator
-    return _made(init_generator().random(_shape(size)), dtype, requires_grad)
+def rand(*size, generator=None, dtype=None, device=None, requires_grad=False):
+    """Uniform in [0, 1), from generator or the default generator."""
+    return _made(_random.host_stream(generator).random(_shape(size)), dtype, requires_grad)
 
 
-def randn(*size, dtype=None, device=None, requires_grad=False, generator=None):
-    """Standard normal, from the generator manual_seed seeds."""
-    from gpt2_cupy.autograd import init_generator
-    return _made(init_generator().standard_normal(_shape(size)), dtype, requires_grad)
+def randn(*size, generator=None, dtype=None, device=None, requires_grad=False):
+    """Standard normal, from generator or the default generator."""
+    return _made(_random.host_stream(generator).standard_normal(_shape(size)), dtype, requires_grad)
 
 
-def randint(low, high=None, size=None, dtype=None, device=None, requires_grad=False, generator=None):
+def randint(low, high=None, size=None, *, generator=None, dtype=None, device=None, requires_grad=False):
     """Integers in [low, high) (int64), randint(high, size) or randint(low, high, size) as torch's."""
-    from gpt2_cupy.autograd import init_generator
     if size is None:
         low, high, size = 0, low, high
-    return _made(init_generator().integers(low, high, size=tuple(size)), int64 if dtype is None else dtype,
-                 requires_grad)
+    if size is None:
+        raise TypeError("randint() missing 1 required positional arguments: \"size\"")
+    return _made(_random.host_stream(generator).integers(low, high, size=tuple(size)),
+                 int64 if dtype is None else dtype, requires_grad)
+
+
+def randperm(n, *, generator=None, dtype=None, device=None, requires_grad=False):
+    """A random permutation of 0 .. n-1 (int64)."""
+    return _made(_random.host_stream(generator).permutation(n), int64 if dtype is None else dtype, requires_grad)
+
+
+def normal(mean, std, size=None, *, generator=None, dtype=None, device=None, requires_grad=False):
+    """N(mean, std²): numbers and a size, or tensors (broadcast) for the means and deviations."""
+    from gpt2_cupy import backend
+    mean_array, std_array = (backend.asnumpy(v.data) if is_tensor(v) else v for v in (mean, std))
+    shape = numpy.broadcast_shapes(numpy.shape(mean_array), numpy.shape(std_array)) if size is None else _shape((size,))
+    values = _random.host_stream(generator).normal(mean_array, std_array, shape)
+    return _made(values, dtype, requires_grad)
 
 
 def _like(factory):
@@ -150,6 +202,66 @@ zeros_like, ones_like, empty_like, rand_like, randn_like = (_like(f) for f in (z
 
 def full_like(input, fill_value, dtype=None, device=None, requires_grad=False):
     return full(input.shape, fill_value, dtype=input.dtype if dtype is None else dtype, requires_grad=requires_grad)
+
+
+def linspace(start, end, steps, *, dtype=None, device=None, requires_grad=False):
+    """steps numbers evenly spaced from start to end, both included (computed in float64, then converted)."""
+    return _made(numpy.linspace(_builtins.float(start), _builtins.float(end), _builtins.int(steps)), dtype,
+                 requires_grad)
+
+
+def logspace(start, end, steps, base=10.0, *, dtype=None, device=None, requires_grad=False):
+    return _made(numpy.logspace(_builtins.float(start), _builtins.float(end), _builtins.int(steps), base=base),
+                 dtype, requires_grad)
+
+
+def eye(n, m=None, *, dtype=None, device=None, requires_grad=False):
+    return _made(numpy.eye(n, m), dtype, requires_grad)
+
+
+def numel(input):
+    return input.numel()
+
+
+def split(tensor, split_size_or_sections, dim=0):
+    return tensor.split(split_size_or_sections, dim)
+
+
+def get_default_dtype():
+    """float32: factories and floats from Python numbers."""
+    return float32
+
+
+def set_default_dtype(d):
+    if dtype_of(d) != float32:
+        raise NotImplementedError(f"set_default_dtype({d}): the default dtype is float32 (the kernels' own)")
+
+
+def is_floating_point(input):
+    return input.is_floating_point()
+
+
+class Size(tuple):
+    """torch.Size: a tuple of sizes (Tensor.shape is a plain tuple here, equal to it)."""
+
+    def numel(self):
+        return math.prod(self)
+
+
+def set_printoptions(precision=None, threshold=None, edgeitems=None, linewidth=None, profile=None, sci_mode=None):
+    """How tensors print (numpy's print options, which their repr uses)."""
+    options = {"precision": precision, "threshold": threshold, "edgeitems": edgeitems, "linewidth": linewidth}
+    if profile == "full":
+        options["threshold"] = sys.maxsize
+    if sci_mode is not None:
+        options["suppress"] = not sci_mode
+    numpy.set_printoptions(**{name: value for name, value in options.items() if value is not None})
+
+
+def inference_mode(mode=True):
+    """torch.inference_mode: no_grad (nothing recorded) when mode is True; a context manager and a decorator."""
+    from gpt2_cupy.autograd import no_grad
+    return no_grad() if mode else contextlib.nullcontext()
 
 
 def equal(input, other):
@@ -185,8 +297,8 @@ cuda = types.SimpleNamespace(
     amp=types.SimpleNamespace(GradScaler=amp.GradScaler, autocast=amp.autocast),
     synchronize=lambda device=None: __import__("gpt2_cupy.backend").backend.synchronize(),
     # one generator seeds both backends here, so torch.cuda.manual_seed(s) is torch.manual_seed(s)
-    manual_seed=lambda seed: __getattr__("manual_seed")(seed),
-    manual_seed_all=lambda seed: __getattr__("manual_seed")(seed),
+    manual_seed=manual_seed,
+    manual_seed_all=manual_seed,
     CUDAGraph=lambda: __import__("gpt2_cupy.graphs").graphs.CUDAGraph(),
     graph=lambda cuda_graph, pool=None, stream=None, capture_error_mode="global":
         __import__("gpt2_cupy.graphs").graphs.graph(cuda_graph, pool, stream, capture_error_mode),
@@ -217,20 +329,29 @@ class _CudaMatmul:
         set_float32_matmul_precision("high" if allowed else "highest")
 
 
-# cudnn.allow_tf32 switches nothing: the package makes no cuDNN calls.
+# cudnn.allow_tf32 switches nothing: the package makes no cuDNN calls. There is no Apple GPU backend: mps is
+# never available (code that prefers it then picks cuda or cpu, which both name the active backend).
 backends = types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=_CudaMatmul()),
-                                 cudnn=types.SimpleNamespace(allow_tf32=False))
+                                 cudnn=types.SimpleNamespace(allow_tf32=False),
+                                 mps=types.SimpleNamespace(is_available=lambda: False, is_built=lambda: False))
 
 
 # torch.exp(x), torch.cat([...]), torch.where(...): the functions of Tensor's methods, from tensor_ops
 _FROM_TENSOR_OPS = {
-    "cat": "cat", "concat": "cat", "stack": "stack", "where": "where", "matmul": "matmul", "clamp": "clamp",
-    "topk": "topk", "multinomial": "multinomial", "masked_fill": "masked_fill", "gather": "gather",
-    "sum": "sum", "mean": "mean", "var": "var", "std": "std", "reshape": "reshape", "permute": "permute",
-    "transpose": "transpose", "unsqueeze": "unsqueeze", "squeeze": "squeeze", "flatten": "flatten",
+    "cat": "cat", "concat": "cat", "concatenate": "cat", "stack": "stack", "where": "where", "matmul": "matmul",
+    "clamp": "clamp", "clip": "clamp", "topk": "topk", "multinomial": "multinomial", "masked_fill": "masked_fill",
+    "gather": "gather", "sum": "sum", "mean": "mean", "var": "var", "std": "std", "reshape": "reshape",
+    "permute": "permute", "transpose": "transpose", "unsqueeze": "unsqueeze", "squeeze": "squeeze",
+    "flatten": "flatten", "allclose": "allclose", "isclose": "isclose", "bincount": "bincount", "histc": "histc",
+    "histogram": "histogram", "unique": "unique", "chunk": "chunk", "unbind": "unbind",
+    "index_select": "index_select", "nonzero": "nonzero", "masked_select": "masked_select",
 }
 _TENSOR_METHODS = ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "pow", "tril", "triu", "max",
-                   "min", "argmax", "argmin", "softmax", "log_softmax", "clone")
+                   "min", "argmax", "argmin", "softmax", "log_softmax", "clone", "square", "sign", "sin", "cos", "tan",
+                   "asin", "acos", "atan", "sinh", "cosh", "log10", "log2", "log1p", "expm1", "exp2", "erf",
+                   "reciprocal", "floor", "ceil", "round", "trunc", "frac", "atan2", "maximum", "minimum", "all", "any",
+                   "amax", "amin", "norm", "cumsum", "sort", "argsort", "flip", "roll", "repeat_interleave", "numel",
+                   "t", "split", "detach", "is_floating_point", "neg")
 
 
 def __getattr__(name):

@@ -1,6 +1,6 @@
-"""Autograd, one graph per result: Tensor, Function, no_grad, and the random state that dropout draws from.
+"""Autograd, one graph per result: Tensor, Function, no_grad.
 
-    x = Tensor(array, requires_grad=True)      a backend array (.data) with a gradient slot (.grad)
+    x = Tensor(array, requires_grad=True)      a backend array (.data) with a gradient (.grad, a Tensor)
     y = SomeFunction.apply(x, ...)             runs SomeFunction.forward; if a gradient is wanted, y.grad_fn
                                                is a Node that remembers the call and where its inputs came from
     loss.backward()                            walks the Nodes that reach loss, each after all its consumers
@@ -37,12 +37,12 @@ import weakref
 import numpy
 
 from gpt2_cupy import backend
+from gpt2_cupy import devices
 from gpt2_cupy.ops.arrays import storage_of
 # converted: a float32 gradient buffer for a bf16 argument, say
 from gpt2_cupy.elementwise import contiguous, converted as _as_dtype
 
 _grad_enabled = True    # switched off inside `with no_grad():`
-_dropout_state = {}     # "rng": dropout's (seed, offset) device array; "init": numpy's generator for weights
 
 _DTYPE_NAMES = {"float32": "torch.float32", "float64": "torch.float64", "int32": "torch.int32",
                 "int64": "torch.int64", "bool": "torch.bool", "uint8": "torch.uint8", "float16": "torch.float16",
@@ -66,7 +66,7 @@ class Tensor:
             data = backend.xp.asarray(data)
         if not isinstance(data, backend.xp.ndarray):
             data = backend.xp.asarray(data, dtype=numpy.float32)
-        self.data, self.grad = data, None
+        self._data, self._grad = data, None
         self._requires_grad = bool(requires_grad)
         self.grad_fn = None     # the Node that made this tensor; None for a leaf
         self.output_nr = 0      # which of that Node's outputs it is
@@ -86,6 +86,40 @@ class Tensor:
             raise RuntimeError("you can only change requires_grad flags of leaf variables.")
         self._requires_grad = bool(value)
 
+    @property
+    def data(self):
+        """The backend array (numpy's or CuPy's) that holds the values. Where PyTorch's .data is a Tensor
+        sharing the storage, this is the array itself: `p.data += -lr * p.grad` and `p.data[...] = x` write
+        in place all the same, and `p.data = t` takes a Tensor's array (or an array)."""
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        self._data = value.data if isinstance(value, Tensor) else value
+
+    @property
+    def grad(self):
+        """The gradient, a Tensor (None until a backward reaches this leaf). Its array may be a view into
+        an optimizer's flat gradient buffer: writes into it (grad.zero_(), grad *= s) land there."""
+        return self._grad
+
+    @grad.setter
+    def grad(self, value):
+        if isinstance(value, backend.xp.ndarray):  # the engine and optimizers hand over arrays
+            value = Tensor(value)
+        elif value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"assigned grad expected to be a Tensor or None but got grad of type "
+                            f"{type(value).__name__}")
+        if value is not None and value.shape != self.shape:
+            raise RuntimeError("assigned grad has data of a different size")
+        if value is not None and value.dtype != self.dtype:
+            raise RuntimeError("assigned grad has data of a different type")
+        self._grad = value
+
+    def _grad_array(self):
+        """The gradient's backend array, or None."""
+        return None if self._grad is None else self._grad.data
+
     def requires_grad_(self, requires_grad=True):
         self.requires_grad = requires_grad
         return self
@@ -95,6 +129,31 @@ class Tensor:
 
     def numel(self):
         return int(self.data.size)
+
+    nelement = numel
+
+    def element_size(self):
+        """Bytes per element."""
+        return self.data.itemsize
+
+    def data_ptr(self):
+        """The address of the first element (device memory on a GPU, host memory on the CPU)."""
+        return backend.address(self.data)
+
+    def is_floating_point(self):
+        return self.dtype.kind == "f" or self.dtype.name == "bfloat16"
+
+    def new_zeros(self, *size, dtype=None, device=None, requires_grad=False):
+        return Tensor(backend.xp.zeros(_sizes(size), dtype=self.dtype if dtype is None else dtype),
+                      requires_grad=requires_grad)
+
+    def new_ones(self, *size, dtype=None, device=None, requires_grad=False):
+        return Tensor(backend.xp.ones(_sizes(size), dtype=self.dtype if dtype is None else dtype),
+                      requires_grad=requires_grad)
+
+    def new_full(self, size, fill_value, dtype=None, device=None, requires_grad=False):
+        return Tensor(backend.xp.full(tuple(size), fill_value, dtype=self.dtype if dtype is None else dtype),
+                      requires_grad=requires_grad)
 
     def numpy(self):
         if self.requires_grad:
@@ -106,6 +165,23 @@ class Tensor:
         if self.data.size != 1:
             raise RuntimeError(f"a Tensor with {self.data.size} elements cannot be converted to Scalar")
         return backend.asnumpy(self.data).reshape(()).item()
+
+    # No __array_priority__: p.data += -lr * p.grad (p.data a backend array) stays numpy's or CuPy's in-place
+    # add, reading the tensor through __array__ or __cuda_array_interface__, so that p.data keeps its memory.
+    def __array__(self, dtype=None, copy=None):
+        """numpy.asarray(tensor): its values on the host, as torch's; refused while it requires grad."""
+        values = self.numpy()
+        return values if dtype is None else values.astype(dtype)
+
+    @property
+    def __cuda_array_interface__(self):
+        """CuPy's cupy.asarray(tensor) and cupy.asnumpy(tensor) read the device array (on a GPU only)."""
+        if backend.name != "cuda":
+            raise AttributeError("__cuda_array_interface__: the tensor lives in host memory (the CPU backend)")
+        if self.requires_grad:
+            raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad. "
+                               "If gradients aren't required, use var.detach() to get Variable that doesn't require grad.")
+        return self.data.__cuda_array_interface__
 
     def tolist(self):
         return backend.asnumpy(self.data).tolist()
@@ -260,6 +336,80 @@ class Tensor:
     def exp(self):
         return _ops().unary("exp", self)
 
+    def neg(self):
+        return _ops().unary("neg", self)
+
+    negative = neg
+
+    def square(self):
+        return _ops().unary("square", self)
+
+    def sign(self):
+        return _ops().unary("sign", self)
+
+    def sin(self):
+        return _ops().unary("sin", self)
+
+    def cos(self):
+        return _ops().unary("cos", self)
+
+    def tan(self):
+        return _ops().unary("tan", self)
+
+    def asin(self):
+        return _ops().unary("asin", self)
+
+    def acos(self):
+        return _ops().unary("acos", self)
+
+    def atan(self):
+        return _ops().unary("atan", self)
+
+    def sinh(self):
+        return _ops().unary("sinh", self)
+
+    def cosh(self):
+        return _ops().unary("cosh", self)
+
+    def log10(self):
+        return _ops().unary("log10", self)
+
+    def log2(self):
+        return _ops().unary("log2", self)
+
+    def log1p(self):
+        return _ops().unary("log1p", self)
+
+    def expm1(self):
+        return _ops().unary("expm1", self)
+
+    def exp2(self):
+        return _ops().unary("exp2", self)
+
+    def erf(self):
+        return _ops().unary("erf", self)
+
+    def reciprocal(self):
+        return _ops().unary("reciprocal", self)
+
+    def floor(self):
+        return _ops().unary("floor", self)
+
+    def ceil(self):
+        return _ops().unary("ceil", self)
+
+    def round(self):
+        return _ops().unary("round", self)
+
+    def trunc(self):
+        return _ops().unary("trunc", self)
+
+    def frac(self):
+        return _ops().unary("frac", self)
+
+    def atan2(self, other):
+        return _ops().binary("atan2", self, other)
+
     def log(self):
         return _ops().unary("log", self)
 
@@ -323,6 +473,12 @@ class Tensor:
     def masked_fill_(self, mask, value):
         return _ops().masked_fill_(self, mask, value)
 
+    def normal_(self, mean=0.0, std=1.0, *, generator=None):
+        return _ops().normal_(self, mean, std, generator)
+
+    def uniform_(self, a=0.0, b=1.0, *, generator=None):  # PyTorch names them from and to
+        return _ops().uniform_(self, a, b, generator)
+
     __iadd__ = add_   # x += y changes x itself, as in PyTorch (without them Python would rebind x to x + y)
     __isub__ = sub_
     __imul__ = mul_
@@ -339,29 +495,106 @@ class Tensor:
     def triu(self, diagonal=0):
         return _ops().Triangle.apply(self, diagonal, True)
 
-    def sum(self, dim=None, keepdim=False, dtype=None):
-        return _ops().sum(self, dim, keepdim, dtype)
+    # keepdims: numpy's spelling, which PyTorch accepts too
+    def sum(self, dim=None, keepdim=False, dtype=None, *, keepdims=False):
+        return _ops().sum(self, dim, keepdim or keepdims, dtype)
 
-    def mean(self, dim=None, keepdim=False, dtype=None):
-        return _ops().mean(self, dim, keepdim, dtype)
+    def mean(self, dim=None, keepdim=False, dtype=None, *, keepdims=False):
+        return _ops().mean(self, dim, keepdim or keepdims, dtype)
 
-    def var(self, dim=None, unbiased=True, keepdim=False, *, correction=None):
-        return _ops().var(self, dim, unbiased, keepdim, correction)
+    def var(self, dim=None, unbiased=True, keepdim=False, *, correction=None, keepdims=False):
+        return _ops().var(self, dim, unbiased, keepdim or keepdims, correction)
 
-    def std(self, dim=None, unbiased=True, keepdim=False, *, correction=None):
-        return _ops().std(self, dim, unbiased, keepdim, correction)
+    def std(self, dim=None, unbiased=True, keepdim=False, *, correction=None, keepdims=False):
+        return _ops().std(self, dim, unbiased, keepdim or keepdims, correction)
 
-    def max(self, dim=None, keepdim=False):
-        return _ops().extreme("max", self, dim, keepdim)
+    def max(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().extreme("max", self, dim, keepdim or keepdims)
 
-    def min(self, dim=None, keepdim=False):
-        return _ops().extreme("min", self, dim, keepdim)
+    def min(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().extreme("min", self, dim, keepdim or keepdims)
 
-    def argmax(self, dim=None, keepdim=False):
-        return _ops().argextreme("max", self, dim, keepdim)
+    def amax(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().amax(self, dim, keepdim or keepdims)
 
-    def argmin(self, dim=None, keepdim=False):
-        return _ops().argextreme("min", self, dim, keepdim)
+    def amin(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().amin(self, dim, keepdim or keepdims)
+
+    def argmax(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().argextreme("max", self, dim, keepdim or keepdims)
+
+    def argmin(self, dim=None, keepdim=False, *, keepdims=False):
+        return _ops().argextreme("min", self, dim, keepdim or keepdims)
+
+    def all(self, dim=None, keepdim=False):
+        return _ops().all_of(self, dim, keepdim)
+
+    def any(self, dim=None, keepdim=False):
+        return _ops().any_of(self, dim, keepdim)
+
+    def norm(self, p="fro", dim=None, keepdim=False, dtype=None):
+        return _ops().norm(self, p, dim, keepdim, dtype)
+
+    def cumsum(self, dim, dtype=None):
+        return _ops().cumsum(self, dim, dtype)
+
+    def sort(self, dim=-1, descending=False, stable=False):
+        return _ops().sort(self, dim, descending, stable)
+
+    def argsort(self, dim=-1, descending=False, stable=False):
+        return _ops().argsort(self, dim, descending, stable)
+
+    def unique(self, sorted=True, return_inverse=False, return_counts=False, dim=None):
+        return _ops().unique(self, sorted, return_inverse, return_counts, dim)
+
+    def flip(self, *dims):
+        return _ops().flip(self, _sizes(dims))
+
+    def roll(self, shifts, dims=None):
+        return _ops().roll(self, shifts, dims)
+
+    def repeat_interleave(self, repeats, dim=None, *, output_size=None):
+        return _ops().repeat_interleave(self, repeats, dim, output_size)
+
+    def repeat(self, *sizes):
+        return _ops().repeat(self, _sizes(sizes))
+
+    def index_select(self, dim, index):
+        return _ops().index_select(self, dim, index)
+
+    def nonzero(self, *, as_tuple=False):
+        return _ops().nonzero(self, as_tuple)
+
+    def masked_select(self, mask):
+        return _ops().masked_select(self, mask)
+
+    def chunk(self, chunks, dim=0):
+        return _ops().chunk(self, chunks, dim)
+
+    def unbind(self, dim=0):
+        return _ops().unbind(self, dim)
+
+    def allclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+        return _ops().allclose(self, other, rtol, atol, equal_nan)
+
+    def isclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+        return _ops().isclose(self, other, rtol, atol, equal_nan)
+
+    def maximum(self, other):
+        return _ops().binary("maximum", self, other)
+
+    def minimum(self, other):
+        return _ops().binary("minimum", self, other)
+
+    def histc(self, bins=100, min=0, max=0):
+        return _ops().histc(self, bins, min, max)
+
+    def retain_grad(self):
+        """Keep this non-leaf's gradient in .grad after backward (a leaf keeps its own anyway)."""
+        if not self.requires_grad:
+            raise RuntimeError("can't retain_grad on Tensor that has requires_grad=False")
+        if self.grad_fn is not None:
+            self.grad_fn.retained[self.output_nr] = weakref.ref(self)
 
     def softmax(self, dim):
         from gpt2_cupy.nn import functional
@@ -384,6 +617,12 @@ class Tensor:
 
     def transpose(self, dim0, dim1):
         return _ops().transpose(self, dim0, dim1)
+
+    def t(self):
+        """The transpose of a matrix (a vector or a number as it is)."""
+        if self.ndim > 2:
+            raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, but self is {self.ndim}D")
+        return self if self.ndim < 2 else self.transpose(0, 1)
 
     @property
     def T(self):
@@ -426,6 +665,8 @@ class Tensor:
         for argument in arguments:
             if isinstance(argument, Tensor):
                 dtype = argument.dtype
+            elif isinstance(argument, devices.device):
+                continue
             elif argument in ("bfloat16", "float16") or isinstance(argument, (numpy.dtype, type)):
                 dtype = argument
         if dtype is None:
@@ -453,6 +694,13 @@ class Tensor:
     def bool(self):
         return self.to(numpy.bool_)
 
+    def type(self, dtype=None, non_blocking=False):
+        """Without dtype, the type's name ('torch.FloatTensor'); with one, .to(dtype)."""
+        if dtype is None:
+            prefix = "torch.cuda." if backend.name == "cuda" else "torch."
+            return prefix + _TENSOR_TYPES.get(self.dtype.name, self.dtype.name)
+        return self.to(dtype)
+
     def type_as(self, other):
         return self.to(other.dtype)
 
@@ -467,7 +715,7 @@ class Tensor:
         lives on the one backend, so there is nothing to pin (and .to(device, non_blocking=True) copies nothing)."""
         return self
 
-    device = property(lambda self: backend.name)
+    device = property(lambda self: devices.device(backend.name), doc="the active backend, as a torch.device")
     is_cuda = property(lambda self: backend.name == "cuda")
 
 
@@ -495,6 +743,7 @@ class Node:
     def __init__(self, function, ctx, next_edges, outputs):
         self.function, self.ctx, self.next_edges = function, ctx, next_edges
         self.output_shapes = [(array.shape, array.dtype) for array in outputs]
+        self.retained = {}  # output index -> weak reference to the output that called retain_grad()
 
     def name(self):
         # a Function that serves several operations (Binary: add, mul, ...) names the one it ran in ctx.name
@@ -562,6 +811,10 @@ def run_backward(root, output_nr, gradient, retain_graph=False):
         douts = pending.pop(node, None)
         if douts is None:
             continue
+        for index, reference in node.retained.items():  # retain_grad(): the gradient that reached it
+            output = reference()
+            if output is not None and douts[index] is not None:
+                output.grad = douts[index].copy() if output.grad is None else _add(output.grad.data, douts[index])
         gradients = node.apply(douts)
         for edge, input_gradient in zip(node.next_edges, gradients):
             if edge is None or input_gradient is None:
@@ -594,7 +847,7 @@ def _accumulate(tensor, gradient):
     if tensor.grad is None:
         tensor.grad = _new_leaf_gradient(tensor, gradient)
     else:
-        _add(tensor.grad, gradient, out=tensor.grad)
+        _add(tensor.grad.data, gradient, out=tensor.grad.data)
 
 
 class GradientSlot:
@@ -735,7 +988,7 @@ class Context:
             return buffer
         if leaf.grad is None:
             leaf.grad = _new_leaf_gradient(leaf)
-        return leaf.grad
+        return leaf.grad.data
 
 
 def _edge(tensor):
@@ -787,29 +1040,3 @@ def no_grad():
 
 def is_grad_enabled():
     return _grad_enabled
-
-
-def manual_seed(seed):
-    """Seed dropout (its masks: the counter-based generator from (seed, offset 0)) and initialisation."""
-    _dropout_state["rng"] = backend.xp.array([int(seed), 0], dtype=numpy.uint64)
-    _dropout_state["seed"] = int(seed)
-    _dropout_state["init"] = numpy.random.default_rng(int(seed))
-
-
-def init_generator():
-    """The numpy generator that nn's layers draw their initial weights from (seeded by manual_seed)."""
-    if "init" not in _dropout_state:
-        manual_seed(0)
-    return _dropout_state["init"]
-
-
-def dropout_rng_state():
-    """The (seed, offset) device array of dropout's generator (seed 0 until manual_seed is called)."""
-    if "rng" not in _dropout_state:
-        manual_seed(0)
-    return _dropout_state["rng"]
-
-
-def initial_seed():
-    dropout_rng_state()
-    return _dropout_state["seed"]

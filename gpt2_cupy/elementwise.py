@@ -146,6 +146,18 @@ def root_of(array):
     return array
 
 
+def _readable(operand):
+    """operand itself when a kernel can read it through its strides (its memory is one C-contiguous array of
+    its dtype: a C-contiguous array or a view into one), else a C-contiguous copy. A Fortran-ordered array
+    (numpy's array(a.T)) or a view into one must be copied before its strides are read, not after."""
+    if not isinstance(operand, backend.xp.ndarray):
+        return operand
+    root = root_of(operand)
+    if root.flags.c_contiguous and root.dtype == operand.dtype:
+        return operand
+    return backend.xp.ascontiguousarray(operand)
+
+
 def storage_and_offset(operation, name, array, writable=False):
     """(a C-contiguous array that holds array's memory, where array's first element is in it).
 
@@ -424,6 +436,7 @@ def elementwise(operation, expression, operands, compute_dtype=numpy.float32, ou
     out_dtype = numpy.dtype(compute_dtype if out_dtype is None else out_dtype)
     compute = compute_c_type(compute_dtype)
     names = names or [f"argument {OPERAND_NAMES[i]}" for i in range(len(operands))]
+    operands = [_readable(operand) for operand in operands]
     arrays = [(index, operand) for index, operand in enumerate(operands) if isinstance(operand, backend.xp.ndarray)]
     shape = broadcast_shapes(operation, [a.shape for _, a in arrays], [names[i] for i, _ in arrays])
     if out is None:

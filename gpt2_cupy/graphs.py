@@ -50,7 +50,7 @@ import gc
 
 import numpy
 
-from gpt2_cupy import backend
+from gpt2_cupy import backend, random
 
 CAPTURE_ERROR_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}  # CUDA's cudaStreamCaptureMode values
 POOL_ROUNDING = 512  # bytes: CuPy's pool hands out blocks in multiples of 512
@@ -437,22 +437,18 @@ class _CpuCapture:
         self._restore()
 
     def _restore(self):
-        from gpt2_cupy import autograd
-
         backend.set_capture(None)
         backend.set_array_module(self.array_module)
         if self.dropout_state is not None:
-            autograd._dropout_state["rng"] = self.dropout_state
+            random._dropout_state["rng"] = self.dropout_state
 
 
 def _begin_cpu_capture(pool, capture_error_mode, stream):
-    from gpt2_cupy import autograd
-
     recording = Recording(pool)
     previous_array_module = backend.xp
-    dropout_state = autograd._dropout_state.get("rng")
+    dropout_state = random._dropout_state.get("rng")
     if dropout_state is not None:
-        autograd._dropout_state["rng"] = dropout_state.view(_DropoutStateThatRecordsCopies)
+        random._dropout_state["rng"] = dropout_state.view(_DropoutStateThatRecordsCopies)
     backend.set_capture(recording)
     backend.set_array_module(recording.array_module)
     return _CpuCapture(recording, previous_array_module, dropout_state)

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, fields
 import numpy
 
 from gpt2_cupy import backend, generation, nn, pretrained, safetensors_files
-from gpt2_cupy.autograd import Tensor, init_generator, is_grad_enabled
+from gpt2_cupy.autograd import Tensor, is_grad_enabled
+from gpt2_cupy.random import init_generator
 from gpt2_cupy.elementwise import converted
 from gpt2_cupy.generation import SharedRows
 from gpt2_cupy.nn import functional as F

@@ -22,7 +22,8 @@ import numpy
 
 from gpt2_cupy import backend, nn, pretrained, safetensors_files
 from gpt2_cupy.nn import functional as F
-from gpt2_cupy.autograd import is_grad_enabled, init_generator
+from gpt2_cupy.autograd import is_grad_enabled
+from gpt2_cupy.random import init_generator
 from gpt2_cupy.generation import KVCache
 
 

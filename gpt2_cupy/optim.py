@@ -48,7 +48,7 @@ step() reads the hyperparameters from the device array: change the learning rate
 import numpy as np
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import GradientSlot, bump_version, storage_version
+from gpt2_cupy.autograd import GradientSlot, Tensor, bump_version, storage_version
 from gpt2_cupy.elementwise import converted
 from gpt2_cupy.graphs import is_current_stream_capturing
 from gpt2_cupy.ops import adamw as kernels_of
@@ -113,7 +113,7 @@ class Optimizer:
             slot = GradientSlot(self.flat_grads[offset:offset + size].reshape(shape), owner=self)
             slot.zeroed = p.grad is None
             if p.grad is not None:
-                slot.array[...] = p.grad
+                slot.array[...] = _grad_array(p)
                 p.grad = slot.array
             p._grad_slot = slot
             self._packed.append((p, slice(offset, offset + size), p.data, slot))
@@ -148,9 +148,9 @@ class Optimizer:
                 if p.grad is None and not slot.zeroed:
                     backend.fill_zero(slot.array)
                     slot.zeroed = True
-            elif p.grad is not slot.array:
-                _check_replacement(self.name, "grad", p.grad, slot.array)
-                backend.copy_into(slot.array, p.grad)
+            elif _grad_array(p) is not slot.array:
+                _check_replacement(self.name, "grad", _grad_array(p), slot.array)
+                backend.copy_into(slot.array, _grad_array(p))
                 p.grad, slot.zeroed = slot.array, False
         return skipped
 
@@ -407,9 +407,15 @@ def _check_parameter(name, group_number, index, p):
                         f"arrays); got {type(p).__name__} with .data of type {type(data).__name__}")
     if data.dtype != np.float32:
         raise TypeError(f"{where}.data has dtype {data.dtype}; the optimizer works on float32")
-    grad = getattr(p, "grad", None)
+    grad = _grad_array(p)
     if grad is not None and (not isinstance(grad, backend.xp.ndarray) or grad.shape != data.shape):
         raise ValueError(f"{where}.grad must be None or an array of .data's shape {data.shape}")
+
+
+def _grad_array(p):
+    """p's gradient as a backend array: a Tensor's .grad is a Tensor, another parameter object's an array."""
+    grad = getattr(p, "grad", None)
+    return grad.data if isinstance(grad, Tensor) else grad
 
 
 def _check_replacement(name, attribute, array, packed):

@@ -2,12 +2,14 @@
 
     arithmetic    a + b, a - b, a * b, a / b, a ** b, -a, a @ b   (broadcasting; Python numbers either side)
     comparisons   a == b, a != b, a < b, a <= b, a > b, a >= b    (bool tensors, no gradient)
-    functions     exp log sqrt rsqrt tanh sigmoid relu silu abs clamp, where, masked_fill, tril, triu
-    reductions    sum mean var std max min argmax argmin          (over dim, with keepdim)
+    functions     exp log sqrt rsqrt tanh sigmoid relu silu abs clamp, sin cos tan ... log10 erf floor round
+                  (UNARY), maximum minimum atan2, where, masked_fill, tril, triu
+    reductions    sum mean var std max min amax amin argmax argmin norm all any cumsum   (over dim, keepdim)
     movement      view reshape permute transpose unsqueeze squeeze flatten expand contiguous, indexing,
-                  cat stack
-    sampling      topk multinomial
-    in place      add_ sub_ mul_ div_ zero_ fill_ copy_ clamp_ masked_fill_, x[key] = value
+                  cat stack chunk unbind, flip roll repeat repeat_interleave sort (differentiable indexes)
+    sampling      topk multinomial, normal_ uniform_                                     (generator=)
+    counting      unique bincount histc histogram isclose allclose                      (no gradient)
+    in place      add_ sub_ mul_ div_ zero_ fill_ copy_ clamp_ masked_fill_, x[key] = value (recorded in a graph)
 
 Elementwise operations are one line each: an expression for the generated kernel (gpt2_cupy.elementwise)
 and one for each input's gradient. An input that was broadcast receives the sum of its gradient over the
@@ -32,10 +34,10 @@ import re
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import (Function, Tensor, bump_version, init_generator, is_grad_enabled, storage_of,
-                                storage_version)
+from gpt2_cupy.autograd import Function, Tensor, bump_version, is_grad_enabled, storage_of, storage_version
 from gpt2_cupy.elementwise import broadcast_shapes, check_writable, converted, copy, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
+from gpt2_cupy.random import host_stream
 from gpt2_cupy.reduction import normalize_dims, reduce
 
 INT64 = numpy.dtype(numpy.int64)
@@ -116,7 +118,14 @@ BINARY = {
     "mul": ("a * b", "d * b", "d * a"),
     "div": ("a / b", "d / b", "-d * a / (b * b)"),
     "pow": ("powf(a, b)", "d * b * powf(a, b - 1.0f)", "d * c * logf(a)"),
+    # on a tie each side receives half, as PyTorch's maximum and minimum
+    "maximum": ("a > b || a != a ? a : b", "a > b ? d : (a == b ? 0.5f * d : 0.0f)",
+                "b > a ? d : (a == b ? 0.5f * d : 0.0f)"),
+    "minimum": ("a < b || a != a ? a : b", "a < b ? d : (a == b ? 0.5f * d : 0.0f)",
+                "b < a ? d : (a == b ? 0.5f * d : 0.0f)"),
+    "atan2": ("atan2f(a, b)", "d * b / (a * a + b * b)", "-d * a / (a * a + b * b)"),
 }
+FLOAT_RESULTS = ("div", "atan2")  # true division and atan2 of integers give floats
 # The kernels' operand letters for the gradients: a, b are the inputs, c the output, d the upstream gradient.
 COMPARISONS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 
@@ -127,7 +136,7 @@ class Binary(Function):
     @staticmethod
     def forward(ctx, a, b, name):
         dtype = result_type(a, b)
-        if name == "div" or (name == "pow" and _category(dtype) == 2):
+        if name in FLOAT_RESULTS or (name == "pow" and _category(dtype) == 2):
             dtype = floating(dtype)
         expression = BINARY[name][0]
         if name == "pow" and not is_floating(dtype):  # integer powers, exactly, through double
@@ -166,6 +175,10 @@ def _lift(value):
 
 
 def compare(name, a, b):
+    if a is None or b is None:  # tensor == None is False, != None True, as Python's default equality
+        if name in ("eq", "ne"):
+            return name == "ne"
+        raise TypeError(f"'{COMPARISONS[name]}' not supported between a Tensor and NoneType")
     a, b = as_operand(a), as_operand(b)
     dtype = result_type(a, b)
     return Tensor(elementwise(name, f"a {COMPARISONS[name]} b", [a, b], compute_dtype=dtype, out_dtype=BOOL,
@@ -195,8 +208,31 @@ UNARY = {
     "relu": ("a > 0 ? a : 0", "y", "a > 0 ? b : 0.0f"),
     "silu": ("a / (1.0f + expf(-a))", "x", "b * (1.0f + a * (1.0f - 1.0f / (1.0f + expf(-a)))) / (1.0f + expf(-a))"),
     "abs": ("a < 0 ? -a : a", "x", "a > 0 ? b : (a < 0 ? -b : 0.0f)"),
+    "square": ("a * a", "x", "2.0f * a * b"),
+    "sign": ("(a > 0) - (a < 0)", "x", "0.0f"),
+    "sin": ("sinf(a)", "x", "b * cosf(a)"),
+    "cos": ("cosf(a)", "x", "-b * sinf(a)"),
+    "tan": ("tanf(a)", "y", "b * (1.0f + a * a)"),
+    "asin": ("asinf(a)", "x", "b * rsqrtf(1.0f - a * a)"),
+    "acos": ("acosf(a)", "x", "-b * rsqrtf(1.0f - a * a)"),
+    "atan": ("atanf(a)", "x", "b / (1.0f + a * a)"),
+    "sinh": ("sinhf(a)", "x", "b * coshf(a)"),
+    "cosh": ("coshf(a)", "x", "b * sinhf(a)"),
+    "log10": ("log10f(a)", "x", "b / (a * 2.302585093f)"),
+    "log2": ("log2f(a)", "x", "b / (a * 0.6931471806f)"),
+    "log1p": ("log1pf(a)", "x", "b / (1.0f + a)"),
+    "expm1": ("expm1f(a)", "y", "b * (a + 1.0f)"),
+    "exp2": ("exp2f(a)", "y", "b * a * 0.6931471806f"),
+    "erf": ("erff(a)", "x", "b * 1.1283791671f * expf(-a * a)"),
+    "reciprocal": ("1.0f / a", "y", "-b * a * a"),
+    "floor": ("floorf(a)", "x", "0.0f"),
+    "ceil": ("ceilf(a)", "x", "0.0f"),
+    "round": ("rintf(a)", "x", "0.0f"),   # half to even, as PyTorch's
+    "trunc": ("truncf(a)", "x", "0.0f"),
+    "frac": ("a - truncf(a)", "x", "b"),
 }
-KEEPS_TYPE = ("neg", "relu", "abs")  # the rest are float functions
+KEEPS_TYPE = ("neg", "relu", "abs", "square", "sign")  # the rest are float functions
+ROUNDINGS = ("floor", "ceil", "round", "trunc")  # of an integer tensor: the tensor itself, as PyTorch's
 
 
 class Unary(Function):
@@ -205,7 +241,10 @@ class Unary(Function):
     @staticmethod
     def forward(ctx, x, name):
         expression, reads, _ = UNARY[name]
-        dtype = x.dtype if name in KEEPS_TYPE else floating(x.dtype)
+        dtype = x.dtype if name in KEEPS_TYPE or (name in ROUNDINGS and not is_floating(x.dtype)) \
+            else floating(x.dtype)
+        if name in ROUNDINGS and not is_floating(x.dtype):
+            expression = "a"
         if name == "neg" and dtype == BOOL:
             raise TypeError("Negation, the `-` operator, on a bool tensor is not supported. If you are trying to "
                             "invert a mask, use the `~` or `logical_not()` operator instead.")
@@ -328,8 +367,10 @@ def _triangle(x, diagonal, upper):
     rows = backend.xp.arange(x.shape[-2], dtype=numpy.int32).reshape(-1, 1)
     columns = backend.xp.arange(x.shape[-1], dtype=numpy.int32)
     keep = "c - b >= d" if upper else "c - b <= d"  # column - row against the diagonal's offset
+    # every operand is converted to the compute type: a bool one would turn rows and columns into bools
+    compute = numpy.dtype(numpy.int32) if x.dtype == BOOL else x.dtype
     return elementwise("triu" if upper else "tril", f"({keep}) ? a : 0", [x, rows, columns, int(diagonal)],
-                       compute_dtype=x.dtype)
+                       compute_dtype=compute, out_dtype=x.dtype)
 
 
 # ---- matrix products -------------------------------------------------------------------------------------
@@ -847,12 +888,46 @@ def scatter_into(shape, key):
 
 
 def index_put(x, key, value):
-    """x[key] = value in place: for tensors outside any graph (a mask of logits to -inf when sampling)."""
-    if x.requires_grad and is_grad_enabled():
-        raise RuntimeError(LEAF_IN_PLACE)
-    key, _ = _index_key(x, key)
-    x.data[key] = value.data if isinstance(value, Tensor) else value
-    bump_version(x.data)
+    """x[key] = value in place. Inside a graph (x or value requires grad) it is recorded as PyTorch's
+    CopySlices records it: x becomes "x as it was, with value at key", so that value's gradient is the
+    gradient at key and x's old elements there receive none. A leaf that requires grad refuses, as PyTorch."""
+    key, advanced = _index_key(x, key)
+    if not _records(x, value):
+        x.data[key] = value.data if isinstance(value, Tensor) else value
+        bump_version(x.data)
+        return
+    if not advanced:  # a basic index is a view: the in-place copy into it records CopySlices on x
+        target = index(x, key)
+        value = value if isinstance(value, Tensor) else Tensor(backend.xp.asarray(value, x.dtype))
+        extra = value.ndim - target.ndim  # leading axes of size 1 are dropped, as PyTorch's and numpy's do
+        if extra > 0 and builtins.all(size == 1 for size in value.shape[:extra]):
+            value = reshape(value, value.shape[extra:])
+        copy_(target, value)
+        return
+    _become(x, IndexPut.apply(x, _lift(value), key))
+
+
+class IndexPut(Function):
+    """x with value written at an advanced index (a copy; _become writes it into x's own array)."""
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, value, key):
+        ctx.key, ctx.value_shape = key, numpy.shape(value)
+        ctx.value_dtype = getattr(value, "dtype", None)
+        out = copy("index_put", x)
+        out[key] = value
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        to_x = copy("index_put_backward", dout)
+        to_x[ctx.key] = 0  # overwritten: x's old elements there send nothing back
+        to_value = None
+        if ctx.needs_input_grad[1]:
+            selected = dout[ctx.key]
+            to_value = converted(sum_to(selected, ctx.value_shape), ctx.value_dtype)
+        return to_x, to_value, None
 
 
 # ---- in place ------------------------------------------------------------------------------------------------
@@ -1026,6 +1101,23 @@ def masked_fill_(x, mask, value):
     return _write("masked_fill_", "b ? c : a", x, [mask_array, operand], x.dtype)
 
 
+def fill_random_(x, values):
+    """x's elements set to values drawn on the host (normal_, uniform_, random_): a write that no graph
+    records, as PyTorch's random fills."""
+    _records(x)
+    x.data[...] = backend.xp.asarray(numpy.asarray(values).astype(x.dtype))
+    bump_version(x.data)
+    return x
+
+
+def normal_(x, mean=0.0, std=1.0, generator=None):
+    return fill_random_(x, host_stream(generator).normal(mean, std, x.shape))
+
+
+def uniform_(x, low=0.0, high=1.0, generator=None):
+    return fill_random_(x, host_stream(generator).uniform(low, high, x.shape))
+
+
 def _all_true():
     """A 0-d True mask: where(True, src, x) is src, with no gradient to x (x's old values are overwritten)."""
     return backend.xp.ones((), dtype=BOOL)
@@ -1122,7 +1214,8 @@ def gather(x, dim, index):
 
 
 def multinomial(probabilities, num_samples, replacement=False, generator=None):
-    """num_samples indices per row, drawn with the given (unnormalised) weights; from manual_seed's generator."""
+    """num_samples indices per row, drawn with the given (unnormalised) weights; from generator, or the
+    default generator manual_seed seeds."""
     weights = backend.asnumpy(probabilities.data).astype(numpy.float64)
     rows = weights.reshape(-1, weights.shape[-1])
     if (rows < 0).any() or not numpy.isfinite(rows).all():
@@ -1131,8 +1224,254 @@ def multinomial(probabilities, num_samples, replacement=False, generator=None):
         raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
     if not replacement and num_samples > rows.shape[1]:
         raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
-    random = init_generator()
+    random = host_stream(generator)
     drawn = numpy.stack([random.choice(rows.shape[1], size=num_samples, replace=replacement, p=row / row.sum())
                          for row in rows])
     shape = weights.shape[:-1] + (num_samples,)
     return Tensor(backend.xp.asarray(drawn.reshape(shape).astype(numpy.int64)))
+
+
+# ---- logic over elements -----------------------------------------------------------------------------------------
+
+def _nonzero_count(x, dims, keepdim):
+    """How many elements of x along dims are not zero (int64), by the generated kernels."""
+    nonzero = elementwise("nonzero", "a != 0", [x.data], compute_dtype=x.dtype, out_dtype=BOOL)
+    dims = normalize_dims("count", dims, x.ndim) if x.ndim else ()
+    return reduce("count_nonzero", "sum", nonzero, dims if dims else None, keepdim) if x.ndim else \
+        nonzero.astype(INT64), (math.prod(x.shape[d] for d in dims) if dims else x.numel())
+
+
+def all_of(x, dim=None, keepdim=False):
+    """True where every element along dim (or of all) is nonzero: a bool tensor."""
+    count, total = _nonzero_count(x, dim, keepdim)
+    return Tensor(elementwise("all", "a == b", [count, total], compute_dtype=INT64, out_dtype=BOOL))
+
+
+def any_of(x, dim=None, keepdim=False):
+    """True where some element along dim (or of all) is nonzero: a bool tensor."""
+    count, _ = _nonzero_count(x, dim, keepdim)
+    return Tensor(elementwise("any", "a > 0", [count], compute_dtype=INT64, out_dtype=BOOL))
+
+
+def isclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    """|input - other| <= atol + rtol |other| elementwise (infinities equal to themselves), as torch.isclose."""
+    a, b = as_operand(input), as_operand(other)
+    nan = " || (a != a && b != b)" if equal_nan else ""
+    return Tensor(elementwise("isclose", f"a == b || fabs(a - b) <= c + d * fabs(b){nan}",
+                              [a, b, float(atol), float(rtol)], compute_dtype=numpy.float64, out_dtype=BOOL))
+
+
+def allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    return builtins.bool(all_of(isclose(input, other, rtol, atol, equal_nan)).item())
+
+
+# ---- reordering: each an index, so that the gradient flows back through Index ----------------------------------
+
+def _along(x, dim, positions):
+    """x indexed by the integer array `positions` (any shape along dim) on axis dim: a differentiable copy."""
+    key = (slice(None),) * dim + (positions,)
+    return Index.apply(x, key, True)
+
+
+def flip(x, dims):
+    dims = normalize_dims("flip", (dims,) if isinstance(dims, int) else tuple(dims), x.ndim)
+    for dim in dims:
+        x = _along(x, dim, backend.xp.arange(x.shape[dim] - 1, -1, -1))
+    return x
+
+
+def roll(x, shifts, dims=None):
+    """Elements shifted along dims (wrapping around); without dims, over the flattened tensor."""
+    if dims is None:
+        return roll(flatten(x), shifts, 0).view(x.shape)
+    shifts = (shifts,) if isinstance(shifts, int) else tuple(shifts)
+    dims = normalize_dims("roll", (dims,) if isinstance(dims, int) else tuple(dims), x.ndim)
+    if len(shifts) != len(dims):
+        raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
+    for shift, dim in zip(shifts, dims):
+        size = x.shape[dim]
+        x = _along(x, dim, (backend.xp.arange(size) - shift) % builtins.max(size, 1))
+    return x
+
+
+def repeat_interleave(x, repeats, dim=None, output_size=None):
+    """Each element repeated `repeats` times along dim (an int or one count per element); flattened first
+    without dim."""
+    if dim is None:
+        x, dim = flatten(x), 0
+    (dim,) = normalize_dims("repeat_interleave", (dim,), x.ndim)
+    counts = backend.asnumpy(repeats.data) if isinstance(repeats, Tensor) else repeats
+    positions = numpy.repeat(numpy.arange(x.shape[dim]), counts)
+    return _along(x, dim, backend.xp.asarray(positions))
+
+
+def repeat(x, sizes):
+    """x tiled sizes[i] times along each axis (torch.Tensor.repeat, numpy's tile)."""
+    sizes = tuple(sizes)
+    if len(sizes) < x.ndim:
+        raise RuntimeError("Number of dimensions of repeat dims can not be smaller than number of dimensions of tensor")
+    x = reshape(x, (1,) * (len(sizes) - x.ndim) + x.shape)
+    interleaved = tuple(d for pair in zip(sizes, x.shape) for d in pair)
+    spread = reshape(x, tuple(d for size in x.shape for d in (1, size)))
+    return reshape(expand(spread, interleaved), tuple(r * size for r, size in zip(sizes, x.shape)))
+
+
+SortResult = collections.namedtuple("SortResult", ["values", "indices"])
+
+
+def argsort(x, dim=-1, descending=False, stable=False):
+    (dim,) = normalize_dims("argsort", (dim,), x.ndim) if x.ndim else (0,)
+    keys = x.data
+    if descending:  # stable among equals: sort the reversed axis ascending, then reverse back
+        keys = backend.xp.flip(keys, axis=dim)
+        order = backend.xp.flip(backend.xp.argsort(keys, axis=dim, kind="stable"), axis=dim)
+        order = x.shape[dim] - 1 - order if x.ndim else order
+    else:
+        order = backend.xp.argsort(keys, axis=dim, kind="stable")
+    return Tensor(backend.xp.ascontiguousarray(order).astype(INT64))
+
+
+def sort(x, dim=-1, descending=False, stable=False):
+    """(values, indices) along dim, ascending unless descending; equal elements keep their order."""
+    indices = argsort(x, dim, descending, stable)
+    if x.ndim == 0:
+        return SortResult(x, indices)
+    (dim,) = normalize_dims("sort", (dim,), x.ndim)
+    return SortResult(gather(x, dim, indices), indices)
+
+
+def unique(x, sorted=True, return_inverse=False, return_counts=False, dim=None):
+    """The distinct elements, in ascending order; with the inverse indices and the counts when asked."""
+    if dim is not None:
+        raise NotImplementedError("unique: dim= is not supported; the elements of the flattened tensor are")
+    values, inverse, counts = backend.xp.unique(x.data, return_inverse=True, return_counts=True)
+    results = [Tensor(values)]
+    if return_inverse:
+        results.append(Tensor(inverse.reshape(x.shape).astype(INT64)))
+    if return_counts:
+        results.append(Tensor(counts.astype(INT64)))
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+class CumulativeSum(Function):
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim = dim
+        dtype = INT64 if not is_floating(x.dtype) else x.dtype
+        return backend.xp.cumsum(converted(x, dtype) if dtype != BFLOAT16 else converted(x, FLOAT32),
+                                 axis=dim).astype(dtype)
+
+    @staticmethod
+    def backward(ctx, dout):  # each input element reaches every later output: a reversed cumulative sum
+        flipped = backend.xp.flip(dout, axis=ctx.dim)
+        return backend.xp.ascontiguousarray(backend.xp.flip(backend.xp.cumsum(flipped, axis=ctx.dim),
+                                                            axis=ctx.dim)).astype(dout.dtype), None
+
+
+def cumsum(x, dim, dtype=None):
+    (dim,) = normalize_dims("cumsum", (dim,), x.ndim) if x.ndim else (0,)
+    out = CumulativeSum.apply(x if x.ndim else reshape(x, (1,)), dim)
+    out = out if x.ndim else reshape(out, ())
+    return out if dtype is None else out.to(dtype)
+
+
+# ---- counting ------------------------------------------------------------------------------------------------------
+
+def bincount(x, weights=None, minlength=0):
+    counts = numpy.bincount(backend.asnumpy(x.data), None if weights is None else backend.asnumpy(weights.data),
+                            minlength)
+    return Tensor(backend.xp.asarray(counts if weights is not None else counts.astype(INT64)))
+
+
+def histc(x, bins=100, min=0, max=0):
+    """Counts in `bins` equal bins over [min, max] (the data's own range when both are 0), float as torch's."""
+    values = backend.asnumpy(x.data).astype(numpy.float64).reshape(-1)
+    low, high = (values.min(), values.max()) if min == max == 0 and values.size else (min, max)
+    if low == high:
+        low, high = low - 1, high + 1
+    counts, _ = numpy.histogram(values[(values >= low) & (values <= high)], bins=bins, range=(low, high))
+    return Tensor(backend.xp.asarray(counts.astype(x.dtype if is_floating(x.dtype) else FLOAT32)))
+
+
+Histogram = collections.namedtuple("Histogram", ["hist", "bin_edges"])
+
+
+def histogram(x, bins=100, *, range=None, weight=None, density=False):
+    values = backend.asnumpy(x.data).astype(numpy.float64).reshape(-1)
+    if isinstance(bins, Tensor):
+        bins = backend.asnumpy(bins.data)
+    weights = None if weight is None else backend.asnumpy(weight.data).reshape(-1)
+    counts, edges = numpy.histogram(values, bins=bins, range=range, weights=weights, density=density)
+    return Histogram(*(Tensor(backend.xp.asarray(a.astype(x.dtype))) for a in (counts, edges)))
+
+
+# ---- norms and extremes over several axes ---------------------------------------------------------------------------
+
+def norm(x, p="fro", dim=None, keepdim=False, dtype=None):
+    """The p-norm over dim (all elements by default): 2 (or "fro"), 1, inf, or any positive p."""
+    x = x if dtype is None else x.to(dtype)
+    if p in ("fro", 2, 2.0):
+        return unary("sqrt", sum(x * x, dim, keepdim))
+    if p == math.inf:
+        return amax(unary("abs", x), dim, keepdim)
+    return sum(binary("pow", unary("abs", x), p), dim, keepdim) ** (1.0 / p)
+
+
+def amax(x, dim=None, keepdim=False, kind="max"):
+    """The largest (amax) or smallest (amin) element over one or several axes (all without dim)."""
+    if dim is None or dim == ():
+        return extreme(kind, x) if not keepdim else reshape(extreme(kind, x), (1,) * x.ndim)
+    dims = sorted(normalize_dims(f"a{kind}", (dim,) if isinstance(dim, int) else tuple(dim), x.ndim), reverse=True)
+    for d in dims:
+        x = extreme(kind, x, d, keepdim=True).values
+    return x if keepdim else squeeze(x, tuple(dims))
+
+
+def amin(x, dim=None, keepdim=False):
+    return amax(x, dim, keepdim, kind="min")
+
+
+# ---- pieces ------------------------------------------------------------------------------------------------------
+
+def chunk(x, chunks, dim=0):
+    """At most `chunks` pieces of equal size along dim (the last smaller), views of x."""
+    (dim,) = normalize_dims("chunk", (dim,), x.ndim)
+    size = builtins.max(1, -(-x.shape[dim] // chunks))
+    return tuple(index(x, (slice(None),) * dim + (slice(start, start + size),))
+                 for start in range(0, builtins.max(x.shape[dim], 1), size))
+
+
+def unbind(x, dim=0):
+    (dim,) = normalize_dims("unbind", (dim,), x.ndim)
+    return tuple(index(x, (slice(None),) * dim + (i,)) for i in range(x.shape[dim]))
+
+
+# ---- selecting -----------------------------------------------------------------------------------------------------
+
+def index_select(x, dim, index):
+    """The entries of x at `index` (a 1-D integer tensor) along dim: a differentiable copy."""
+    (dim,) = normalize_dims("index_select", (dim,), x.ndim)
+    positions = index.data if isinstance(index, Tensor) else backend.xp.asarray(index)
+    if positions.ndim != 1:
+        raise IndexError("index_select(): Index is supposed to be a vector")
+    return _along(x, dim, positions)
+
+
+def nonzero(x, as_tuple=False):
+    """The int64 coordinates of the nonzero elements, one row each (or one tensor per axis with as_tuple)."""
+    coordinates = backend.xp.nonzero(x.data)
+    if as_tuple:
+        return tuple(Tensor(c.astype(INT64)) for c in coordinates)
+    return Tensor(backend.xp.stack(coordinates, axis=1).astype(INT64) if coordinates else
+                  backend.xp.zeros((int(builtins.bool(x.data)), 0), dtype=INT64))
+
+
+def masked_select(x, mask):
+    """The elements of x where mask (broadcast to x's shape) is True, as a 1-D tensor: a differentiable copy."""
+    mask_array = mask.data if isinstance(mask, Tensor) else mask
+    _check_bool("masked_select", "mask", mask_array)
+    shape = broadcast_shapes("masked_select", [x.shape, mask_array.shape], ["self", "mask"])
+    return Index.apply(expand(x, shape) if x.shape != shape else x,
+                       (backend.xp.broadcast_to(mask_array, shape),), True)

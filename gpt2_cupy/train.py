@@ -45,7 +45,8 @@ import numpy
 
 from gpt2_cupy import backend, checkpoint, data, distributed, launch
 from gpt2_cupy.amp import BFLOAT16, autocast
-from gpt2_cupy.autograd import dropout_rng_state, manual_seed, no_grad
+from gpt2_cupy.autograd import no_grad
+from gpt2_cupy.random import dropout_rng_state, manual_seed
 from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.nn.parallel import DistributedDataParallel

@@ -9,7 +9,8 @@
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import dropout_rng_state, no_grad
+from gpt2_cupy.autograd import no_grad
+from gpt2_cupy.random import dropout_rng_state
 from gpt2_cupy.graphs import CUDAGraph, graph, graph_pool_handle, use_pool
 from gpt2_cupy.ops.residual import residual_forward
 from gpt2_cupy.precision import get_float32_matmul_precision

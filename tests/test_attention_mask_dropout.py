@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import Tensor, dropout_rng_state, manual_seed
+from gpt2_cupy.autograd import Tensor
+from gpt2_cupy.random import dropout_rng_state, manual_seed
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.ops.attention import attention_backward, attention_forward
 from gpt2_cupy.ops.dropout import new_rng_state

@@ -9,7 +9,8 @@ import pytest
 import gpt2_cupy
 from gpt2_cupy import backend, graphs
 from gpt2_cupy import train as training
-from gpt2_cupy.autograd import Tensor, dropout_rng_state, manual_seed
+from gpt2_cupy.autograd import Tensor
+from gpt2_cupy.random import dropout_rng_state, manual_seed
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.ops.gelu import gelu_forward
 from gpt2_cupy.ops.residual import residual_forward

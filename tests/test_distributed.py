@@ -14,7 +14,8 @@ import pytest
 
 from gpt2_cupy import backend, distributed
 from gpt2_cupy import train as training
-from gpt2_cupy.autograd import Context, manual_seed
+from gpt2_cupy.autograd import Context
+from gpt2_cupy.random import manual_seed
 from gpt2_cupy.launch import ChildFailedError, launch
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.nn.parallel import DistributedDataParallel, make_buckets

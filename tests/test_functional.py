@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend, functional as F
-from gpt2_cupy.autograd import Tensor, manual_seed
+from gpt2_cupy.autograd import Tensor
+from gpt2_cupy.random import manual_seed
 from gpt2_cupy.testing import finite_difference_gradient, relative_error
 from tests import references
 from tests.references import gelu as gelu_reference

@@ -14,7 +14,7 @@ import pytest
 
 import gpt2_cupy
 from gpt2_cupy import backend, no_grad
-from gpt2_cupy.autograd import manual_seed
+from gpt2_cupy.random import manual_seed
 from gpt2_cupy.llama import Llama, LlamaConfig
 from gpt2_cupy.ops.arrays import BFLOAT16
 from gpt2_cupy.ops.decode_attention import decode_attention_forward, decode_attention_store

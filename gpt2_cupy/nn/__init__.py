@@ -2,7 +2,10 @@
 
     Module        named_parameters, named_modules, children, apply, state_dict, load_state_dict, to, repr
     Linear, LayerNorm, DyT, Embedding, Dropout          the layers GPT-2 needs, over the course's kernels
-    GELU, ReLU, SiLU, Identity, Sequential, ModuleList, ModuleDict, Parameter
+    GELU, ReLU, SiLU, Tanh, Sigmoid, LeakyReLU, Softmax, LogSoftmax, Flatten, Identity
+    MSELoss, CrossEntropyLoss, RMSNorm, Sequential, ModuleList, ModuleDict, Parameter
+    Linear, Embedding, LayerNorm and RMSNorm take PyTorch's dtype= (float32 or bfloat16) and device= (any
+    name: one backend holds every array)
     nn.init (normal_, zeros_, ones_, uniform_, xavier_uniform_), nn.utils.clip_grad_norm_, nn.functional (F)
 
 A Module finds its parameters and sub-modules by looking at its own attributes, in the order they were
@@ -26,7 +29,8 @@ import ml_dtypes
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import Tensor, bump_version, init_generator
+from gpt2_cupy.autograd import Tensor, bump_version
+from gpt2_cupy.random import init_generator
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.nn import init, utils
 
@@ -221,7 +225,7 @@ class Module:
             if set_to_none:
                 parameter.grad = None
             elif parameter.grad is not None:
-                backend.fill_zero(parameter.grad)  # in place: the buffer may be a view into the optimizer's flat one
+                backend.fill_zero(parameter.grad.data)  # in place: the buffer may be a view into the optimizer's flat one
 
 
 class ModuleList(Module):
@@ -305,6 +309,12 @@ class Sequential(Module):
         return x
 
 
+def _to_dtype(module, dtype):
+    """A layer's dtype= argument: its parameters converted (float32 or bfloat16, as Module.to takes)."""
+    if dtype is not None:
+        module.to(dtype)
+
+
 def _normal(shape, std):
     return Parameter(init_generator().normal(0.0, std, shape).astype(numpy.float32))
 
@@ -316,11 +326,12 @@ def _uniform(shape, bound):
 class Linear(Module):
     """y = x Wᵀ + b, weight (out_features, in_features); initialised as PyTorch's, U(±1/√in_features)."""
 
-    def __init__(self, in_features, out_features, bias=True):
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
         self.in_features, self.out_features = in_features, out_features
         bound = 1 / math.sqrt(in_features)
         self.weight = _uniform((out_features, in_features), bound)
         self.bias = _uniform((out_features,), bound) if bias else None
+        _to_dtype(self, dtype)
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
@@ -332,11 +343,14 @@ class Linear(Module):
 class LayerNorm(Module):
     """Normalise over the last axis, then weight (ones) and bias (zeros, or none with bias=False)."""
 
-    def __init__(self, normalized_shape, eps=1e-5, bias=True):
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
+        if not elementwise_affine:
+            raise NotImplementedError("LayerNorm(elementwise_affine=False): the kernels take a weight and a bias")
         self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
         self.eps = eps
         self.weight = Parameter(numpy.ones(self.normalized_shape, numpy.float32))
         self.bias = Parameter(numpy.zeros(self.normalized_shape, numpy.float32)) if bias else None
+        _to_dtype(self, dtype)
 
     def forward(self, x):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -360,9 +374,12 @@ class DyT(Module):
 class Embedding(Module):
     """A table of num_embeddings rows of embedding_dim; initialised N(0, 1) as PyTorch's."""
 
-    def __init__(self, num_embeddings, embedding_dim):
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, device=None, dtype=None):
+        if padding_idx is not None:
+            raise NotImplementedError("Embedding(padding_idx=...) is not supported")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = _normal((num_embeddings, embedding_dim), 1.0)
+        _to_dtype(self, dtype)
 
     def forward(self, idx):
         return F.embedding(idx, self.weight)
@@ -394,8 +411,75 @@ class GELU(Module):
 
 
 class ReLU(Module):
+    def __init__(self, inplace=False):
+        self.inplace = inplace
+
     def forward(self, x):
         return F.relu(x)
+
+
+class Tanh(Module):
+    def forward(self, x):
+        return F.tanh(x)
+
+
+class Sigmoid(Module):
+    def forward(self, x):
+        return F.sigmoid(x)
+
+
+class LeakyReLU(Module):
+    def __init__(self, negative_slope=0.01, inplace=False):
+        self.negative_slope = negative_slope
+
+    def forward(self, x):
+        return F.leaky_relu(x, self.negative_slope)
+
+    def extra_repr(self):
+        return f"negative_slope={self.negative_slope}"
+
+
+class Softmax(Module):
+    def __init__(self, dim=None):
+        self.dim = dim
+
+    def forward(self, x):
+        return F.softmax(x, self.dim)
+
+    def extra_repr(self):
+        return f"dim={self.dim}"
+
+
+class LogSoftmax(Softmax):
+    def forward(self, x):
+        return F.log_softmax(x, self.dim)
+
+
+class Flatten(Module):
+    def __init__(self, start_dim=1, end_dim=-1):
+        self.start_dim, self.end_dim = start_dim, end_dim
+
+    def forward(self, x):
+        return x.flatten(self.start_dim, self.end_dim)
+
+
+class MSELoss(Module):
+    def __init__(self, size_average=None, reduce=None, reduction="mean"):
+        self.reduction = reduction
+
+    def forward(self, input, target):
+        return F.mse_loss(input, target, reduction=self.reduction)
+
+
+class CrossEntropyLoss(Module):
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
+                 label_smoothing=0.0):
+        self.weight, self.ignore_index, self.reduction = weight, ignore_index, reduction
+        self.label_smoothing = label_smoothing
+
+    def forward(self, input, target):
+        return F.cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
+                               reduction=self.reduction, label_smoothing=self.label_smoothing)
 
 
 class SiLU(Module):
@@ -412,16 +496,20 @@ class Identity(Module):
 
 
 __all__ = ["Module", "Parameter", "Linear", "LayerNorm", "DyT", "Embedding", "Dropout", "GELU", "ReLU", "SiLU",
-           "Identity", "Sequential", "ModuleList", "ModuleDict", "functional", "init", "utils"]
+           "Tanh", "Sigmoid", "LeakyReLU", "Softmax", "LogSoftmax", "Flatten", "MSELoss", "CrossEntropyLoss",
+           "Identity", "Sequential", "ModuleList", "ModuleDict", "RMSNorm", "functional", "init", "utils"]
 
 
 class RMSNorm(Module):
     """x / sqrt(mean(x²) + eps) over the last axis, times weight (ones): Llama's norm, PyTorch's nn.RMSNorm."""
 
-    def __init__(self, normalized_shape, eps=None):
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None):
+        if not elementwise_affine:
+            raise NotImplementedError("RMSNorm(elementwise_affine=False): the kernel takes a weight")
         self.normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
         self.eps = eps
         self.weight = Parameter(numpy.ones(self.normalized_shape, numpy.float32))
+        _to_dtype(self, dtype)
 
     def forward(self, x):
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)

@@ -34,7 +34,8 @@ import math
 import numpy
 
 from gpt2_cupy import amp, backend, device_checks, dispatch, tensor_ops
-from gpt2_cupy.autograd import Function, Tensor, dropout_rng_state, storage_version
+from gpt2_cupy.autograd import Function, Tensor, storage_version
+from gpt2_cupy.random import dropout_rng_state
 from gpt2_cupy.elementwise import contiguous, converted, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32, same_place, storage_of
 from gpt2_cupy.reduction import normalize_dims
@@ -658,3 +659,45 @@ def causal_attention(q, k, v):
     """softmax(q kᵀ / √D) v with the causal mask, q, k, v (B, H, T, D): chapter 08's fused kernels for the head
     sizes they take (ops.attention.HEAD_SIZES), the batched-matmul path otherwise (Llama's D = 128)."""
     return scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+# ---- more of torch.nn.functional, from tensor operations (each a generated kernel with its gradient) ----------------
+
+def one_hot(tensor, num_classes=-1):
+    """int64 (..., num_classes): 1 where the last axis equals the id; num_classes -1 means max + 1."""
+    ids = tensor.data
+    if ids.dtype.kind not in "iu":
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if num_classes == -1:
+        num_classes = int(backend.asnumpy(ids).max()) + 1 if ids.size else 0
+    classes = backend.xp.arange(num_classes, dtype=numpy.int64)
+    return Tensor(elementwise("one_hot", "a == b", [ids[..., None], classes], compute_dtype=numpy.int64,
+                              out_dtype=numpy.int64))
+
+
+def leaky_relu(input, negative_slope=0.01, inplace=False):
+    return tensor_ops.where(input > 0, input, input * negative_slope)
+
+
+def softplus(input, beta=1.0, threshold=20.0):
+    scaled = input * beta
+    return tensor_ops.where(scaled > threshold, input, (scaled.exp() + 1).log() / beta)
+
+
+def mse_loss(input, target, size_average=None, reduce=None, reduction="mean"):
+    return _reduced((input - target) ** 2, reduction)
+
+
+def l1_loss(input, target, size_average=None, reduce=None, reduction="mean"):
+    return _reduced((input - target).abs(), reduction)
+
+
+def _reduced(losses, reduction):
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    return losses if reduction == "none" else losses.mean() if reduction == "mean" else losses.sum()
+
+
+def normalize(input, p=2.0, dim=1, eps=1e-12):
+    """input / max(‖input‖_p over dim, eps)."""
+    return input / input.norm(p, dim, keepdim=True).clamp(min=eps)
