@@ -129,13 +129,20 @@ if _cupy is not None:
     _RawKernel = _cupy.RawKernel
     _RawModule = _cupy.RawModule
 
+    def _device_array(a):
+        """a, or the CuPy array an object (a Tensor) exposes through __cuda_array_interface__, viewed in place
+        with the object's own dtype: the interface spells bf16 as two raw bytes, which CuPy cannot copy."""
+        if isinstance(a, _cupy.ndarray) or not hasattr(a, "__cuda_array_interface__"):
+            return a
+        return _cupy.asarray(a).view(a.dtype)
+
     def unchecked_asnumpy(a):
         """A numpy copy, without reporting the range checks (device_checks reads its own flags with it)."""
-        return _cupy.asnumpy(a)
+        return _cupy.asnumpy(_device_array(a))
 
     def asnumpy(a):
         refuse_under_capture("backend.asnumpy (a host copy, as .item(), .tolist(), float() and print make)")
-        result = _cupy.asnumpy(a)
+        result = _cupy.asnumpy(_device_array(a))
         _report_device_checks()
         return result
 

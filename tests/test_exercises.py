@@ -68,7 +68,8 @@ BROKEN = {
         "wrong element": ("y[i] =", "y[n - 1 - i] ="),
     },
     "05b.dyt_partial_sums": {
-        "guard": ("if (column < columns) {\n        for", "{\n        for"),
+        # the write's guard: without the read's, the extra columns' sums are never written, and a GPU cannot tell
+        "guard": ("if (threadIdx.y == 0 && column < columns) {", "if (threadIdx.y == 0) {"),
         "wrong element": ("weight_partials[(long long)blockIdx.y * columns + column] = weight_total;",
                           "weight_partials[(long long)blockIdx.y * columns + columns - 1 - column] = weight_total;"),
         "barrier": ("__syncthreads();  // all eight slots written", "// all eight slots written"),

@@ -167,8 +167,9 @@ def float32_kernel_error(op_a, op_b, exact, transpose_a, transpose_b, a, b):
 @pytest.mark.parametrize("transpose_a, transpose_b", LAYOUTS)
 def test_highest_stays_as_accurate_as_float32(transpose_a, transpose_b, rng, every_product_on_wgmma):
     """"highest" (3xTF32 on the wgmma, its big times big part summed on the CUDA cores) against float64: an error
-    no larger than chapter 01's float32 kernel's on the same inputs (with 20 % slack: both are float32 sums in
-    different orders), and far below one TF32 product's."""
+    of float32's class, at most twice chapter 01's float32 kernel's on the same inputs (both are float32 sums in
+    different orders, and the tensor cores' accumulator truncates as it aligns its addends, where the CUDA cores
+    round to nearest: chapter 15b), and far below one TF32 product's."""
     M, N, K = 70, 136, 300
     a, b, op_a, op_b = layout_operands(rng, M, N, K, transpose_a, transpose_b)
     exact = op_a.astype(np.float64) @ op_b.astype(np.float64)
@@ -176,7 +177,7 @@ def test_highest_stays_as_accurate_as_float32(transpose_a, transpose_b, rng, eve
                                              precision="highest"))
     error = relative_error(got, exact)
     float32_error = float32_kernel_error(op_a, op_b, exact, transpose_a, transpose_b, a, b)
-    assert error <= 1.2 * float32_error, (error, float32_error)
+    assert error <= 2 * float32_error, (error, float32_error)
     assert error < relative_error(upper_19_bits(op_a) @ upper_19_bits(op_b), exact) / 100
 
 
