@@ -2,23 +2,26 @@
 
     python -m bench.dropout   writes bench/dropout.json (device, date, results) and prints a table
 
-GB/s of dropout_forward and dropout_backward (each reads n floats and writes n: 8 bytes per element; the
-mask is regenerated, never read) against the device's copy bandwidth, at GPT-2 small's two dropout
-shapes with B = 8, T = 1024: the residual stream (B, T, C) = 6.3M elements and the attention probabilities
-(B, H, T, T) = 101M elements. PyTorch's dropout next to it when installed: its forward writes a one-byte
-mask besides y (9 bytes per element) and its backward reads that mask (9 bytes); both are counted in
-PyTorch's figures as the bytes it really moves.
+GB/s of the chapter's first step (one element per thread, a Philox call each), dropout_forward and
+dropout_backward (each reads n floats and writes n: 8 bytes per element; the mask is regenerated, never read)
+against the device's copy bandwidth, at GPT-2 small's two dropout shapes with B = 8, T = 1024: the residual
+stream (B, T, C) = 6.3M elements and the attention probabilities (B, H, T, T) = 101M elements. Also
+dropout_forward allocating its output, as PyTorch's call does. PyTorch's dropout next to it when installed:
+its forward writes a one-byte mask besides y (9 bytes per element) and its backward reads that mask (9 bytes);
+both are counted in PyTorch's figures as the bytes it really moves.
 """
 
 import numpy as np
 
-from gpt2_cupy import backend, benchmark
+from gpt2_cupy import backend, benchmark, kernels
+from gpt2_cupy.ops.arrays import ceil_div
 from gpt2_cupy.ops.dropout import advance_rng_state, dropout_backward, dropout_forward, new_rng_state
 from gpt2_cupy.testing import torch_or_none
 
 SHAPES = {"residual stream (8, 1024, 768)": (8, 1024, 768), "attention (8, 12, 1024, 1024)": (8, 12, 1024, 1024)}
 P = 0.1
 FLOAT = 4
+THREADS_PER_BLOCK = 256
 
 
 def rates(shape, state, cupy, torch):
@@ -27,12 +30,17 @@ def rates(shape, state, cupy, torch):
     x = cupy.random.default_rng(0).standard_normal(shape, dtype=cupy.float32)
     out = cupy.empty_like(x)
     ours = 2 * n * FLOAT
+    one_per_thread = kernels.function("steps/dropout_one_per_thread")
+    p = np.float32(P)
     runs = {
+        "dropout, one element per thread (the first step)": (ours, lambda: one_per_thread(
+            (ceil_div(n, THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,), (out, x, state, p, np.int32(n)))),
         "dropout_forward": (ours, lambda: dropout_forward(x, P, state, out=out)),
+        "dropout_forward, allocating y (as torch's does)": (ours, lambda: dropout_forward(x, P, state)),
         "dropout_backward": (ours, lambda: dropout_backward(x, P, state, out=out)),
         "advance_rng_state + dropout_forward": (ours, lambda: (advance_rng_state(state, n),
                                                               dropout_forward(x, P, state, out=out))),
-        "cupy copy (the ceiling, for reference)": (ours, lambda: cupy.copyto(out, x)),
+        "cupy copy (the reference line)": (ours, lambda: cupy.copyto(out, x)),
     }
     if torch is not None:
         x_torch = torch.from_dlpack(x)

@@ -2,7 +2,7 @@
 
     GPT2_CUPY_BACKEND=cuda python -m bench.matmul [--tune]        writes bench/matmul.json
 
-Times each version of C = A @ B (naive, shared-memory tiles, register blocking, and the package's
+Times each version of C = A @ B (naive, shared-memory tiles, register blocking, the four steps of section 4.4, and the package's
 kernel) on square sizes and on GPT-2 small's Linear shapes (8192 rows = 8 sequences of 1024 tokens),
 then the package's matmul on the three products of a Linear layer (x Wᵀ, dy W, dyᵀ x) against cuBLAS
 doing the same, with and without split-K. --tune also times variants of the package kernel (block order,
@@ -52,6 +52,10 @@ def _teaching_kernel(file_name, kernel_name, block, grid_of):
     return launcher
 
 
+STEPS = {"+ float4 loads": "matmul_float4", "+ A transposed in shared memory": "matmul_transposed_a",
+         "+ warp tiles": "matmul_warp_tiles", "+ double buffering": "matmul_double_buffered"}
+
+
 def versions(with_torch=True):
     """{label: launcher(a, b, c) -> run()} for C = A @ B, slowest first, the references last."""
     found = {
@@ -63,6 +67,9 @@ def versions(with_torch=True):
                                                 lambda M, N: (_blocks(N, 32), _blocks(M, 32))),
         "register blocking": _teaching_kernel("steps/matmul_register_blocked", "matmul_register_blocked", (256,),
                                               lambda M, N: (_blocks(N, 128), _blocks(M, 128))),
+        # chapter 01's four steps from register blocking to the package's kernel (N and K multiples of 4)
+        **{label: _teaching_kernel(f"steps/{name}", name, (256,), lambda M, N: (_blocks(N, 128), _blocks(M, 128)))
+           for label, name in STEPS.items()},
         "package kernel (gpt2_cupy matmul)": lambda a, b, c: (lambda: matmul(a, b, out=c)),
         "cuBLAS (cupy.matmul)": lambda a, b, c: (lambda: backend.xp.matmul(a, b, out=c)),
     }

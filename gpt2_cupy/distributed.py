@@ -8,7 +8,7 @@
     dist.broadcast(weights, src=0)              # every rank gets rank 0's values
     dist.destroy_process_group()
 
-A collective takes backend arrays or Tensors (their .data), float32, float64 or int32, contiguous, and
+A collective takes backend arrays or Tensors (their .data) of COLLECTIVE_DTYPES, contiguous, and
 writes its result in place. Two groups stand behind the same calls, and nothing outside this module
 knows which one it has:
 
@@ -142,13 +142,17 @@ def destroy_process_group():
 
 # ---- the collectives ---------------------------------------------------------------------------------------
 
+# What the collectives take (bytes of any other dtype travel as uint8: DistributedDataParallel's buffers)
+COLLECTIVE_DTYPES = ("float32", "float64", "int32", "uint8")
+
+
 def _array(tensor_or_array, what):
     array = tensor_or_array.data if isinstance(tensor_or_array, Tensor) else tensor_or_array
     if not isinstance(array, backend.xp.ndarray):
         raise TypeError(f"{what}: expected a Tensor or a {backend.xp.__name__}.ndarray, got "
                         f"{type(tensor_or_array).__name__}")
-    if array.dtype not in (numpy.float32, numpy.float64, numpy.int32):
-        raise TypeError(f"{what}: dtype {array.dtype} is not supported; use float32, float64 or int32")
+    if array.dtype.name not in COLLECTIVE_DTYPES:
+        raise TypeError(f"{what}: dtype {array.dtype} is not supported; use {', '.join(COLLECTIVE_DTYPES)}")
     if not array.flags.c_contiguous:
         raise ValueError(f"{what}: the array must be contiguous (collectives read and write flat memory)")
     return array
@@ -274,8 +278,7 @@ class NcclGroup:
             signed = tuple(value - 256 if value > 127 else value for value in unique_id)
             self.communicator = nccl.NcclCommunicator(world_size, signed, rank)
         self.stream = backend.xp.cuda.Stream(non_blocking=True)  # where async collectives run
-        self.types = {numpy.dtype(numpy.float32): nccl.NCCL_FLOAT32, numpy.dtype(numpy.float64): nccl.NCCL_FLOAT64,
-                      numpy.dtype(numpy.int32): nccl.NCCL_INT32}
+        self.types = {numpy.dtype(name): getattr(nccl, "NCCL_" + name.upper()) for name in COLLECTIVE_DTYPES}
         # ncclAvg (NCCL 2.10 and later) is 4; older CuPy releases do not name it
         self.ops = {ReduceOp.SUM: nccl.NCCL_SUM, ReduceOp.AVG: getattr(nccl, "NCCL_AVG", 4)}
 

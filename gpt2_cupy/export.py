@@ -2,7 +2,8 @@
 
 A code cell whose first line is `# export: kernels/NAME.cu` exports the first string literal it assigns.
 The package's kernels, one file per op named after it, go to kernels/; teaching steps that only a chapter,
-its tests and its benchmark run (the naive matmul, say) go to kernels/steps/; device helpers that several
+its tests and its benchmark run (the naive matmul, say) go to kernels/steps/; the graded exercises'
+solutions (gpt2_cupy.exercises) go to kernels/exercises/NN_name.cu; device helpers that several
 kernels share (the warp reductions, say) go to kernels/include/NAME.cuh, exported by the chapter that
 teaches them:
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from gpt2_cupy.checkout import REPOSITORY
 
-EXPORT_MARK = re.compile(r"^#\s*export:\s*(kernels/(?:(?:steps/)?[\w.-]+\.cu|include/[\w.-]+\.cuh))\s*$")
+EXPORT_MARK = re.compile(r"^#\s*export:\s*(kernels/(?:(?:steps/|exercises/)?[\w.-]+\.cu|include/[\w.-]+\.cuh))\s*$")
 
 
 def _cell_text(cell):

@@ -2,6 +2,7 @@
 
     kernels/NAME.cu           the package's kernels, one file per op, named after it
     kernels/steps/NAME.cu     teaching steps that only a chapter, its tests and its benchmark run
+    kernels/exercises/NN_name.cu  the graded exercises' solutions (gpt2_cupy.exercises)
     kernels/include/NAME.cuh  device helpers that kernels share (`#include "warp.cuh"`), one home each
 
 `python -m gpt2_cupy.export chapters/` (or `make kernels`) writes these files from the notebook cells marked

@@ -156,18 +156,113 @@ def test_buckets_cover_every_gradient_exactly_once():
     model, optimizer = small_model()
     packed = [(p, where) for p, where, _, _ in optimizer._packed]
     cap_bytes = 20_000
-    buckets = make_buckets(packed, optimizer.flat_grads.size, cap_bytes)
+    order = list(reversed(list(model.parameters())))
+    buckets = make_buckets(packed, order, cap_bytes)
     assert len(buckets) > 3
     covered = np.zeros(optimizer.flat_grads.size, dtype=int)
     for bucket in buckets:
-        covered[bucket.start:bucket.stop] += 1
+        for start, stop in bucket.runs:
+            covered[start:stop] += 1
         for p in bucket.parameters:
             where = next(w for q, w in packed if q is p)
-            assert bucket.start <= where.start and where.stop <= bucket.stop
-    assert (covered == 1).all()
-    assert sorted(id(p) for b in buckets for p in b.parameters) == sorted(id(p) for p, _ in packed)
-    assert all((b.stop - b.start) * 4 >= cap_bytes for b in buckets[:-1])
-    assert buckets[0].stop == optimizer.flat_grads.size  # the first bucket: the last layers' gradients
+            assert any(start <= where.start and where.stop <= stop for start, stop in bucket.runs)
+    for _, where in packed:
+        assert (covered[where] == 1).all()
+    assert (covered <= 1).all()
+    assert [id(p) for b in buckets for p in b.parameters] == [id(p) for p in order]  # in the order given
+    assert all(b.elements * 4 >= cap_bytes for b in buckets[:-1])
+    last_layer = {id(p) for name, p in model.named_parameters() if name.startswith("transformer.h.1.")}
+    assert {id(p) for p in buckets[0].parameters} <= last_layer | {id(p) for p in model.transformer.ln_f.parameters()}
+
+
+def backward_timeline(monkeypatch, model_options, cap_mb, steps=1):
+    """One rank's backwards under DistributedDataParallel: for each step, the number of Nodes whose backward
+    had run when each bucket's first all-reduce was issued, and the number of Nodes in the backward."""
+    nodes_done, issued = [0], []
+    original_free_saved, original_all_reduce = Context.free_saved, distributed.all_reduce
+
+    def counting_free_saved(ctx):
+        nodes_done[0] += 1
+        original_free_saved(ctx)
+
+    def recording_all_reduce(array, *arguments, **options):
+        issued.append((nodes_done[0], array.data.ptr if hasattr(array, "data") and hasattr(array.data, "ptr")
+                       else array.__array_interface__["data"][0]))
+        return original_all_reduce(array, *arguments, **options)
+
+    monkeypatch.setattr(Context, "free_saved", counting_free_saved)
+    monkeypatch.setattr(distributed, "all_reduce", recording_all_reduce)
+    batch = xp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 17)).astype(np.int32))
+
+    def rank_main(rank):
+        manual_seed(0)
+        model = GPT(GPTConfig(block_size=16, vocab_size=64, n_head=2, n_embd=32, dropout=0.0, **model_options))
+        model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+        ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
+        timeline = []
+        for _ in range(steps):
+            nodes_done[0], issued[:] = 0, []
+            _, loss = ddp(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            firsts = {}
+            for bucket in ddp.reducer.buckets:  # the node count when the bucket's first run was issued
+                first_run = bucket.runs[0][0]
+                firsts[len(firsts)] = next(done for done, pointer in issued
+                                           if pointer == address_of(ddp.module, first_run))
+            timeline.append((list(firsts.values()), nodes_done[0]))
+        return timeline
+
+    return distributed.run_simulated(1, rank_main)[0]
+
+
+def address_of(model, element):
+    optimizer = next(p for p in model.parameters())._grad_slot.owner
+    flat = optimizer.flat_grads[element:]
+    return flat.data.ptr if hasattr(flat.data, "ptr") else flat.__array_interface__["data"][0]
+
+
+def test_the_first_bucket_is_reduced_while_the_backward_is_in_its_first_half(monkeypatch):
+    """The overlap data parallelism is for: the first bucket (the last layer's gradients) is all-reduced while
+    the backward still has the earlier layers to go, and each later bucket after the one before it."""
+    for (issued, nodes), step in zip(backward_timeline(monkeypatch, dict(n_layer=4), cap_mb=0.02, steps=2), (1, 2)):
+        assert len(issued) > 3, step
+        assert issued[0] < nodes / 2, f"step {step}: the first bucket waited for {issued[0]} of {nodes} Nodes"
+        assert issued == sorted(issued)
+        assert issued[-2] < nodes, f"step {step}: all but the last bucket are reduced before the backward ends"
+
+
+def test_buckets_follow_the_order_gradients_arrive_in_after_the_first_backward():
+    """The tied embedding (transformer.wte, also the output head) is the first parameter registered, so the
+    reverse of the registration order guesses it arrives last, which it does: the embedding's backward adds
+    the last contribution. The position embedding also arrives at the very end. The recorded order is what
+    rank 0's backward saw, and the buckets made after the first backward follow it."""
+    def rank_main(rank):
+        model, optimizer = small_model()
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
+        batch = xp.asarray(np.random.default_rng(rank).integers(0, 64, size=(2, 17)).astype(np.int32))
+        for _ in range(2):
+            _, loss = ddp(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+        names = {id(p): name for name, p in model.named_parameters()}
+        return ([names[id(p)] for p in ddp.reducer.arrival_order],
+                [[names[id(p)] for p in bucket.parameters] for bucket in ddp.reducer.buckets])
+
+    (order, buckets), (order_1, buckets_1) = distributed.run_simulated(2, rank_main)
+    assert order == order_1 and buckets == buckets_1  # rank 0's order on every rank
+    assert sorted(order) == sorted(name for name, _ in small_model()[0].named_parameters())
+    assert set(order[-2:]) == {"transformer.wte.weight", "transformer.wpe.weight"}
+    assert order.index("transformer.h.1.mlp.c_proj.weight") < order.index("transformer.h.0.mlp.c_proj.weight")
+    assert [name for bucket in buckets for name in bucket] == order
+
+
+def test_module_buffers_are_broadcast_from_rank_0():
+    def rank_main(rank):
+        model, optimizer = small_model()
+        model.register_buffer("counts", xp.full(3, rank + 1, dtype=np.int64))
+        DistributedDataParallel(model, bucket_cap_mb=0.02)
+        return backend.asnumpy(model.counts.data).tolist()
+
+    assert distributed.run_simulated(2, rank_main) == [[1, 1, 1], [1, 1, 1]]
 
 
 def test_buckets_are_all_reduced_during_the_backward_and_averaged(monkeypatch):
@@ -202,13 +297,13 @@ def test_buckets_are_all_reduced_during_the_backward_and_averaged(monkeypatch):
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
         _, loss = ddp(batches[rank][:, :-1], batches[rank][:, 1:])
         loss.backward()
-        return as_numpy(optimizer.flat_grads), len(ddp.reducer.buckets), nodes_done[0]
+        return as_numpy(optimizer.flat_grads), sum(len(b.runs) for b in ddp.reducer.buckets), nodes_done[0]
 
     results = distributed.run_simulated(2, rank_main)
     for gradients, _, _ in results:
         np.testing.assert_allclose(gradients, expected, rtol=1e-5, atol=1e-7)
-    buckets, nodes_of_both_backwards = results[0][1], results[1][2]
-    assert buckets > 3 and len(launched_after) == 2 * buckets
+    runs, nodes_of_both_backwards = results[0][1], results[1][2]
+    assert runs > 3 and len(launched_after) == 2 * runs  # one all-reduce for each run of each bucket
     assert launched_after[0] < nodes_of_both_backwards / 2 - 1  # rank 0's first bucket: mid-backward
 
 

@@ -6,15 +6,22 @@
     loss.backward()                             # gradient buckets all-reduced (averaged) as they fill
     optimizer.step()                            # every rank takes the same step
 
-The gradients live in the optimizer's flat buffer (gpt2_cupy.optim). DistributedDataParallel cuts that
-buffer into buckets of about bucket_cap_mb, from its end backwards: the backward produces the gradients of
-the last layers first, and those sit at the end. A bucket is a slice of the flat buffer, so it is
-all-reduced in place with no copy. When the last gradient of a bucket has been added, the bucket's
-all-reduce is queued on the group's own stream (after an event on the compute stream), and the backward of
-the earlier layers goes on meanwhile on the compute stream: communication overlaps computation. Buckets
-are launched in the same order on every rank (NCCL requires it), each once all before it are launched.
-When the last bucket is launched, the compute stream is made to wait for all of them, so whatever runs
-after the backward (clipping, the optimizer's step) reads averaged gradients. The host never waits.
+The gradients live in the optimizer's flat buffer (gpt2_cupy.optim). DistributedDataParallel groups the
+parameters into buckets of about bucket_cap_mb, in the order their gradients are complete in the backward, so
+that the first bucket fills first. Before the first backward that order is a guess, PyTorch's: the reverse of
+module.parameters(), since the backward visits the last layers first. The first backward records the order in
+which the gradients really arrive (a weight tied to the first layer and the output head arrives last, say), and
+the buckets are made again in that order, rank 0's for every rank, for the steps after it.
+
+A bucket's gradients lie in one or a few runs of the flat buffer: the optimizer packs the matrices (the group
+with weight decay) apart from the biases and LayerNorm weights, so a layer's gradients are two runs. Each run
+is all-reduced in place, with no copy. When the last gradient of a bucket has been added, its all-reduces are
+queued on the group's own stream (after an event on the compute stream), and the backward of the earlier
+layers goes on meanwhile on the compute stream: communication overlaps computation. Buckets are launched in
+the same order on every rank (NCCL requires it), each once all before it are launched. When the last bucket
+is launched, the compute stream is made to wait for all of them, so whatever runs after the backward
+(clipping, the optimizer's step) reads averaged gradients. The host never waits, except once, at the end of
+the first backward, to read rank 0's arrival order.
 
 When is a parameter's gradient complete? After the forward, DistributedDataParallel walks the new graph
 and counts, for each parameter, the Nodes with an edge to it. The backward frees each Node's saved arrays
@@ -26,14 +33,16 @@ Under no_sync() the forward prepares nothing: gradients only add up locally (gra
 the forward after the block, and its backward, all-reduce the sum.
 
 With a ZeroRedundancyOptimizer (gpt2_cupy.zero) the buckets are not used: that optimizer reduce-scatters
-the whole buffer in its step. Where it differs from PyTorch: the module's buffers are not broadcast (GPT-2's
-are computed, not learned); a parameter must not be used by some ranks and not by others.
+the whole buffer in its step. As PyTorch's, the constructor broadcasts rank 0's parameters and buffers. Where
+it differs from PyTorch: a parameter must not be used by some ranks and not by others.
 """
 
 import contextlib
 import weakref
 
-from gpt2_cupy import distributed
+import numpy
+
+from gpt2_cupy import backend, distributed
 from gpt2_cupy.autograd import AccumulateGrad, Tensor, is_grad_enabled, topological_order
 from gpt2_cupy.nn import Module
 from gpt2_cupy.zero import ZeroRedundancyOptimizer
@@ -42,33 +51,53 @@ DEFAULT_BUCKET_CAP_MB = 25  # PyTorch's default: large enough that each all-redu
 
 
 class Bucket:
-    """A slice [start, stop) of the flat gradient buffer and the parameters whose gradients lie in it."""
+    """Parameters whose gradients are all-reduced together, and the runs [start, stop) of the flat gradient
+    buffer that hold them (one run for each stretch of parameters packed one after the other)."""
 
-    def __init__(self, start, stop, parameters):
-        self.start, self.stop, self.parameters = start, stop, parameters
+    def __init__(self, parameters, runs):
+        self.parameters, self.runs = parameters, runs
         self.pending = 0   # gradients still to come in this backward
-        self.work = None   # the queued all-reduce
+        self.works = []    # the queued all-reduces, one a run
+
+    @property
+    def elements(self):
+        return sum(stop - start for start, stop in self.runs)
 
     def __repr__(self):
-        return f"Bucket([{self.start}, {self.stop}), {len(self.parameters)} parameters)"
+        return f"Bucket({len(self.parameters)} parameters in runs {self.runs})"
 
 
-def make_buckets(packed, buffer_length, cap_bytes, itemsize=4):
-    """Buckets over [0, buffer_length), from the end backwards, each closed once it holds cap_bytes.
+def make_buckets(packed, order, cap_bytes, itemsize=4):
+    """Buckets of the parameters taken in `order` (the first to be complete first), each closed once it holds
+    cap_bytes.
 
-    packed: (parameter, its slice of the flat buffer) pairs. Each bucket starts where its first-packed
-    parameter starts and stops where the next bucket starts (the padding between parameters included),
-    so the buckets cover the buffer exactly once.
+    packed: (parameter, its slice of the flat buffer) pairs, in the order the optimizer packed them. Neighbours
+    in that order that fall in one bucket make one run, the padding between them included, so every
+    parameter's slice is in exactly one run of exactly one bucket.
     """
-    buckets, stop, parameters = [], buffer_length, []
-    for parameter, where in sorted(packed, key=lambda entry: entry[1].start, reverse=True):
+    position = {id(p): number for number, (p, _) in enumerate(packed)}
+    slices = {id(p): where for p, where in packed}
+    buckets, parameters, size = [], [], 0
+    for parameter in order:
         parameters.append(parameter)
-        if (stop - where.start) * itemsize >= cap_bytes:
-            buckets.append(Bucket(where.start, stop, parameters))
-            stop, parameters = where.start, []
-    if parameters or stop > 0:
-        buckets.append(Bucket(0, stop, parameters))
-    return buckets
+        size += slices[id(parameter)].stop - slices[id(parameter)].start
+        if size * itemsize >= cap_bytes:
+            buckets.append(parameters)
+            parameters, size = [], 0
+    if parameters:
+        buckets.append(parameters)
+    made = []
+    for parameters in buckets:
+        numbers = sorted(position[id(p)] for p in parameters)
+        runs = []
+        for number in numbers:
+            where = packed[number][1]
+            if runs and runs[-1][2] == number - 1:   # the packed neighbour of the run's last parameter
+                runs[-1] = (runs[-1][0], where.stop, number)
+            else:
+                runs.append((where.start, where.stop, number))
+        made.append(Bucket(parameters, [(start, stop) for start, stop, _ in runs]))
+    return made
 
 
 class GradientReducer:
@@ -80,25 +109,34 @@ class GradientReducer:
         if owner is None or any(other is not owner for other in owners):
             raise RuntimeError("DistributedDataParallel all-reduces the gradients in the optimizer's flat buffer: "
                                "create one optimizer over all the model's parameters before the first forward")
-        self.optimizer = owner
-        self.buckets = []
-        if not isinstance(owner, ZeroRedundancyOptimizer):  # which reduce-scatters the gradients in its step
-            wanted = {id(p) for p in parameters}
-            packed = [(p, where) for p, where, _, _ in owner._packed if id(p) in wanted]
-            self.buckets = make_buckets(packed, owner.flat_grads.size, cap_bytes)
-        self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.parameters}
+        self.optimizer, self.parameters, self.cap_bytes = owner, parameters, cap_bytes
+        wanted = {id(p) for p in parameters}
+        self.packed = [(p, where) for p, where, _, _ in owner._packed if id(p) in wanted]
+        self.reduce_in_backward = not isinstance(owner, ZeroRedundancyOptimizer)  # which reduce-scatters in its step
+        self.arrival_order = None  # recorded during the first backward, then the buckets follow it
+        self._make_buckets(list(reversed(parameters)))
+        self.buckets_follow_guess = True
         self.next_bucket = len(self.buckets)  # none pending: no backward is under way
+
+    def _make_buckets(self, order):
+        self.buckets = make_buckets(self.packed, order, self.cap_bytes) if self.reduce_in_backward else []
+        self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.parameters}
 
     @property
     def finished(self):
         return self.next_bucket == len(self.buckets)
 
     def prepare_for_backward(self, outputs):
-        """Count the edges from the graph of outputs to each bucket's parameters; hook their Nodes' free_saved."""
+        """Count the edges from the graph of outputs to each parameter; hook their Nodes' free_saved."""
         if not self.buckets:
             return
+        if self.arrival_order is not None and self.buckets_follow_guess:
+            self._make_buckets(self.arrival_order)
+            self.buckets_follow_guess = False
+        self.pending = {id(p): 0 for p in self.parameters}
+        self.arrived = [] if self.arrival_order is None else None  # recorded in the first backward only
         for bucket in self.buckets:
-            bucket.pending, bucket.work = 0, None
+            bucket.pending, bucket.works = 0, []
         self.next_bucket = 0
         seen = set()
         for root in [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]:
@@ -116,6 +154,7 @@ class GradientReducer:
         """One pending gradient per edge; ctx.free_saved(), which the backward calls once this Node's
         gradients have been added, marks them arrived."""
         for p in parameters:
+            self.pending[id(p)] += 1
             self.bucket_of[id(p)].pending += 1
         context = weakref.ref(ctx)  # a weak reference: no cycle keeps ctx (and what it saved) alive
 
@@ -124,21 +163,47 @@ class GradientReducer:
             del ctx.free_saved  # this instance's hook: ctx.free_saved is Context's own again
             ctx.free_saved()
             for p in parameters:
+                self.pending[id(p)] -= 1
                 self.bucket_of[id(p)].pending -= 1
+                if self.arrived is not None and self.pending[id(p)] == 0:
+                    self.arrived.append(p)
             self._launch_ready_buckets()
 
         ctx.free_saved = free_saved_then_mark_arrived
 
     def _launch_ready_buckets(self):
         """All-reduce the next buckets in order while they are complete; after the last, wait for them all."""
+        flat_grads = self.optimizer.flat_grads
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             bucket = self.buckets[self.next_bucket]
-            bucket.work = distributed.all_reduce(self.optimizer.flat_grads[bucket.start:bucket.stop],
-                                                 op=distributed.ReduceOp.AVG, async_op=True)
+            bucket.works = [distributed.all_reduce(flat_grads[start:stop], op=distributed.ReduceOp.AVG, async_op=True)
+                            for start, stop in bucket.runs]
             self.next_bucket += 1
             if self.finished:
                 for launched in self.buckets:  # the compute stream waits for every all-reduce
-                    launched.work.wait()
+                    for work in launched.works:
+                        work.wait()
+                if self.arrived is not None:
+                    self._record_arrival_order()
+
+    def _record_arrival_order(self):
+        """Rank 0's order of arrival (parameters the graph did not use last), the same on every rank."""
+        index = {id(p): number for number, p in enumerate(self.parameters)}
+        arrived = {id(p) for p in self.arrived}
+        order = [index[id(p)] for p in self.arrived] + [index[id(p)] for p in reversed(self.parameters)
+                                                        if id(p) not in arrived]
+        shared = backend.xp.asarray(numpy.array(order, dtype=numpy.int32))
+        distributed.broadcast(shared, src=0)
+        self.arrival_order = [self.parameters[number] for number in backend.asnumpy(shared).tolist()]
+        self.arrived = None
+
+
+def _bytes_of(array):
+    """The array's bytes as uint8, sharing its memory: a buffer of any dtype (a mask, a count) is broadcast as
+    it is."""
+    if not array.flags.c_contiguous:
+        raise ValueError("DistributedDataParallel broadcasts a module's buffers in place: make them contiguous")
+    return array.reshape(-1).view(numpy.uint8)
 
 
 def _tensors(outputs):
@@ -166,6 +231,8 @@ class DistributedDataParallel(Module):
         self.reducer = None  # made at the first forward that needs it: the optimizer must exist by then
         for parameter in module.parameters():
             distributed.broadcast(parameter.data, src=0)
+        for buffer in module.buffers():
+            distributed.broadcast(_bytes_of(buffer.data), src=0)
 
     def forward(self, *inputs, **options):
         if self.reducer is not None and not self.reducer.finished:

@@ -1,4 +1,4 @@
-"""DyT, Dynamic Tanh (Zhu, Chen, He, LeCun and Liu, 2025), forward and backward, on float32 arrays (chapter 05).
+"""DyT, Dynamic Tanh (Zhu, Chen, He, LeCun and Liu, 2025), forward and backward, on float32 arrays (chapter 05b).
 
     y = dyt_forward(x, alpha, weight, bias)          weight * tanh(alpha * x) + bias
     dx = dyt_backward(dout, x, alpha, weight, dalpha=dalpha, dweight=dweight, dbias=dbias)

@@ -30,7 +30,7 @@ extern "C" __global__ void embedding_backward_atomic(float* dweight, const float
 
 // Version 2: one thread per column c, walking all N rows in order. Thread c is the only one that ever
 // writes column c, so there is no race and the order is fixed; but only C threads run (768 for GPT-2,
-// a few percent of what an H100 holds at once) and each walks all N rows one after another.
+// under 1 % of the 2048 x 132 threads an H100 holds at once) and each walks all N rows one after another.
 extern "C" __global__ void embedding_backward_per_column(float* dweight, const float* dout, const int* ids,
                                                          int N, int C)
 {
