@@ -178,6 +178,23 @@ BROKEN = {
         "guard": ("if (row < rows) {", "{"),
         "wrong element": ("tokens[row] = token;", "tokens[rows - 1 - row] = token;"),
     },
+    # Chapters 17a-17b
+    "17a.rmsnorm_forward": {
+        "guard": ("if (row >= rows) {\n        return;  // the whole warp leaves together: the shuffles below see all 32 lanes\n    }\n", ""),
+        "wrong element": ("out[(long long)row * columns + c] =", "out[(long long)row * columns + columns - 1 - c] ="),
+    },
+    "17a.rope_interleaved": {
+        "guard": ("if (p < pairs) {", "{"),
+        "wrong element": ("y[first + 1] =", "y[first] +="),
+    },
+    "17b.gemv_float4": {
+        "guard": ("if (n >= N) {\n        return;  // the whole warp leaves together: the shuffles below see all 32 lanes\n    }\n", ""),
+        "wrong element": ("y[n] = sum;", "y[N - 1 - n] = sum;"),
+    },
+    "17b.decode_combine": {
+        "guard": ("if (e < rows * d) {", "{"),
+        "wrong element": ("out[e] =", "out[rows * d - 1 - e] ="),
+    },
 }
 
 IDS = [exercise_id for exercise_id, _, _ in exercises.list()]
