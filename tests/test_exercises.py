@@ -185,7 +185,7 @@ BROKEN = {
     },
     "17a.rope_interleaved": {
         "guard": ("if (p < pairs) {", "{"),
-        "wrong element": ("y[first + 1] =", "y[first] +="),
+        "wrong element": ("long long first = row * D + 2 * i;", "long long first = row * D + D - 2 - 2 * i;"),
     },
     "17b.gemv_float4": {
         "guard": ("if (n >= N) {\n        return;  // the whole warp leaves together: the shuffles below see all 32 lanes\n    }\n", ""),
