@@ -8,18 +8,18 @@ the measurement that chose it.
 Products, out = op(a) @ op(b) (+ bias): product(), matmul(), batched_matmul(), linear_forward/backward(), and
 tensor_core_matmul() (the float32 rows at its precision argument, "highest" then 3xTF32 on either kernel)
 
-    operands                 condition                                       kernel (chapter)                        chosen by
-    bf16 weight (Linear)     at most GEMV_ROWS rows of x                     GEMV, ops.gemv (17)                     bench/llama_generation.json
-    bf16 a, b                fewer than SMALL_PRODUCT multiply-adds          float32 tiled, widened, ops.matmul (01) bench/tensor_cores.json
-    bf16 a, b                2-D, backend.runs_wgmma(), rows of 16 bytes     bf16 wgmma, ops.wgmma_matmul (15)       bench/tensor_cores.json
-    bf16 a, b                otherwise                                       bf16 mma.sync, ops.tensor_core_matmul (15)
-    float32, "highest"       tensor cores not emulated, 2-D, wgmma runs,     3xTF32 wgmma (15)                       bench/tensor_cores.json
-                             >= SMALL_PRODUCT, M and N >= MIN_COPIED_EXTENT
-    float32, "highest"       otherwise                                       float32 tiled (01)                      bench/matmul.json
-    float32, "high"/"medium" 2-D, wgmma runs, >= SMALL_PRODUCT               "medium": bf16 copies, bf16 wgmma;      bench/tensor_cores.json
-                             (and x Wᵀ, or M and N >= MIN_COPIED_EXTENT)     "high": TF32 wgmma (15)
-    float32, "medium"        otherwise                                       bf16 mma.sync from bf16 copies (15)
-    float32, "high"          otherwise                                       TF32 mma.sync (15)
+    operands              condition                                   kernel (chapter)                  bench/*.json
+    bf16 weight (Linear)  at most GEMV_ROWS rows of x                 GEMV, ops.gemv (17)               llama_generation
+    bf16 a, b             fewer than SMALL_PRODUCT multiply-adds      float32 tiled, widened (01)       tensor_cores
+    bf16 a, b             2-D, backend.runs_wgmma(), 16-byte rows     bf16 wgmma (15)                   tensor_cores
+    bf16 a, b             otherwise                                   bf16 mma.sync (15)                tensor_cores
+    float32, "highest"    tensor cores not emulated, 2-D, wgmma runs, 3xTF32 wgmma (15)                 tensor_cores
+                          >= SMALL_PRODUCT, M, N >= MIN_COPIED_EXTENT
+    float32, "highest"    otherwise                                   float32 tiled, ops.matmul (01)    matmul
+    float32, "high",      2-D, wgmma runs, >= SMALL_PRODUCT, and x Wᵀ "high": TF32 wgmma; "medium":     tensor_cores
+      "medium"            or M, N >= MIN_COPIED_EXTENT                bf16 copies, bf16 wgmma (15)
+    float32, "medium"     otherwise                                   bf16 mma.sync on bf16 copies (15) tensor_cores
+    float32, "high"       otherwise                                   TF32 mma.sync (15)                tensor_cores
 
 "highest", "high", "medium": gpt2_cupy.set_float32_matmul_precision. An empty product (M, N or K = 0) fills
 out with zeros (or keeps it, with accumulate) whatever the row. A bias is added in the product's store where the
@@ -27,15 +27,16 @@ kernel takes one (wgmma's and the bf16 kernels), else by chapter 02's bias_add a
 
 Attention, softmax(q kᵀ · scale + mask) v: attention()
 
-    inputs                   condition                                       kernels (chapter)                       chosen by
-    bf16 q, k, v; float32    no mask, no dropout, T = S, d in                tensor cores, ops.tensor_core_attention bench/tensor_core_attention.json
-    ones at "high"/"medium"  TENSOR_CORE_HEAD_SIZES, >= TENSOR_CORE_ATTENTION (16): "high" TF32, "medium" bf16 copies
-    other bf16               any                                             the rows below, in float32 (converted)
-    float32                  T = S, d in FUSED_HEAD_SIZES, a bool or         fused float32, ops.attention (08)       bench/attention.json
-                             float32 mask that needs no gradient
-    float32                  causal, no mask, no dropout, default scale,     batched products, ops.matmul (01) and
-                             one key head per query head                     ops.softmax (04)
-    float32                  otherwise                                       Tensor operations (11b)
+    inputs                condition                                   kernels (chapter)                 bench/*.json
+    bf16 q, k, v; float32 no mask, no dropout, T = S, d in            tensor cores,                     tensor_core_
+      at "high"/"medium"  TENSOR_CORE_HEAD_SIZES, at least            ops.tensor_core_attention (16)    attention
+                          TENSOR_CORE_ATTENTION multiply-adds
+    other bf16            any                                         the rows below, in float32
+    float32               T = S, d in FUSED_HEAD_SIZES, a bool or     fused float32, ops.attention (08) attention
+                          float32 mask that needs no gradient
+    float32               causal, no mask, no dropout, default scale, batched products (the table
+                          one key head per query head                 above) and ops.softmax (04)
+    float32               otherwise                                   Tensor operations (11b)
 
 Generation's new positions against a KV cache (B, H, n, d) run the decode kernel, ops.decode_attention
 (chapter 17, bench/decode_attention.json), as decode_attention() here.
@@ -89,7 +90,7 @@ def product(a, b, out, transpose_a=False, transpose_b=False, accumulate=False, b
         return bf16_product(a, b, out, transpose_a, transpose_b, accumulate, bias)
     K = a.shape[-2] if transpose_a else a.shape[-1]
     precision = get_float32_matmul_precision()
-    if out.size and K and (precision != "highest" or _highest_on_tensor_cores(out, K)):
+    if out.size and K and (precision != "highest" or highest_on_tensor_cores(out, K)):
         return _tensor_core_product(a, b, out, transpose_a, transpose_b, accumulate, precision, bias)
     # (an empty product: the float32 op fills out with zeros, or keeps it with accumulate)
     return _add_bias(launch_float32_matmul(a, b, out, transpose_a, transpose_b, accumulate), bias)
@@ -145,7 +146,7 @@ def _copy_pays(out):
     return min(out.shape[-2:]) >= MIN_COPIED_EXTENT
 
 
-def _highest_on_tensor_cores(out, K):
+def highest_on_tensor_cores(out, K):
     """A float32 product at "highest" as 3xTF32 on the wgmma (as accurate as float32, gpt2_cupy.precision, and
     faster there), where the tensor cores are the GPU's own: the executor's emulation runs three products at many
     times the float32 kernel's time."""

@@ -92,7 +92,7 @@ class CUDAGraph:
                             f"not {type(pool).__name__}")
         self._pool = GraphPool() if pool is None else pool
         self._pool.may_grow = capture_error_mode == "relaxed"
-        begin = _begin_cuda_capture if backend.name == "cuda" else _begin_cpu_capture
+        begin = _begin_cuda_capture if backend.ON_GPU else _begin_cpu_capture
         self._capture = begin(self._pool, capture_error_mode, stream)
 
     def capture_end(self):
@@ -114,7 +114,7 @@ class CUDAGraph:
             raise RuntimeError("replay: nothing captured; capture with `with gpt2_cupy.cuda.graph(g): ...` first")
         if backend._capturing:
             raise RuntimeError("replay inside CUDA graph capture: replay graphs outside `with graph(...)` blocks")
-        if backend.name == "cuda":
+        if backend.ON_GPU:
             self._captured.launch(backend.xp.cuda.get_current_stream())
         else:
             self._captured.replay()
@@ -125,7 +125,7 @@ class CUDAGraph:
 
     def __repr__(self):
         state = "captured" if self._captured is not None else "empty"
-        return f"CUDAGraph({state}, {backend.name})"
+        return f"CUDAGraph({state}, {'cuda' if backend.ON_GPU else 'cpu'})"
 
 
 class graph:
@@ -169,7 +169,7 @@ class GraphPool:
     """
 
     def __init__(self):
-        if backend.name == "cuda":
+        if backend.ON_GPU:
             cupy = backend.xp
             self.memory = cupy.cuda.MemoryPool()
             self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -217,7 +217,7 @@ def use_pool(pool):
     """Run the block eagerly with pool's memory (on a GPU, also on pool's stream): the warm-up before capture."""
     if backend._capturing:
         raise RuntimeError("use_pool inside capture: warm up before the capture")
-    if backend.name == "cuda":
+    if backend.ON_GPU:
         cupy = backend.xp
         caller = cupy.cuda.get_current_stream()
         pool.stream.wait_event(caller.record())
@@ -245,7 +245,7 @@ def _growth_error(nbytes, why):
 
 def _capture_error(error):
     """CuPy's stream-capture errors as a RuntimeError that says what they mean; None for other errors."""
-    if backend.name != "cuda":
+    if not backend.ON_GPU:
         return None
     if isinstance(error, backend.xp.cuda.runtime.CUDARuntimeError):
         if "Capture" not in str(error):  # cudaErrorStreamCaptureUnsupported, ...Invalidated, ...Implicit, ...

@@ -122,12 +122,12 @@ def test_highest_runs_large_products_as_3xtf32_on_hopper(rng, to_device, to_host
     """At "highest", a Linear-sized product (512 x 512 x 1024, 2^28 multiply-adds) runs as 3xTF32 on an H100's
     or H200's wgmma: the bits of tensor_core_matmul's "highest", within float32's tolerance of float64. The
     CPU executor, and other GPUs, keep chapter 01's float32 kernel."""
-    from gpt2_cupy.dispatch import _highest_on_tensor_cores, matmul, tensor_core_matmul
+    from gpt2_cupy.dispatch import highest_on_tensor_cores, matmul, tensor_core_matmul
     M, N, K = 512, 512, 1024
     a = rng.standard_normal((M, K)).astype(np.float32)
     b = rng.standard_normal((N, K)).astype(np.float32)
     out = to_device(np.empty((M, N), np.float32))
-    on_tensor_cores = _highest_on_tensor_cores(out, K)
+    on_tensor_cores = highest_on_tensor_cores(out, K)
     assert on_tensor_cores == (not gpt2_cupy.backend.TENSOR_CORES_EMULATED and gpt2_cupy.backend.runs_wgmma())
     got = to_host(matmul(to_device(a), to_device(b), transpose_b=True, out=out))
     assert relative_error(got, a.astype(np.float64) @ b.T.astype(np.float64)) < TOLERANCE["highest"]
