@@ -13,7 +13,7 @@ Both corpora are small (0.35M and 0.96M training tokens, against 16,384 tokens a
 shows what training far past the preset's 1000 steps does, the model memorising its training text.
 
 --model llama trains the Llama of the preset's size (gpt2_cupy.train.llama_config: RMSNorm, RoPE, SwiGLU, no
-dropout, untied output head) on the same batches, for chapter 17's comparison with GPT-2.
+dropout, untied output head) on the same batches, for chapter 17a's comparison with GPT-2.
 
 Writes bench/NAME.json (validation curves, the lowest validation loss and its step, bits per character,
 tokens per second, the samples) and bench/NAME.png.

@@ -1,4 +1,4 @@
-"""Chapter 17's kernels timed on a GPU: RMSNorm, RoPE and SwiGLU at Llama-2-7B's widths, in GB/s against the
+"""Chapter 17a's kernels timed on a GPU: RMSNorm, RoPE and SwiGLU at Llama-2-7B's widths, in GB/s against the
 device's copy and against PyTorch's equivalents where it is installed. `python -m bench.llama` writes
 bench/llama.json, which the chapter shows on a machine without a GPU.
 
@@ -10,7 +10,7 @@ Bytes that must move per call (float32):
     SwiGLU forward    read gate, up, write y       3 N I
     SwiGLU backward   read dout, gate, up, write dgate, dup    5 N I
 RMSNorm is timed as the op launches it (the row in registers; the backward with BACKWARD_ROWS_PER_BLOCK = 16 rows
-per block, and with 8 and 32) and in chapter 17's first layout (a warp per row, the row read twice, dweight from a
+per block, and with 8 and 32) and in chapter 17a's first layout (a warp per row, the row read twice, dweight from a
 second kernel).
 """
 

@@ -2,8 +2,8 @@
 // logits (rows, V) in float32 or bf16. The first of equal largest elements wins, and NaN counts as larger than
 // any number (the first NaN wins), as numpy's and PyTorch's argmax.
 //
-// Why a kernel of its own. A general reduction library reduces one row with one block: 128256 logits (Llama 3's
-// vocabulary) took 62 µs on an H200, 5 % of a 1B model's whole token. Here a row is cut into stretches of
+// Why a kernel of its own. A general reduction library reduces one row with one block, which then reads 128256
+// logits (Llama 3's vocabulary) in turn while the rest of the GPU idles. Here a row is cut into stretches of
 // ELEMENTS_PER_BLOCK, one block each (argmax_partial), and one warp per row reduces the blocks' winners
 // (argmax_rows): two launches of a few microseconds. Every comparison keeps the same winner whatever the
 // order, so the result does not depend on how the work is split. Both are launched dependent

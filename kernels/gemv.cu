@@ -11,9 +11,8 @@
 // - each weight row is read once, by WARPS_PER_OUTPUT warps, in 16-byte loads (8 bf16 or 4 floats per lane);
 // - a lane loads LOADS_IN_FLIGHT such groups before it multiplies any, so that many bytes are on their way at once
 //   (a kernel that only streams memory needs about 40 KB in flight per multiprocessor to keep up with HBM). Two
-//   are enough: with 64 warps per multiprocessor that is 64 KB. Measured on an H200 with the weights cold in L2,
-//   four or eight took 10 to 60 % longer: their registers leave room for fewer warps (an H100 prefers four on
-//   most of these shapes: the best number depends on the card);
+//   are enough: with 64 warps per multiprocessor that is 64 KB. More cost registers, which leave room for
+//   fewer warps, so the best number depends on the card and the shape;
 // - the R rows of x are read at the same columns as the weight group: small, they stay in L1 and L2, and
 //   every weight element read is multiplied by all R rows (R products for 2 or 4 bytes of weight);
 // - the lanes' partial sums meet by warp_sum, the warps of one output by shared memory.
@@ -52,9 +51,9 @@
 //   blocks take gate and up rows, and store them turned into q and the KV cache themselves: the bits of the
 //   product followed by kernels/rope.cu's rope_store_new_positions, with no launch between.
 // RMSNorm before the product, inside its loop, does not pay. Folded into the loop (x_k g_k and x_k² summed
-// beside every product) it made Llama 3.2 1B's gate and up product take 27 µs on an H200, where the norm and
-// the plain product take 3 + 19: at 16 bytes of weight per clock a multiprocessor has few instructions to spare.
-// Made once per block in shared memory instead, 32 µs: each of 2048 blocks waited for it.
+// beside every product), it adds instructions to a loop that has few to spare while it streams 16 bytes of
+// weight per lane per load; made once per block in shared memory instead, every block waits for it before its
+// first product. Either costs the product more than the norm's own launch.
 #include "dependent_launch.cuh"
 #include "rmsnorm_row.cuh"
 #include "rope_pair.cuh"

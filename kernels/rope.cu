@@ -3,8 +3,8 @@
 // (start + t) * inv_freq[i], t the position in the sequence:
 //   a' = a cos - b sin,   b' = a sin + b cos.
 // Two pairings of the channels:
-//   rotate_half (Hugging Face, Meta's release): a = x[i], b = x[i + D/2];
-//   interleaved (llama2.c, the RoFormer paper):  a = x[2i], b = x[2i + 1].
+//   rotate_half (Hugging Face's modeling_llama.py and its checkpoints): a = x[i], b = x[i + D/2];
+//   interleaved (Meta's llama/model.py, llama2.c, the RoFormer paper):  a = x[2i], b = x[2i + 1].
 // inv_freq[i] = theta^(-2i/D), computed once on the host in float32; the angle is a float32 product, as
 // Hugging Face's is (in float16 the angle of position 1000 would be wrong by about 0.5 radians).
 // A rotation is orthogonal: its backward is the rotation by minus the angle, the same kernel with sign -1.

@@ -204,6 +204,23 @@ BROKEN = {
         "guard": ("if (i < n) {", "{"),
         "wrong element": ("y[i] =", "y[n - 1 - i] ="),
     },
+    # Chapters 17a-17b
+    "17a.rmsnorm_forward": {
+        "guard": ("if (row >= rows) {\n        return;  // the whole warp leaves together: the shuffles below see all 32 lanes\n    }\n", ""),
+        "wrong element": ("out[(long long)row * columns + c] =", "out[(long long)row * columns + columns - 1 - c] ="),
+    },
+    "17a.rope_interleaved": {
+        "guard": ("if (p < pairs) {", "{"),
+        "wrong element": ("long long first = row * D + 2 * i;", "long long first = row * D + D - 2 - 2 * i;"),
+    },
+    "17b.gemv_float4": {
+        "guard": ("if (n >= N) {\n        return;  // the whole warp leaves together: the shuffles below see all 32 lanes\n    }\n", ""),
+        "wrong element": ("y[n] = sum;", "y[N - 1 - n] = sum;"),
+    },
+    "17b.decode_combine": {
+        "guard": ("if (e < rows * d) {", "{"),
+        "wrong element": ("out[e] =", "out[rows * d - 1 - e] ="),
+    },
 }
 
 IDS = [exercise_id for exercise_id, _, _ in exercises.list()]

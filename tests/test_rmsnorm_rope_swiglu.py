@@ -1,4 +1,4 @@
-"""RMSNorm, RoPE and SwiGLU (chapter 17): gpt2_cupy.ops.rmsnorm, .rope and .swiglu against float64 numpy.
+"""RMSNorm, RoPE and SwiGLU (chapter 17a): gpt2_cupy.ops.rmsnorm, .rope and .swiglu against float64 numpy.
 
 Each reference's gradient is first checked against central finite differences; then the ops run on the
 active backend on sizes that are not multiples of the block size (256), of a warp (32) or of 4, and on

@@ -587,7 +587,7 @@ class Rope(Function):
 def rope(x, theta=10000.0, start=0, interleaved=False):
     """Rotary position embedding of q or k heads x (B, T, H, D): the token at index t sits at position start + t.
     interleaved=False pairs channel i with i + D/2 (Hugging Face's rotate_half), True pairs 2i with 2i + 1
-    (llama2.c). Not a PyTorch function: transformers writes it as apply_rotary_pos_emb with cos and sin tables."""
+    (Meta's llama/model.py, llama2.c). Not a PyTorch function: transformers writes it as apply_rotary_pos_emb with cos and sin tables."""
     return Rope.apply(x, float(theta), int(start), bool(interleaved))
 
 

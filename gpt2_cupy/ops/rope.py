@@ -8,9 +8,10 @@ the forward also on bf16 arrays and from a first position held in device memory 
 x, y, dout, dx: (B, T, H, D), the heads of q or k before they are transposed to (B, H, T, D); D even. The
 token at sequence index t sits at position start + t (start > 0 for new tokens after a KV cache's). Each
 pair of channels that shares frequency i is turned by the angle position * theta^(-2i/D):
-    interleaved=False  pairs channel i with i + D/2: Hugging Face's rotate_half, the layout of Meta's
-                       released checkpoints and of every transformers Llama;
-    interleaved=True   pairs channel 2i with 2i + 1: llama2.c and the RoFormer paper.
+    interleaved=False  pairs channel i with i + D/2: Hugging Face's rotate_half, the layout of every
+                       transformers Llama checkpoint (its conversion script permutes Meta's q and k rows);
+    interleaved=True   pairs channel 2i with 2i + 1: Meta's released llama/model.py (view_as_complex of
+                       adjacent channels), llama2.c and the RoFormer paper.
 The same weights give different models under the two pairings; permute_for_interleaved converts q_proj
 and k_proj weights from one layout to the other.
 

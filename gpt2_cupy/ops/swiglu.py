@@ -6,7 +6,7 @@
 gate and up are the two projections of the MLP's input (gate_proj(x), up_proj(x)), of one shape, any shape
 (in Llama (B, T, intermediate_size)); y, dout, dgate and dup have that shape too. The forward also takes bf16
 gate and up (generation in bf16). The kernels are
-kernels/swiglu.cu, taught in chapters/17_llama.ipynb; arrays that start at a 16-byte aligned address go
+kernels/swiglu.cu, taught in chapters/17a_llama.ipynb; arrays that start at a 16-byte aligned address go
 through the float4 kernels.
 """
 
