@@ -1,0 +1,67 @@
+// What every level of chapter 15b's Hopper GEMM shares: C = A Bᵀ for bf16 A (M x K) and B (N x K), both
+// row-major with k contiguous (K-major, the Linear layer's forward x Wᵀ), C float32 (M x N). The levels keep
+// the sizes whole to stay short: M a multiple of the block's rows, N of 128, K of 64 (the shipped
+// kernels/wgmma_matmul.cu takes any size). Compiled for sm_90a: RawModule(code, options=("-arch=sm_90a",)).
+#ifndef GPT2_CUPY_HOPPER_LEVELS_CUH
+#define GPT2_CUPY_HOPPER_LEVELS_CUH
+#include <cuda_bf16.h>
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+constexpr int BLOCK_N = 128;                     // columns of C per tile: one wgmma m64n128k16
+constexpr int SLICE_K = 64;                      // k per slice: 64 bf16, one swizzled row of 128 bytes
+constexpr int ROW_BYTES = SLICE_K * 2;
+constexpr int ACCUMULATORS = BLOCK_N / 2;        // float32 registers per thread for 64 x 128
+constexpr int B_SLICE_BYTES = BLOCK_N * ROW_BYTES;
+
+// The four wgmma of one slice: d += (64 rows of A from a_tile) (B's 128 columns from b_tile)ᵀ, k = 0, 16,
+// 32, 48 of the slice, each 32 bytes further along every swizzled row. Issued as one group, not waited for.
+__device__ __forceinline__ void multiply_slice(float (&d)[ACCUMULATORS], unsigned a_tile, unsigned b_tile)
+{
+    wgmma_fence();
+#pragma unroll
+    for (int k_step = 0; k_step < SLICE_K / 16; ++k_step)
+        wgmma_m64n128k16_bf16(d, matrix_descriptor_128b(a_tile + 32 * k_step),
+                              matrix_descriptor_128b(b_tile + 32 * k_step));
+    wgmma_commit_group();
+}
+
+// One warpgroup's 64 x 128 accumulator to C at (row0, column0): thread `thread` (0-127) of the warpgroup
+// holds, in warp w = thread / 32 with g = lane / 4 and t = lane % 4, d[i] at row 16w + g + 8 ((i / 2) % 2),
+// column 8 (i / 4) + 2t + i % 2 (wgmma.cuh); pairs of neighbouring columns go out as one float2.
+__device__ __forceinline__ void store_accumulators(float* c, int N, int row0, int column0, int thread,
+                                                   const float (&d)[ACCUMULATORS])
+{
+    const int warp = thread / 32, g = thread % 32 / 4, t = thread % 4;
+#pragma unroll
+    for (int i = 0; i < ACCUMULATORS; i += 2) {
+        const int row = row0 + 16 * warp + g + 8 * (i / 2 % 2), column = column0 + 8 * (i / 4) + 2 * t;
+        *reinterpret_cast<float2*>(c + (long long)row * N + column) = make_float2(d[i], d[i + 1]);
+    }
+}
+
+template <int COUNT>
+__device__ __forceinline__ void zero_accumulators(float (&d)[COUNT])
+{
+#pragma unroll
+    for (int i = 0; i < COUNT; ++i) d[i] = 0.0f;
+}
+
+// The shared address of `shared` rounded up to 1024 bytes, where the 128-byte swizzle pattern repeats.
+__device__ __forceinline__ unsigned aligned_1024(const void* shared)
+{
+    return (shared_address(shared) + 1023) & ~1023u;
+}
+
+// One thread starts the copies of slice `slice` (k from 64 slice) of A's rows row0 .. + A_ROWS and B's rows
+// column0 .. + 128 by TMA, and tells `full` to wait for their bytes (the maps' boxes are A_ROWS x 64 and
+// 128 x 64, with the 128-byte swizzle).
+__device__ __forceinline__ void load_slice(unsigned a_tile, unsigned b_tile, const TensorMap& a_map,
+                                           const TensorMap& b_map, int a_rows, int row0, int column0, int slice,
+                                           unsigned full)
+{
+    mbarrier_arrive_expect_tx(full, a_rows * ROW_BYTES + B_SLICE_BYTES);
+    tma_load_2d(a_tile, a_map, slice * SLICE_K, row0, full);
+    tma_load_2d(b_tile, b_map, slice * SLICE_K, column0, full);
+}
+#endif  // GPT2_CUPY_HOPPER_LEVELS_CUH

@@ -1,0 +1,43 @@
+// Level 1: wgmma from shared memory, fed by cp.async. One warpgroup (128 threads) per 64 x 128 tile of C.
+// For each slice of 64 along K every thread copies 16-byte chunks of A's and B's rows into shared memory in
+// the 128-byte swizzle the descriptors name (chunk c of row r at chunk c ^ (r % 8)), waits for its copies,
+// meets the others at __syncthreads, and the warpgroup issues four wgmma and waits for them before the next
+// copies may overwrite the tile. Copy and multiply take turns: the tensor cores idle while memory works.
+#include "hopper_levels.cuh"
+
+constexpr int BLOCK_M = 64;
+constexpr int THREADS = 128;
+constexpr int A_SLICE_BYTES = BLOCK_M * ROW_BYTES;                 // 8 KB
+constexpr int SHARED_BYTES = A_SLICE_BYTES + B_SLICE_BYTES + 1024;  // and 16 KB of B, from 1024 bytes on
+
+// Copy `rows` rows of one slice (64 bf16 each, from `source`, rows `K` apart) into the swizzled tile.
+__device__ __forceinline__ void copy_slice_swizzled(unsigned tile, const __nv_bfloat16* source, int rows, int K)
+{
+    for (int chunk = threadIdx.x; chunk < rows * 8; chunk += THREADS) {
+        const int row = chunk / 8, column = chunk % 8;
+        cp_async_16(tile + row * ROW_BYTES + 16 * (column ^ row % 8), source + (long long)row * K + 8 * column, 16);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) hopper_level1(float* c, const __nv_bfloat16* a,
+                                                                    const __nv_bfloat16* b, int M, int N, int K)
+{
+    extern __shared__ unsigned char shared[];
+    const int row0 = blockIdx.y * BLOCK_M, column0 = blockIdx.x * BLOCK_N;
+    const unsigned a_tile = aligned_1024(shared), b_tile = a_tile + A_SLICE_BYTES;
+    float d[ACCUMULATORS];
+    zero_accumulators(d);
+    for (int k0 = 0; k0 < K; k0 += SLICE_K) {
+        copy_slice_swizzled(a_tile, a + (long long)row0 * K + k0, BLOCK_M, K);
+        copy_slice_swizzled(b_tile, b + (long long)column0 * K + k0, BLOCK_N, K);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async_shared();   // cp.async wrote through the ordinary path; wgmma reads through the async one
+        __syncthreads();              // every thread's chunks are in
+        multiply_slice(d, a_tile, b_tile);
+        wgmma_wait_group<0>();
+        fence_accumulators(d);
+        __syncthreads();              // nobody overwrites the tile while a product still reads it
+    }
+    store_accumulators(c, N, row0, column0, threadIdx.x, d);
+}
