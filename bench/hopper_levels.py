@@ -37,7 +37,6 @@ class Level:
     shared_bytes: int = 0
     tma: bool = True          # operands by tensor map (else by pointer)
     persistent: bool = False  # one block per multiprocessor, walking the tiles
-    tile_rows: int = 0        # rows of A one TMA box holds (block_m unless the level says otherwise)
     splits: int = 1           # stretches of K, each into its own slab of partial sums
 
 
@@ -53,6 +52,12 @@ LEVELS = {
                                          4 * _stage_bytes(64) + 1024),
     "L4 two consumer warpgroups": Level("steps/hopper_level4_two_consumers", "hopper_level4", 128, 288,
                                         4 * _stage_bytes(128) + 1024),
+    "L5 persistent, grouped tile order": Level("steps/hopper_level5_persistent", "hopper_level5", 128, 288,
+                                               4 * _stage_bytes(128) + 1024, persistent=True),
+    "L6 ping-pong": Level("steps/hopper_level6_ping_pong", "hopper_level6", 128, 288, 4 * _stage_bytes(128) + 1024,
+                          persistent=True),
+    "L7 split-K in 4 stretches": Level("steps/hopper_level7_split_k", "hopper_level7", 128, 288,
+                                       4 * _stage_bytes(128) + 1024, splits=4),
 }
 
 
@@ -71,8 +76,9 @@ def check_sizes(level, M, N, K):
                          f"{SLICE_K * level.splits}; got {M} x {N} x {K}")
 
 
-def launch(level, a, b, c):
-    """c = a bᵀ by `level`: a (M x K) and b (N x K) bf16 bits on the backend, c (M x N) float32."""
+def launch(level, a, b, c, blocks=None):
+    """c = a bᵀ by `level`: a (M x K) and b (N x K) bf16 bits on the backend, c (M x N) float32. blocks: how
+    many blocks a persistent level runs (default one per multiprocessor, at most one per tile)."""
     (M, K), N = a.shape, b.shape[0]
     check_sizes(level, M, N, K)
     kernel = kernels.function(level.file, level.kernel, options=OPTIONS)
@@ -82,26 +88,28 @@ def launch(level, a, b, c):
     if not level.tma:
         return kernel((N // BLOCK_N, M // level.block_m), (level.threads,), (c, a, b, *sizes),
                       shared_mem=level.shared_bytes)
-    a_map = tensor_map(a, level.tile_rows or level.block_m, SLICE_K)
+    a_map = tensor_map(a, level.block_m, SLICE_K)
     b_map = tensor_map(b, BLOCK_N, SLICE_K)
     if level.persistent:
         tiles = (M // level.block_m) * (N // BLOCK_N)
-        grid = (min(tiles, backend.multiprocessor_count()),)
+        grid = (blocks or min(tiles, backend.multiprocessor_count()),)
     else:
         grid = (N // BLOCK_N, M // level.block_m, level.splits)
     target = c if level.splits == 1 else backend.xp.empty((level.splits, M, N), dtype=numpy.float32)
     kernel(grid, (level.threads,), (target, a_map, b_map, *sizes), shared_mem=level.shared_bytes)
     if level.splits > 1:
-        c[...] = target.sum(axis=0)
+        c[...] = target[0]
+        for stretch in range(1, level.splits):   # in stretch order: the same sums every run
+            c += target[stretch]
     return c
 
 
-def check(level, M, N, K, seed=0):
+def check(level, M, N, K, seed=0, blocks=None):
     """The relative error of `level` against float64 numpy on random bf16 inputs of M x N x K."""
     rng = numpy.random.default_rng(seed)
     (a, a64), (b, b64) = (_bf16_bits(rng.standard_normal(shape, dtype=numpy.float32)) for shape in ((M, K), (N, K)))
     c = backend.xp.full((M, N), numpy.nan, dtype=numpy.float32)
-    launch(level, a, b, c)
+    launch(level, a, b, c, blocks)
     return relative_error(c, a64 @ b64.T)
 
 
@@ -136,7 +144,8 @@ def main(argv=None):
     arguments = parser.parse_args(argv)
     if arguments.tiny:
         for label, level in LEVELS.items():
-            error = check(level, 2 * level.block_m, 2 * BLOCK_N, 5 * SLICE_K * level.splits)
+            # 6 tiles, 5 slices each (more than a ring's 4 stages); a persistent level on 2 blocks of 3 tiles
+            error = check(level, 2 * level.block_m, 3 * BLOCK_N, 5 * SLICE_K * level.splits, blocks=2)
             print(f"{label}: relative error {error:.1e} against float64")
             assert error < TOLERANCE
         return

@@ -64,4 +64,16 @@ __device__ __forceinline__ void load_slice(unsigned a_tile, unsigned b_tile, con
     tma_load_2d(a_tile, a_map, slice * SLICE_K, row0, full);
     tma_load_2d(b_tile, b_map, slice * SLICE_K, column0, full);
 }
+
+// Persistent blocks walk the tiles `tile`, `tile` + gridDim.x, ... In row order, blocks running at the same
+// time would each want a different row of A and the whole of B; taken down the columns of groups of GROUP_M
+// rows of tiles, the blocks of one moment share a few rows of A and columns of B, which the L2 cache keeps.
+constexpr int GROUP_M = 8;
+__device__ __forceinline__ void tile_coordinates(int tile, int tiles_m, int tiles_n, int& tile_m, int& tile_n)
+{
+    const int group = tile / (GROUP_M * tiles_n), first_m = group * GROUP_M;
+    const int group_rows = min(tiles_m - first_m, GROUP_M), within = tile % (GROUP_M * tiles_n);
+    tile_m = first_m + within % group_rows;
+    tile_n = within / group_rows;
+}
 #endif  // GPT2_CUPY_HOPPER_LEVELS_CUH
