@@ -13,13 +13,13 @@ and how to add one: gpt2_cupy/exercises/checker.py.
 
 from gpt2_cupy import kernels
 from gpt2_cupy.exercises import (chapter_00, chapter_01, chapter_02, chapter_03, chapter_04, chapter_05, chapter_06,
-                                 chapter_07, chapter_08, chapter_09)
+                                 chapter_07, chapter_08, chapter_09, chapter_15a, chapter_15b)
 from gpt2_cupy.exercises.checker import Exercise, Result, run_check
 
 __all__ = ["check", "list", "solution", "exercise", "Exercise", "Result"]
 
 _CHAPTERS = (chapter_00, chapter_01, chapter_02, chapter_03, chapter_04, chapter_05, chapter_06, chapter_07, chapter_08,
-             chapter_09)
+             chapter_09, chapter_15a, chapter_15b)
 _EXERCISES = {exercise.id: exercise for chapter in _CHAPTERS for exercise in chapter.EXERCISES}
 
 

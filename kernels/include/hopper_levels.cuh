@@ -53,6 +53,20 @@ __device__ __forceinline__ unsigned aligned_1024(const void* shared)
     return (shared_address(shared) + 1023) & ~1023u;
 }
 
+// The block's THREADS threads copy one slice (64 bf16 of each of `rows` rows, from `source`, rows K apart)
+// into `tile` by cp.async in the 128-byte swizzle the descriptors name: chunk c of row r at chunk c ^ (r % 8).
+// Rows from `valid_rows` on are past the matrix: cp.async reads 0 bytes of them and writes zeros.
+template <int THREADS>
+__device__ __forceinline__ void copy_slice_swizzled(unsigned tile, const __nv_bfloat16* source, int rows,
+                                                    int valid_rows, int K)
+{
+    for (int chunk = threadIdx.x; chunk < rows * 8; chunk += THREADS) {
+        const int row = chunk / 8, column = chunk % 8, valid = row < valid_rows;
+        cp_async_16(tile + row * ROW_BYTES + 16 * (column ^ row % 8),
+                    source + (long long)(valid ? row : 0) * K + 8 * column, valid ? 16 : 0);
+    }
+}
+
 // One thread starts the copies of slice `slice` (k from 64 slice) of A's rows row0 .. + A_ROWS and B's rows
 // column0 .. + 128 by TMA, and tells `full` to wait for their bytes (the maps' boxes are A_ROWS x 64 and
 // 128 x 64, with the 128-byte swizzle).

@@ -10,15 +10,6 @@ constexpr int THREADS = 128;
 constexpr int A_SLICE_BYTES = BLOCK_M * ROW_BYTES;                 // 8 KB
 constexpr int SHARED_BYTES = A_SLICE_BYTES + B_SLICE_BYTES + 1024;  // and 16 KB of B, from 1024 bytes on
 
-// Copy `rows` rows of one slice (64 bf16 each, from `source`, rows `K` apart) into the swizzled tile.
-__device__ __forceinline__ void copy_slice_swizzled(unsigned tile, const __nv_bfloat16* source, int rows, int K)
-{
-    for (int chunk = threadIdx.x; chunk < rows * 8; chunk += THREADS) {
-        const int row = chunk / 8, column = chunk % 8;
-        cp_async_16(tile + row * ROW_BYTES + 16 * (column ^ row % 8), source + (long long)row * K + 8 * column, 16);
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS) hopper_level1(float* c, const __nv_bfloat16* a,
                                                                     const __nv_bfloat16* b, int M, int N, int K)
 {
@@ -28,8 +19,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) hopper_level1(float* c, co
     float d[ACCUMULATORS];
     zero_accumulators(d);
     for (int k0 = 0; k0 < K; k0 += SLICE_K) {
-        copy_slice_swizzled(a_tile, a + (long long)row0 * K + k0, BLOCK_M, K);
-        copy_slice_swizzled(b_tile, b + (long long)column0 * K + k0, BLOCK_N, K);
+        copy_slice_swizzled<THREADS>(a_tile, a + (long long)row0 * K + k0, BLOCK_M, BLOCK_M, K);
+        copy_slice_swizzled<THREADS>(b_tile, b + (long long)column0 * K + k0, BLOCK_N, BLOCK_N, K);
         cp_async_commit();
         cp_async_wait<0>();
         fence_proxy_async_shared();   // cp.async wrote through the ordinary path; wgmma reads through the async one
