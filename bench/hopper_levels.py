@@ -11,6 +11,7 @@ chapters/15b_hopper_gemm.ipynb imports this file.
 """
 
 import argparse
+import functools
 from dataclasses import dataclass
 
 import numpy
@@ -76,12 +77,14 @@ def check_sizes(level, M, N, K):
                          f"{SLICE_K * level.splits}; got {M} x {N} x {K}")
 
 
-def launch(level, a, b, c, blocks=None):
+def launch(level, a, b, c, blocks=None, source=None):
     """c = a bᵀ by `level`: a (M x K) and b (N x K) bf16 bits on the backend, c (M x N) float32. blocks: how
-    many blocks a persistent level runs (default one per multiprocessor, at most one per tile)."""
+    many blocks a persistent level runs (default one per multiprocessor, at most one per tile). source: the
+    level's CUDA C to compile instead of its file in kernels/ (a chapter's cell)."""
     (M, K), N = a.shape, b.shape[0]
     check_sizes(level, M, N, K)
-    kernel = kernels.function(level.file, level.kernel, options=OPTIONS)
+    kernel = (kernels.function(level.file, level.kernel, options=OPTIONS) if source is None
+              else _compiled(source, level.kernel))
     if kernel.max_dynamic_shared_size_bytes < level.shared_bytes:   # past 48 KiB a block must ask
         kernel.max_dynamic_shared_size_bytes = level.shared_bytes
     sizes = (numpy.int32(M), numpy.int32(N), numpy.int32(K))
@@ -104,12 +107,17 @@ def launch(level, a, b, c, blocks=None):
     return c
 
 
-def check(level, M, N, K, seed=0, blocks=None):
+@functools.lru_cache(maxsize=None)
+def _compiled(source, kernel_name):
+    return backend.RawModule(code=source, options=OPTIONS).get_function(kernel_name)
+
+
+def check(level, M, N, K, seed=0, blocks=None, source=None):
     """The relative error of `level` against float64 numpy on random bf16 inputs of M x N x K."""
     rng = numpy.random.default_rng(seed)
     (a, a64), (b, b64) = (_bf16_bits(rng.standard_normal(shape, dtype=numpy.float32)) for shape in ((M, K), (N, K)))
     c = backend.xp.full((M, N), numpy.nan, dtype=numpy.float32)
-    launch(level, a, b, c, blocks)
+    launch(level, a, b, c, blocks, source)
     return relative_error(c, a64 @ b64.T)
 
 
@@ -151,7 +159,8 @@ def main(argv=None):
         return
     benchmark.require_gpu()
     results = {"note": "TFLOP/s = 2*M*N*K / median seconds per call; C = A Bᵀ, bf16 A and B, float32 C for ours, "
-                       "bf16 C for cuBLAS (torch.matmul with out=)", "sizes": {}}
+                       "bf16 C for cuBLAS (torch.matmul with out=)",
+               "bf16_peak_tflops": benchmark.tensor_core_peak_tflops("bf16"), "sizes": {}}
     table = [f"\n{backend.device_name()}:"]
     for M, N, K in SIZES:
         speeds = time_all(M, N, K)

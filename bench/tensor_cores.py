@@ -1,4 +1,4 @@
-"""TFLOP/s of chapter 15's tensor-core kernels against cuBLAS, on a GPU.
+"""TFLOP/s of chapter 15a's tensor-core kernels (and 15b's wgmma) against cuBLAS, on a GPU.
 
     GPT2_CUPY_BACKEND=cuda python -m bench.tensor_cores           writes bench/tensor_cores.json (about 2 minutes)
     python -m bench.tensor_cores --tiny                           on any backend: runs every version once at a
@@ -66,19 +66,21 @@ def square_versions(a, b, c):
     pipelined = kernels.function("steps/tf32_matmul_tiled", "tf32_matmul_pipelined")
     grid = (_blocks(N, 64), _blocks(M, 64))
     a16, b16 = to_bf16(a)[0], to_bf16(b)[0]
+    # where tensor_core_matmul sends a large 2-D product: the label says which kernel ran
+    routed = "wgmma" if _has_wgmma() else "mma.sync"
     versions = {
         "TF32 step: 64 x 64 tiles, ldmatrix": ("high", lambda: tiled(grid, (128,), (c, a, b, *sizes))),
         "TF32 step: 3-stage cp.async pipeline": ("high", lambda: pipelined(grid, (128,), (c, a, b, *sizes))),
         "TF32 mma.sync (tf32_matmul<1>)": ("high", lambda: launch_tf32_mma_sync(a, b, c, transpose_b=True)),
         "3xTF32 mma.sync (tf32_matmul<3>)": ("highest", lambda: launch_tf32_mma_sync(a, b, c, transpose_b=True,
                                                                                     products=3)),
-        "TF32 (tensor_core_matmul, high)": ("high", lambda: tensor_core_matmul(a, b, transpose_b=True, out=c,
+        f"TF32 tensor_core_matmul(high) → {routed}": ("high", lambda: tensor_core_matmul(a, b, transpose_b=True, out=c,
                                                                                precision="high")),
-        "3xTF32 (tensor_core_matmul, highest)": ("highest", lambda: tensor_core_matmul(
+        f"3xTF32 tensor_core_matmul(highest) → {routed}": ("highest", lambda: tensor_core_matmul(
             a, b, transpose_b=True, out=c, precision="highest")),
         "bf16 (bf16_matmul on bf16 copies)": ("medium", lambda: launch_bf16_matmul(a16, b16, c, K,
                                                                                       transpose_b=True)),
-        "bf16 with conversion (tensor_core_matmul, medium)": ("medium", lambda: tensor_core_matmul(
+        f"bf16 with conversion tensor_core_matmul(medium) → {routed}": ("medium", lambda: tensor_core_matmul(
             a, b, transpose_b=True, out=c, precision="medium")),
         "float32 (chapter 01's kernel)": ("float32", lambda: launch_float32_matmul(a, b, c, transpose_b=True)),
     }
