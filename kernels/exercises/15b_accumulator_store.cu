@@ -13,7 +13,7 @@ extern "C" __global__ void wgmma_tile_store(float* C, const __nv_bfloat16* A,
     const int row0 = blockIdx.y * BLOCK_M, column0 = blockIdx.x * BLOCK_N;
     const unsigned a_tile = aligned_1024(shared), b_tile = a_tile + A_SLICE_BYTES;
     float d[ACCUMULATORS];
-    zero_accumulators(d);
+    clear_accumulators(d);
     for (int k0 = 0; k0 < K; k0 += SLICE_K) {
         copy_slice_swizzled<THREADS>(a_tile, A + (long long)row0 * K + k0, BLOCK_M, M - row0, K);
         copy_slice_swizzled<THREADS>(b_tile, B + (long long)column0 * K + k0, BLOCK_N, BLOCK_N, K);
@@ -21,7 +21,7 @@ extern "C" __global__ void wgmma_tile_store(float* C, const __nv_bfloat16* A,
         cp_async_wait<0>();
         fence_proxy_async_shared();
         __syncthreads();   // every thread's chunks are in
-        multiply_slice(d, a_tile, b_tile);
+        wgmma_slice(d, a_tile, b_tile);
         wgmma_wait_group<0>();
         fence_accumulators(d);
         __syncthreads();   // no copy overwrites the tiles while a product reads them

@@ -15,7 +15,7 @@ extern "C" __global__ void wgmma_split_k(float* partials, const __nv_bfloat16* A
     float* C = partials + (long long)blockIdx.z * M * N;                                 // and its slab
     const unsigned a_tile = aligned_1024(shared), b_tile = a_tile + A_SLICE_BYTES;
     float d[ACCUMULATORS];
-    zero_accumulators(d);
+    clear_accumulators(d);
     for (int k0 = k_begin; k0 < k_end; k0 += SLICE_K) {
         copy_slice_swizzled<THREADS>(a_tile, A + (long long)row0 * K + k0, BLOCK_M, M - row0, K);
         copy_slice_swizzled<THREADS>(b_tile, B + (long long)column0 * K + k0, BLOCK_N, BLOCK_N, K);
@@ -23,7 +23,7 @@ extern "C" __global__ void wgmma_split_k(float* partials, const __nv_bfloat16* A
         cp_async_wait<0>();
         fence_proxy_async_shared();
         __syncthreads();   // every thread's chunks are in
-        multiply_slice(d, a_tile, b_tile);
+        wgmma_slice(d, a_tile, b_tile);
         wgmma_wait_group<0>();
         fence_accumulators(d);
         __syncthreads();   // no copy overwrites the tiles while a product reads them

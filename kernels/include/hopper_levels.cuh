@@ -16,7 +16,7 @@ constexpr int B_SLICE_BYTES = BLOCK_N * ROW_BYTES;
 
 // The four wgmma of one slice: d += (64 rows of A from a_tile) (B's 128 columns from b_tile)ᵀ, k = 0, 16,
 // 32, 48 of the slice, each 32 bytes further along every swizzled row. Issued as one group, not waited for.
-__device__ __forceinline__ void multiply_slice(float (&d)[ACCUMULATORS], unsigned a_tile, unsigned b_tile)
+__device__ __forceinline__ void wgmma_slice(float (&d)[ACCUMULATORS], unsigned a_tile, unsigned b_tile)
 {
     wgmma_fence();
 #pragma unroll
@@ -41,7 +41,7 @@ __device__ __forceinline__ void store_accumulators(float* c, int N, int row0, in
 }
 
 template <int COUNT>
-__device__ __forceinline__ void zero_accumulators(float (&d)[COUNT])
+__device__ __forceinline__ void clear_accumulators(float (&d)[COUNT])
 {
 #pragma unroll
     for (int i = 0; i < COUNT; ++i) d[i] = 0.0f;
@@ -70,7 +70,7 @@ __device__ __forceinline__ void copy_slice_swizzled(unsigned tile, const __nv_bf
 // One thread starts the copies of slice `slice` (k from 64 slice) of A's rows row0 .. + A_ROWS and B's rows
 // column0 .. + 128 by TMA, and tells `full` to wait for their bytes (the maps' boxes are A_ROWS x 64 and
 // 128 x 64, with the 128-byte swizzle).
-__device__ __forceinline__ void load_slice(unsigned a_tile, unsigned b_tile, const TensorMap& a_map,
+__device__ __forceinline__ void tma_load_slice(unsigned a_tile, unsigned b_tile, const TensorMap& a_map,
                                            const TensorMap& b_map, int a_rows, int row0, int column0, int slice,
                                            unsigned full)
 {

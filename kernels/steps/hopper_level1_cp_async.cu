@@ -9,6 +9,7 @@ constexpr int BLOCK_M = 64;
 constexpr int THREADS = 128;
 constexpr int A_SLICE_BYTES = BLOCK_M * ROW_BYTES;                 // 8 KB
 constexpr int SHARED_BYTES = A_SLICE_BYTES + B_SLICE_BYTES + 1024;  // and 16 KB of B, from 1024 bytes on
+static_assert(SHARED_BYTES <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
 
 extern "C" __global__ void __launch_bounds__(THREADS) hopper_level1(float* c, const __nv_bfloat16* a,
                                                                     const __nv_bfloat16* b, int M, int N, int K)
@@ -17,7 +18,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) hopper_level1(float* c, co
     const int row0 = blockIdx.y * BLOCK_M, column0 = blockIdx.x * BLOCK_N;
     const unsigned a_tile = aligned_1024(shared), b_tile = a_tile + A_SLICE_BYTES;
     float d[ACCUMULATORS];
-    zero_accumulators(d);
+    clear_accumulators(d);
     for (int k0 = 0; k0 < K; k0 += SLICE_K) {
         copy_slice_swizzled<THREADS>(a_tile, a + (long long)row0 * K + k0, BLOCK_M, BLOCK_M, K);
         copy_slice_swizzled<THREADS>(b_tile, b + (long long)column0 * K + k0, BLOCK_N, BLOCK_N, K);
@@ -25,7 +26,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) hopper_level1(float* c, co
         cp_async_wait<0>();
         fence_proxy_async_shared();   // cp.async wrote through the ordinary path; wgmma reads through the async one
         __syncthreads();              // every thread's chunks are in
-        multiply_slice(d, a_tile, b_tile);
+        wgmma_slice(d, a_tile, b_tile);
         wgmma_wait_group<0>();
         fence_accumulators(d);
         __syncthreads();              // nobody overwrites the tile while a product still reads it

@@ -10,6 +10,7 @@ constexpr int STAGES = 2;
 constexpr int A_SLICE_BYTES = BLOCK_M * ROW_BYTES;
 constexpr int STAGE_BYTES = A_SLICE_BYTES + B_SLICE_BYTES;
 constexpr int SHARED_BYTES = STAGES * STAGE_BYTES + 1024;   // and room to start on 1024 bytes
+static_assert(SHARED_BYTES <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
 
 extern "C" __global__ void __launch_bounds__(128) hopper_level2(float* c, const __grid_constant__ TensorMap a_map,
                                                                 const __grid_constant__ TensorMap b_map,
@@ -25,17 +26,17 @@ extern "C" __global__ void __launch_bounds__(128) hopper_level2(float* c, const 
         fence_mbarrier_init();
     }
     __syncthreads();
-    if (copier) load_slice(stage0, stage0 + A_SLICE_BYTES, a_map, b_map, BLOCK_M, row0, column0, 0, full0);
+    if (copier) tma_load_slice(stage0, stage0 + A_SLICE_BYTES, a_map, b_map, BLOCK_M, row0, column0, 0, full0);
     float d[ACCUMULATORS];
-    zero_accumulators(d);
+    clear_accumulators(d);
     for (int slice = 0; slice < slices; ++slice) {
         const int stage = slice % STAGES, next = (slice + 1) % STAGES;
         if (copier && slice + 1 < slices)   // the other stage was freed by the __syncthreads ending slice - 1
-            load_slice(stage0 + next * STAGE_BYTES, stage0 + next * STAGE_BYTES + A_SLICE_BYTES, a_map, b_map,
+            tma_load_slice(stage0 + next * STAGE_BYTES, stage0 + next * STAGE_BYTES + A_SLICE_BYTES, a_map, b_map,
                        BLOCK_M, row0, column0, slice + 1, full0 + 8 * next);
         const unsigned a_tile = stage0 + stage * STAGE_BYTES;
         mbarrier_wait(full0 + 8 * stage, slice / STAGES % 2);
-        multiply_slice(d, a_tile, a_tile + A_SLICE_BYTES);
+        wgmma_slice(d, a_tile, a_tile + A_SLICE_BYTES);
         wgmma_wait_group<0>();
         fence_accumulators(d);
         __syncthreads();   // this stage is read: the copy into it may start

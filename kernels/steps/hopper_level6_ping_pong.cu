@@ -12,6 +12,7 @@ constexpr int STAGES = 4;
 constexpr int A_SLICE_BYTES = BLOCK_M * ROW_BYTES;
 constexpr int STAGE_BYTES = A_SLICE_BYTES + B_SLICE_BYTES;
 constexpr int SHARED_BYTES = STAGES * STAGE_BYTES + 1024;
+static_assert(SHARED_BYTES <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
 
 extern "C" __global__ void __launch_bounds__(288) hopper_level6(float* c, const __grid_constant__ TensorMap a_map,
                                                                 const __grid_constant__ TensorMap b_map,
@@ -43,7 +44,7 @@ extern "C" __global__ void __launch_bounds__(288) hopper_level6(float* c, const 
                 const int stage = slice % STAGES, round = slice / STAGES;
                 const unsigned a_tile = stage0 + stage * STAGE_BYTES;
                 mbarrier_wait(empty0 + 8 * stage, round % 2 ^ 1);
-                load_slice(a_tile, a_tile + A_SLICE_BYTES, a_map, b_map, BLOCK_M, tile_m * BLOCK_M,
+                tma_load_slice(a_tile, a_tile + A_SLICE_BYTES, a_map, b_map, BLOCK_M, tile_m * BLOCK_M,
                            tile_n * BLOCK_N, k_slice, full0 + 8 * stage);
             }
         }
@@ -58,14 +59,14 @@ extern "C" __global__ void __launch_bounds__(288) hopper_level6(float* c, const 
         else if (turn > 0) mbarrier_wait(turn0, (turn - 1) % 2);
         int tile_m, tile_n;
         tile_coordinates(tile, tiles_m, tiles_n, tile_m, tile_n);
-        zero_accumulators(top);
-        zero_accumulators(bottom);
+        clear_accumulators(top);
+        clear_accumulators(bottom);
         for (int k_slice = 0, slice = j * slices; k_slice < slices; ++k_slice, ++slice) {
             const int stage = slice % STAGES, round = slice / STAGES;
             const unsigned a_tile = stage0 + stage * STAGE_BYTES;
             mbarrier_wait(full0 + 8 * stage, round % 2);
-            multiply_slice(top, a_tile, a_tile + A_SLICE_BYTES);
-            multiply_slice(bottom, a_tile + 64 * ROW_BYTES, a_tile + A_SLICE_BYTES);
+            wgmma_slice(top, a_tile, a_tile + A_SLICE_BYTES);
+            wgmma_slice(bottom, a_tile + 64 * ROW_BYTES, a_tile + A_SLICE_BYTES);
             wgmma_wait_group<0>();
             fence_accumulators(top);
             fence_accumulators(bottom);

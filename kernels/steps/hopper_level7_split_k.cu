@@ -12,6 +12,7 @@ constexpr int STAGES = 4;
 constexpr int A_SLICE_BYTES = BLOCK_M * ROW_BYTES;
 constexpr int STAGE_BYTES = A_SLICE_BYTES + B_SLICE_BYTES;
 constexpr int SHARED_BYTES = STAGES * STAGE_BYTES + 1024;
+static_assert(SHARED_BYTES <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
 
 extern "C" __global__ void __launch_bounds__(288) hopper_level7(float* c, const __grid_constant__ TensorMap a_map,
                                                                 const __grid_constant__ TensorMap b_map,
@@ -38,18 +39,18 @@ extern "C" __global__ void __launch_bounds__(288) hopper_level7(float* c, const 
                 const int stage = slice % STAGES, round = slice / STAGES;
                 const unsigned a_tile = stage0 + stage * STAGE_BYTES;
                 mbarrier_wait(empty0 + 8 * stage, round % 2 ^ 1);
-                load_slice(a_tile, a_tile + A_SLICE_BYTES, a_map, b_map, BLOCK_M, row0, column0, first_slice + slice,
+                tma_load_slice(a_tile, a_tile + A_SLICE_BYTES, a_map, b_map, BLOCK_M, row0, column0, first_slice + slice,
                            full0 + 8 * stage);
             }
         return;
     }
     float d[ACCUMULATORS];
-    zero_accumulators(d);
+    clear_accumulators(d);
     for (int slice = 0; slice < slices; ++slice) {
         const int stage = slice % STAGES, round = slice / STAGES;
         const unsigned a_tile = stage0 + stage * STAGE_BYTES;
         mbarrier_wait(full0 + 8 * stage, round % 2);
-        multiply_slice(d, a_tile + warpgroup * 64 * ROW_BYTES, a_tile + A_SLICE_BYTES);   // its 64 rows of A
+        wgmma_slice(d, a_tile + warpgroup * 64 * ROW_BYTES, a_tile + A_SLICE_BYTES);   // its 64 rows of A
         wgmma_wait_group<0>();
         fence_accumulators(d);
         if (thread == 0) mbarrier_arrive(empty0 + 8 * stage);
