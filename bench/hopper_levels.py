@@ -4,7 +4,7 @@
     python -m bench.hopper_levels --tiny     on any backend: runs every level once at a small size and checks it
 
 Each level (kernels/steps/hopper_level*.cu) computes C = A Bᵀ with bf16 A (M x K) and B (N x K), float32 C.
-At each size every level, the shipped kernel (gpt2_cupy.ops.wgmma_matmul) and cuBLAS (torch.matmul on the
+At each size every level, chapter 15a's mma.sync bf16 kernel, the shipped kernel (gpt2_cupy.ops.wgmma_matmul) and cuBLAS (torch.matmul on the
 same bf16 tensors, with `out=` into a preallocated output of its own dtype, bf16: no allocation and no
 conversion is timed) run in the same process; each result is checked against float64 before it is timed.
 chapters/15b_hopper_gemm.ipynb imports this file.
@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import numpy
 
 from gpt2_cupy import backend, benchmark, kernels
+from gpt2_cupy.ops.tensor_core_matmul import launch_bf16_matmul
 from gpt2_cupy.ops.wgmma_matmul import wgmma_matmul
+from gpt2_cupy.precision import bf16_bits, bf16_values
 from gpt2_cupy.tensor_map import tensor_map
 from gpt2_cupy.testing import relative_error, torch_or_none
 
@@ -63,11 +65,9 @@ LEVELS = {
 
 
 def _bf16_bits(x):
-    """float32 numpy -> the bf16 values' bits (uint16) on the backend, and those values as float64 numpy."""
-    import ml_dtypes
-
-    values = numpy.asarray(x, dtype=numpy.float32).astype(ml_dtypes.bfloat16)
-    return backend.xp.asarray(values.view(numpy.uint16)), values.astype(numpy.float64)
+    """float32 numpy -> the nearest bf16 values' bits (uint16) on the backend, and those values as float64 numpy."""
+    bits = bf16_bits(x)
+    return backend.xp.asarray(bits), bf16_values(bits)
 
 
 def check_sizes(level, M, N, K):
@@ -128,6 +128,7 @@ def time_all(M, N, K):
     reference = a64 @ b64.T
     c = backend.xp.empty((M, N), dtype=numpy.float32)
     runs = {label: (lambda level=level: launch(level, a, b, c)) for label, level in LEVELS.items()}
+    runs["15a's mma.sync bf16 kernel"] = lambda: launch_bf16_matmul(a, b, c, K, transpose_b=True)
     runs["shipped wgmma_matmul"] = lambda: wgmma_matmul(a, b, out=c)
     speeds = {}
     for label, run in runs.items():

@@ -11,8 +11,6 @@ import pytest
 from bench.hopper_levels import BLOCK_N, LEVELS, SLICE_K, TOLERANCE, check
 from gpt2_cupy import backend
 
-pytest.importorskip("ml_dtypes")
-
 
 def _is_hopper():
     return backend.xp.cuda.Device().compute_capability == "90"

@@ -1,8 +1,7 @@
 """Chapter 15a's graded exercises: tensor-core tiles with mma.sync, from registers and through ldmatrix."""
 
-import numpy
-
-from gpt2_cupy.exercises.checker import Exercise, Input, Output, Scalar, blocks
+from gpt2_cupy.exercises.chapter_01 import _product_arguments   # (C, A, B, M, N, K), as chapter 01's products
+from gpt2_cupy.exercises.checker import Exercise, blocks
 from gpt2_cupy.precision import tf32_values
 
 # (M, N, K): one tile; ragged edges in every dimension; K over many slices of 8
@@ -13,16 +12,6 @@ SIZES = ({"M": 16, "N": 8, "K": 8}, {"M": 37, "N": 21, "K": 29}, {"M": 50, "N": 
 RTOL, ATOL = 1e-5, 1e-4
 
 
-def _arguments(transpose_b):
-    def arguments(size, rng):
-        M, N, K = size["M"], size["N"], size["K"]
-        return [Output("C", (M, N)),
-                Input("A", rng.standard_normal((M, K), dtype=numpy.float32)),
-                Input("B", rng.standard_normal((N, K) if transpose_b else (K, N), dtype=numpy.float32)),
-                Scalar("M", numpy.int32(M)), Scalar("N", numpy.int32(N)), Scalar("K", numpy.int32(K))]
-    return arguments
-
-
 def _launch(size):
     return (blocks(size["N"], 8), blocks(size["M"], 16)), (32,)
 
@@ -30,12 +19,12 @@ def _launch(size):
 EXERCISES = [
     Exercise(
         id="15a.mma_tiles", title="mma.sync tiles of a TF32 product, any size", kernel="mma_tiles_tf32",
-        arguments=_arguments(transpose_b=False), launch=_launch,
+        arguments=_product_arguments(transpose_b=False), launch=_launch,
         reference=lambda A, B, M, N, K: {"C": tf32_values(A) @ tf32_values(B)},
         sizes=SIZES, rtol=RTOL, atol=ATOL),
     Exercise(
         id="15a.ldmatrix_tiles", title="Fragments by ldmatrix from a padded tile", kernel="mma_tiles_ldmatrix",
-        arguments=_arguments(transpose_b=True), launch=_launch,
+        arguments=_product_arguments(transpose_b=True), launch=_launch,
         reference=lambda A, B, M, N, K: {"C": tf32_values(A) @ tf32_values(B).T},
         sizes=SIZES, rtol=RTOL, atol=ATOL),
 ]

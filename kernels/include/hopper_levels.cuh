@@ -67,6 +67,19 @@ __device__ __forceinline__ void copy_slice_swizzled(unsigned tile, const __nv_bf
     }
 }
 
+// One thread sets up a ring's barriers: full[s] (at full0 + 8 s) expects the producer's one arrival and the
+// bytes of its copies, empty[s] one arrival from each of `consumers` warpgroups. A __syncthreads after it
+// shows them to the block.
+template <int STAGES>
+__device__ __forceinline__ void init_ring(unsigned full0, unsigned empty0, unsigned consumers)
+{
+    for (int stage = 0; stage < STAGES; ++stage) {
+        mbarrier_init(full0 + 8 * stage, 1);
+        mbarrier_init(empty0 + 8 * stage, consumers);
+    }
+    fence_mbarrier_init();
+}
+
 // One thread starts the copies of slice `slice` (k from 64 slice) of A's rows row0 .. + A_ROWS and B's rows
 // column0 .. + 128 by TMA, and tells `full` to wait for their bytes (the maps' boxes are A_ROWS x 64 and
 // 128 x 64, with the 128-byte swizzle).

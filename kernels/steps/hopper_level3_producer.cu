@@ -22,13 +22,7 @@ extern "C" __global__ void __launch_bounds__(160) hopper_level3(float* c, const 
     __shared__ __align__(8) unsigned long long barriers[2 * STAGES];   // full[STAGES], then empty[STAGES]
     const unsigned stage0 = aligned_1024(shared), full0 = shared_address(barriers), empty0 = full0 + 8 * STAGES;
     const int row0 = blockIdx.y * BLOCK_M, column0 = blockIdx.x * BLOCK_N, slices = K / SLICE_K;
-    if (threadIdx.x == 0) {
-        for (int stage = 0; stage < STAGES; ++stage) {
-            mbarrier_init(full0 + 8 * stage, 1);    // the producer's arrival (and the bytes)
-            mbarrier_init(empty0 + 8 * stage, 1);   // one arrival from the consumer warpgroup
-        }
-        fence_mbarrier_init();
-    }
+    if (threadIdx.x == 0) init_ring<STAGES>(full0, empty0, 1);   // one arrival from the consumer warpgroup
     __syncthreads();
     if (threadIdx.x >= 128) {   // the producer warp
         if (threadIdx.x == 128)

@@ -21,13 +21,7 @@ extern "C" __global__ void __launch_bounds__(288) hopper_level4(float* c, const 
     const unsigned stage0 = aligned_1024(shared), full0 = shared_address(barriers), empty0 = full0 + 8 * STAGES;
     const int row0 = blockIdx.y * BLOCK_M, column0 = blockIdx.x * BLOCK_N, slices = K / SLICE_K;
     const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
-    if (threadIdx.x == 0) {
-        for (int stage = 0; stage < STAGES; ++stage) {
-            mbarrier_init(full0 + 8 * stage, 1);
-            mbarrier_init(empty0 + 8 * stage, CONSUMERS);   // one arrival from each consumer warpgroup
-        }
-        fence_mbarrier_init();
-    }
+    if (threadIdx.x == 0) init_ring<STAGES>(full0, empty0, CONSUMERS);   // one arrival from each consumer warpgroup
     __syncthreads();
     if (warpgroup == CONSUMERS) {   // the producer warp
         if (thread == 0)

@@ -22,13 +22,7 @@ extern "C" __global__ void __launch_bounds__(288) hopper_level5(float* c, const 
     const unsigned stage0 = aligned_1024(shared), full0 = shared_address(barriers), empty0 = full0 + 8 * STAGES;
     const int tiles_m = M / BLOCK_M, tiles_n = N / BLOCK_N, slices = K / SLICE_K;
     const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
-    if (threadIdx.x == 0) {
-        for (int stage = 0; stage < STAGES; ++stage) {
-            mbarrier_init(full0 + 8 * stage, 1);
-            mbarrier_init(empty0 + 8 * stage, CONSUMERS);
-        }
-        fence_mbarrier_init();
-    }
+    if (threadIdx.x == 0) init_ring<STAGES>(full0, empty0, CONSUMERS);
     __syncthreads();
     int slice = 0;   // this block's slices so far, over all its tiles: the ring's position
     if (warpgroup == CONSUMERS) {   // the producer warp

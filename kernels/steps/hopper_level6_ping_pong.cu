@@ -25,13 +25,9 @@ extern "C" __global__ void __launch_bounds__(288) hopper_level6(float* c, const 
     const int tiles_m = M / BLOCK_M, tiles_n = N / BLOCK_N, tiles = tiles_m * tiles_n, slices = K / SLICE_K;
     const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
     if (threadIdx.x == 0) {
-        for (int stage = 0; stage < STAGES; ++stage) {
-            mbarrier_init(full0 + 8 * stage, 1);
-            mbarrier_init(empty0 + 8 * stage, 1);   // only the warpgroup whose tile it is reads a slice
-        }
-        mbarrier_init(turn0, 1);
+        mbarrier_init(turn0, 1);                 // one arrival: the other warpgroup's
         mbarrier_init(turn0 + 8, 1);
-        fence_mbarrier_init();
+        init_ring<STAGES>(full0, empty0, 1);   // only the warpgroup whose tile it is reads a slice
     }
     __syncthreads();
     if (warpgroup == 2) {   // the producer warp: every tile of the block, in order

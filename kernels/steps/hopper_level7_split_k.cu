@@ -25,13 +25,7 @@ extern "C" __global__ void __launch_bounds__(288) hopper_level7(float* c, const 
     const int slices = K / SLICE_K / gridDim.z, first_slice = blockIdx.z * slices;   // this block's stretch
     c += (long long)blockIdx.z * M * N;                                               // and its slab
     const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
-    if (threadIdx.x == 0) {
-        for (int stage = 0; stage < STAGES; ++stage) {
-            mbarrier_init(full0 + 8 * stage, 1);
-            mbarrier_init(empty0 + 8 * stage, CONSUMERS);   // one arrival from each consumer warpgroup
-        }
-        fence_mbarrier_init();
-    }
+    if (threadIdx.x == 0) init_ring<STAGES>(full0, empty0, CONSUMERS);   // one arrival from each consumer warpgroup
     __syncthreads();
     if (warpgroup == CONSUMERS) {   // the producer warp
         if (thread == 0)
