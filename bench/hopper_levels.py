@@ -140,8 +140,13 @@ def time_all(M, N, K):
         speeds[label] = 2 * M * N * K / benchmark.seconds_per_call(run, warmup=2, repeat=10) / 1e12
     torch = torch_or_none()
     if torch is not None:
-        ta, tb = (torch.from_dlpack(x).view(torch.bfloat16) for x in (a, b))
+        # the same bf16 values (exact in float32), as bf16 tensors; cuBLAS writes its own dtype into tc16
+        ta, tb = (torch.from_dlpack(backend.xp.asarray(x.astype(numpy.float32))).bfloat16() for x in (a64, b64))
         tc16 = torch.empty((M, N), dtype=torch.bfloat16, device=ta.device)
+        torch.matmul(ta, tb.T, out=tc16)
+        error = relative_error(backend.xp.from_dlpack(tc16.float()), reference)
+        if not error < 1e-2:   # rounded once to bf16 (u = 2^-8)
+            raise AssertionError(f"cuBLAS bf16 at {M} x {N} x {K}: relative error {error:.1e} against float64")
         speeds["cuBLAS bf16 (torch.matmul, out=)"] = 2 * M * N * K / benchmark.seconds_per_call(
             lambda: torch.matmul(ta, tb.T, out=tc16), warmup=2, repeat=10) / 1e12
     return speeds
