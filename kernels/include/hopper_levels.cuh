@@ -67,19 +67,6 @@ __device__ __forceinline__ void copy_slice_swizzled(unsigned tile, const __nv_bf
     }
 }
 
-// One thread sets up a ring's barriers: full[s] (at full0 + 8 s) expects the producer's one arrival and the
-// bytes of its copies, empty[s] one arrival from each of `consumers` warpgroups. A __syncthreads after it
-// shows them to the block.
-template <int STAGES>
-__device__ __forceinline__ void init_ring(unsigned full0, unsigned empty0, unsigned consumers)
-{
-    for (int stage = 0; stage < STAGES; ++stage) {
-        mbarrier_init(full0 + 8 * stage, 1);
-        mbarrier_init(empty0 + 8 * stage, consumers);
-    }
-    fence_mbarrier_init();
-}
-
 // One thread starts the copies of slice `slice` (k from 64 slice) of A's rows row0 .. + A_ROWS and B's rows
 // column0 .. + 128 by TMA, and tells `full` to wait for their bytes (the maps' boxes are A_ROWS x 64 and
 // 128 x 64, with the 128-byte swizzle).
@@ -91,6 +78,61 @@ __device__ __forceinline__ void tma_load_slice(unsigned a_tile, unsigned b_tile,
     tma_load_2d(a_tile, a_map, slice * SLICE_K, row0, full);
     tma_load_2d(b_tile, b_map, slice * SLICE_K, column0, full);
 }
+
+// A ring of STAGES slices in dynamic shared memory (levels 3 to 7): each stage holds a slice of A_ROWS rows of
+// A and 128 rows of B, and has two mbarriers: "full" completes when the stage's bytes have landed, "empty" when
+// every consumer warpgroup is done reading it. Slice s of a block's walk lives in stage s % STAGES, in round
+// s / STAGES of the ring: a consumer waits for full's phase of parity round % 2; the producer, before it fills
+// the stage again, for the previous round's empty phase, parity (round - 1) % 2 = (round % 2) ^ 1, which on a
+// fresh barrier (round 0) returns at once.
+template <int STAGES, int A_ROWS>
+struct Ring {
+    static constexpr int A_BYTES = A_ROWS * ROW_BYTES;
+    static constexpr int STAGE_BYTES = A_BYTES + B_SLICE_BYTES;
+    static constexpr int SHARED_BYTES = STAGES * STAGE_BYTES + 1024;   // and room to start on 1024 bytes
+    static_assert(SHARED_BYTES <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
+    unsigned stage0, full0, empty0;   // shared addresses: the first stage, full[0] and empty[0], barriers 8 apart
+
+    // `barriers`: 2 * STAGES mbarriers in shared memory, full ones then empty ones.
+    __device__ Ring(const void* shared, const unsigned long long* barriers)
+        : stage0(aligned_1024(shared)), full0(shared_address(barriers)), empty0(full0 + 8 * STAGES) {}
+
+    // By one thread, before a __syncthreads: full expects the producer's arrival (and the bytes), empty one
+    // arrival from each of `consumers` warpgroups.
+    __device__ void init(unsigned consumers) const
+    {
+        for (int stage = 0; stage < STAGES; ++stage) {
+            mbarrier_init(full0 + 8 * stage, 1);
+            mbarrier_init(empty0 + 8 * stage, consumers);
+        }
+        fence_mbarrier_init();
+    }
+    __device__ unsigned a_tile(int slice) const { return stage0 + slice % STAGES * STAGE_BYTES; }
+    __device__ unsigned b_tile(int slice) const { return a_tile(slice) + A_BYTES; }
+
+    // The producer's thread: wait until slice's stage is empty, then copy slice k_slice of K of the tile at
+    // (row0, column0) into it.
+    __device__ void produce(int slice, const TensorMap& a_map, const TensorMap& b_map, int row0, int column0,
+                            int k_slice) const
+    {
+        mbarrier_wait(empty0 + 8 * (slice % STAGES), slice / STAGES % 2 ^ 1);
+        tma_load_slice(a_tile(slice), b_tile(slice), a_map, b_map, A_ROWS, row0, column0, k_slice,
+                       full0 + 8 * (slice % STAGES));
+    }
+    __device__ void wait_full(int slice) const { mbarrier_wait(full0 + 8 * (slice % STAGES), slice / STAGES % 2); }
+    __device__ void release(int slice) const { mbarrier_arrive(empty0 + 8 * (slice % STAGES)); }
+
+    // A consumer warpgroup: wait for the slice, multiply its A rows a_row .. a_row + 63 by B into d, wait for
+    // the products, and (the warpgroup's thread 0 for all) release the stage.
+    __device__ void consume(float (&d)[ACCUMULATORS], int slice, int a_row, int thread) const
+    {
+        wait_full(slice);
+        wgmma_slice(d, a_tile(slice) + a_row * ROW_BYTES, b_tile(slice));
+        wgmma_wait_group<0>();
+        fence_accumulators(d);
+        if (thread == 0) release(slice);
+    }
+};
 
 // Persistent blocks walk the tiles `tile`, `tile` + gridDim.x, ... In row order, blocks running at the same
 // time would each want a different row of A and the whole of B; taken down the columns of groups of GROUP_M

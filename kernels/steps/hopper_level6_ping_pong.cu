@@ -9,25 +9,22 @@
 
 constexpr int BLOCK_M = 128;
 constexpr int STAGES = 4;
-constexpr int A_SLICE_BYTES = BLOCK_M * ROW_BYTES;
-constexpr int STAGE_BYTES = A_SLICE_BYTES + B_SLICE_BYTES;
-constexpr int SHARED_BYTES = STAGES * STAGE_BYTES + 1024;
-static_assert(SHARED_BYTES <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
+using SliceRing = Ring<STAGES, BLOCK_M>;
 
 extern "C" __global__ void __launch_bounds__(288) hopper_level6(float* c, const __grid_constant__ TensorMap a_map,
                                                                 const __grid_constant__ TensorMap b_map,
                                                                 int M, int N, int K)
 {
     extern __shared__ unsigned char shared[];
-    __shared__ __align__(8) unsigned long long barriers[2 * STAGES + 2];   // full, empty, then turn[2]
-    const unsigned stage0 = aligned_1024(shared), full0 = shared_address(barriers), empty0 = full0 + 8 * STAGES;
-    const unsigned turn0 = empty0 + 8 * STAGES;
+    __shared__ __align__(8) unsigned long long barriers[2 * STAGES], turns[2];
+    const SliceRing ring(shared, barriers);
+    const unsigned turn0 = shared_address(turns);   // turns[w]: warpgroup w may start its next tile
     const int tiles_m = M / BLOCK_M, tiles_n = N / BLOCK_N, tiles = tiles_m * tiles_n, slices = K / SLICE_K;
     const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
     if (threadIdx.x == 0) {
-        mbarrier_init(turn0, 1);                 // one arrival: the other warpgroup's
+        mbarrier_init(turn0, 1);       // one arrival: the other warpgroup's
         mbarrier_init(turn0 + 8, 1);
-        init_ring<STAGES>(full0, empty0, 1);   // only the warpgroup whose tile it is reads a slice
+        ring.init(1);                  // only the warpgroup whose tile it is reads a slice
     }
     __syncthreads();
     if (warpgroup == 2) {   // the producer warp: every tile of the block, in order
@@ -36,13 +33,8 @@ extern "C" __global__ void __launch_bounds__(288) hopper_level6(float* c, const 
         for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
             int tile_m, tile_n;
             tile_coordinates(tile, tiles_m, tiles_n, tile_m, tile_n);
-            for (int k_slice = 0; k_slice < slices; ++k_slice, ++slice) {
-                const int stage = slice % STAGES, round = slice / STAGES;
-                const unsigned a_tile = stage0 + stage * STAGE_BYTES;
-                mbarrier_wait(empty0 + 8 * stage, round % 2 ^ 1);
-                tma_load_slice(a_tile, a_tile + A_SLICE_BYTES, a_map, b_map, BLOCK_M, tile_m * BLOCK_M,
-                           tile_n * BLOCK_N, k_slice, full0 + 8 * stage);
-            }
+            for (int k_slice = 0; k_slice < slices; ++k_slice, ++slice)
+                ring.produce(slice, a_map, b_map, tile_m * BLOCK_M, tile_n * BLOCK_N, k_slice);
         }
         return;
     }
@@ -57,16 +49,14 @@ extern "C" __global__ void __launch_bounds__(288) hopper_level6(float* c, const 
         tile_coordinates(tile, tiles_m, tiles_n, tile_m, tile_n);
         clear_accumulators(top);
         clear_accumulators(bottom);
-        for (int k_slice = 0, slice = j * slices; k_slice < slices; ++k_slice, ++slice) {
-            const int stage = slice % STAGES, round = slice / STAGES;
-            const unsigned a_tile = stage0 + stage * STAGE_BYTES;
-            mbarrier_wait(full0 + 8 * stage, round % 2);
-            wgmma_slice(top, a_tile, a_tile + A_SLICE_BYTES);
-            wgmma_slice(bottom, a_tile + 64 * ROW_BYTES, a_tile + A_SLICE_BYTES);
+        for (int slice = j * slices; slice < (j + 1) * slices; ++slice) {   // the block's j-th tile's slices
+            ring.wait_full(slice);
+            wgmma_slice(top, ring.a_tile(slice), ring.b_tile(slice));
+            wgmma_slice(bottom, ring.a_tile(slice) + 64 * ROW_BYTES, ring.b_tile(slice));
             wgmma_wait_group<0>();
             fence_accumulators(top);
             fence_accumulators(bottom);
-            if (thread == 0) mbarrier_arrive(empty0 + 8 * stage);
+            if (thread == 0) ring.release(slice);
         }
         if (thread == 0) mbarrier_arrive(turn0 + 8 * (1 - warpgroup));   // the other may start its tile
         store_accumulators(c, N, tile_m * BLOCK_M, tile_n * BLOCK_N, thread, top);
