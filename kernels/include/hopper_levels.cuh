@@ -92,7 +92,6 @@ struct Ring {
     static constexpr int SHARED_BYTES = STAGES * STAGE_BYTES + 1024;   // and room to start on 1024 bytes
     static_assert(SHARED_BYTES <= 227 * 1024, "a block of an H100 or H200 has at most 227 KB of shared memory");
     unsigned stage0, full0, empty0;   // shared addresses: the first stage, full[0] and empty[0], barriers 8 apart
-
     // `barriers`: 2 * STAGES mbarriers in shared memory, full ones then empty ones.
     __device__ Ring(const void* shared, const unsigned long long* barriers)
         : stage0(aligned_1024(shared)), full0(shared_address(barriers)), empty0(full0 + 8 * STAGES) {}
@@ -109,7 +108,6 @@ struct Ring {
     }
     __device__ unsigned a_tile(int slice) const { return stage0 + slice % STAGES * STAGE_BYTES; }
     __device__ unsigned b_tile(int slice) const { return a_tile(slice) + A_BYTES; }
-
     // The producer's thread: wait until slice's stage is empty, then copy slice k_slice of K of the tile at
     // (row0, column0) into it.
     __device__ void produce(int slice, const TensorMap& a_map, const TensorMap& b_map, int row0, int column0,
@@ -121,7 +119,6 @@ struct Ring {
     }
     __device__ void wait_full(int slice) const { mbarrier_wait(full0 + 8 * (slice % STAGES), slice / STAGES % 2); }
     __device__ void release(int slice) const { mbarrier_arrive(empty0 + 8 * (slice % STAGES)); }
-
     // A consumer warpgroup: wait for the slice, multiply its A rows a_row .. a_row + 63 by B into d, wait for
     // the products, and (the warpgroup's thread 0 for all) release the stage.
     __device__ void consume(float (&d)[ACCUMULATORS], int slice, int a_row, int thread) const
