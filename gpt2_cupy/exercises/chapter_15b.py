@@ -9,6 +9,8 @@ OPTIONS = ("-arch=sm_90a",)
 BLOCK_M, BLOCK_N, SLICE_K = 64, 128, 64        # kernels/include/hopper_levels.cuh, level 1
 SHARED_BYTES = (BLOCK_M + BLOCK_N) * SLICE_K * 2 + 1024
 # bf16 inputs are exact in float64, so what is left is float32 summation over K <= 256 terms of size ~1.
+# Ragged M stops a few rows short of a tile: a store without its row check then lands within the checker's
+# guard region after C (on a GPU, which has no bounds check, the guard is what sees it).
 RTOL, ATOL = 1e-5, 1e-4
 
 
@@ -43,7 +45,7 @@ EXERCISES = [
         arguments=_store_arguments,
         launch=lambda size: ((size["N"] // BLOCK_N, blocks(size["M"], BLOCK_M)), (128,), SHARED_BYTES),
         reference=lambda A, B, M, N, K: {"C": bf16_values(A) @ bf16_values(B).T},
-        sizes=({"M": 64, "N": 128, "K": 64}, {"M": 37, "N": 128, "K": 128}, {"M": 130, "N": 256, "K": 192}),
+        sizes=({"M": 64, "N": 128, "K": 64}, {"M": 61, "N": 128, "K": 128}, {"M": 190, "N": 256, "K": 192}),
         rtol=RTOL, atol=ATOL, options=OPTIONS),
     Exercise(
         id="15b.split_k", title="Split K: a stretch of K per block, a slab per stretch", kernel="wgmma_split_k",
@@ -51,7 +53,7 @@ EXERCISES = [
         launch=lambda size: ((size["N"] // BLOCK_N, blocks(size["M"], BLOCK_M), size["stretches"]), (128,),
                              SHARED_BYTES),
         reference=_partial_sums,
-        sizes=({"M": 64, "N": 128, "K": 128, "stretches": 2}, {"M": 37, "N": 128, "K": 192, "stretches": 3},
-               {"M": 100, "N": 256, "K": 256, "stretches": 2}),
+        sizes=({"M": 64, "N": 128, "K": 128, "stretches": 2}, {"M": 61, "N": 128, "K": 192, "stretches": 3},
+               {"M": 126, "N": 256, "K": 256, "stretches": 2}),
         rtol=RTOL, atol=ATOL, options=OPTIONS),
 ]
