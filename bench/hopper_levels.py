@@ -121,13 +121,16 @@ def check(level, M, N, K, seed=0, blocks=None, source=None):
     return relative_error(c, a64 @ b64.T)
 
 
-def time_all(M, N, K):
-    """{label: TFLOP/s} of every level, the shipped kernel and cuBLAS at M x N x K, in one run."""
+def time_all(M, N, K, sources=None):
+    """{label: TFLOP/s} of every level, chapter 15a's mma.sync kernel, the shipped kernel and cuBLAS at M x N x K,
+    in one run. sources: {level label: CUDA C} to compile instead of the files (a chapter's cells, compiled once)."""
+    sources = sources or {}
     rng = numpy.random.default_rng(1)
     (a, a64), (b, b64) = (_bf16_bits(rng.standard_normal(shape, dtype=numpy.float32)) for shape in ((M, K), (N, K)))
     reference = a64 @ b64.T
     c = backend.xp.empty((M, N), dtype=numpy.float32)
-    runs = {label: (lambda level=level: launch(level, a, b, c)) for label, level in LEVELS.items()}
+    runs = {label: (lambda level=level, source=sources.get(label): launch(level, a, b, c, source=source))
+            for label, level in LEVELS.items()}
     runs["15a's mma.sync bf16 kernel"] = lambda: launch_bf16_matmul(a, b, c, K, transpose_b=True)
     runs["shipped wgmma_matmul"] = lambda: wgmma_matmul(a, b, out=c)
     speeds = {}
