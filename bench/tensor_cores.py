@@ -1,4 +1,4 @@
-"""TFLOP/s of chapter 15's tensor-core kernels against cuBLAS, on a GPU.
+"""TFLOP/s of chapter 15a's tensor-core kernels (and 15b's wgmma) against cuBLAS, on a GPU.
 
     GPT2_CUPY_BACKEND=cuda python -m bench.tensor_cores           writes bench/tensor_cores.json (about 2 minutes)
     python -m bench.tensor_cores --tiny                           on any backend: runs every version once at a
@@ -11,7 +11,7 @@ the same run: float32 through cupy.matmul (CUPY_TF32=0), TF32 and bf16
 through PyTorch (torch.matmul with allow_tf32, and on bf16 tensors) when it is installed. Then GPT-2 small's
 Linear products (8192 rows: forward x Wᵀ, input gradient dy W, weight gradient dW += dyᵀ x) at each precision
 against cuBLAS at the same precision, and each product through wgmma (its operands as they lie) where it runs. Each result is checked against cuBLAS float32 before it is timed, and the
-error of each precision against float64 is measured at 4096³. chapters/15_tensor_cores.ipynb imports this file.
+error of each precision against float64 is measured at 4096³. chapters/15a_tensor_cores_mma_sync.ipynb imports this file.
 """
 
 import argparse
@@ -58,26 +58,29 @@ def _torch():
 
 
 def square_versions(a, b, c):
-    """{label: (precision, run)} for c = a bᵀ with a: M x K, b: N x K; each run() writes c."""
+    """{label: (precision, run[, result])} for c = a bᵀ with a: M x K, b: N x K; each run() writes c, or, where
+    a third element is given, its own output, which result() returns as a float32 array."""
     (M, K), N = a.shape, b.shape[0]
     sizes = (numpy.int32(M), numpy.int32(N), numpy.int32(K))
     tiled = kernels.function("steps/tf32_matmul_tiled", "tf32_matmul_tiled")
     pipelined = kernels.function("steps/tf32_matmul_tiled", "tf32_matmul_pipelined")
     grid = (_blocks(N, 64), _blocks(M, 64))
     a16, b16 = to_bf16(a)[0], to_bf16(b)[0]
+    # where tensor_core_matmul sends a large 2-D product: the label says which kernel ran
+    routed = "wgmma" if _has_wgmma() else "mma.sync"
     versions = {
         "TF32 step: 64 x 64 tiles, ldmatrix": ("high", lambda: tiled(grid, (128,), (c, a, b, *sizes))),
         "TF32 step: 3-stage cp.async pipeline": ("high", lambda: pipelined(grid, (128,), (c, a, b, *sizes))),
         "TF32 mma.sync (tf32_matmul<1>)": ("high", lambda: launch_tf32_mma_sync(a, b, c, transpose_b=True)),
         "3xTF32 mma.sync (tf32_matmul<3>)": ("highest", lambda: launch_tf32_mma_sync(a, b, c, transpose_b=True,
                                                                                     products=3)),
-        "TF32 (tensor_core_matmul, high)": ("high", lambda: tensor_core_matmul(a, b, transpose_b=True, out=c,
+        f"TF32 tensor_core_matmul(high) → {routed}": ("high", lambda: tensor_core_matmul(a, b, transpose_b=True, out=c,
                                                                                precision="high")),
-        "3xTF32 (tensor_core_matmul, highest)": ("highest", lambda: tensor_core_matmul(
+        f"3xTF32 tensor_core_matmul(highest) → {routed}": ("highest", lambda: tensor_core_matmul(
             a, b, transpose_b=True, out=c, precision="highest")),
         "bf16 (bf16_matmul on bf16 copies)": ("medium", lambda: launch_bf16_matmul(a16, b16, c, K,
                                                                                       transpose_b=True)),
-        "bf16 with conversion (tensor_core_matmul, medium)": ("medium", lambda: tensor_core_matmul(
+        f"bf16 with conversion tensor_core_matmul(medium) → {routed}": ("medium", lambda: tensor_core_matmul(
             a, b, transpose_b=True, out=c, precision="medium")),
         "float32 (chapter 01's kernel)": ("float32", lambda: launch_float32_matmul(a, b, c, transpose_b=True)),
     }
@@ -101,7 +104,11 @@ def square_versions(a, b, c):
                 torch.backends.cuda.matmul.allow_tf32 = False
 
         versions["cuBLAS TF32 (torch, allow_tf32)"] = ("high", torch_tf32)
-        versions["cuBLAS bf16 (torch, bf16 tensors)"] = ("medium", lambda: tc.copy_(torch.matmul(ta16, tb16.T)))
+        # cuBLAS writes bf16 into its own preallocated bf16 output: the same work as the bf16 kernels, with no
+        # allocation and no conversion timed beside it; the check reads that output back as float32.
+        tc16 = torch.empty(tc.shape, dtype=torch.bfloat16, device=tc.device)
+        versions["cuBLAS bf16 (torch, bf16 tensors)"] = ("medium", lambda: torch.matmul(ta16, tb16.T, out=tc16),
+                                                         lambda: backend.xp.from_dlpack(tc16.float()))
     return versions
 
 
@@ -121,13 +128,14 @@ def square(size):
     reference64 = a.astype(xp.float64) @ b.astype(xp.float64).T
     c = xp.empty((size, size), dtype=numpy.float32)
     results = {}
-    for label, (precision, run) in square_versions(a, b, c).items():
+    for label, (precision, run, *own_output) in square_versions(a, b, c).items():
         c.fill(numpy.nan)  # every element must be written
         run()
-        error = relative_error(c, reference32)
+        result = own_output[0]() if own_output else c
+        error = relative_error(result, reference32)
         if not error < TOLERANCE[precision]:
             raise AssertionError(f"{label} at {size}³: relative error {error:.2e} against cuBLAS float32")
-        results[label] = {"precision": precision, "error_vs_float64": relative_error(c, reference64),
+        results[label] = {"precision": precision, "error_vs_float64": relative_error(result, reference64),
                           "tflops": 2 * size**3 / seconds(run) / 1e12}
         speed = f"{results[label]['tflops']:.1f} TFLOP/s" if benchmark.meaningful() else "untimed"
         print(f"{size}³ {label}: {speed}, error vs float64 {results[label]['error_vs_float64']:.1e}", flush=True)

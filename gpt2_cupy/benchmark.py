@@ -110,6 +110,25 @@ def copy_bandwidth(megabytes=512):
     return 2 * source.nbytes / seconds
 
 
+# Dense multiply-adds per clock per multiprocessor of the tensor cores, by compute capability and input type
+# (NVIDIA's architecture whitepapers: four tensor cores per multiprocessor; TF32 at half bf16's rate).
+TENSOR_CORE_MULTIPLY_ADDS = {"80": {"bf16": 1024, "tf32": 512}, "86": {"bf16": 512, "tf32": 256},
+                             "89": {"bf16": 512, "tf32": 256}, "90": {"bf16": 2048, "tf32": 1024}}
+
+
+def tensor_core_peak_tflops(input_type):
+    """The tensor cores' dense peak in TFLOP/s for "bf16" or "tf32" inputs at the highest clock (a reference
+    line, not a ceiling any product reaches), or None on a GPU the table does not know or on the CPU."""
+    if not meaningful():
+        return None
+    device = backend.xp.cuda.Device()
+    per_clock = TENSOR_CORE_MULTIPLY_ADDS.get(device.compute_capability, {}).get(input_type)
+    clock_khz = device.attributes.get("ClockRate")
+    if per_clock is None or not clock_khz:
+        return None
+    return device.attributes["MultiProcessorCount"] * per_clock * 2 * clock_khz * 1e3 / 1e12
+
+
 def gigabytes_per_second(bytes_moved, seconds):
     return bytes_moved / seconds / 1e9
 

@@ -23,7 +23,7 @@ three times TF32's mma.sync work took 1.8 ms forward and backward where chapter 
 (bench/tensor_core_attention.json), so "highest" keeps chapter 08's.
 
 gpt2_cupy.ops.tensor_core_matmul reads the setting when it is not given a precision, and there "highest"
-means 3xTF32; chapter 15 explains each format and measures its error against float64. An unknown name is
+means 3xTF32; chapter 15a explains each format and measures its error against float64. An unknown name is
 a ValueError. Below, the three formats emulated in numpy (as float64 values), for references and error studies.
 """
 

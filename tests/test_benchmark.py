@@ -74,3 +74,14 @@ def test_gpu_only_scripts_stop_on_the_cpu_executor_saying_why():
         pytest.skip("the active backend is a GPU")
     with pytest.raises(SystemExit, match="course preset take hours on the CPU executor: run this on a GPU"):
         benchmark.require_gpu("the course preset take hours on the CPU executor")
+
+
+def test_tensor_core_peak_is_none_on_the_cpu_and_a_datasheet_magnitude_on_a_hopper_gpu():
+    if not benchmark.meaningful():
+        assert benchmark.tensor_core_peak_tflops("bf16") is None
+        return
+    if backend.xp.cuda.Device().compute_capability != "90":
+        pytest.skip("the magnitude is checked against an H100's or H200's datasheet")
+    bf16, tf32 = benchmark.tensor_core_peak_tflops("bf16"), benchmark.tensor_core_peak_tflops("tf32")
+    assert 700 < bf16 < 1200   # dense bf16: 756 (H100 PCIe) to 989 TFLOP/s (SXM) at the boost clock, more at the highest
+    assert tf32 == pytest.approx(bf16 / 2)

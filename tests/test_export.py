@@ -16,7 +16,9 @@ EXPORTS = all_exports(notebooks_in([REPOSITORY / "chapters"]))
 KERNEL_FILES = sorted(path for path in KERNELS.rglob("*") if path.suffix in (".cu", ".cuh"))
 NVCC = ["nvcc", "-std=c++17", "-arch=sm_90", f"-I{INCLUDE}", "--ptx", "-Werror", "all-warnings"]
 # Kernels on Hopper's wgmma exist only for sm_90a, which their ops ask NVRTC for (gpt2_cupy.ops.wgmma_matmul).
-SM_90A_KERNELS = {"kernels/wgmma_matmul.cu"}
+# So do chapter 15b's levels and exercises (bench/hopper_levels.py, gpt2_cupy.exercises.chapter_15b).
+SM_90A_KERNELS = {"kernels/wgmma_matmul.cu"} | {target for target in EXPORTS if target.startswith(
+    ("kernels/steps/hopper_level", "kernels/exercises/15b_"))}
 
 
 def test_chapters_export_kernels_and_headers():

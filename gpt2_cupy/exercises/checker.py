@@ -105,6 +105,7 @@ class Exercise:
     sizes: tuple         # dicts of named sizes, e.g. {"n": 257}; include ones that are not multiples of the block
     rtol: float          # an element passes when |actual - expected| <= atol + rtol * |expected|
     atol: float = 0.0
+    options: tuple = ()  # compiler options, e.g. ("-arch=sm_90a",) for wgmma and TMA
 
     @property
     def chapter(self):
@@ -148,7 +149,7 @@ def run_check(exercise, source):
     if problem:
         return Result(False, f"{exercise.id}: {problem}")
     try:
-        kernel = backend.RawKernel(source, exercise.kernel)
+        kernel = backend.RawKernel(source, exercise.kernel, options=exercise.options)
         kernel.compile()
     except Exception as error:  # NVRTC's CompileException on a GPU, the executor's CompileError on the CPU
         return Result(False, f"{exercise.id}: the kernel does not compile: {_first_compiler_error(str(error))}")
@@ -255,13 +256,19 @@ def _guarded(argument, guard):
     """The argument's elements, then `guard` more: plain NaN after an input, _unwritten after an output."""
     if isinstance(argument, Input):
         dtype = argument.array.dtype
-        filler = numpy.full(guard, numpy.nan if dtype.kind == "f" else SENTINEL, dtype=dtype)
+        filler = numpy.full(guard, numpy.nan if dtype.kind == "f" else _integer_filler(dtype), dtype=dtype)
         return numpy.concatenate([argument.array.ravel(), filler])
     dtype = numpy.dtype(argument.dtype)
     count = int(numpy.prod(argument.shape))
     flat = (numpy.asarray(argument.initial, dtype=dtype).ravel() if argument.initial is not None
             else _unwritten(count, dtype))
     return numpy.concatenate([flat, _unwritten(guard, dtype)])
+
+
+def _integer_filler(dtype):
+    """SENTINEL where the integer type holds it; else its largest value (for uint16 bf16 bits: a NaN)."""
+    information = numpy.iinfo(dtype)
+    return SENTINEL if information.min <= SENTINEL <= information.max else information.max
 
 
 def _unwritten(count, dtype):

@@ -1,4 +1,4 @@
-// Tensor cores through inline PTX, written once: the instructions of chapter 15 as small device functions.
+// Tensor cores through inline PTX, written once: the instructions of chapter 15a as small device functions.
 // CUDA's C++ interface to them (<mma.h>, WMMA) does not compile under NVRTC, and it hides the fragment
 // layouts the chapter is about; these wrappers are one instruction each, with the layout in the comment.
 // Fragments are per lane: g = lane / 4 (the lane's group) and t = lane % 4 (its place in the group).
