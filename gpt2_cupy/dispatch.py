@@ -9,17 +9,17 @@ Products, out = op(a) @ op(b) (+ bias): product(), matmul(), batched_matmul(), l
 tensor_core_matmul() (the float32 rows at its precision argument, "highest" then 3xTF32 on either kernel)
 
     operands              condition                                   kernel (chapter)                  bench/*.json
-    bf16 weight (Linear)  at most GEMV_ROWS rows of x                 GEMV, ops.gemv (17)               llama_generation
+    bf16 weight (Linear)  at most GEMV_ROWS rows of x                 GEMV, ops.gemv (17b)              llama_generation
     bf16 a, b             fewer than SMALL_PRODUCT multiply-adds      float32 tiled, widened (01)       tensor_cores
-    bf16 a, b             2-D, backend.runs_wgmma(), 16-byte rows     bf16 wgmma (15)                   tensor_cores
-    bf16 a, b             otherwise                                   bf16 mma.sync (15)                tensor_cores
-    float32, "highest"    tensor cores not emulated, 2-D, wgmma runs, 3xTF32 wgmma (15)                 tensor_cores
+    bf16 a, b             2-D, backend.runs_wgmma(), 16-byte rows     bf16 wgmma (15b)                  tensor_cores
+    bf16 a, b             otherwise                                   bf16 mma.sync (15a)               tensor_cores
+    float32, "highest"    tensor cores not emulated, 2-D, wgmma runs, 3xTF32 wgmma (15b)                tensor_cores
                           >= SMALL_PRODUCT, M, N >= MIN_COPIED_EXTENT
     float32, "highest"    otherwise                                   float32 tiled, ops.matmul (01)    matmul
     float32, "high",      2-D, wgmma runs, >= SMALL_PRODUCT, and x Wᵀ "high": TF32 wgmma; "medium":     tensor_cores
-      "medium"            or M, N >= MIN_COPIED_EXTENT                bf16 copies, bf16 wgmma (15)
-    float32, "medium"     otherwise                                   bf16 mma.sync on bf16 copies (15) tensor_cores
-    float32, "high"       otherwise                                   TF32 mma.sync (15)                tensor_cores
+      "medium"            or M, N >= MIN_COPIED_EXTENT                bf16 copies, bf16 wgmma (15b)
+    float32, "medium"     otherwise                                   bf16 mma.sync on bf16 copies (15a) tensor_cores
+    float32, "high"       otherwise                                   TF32 mma.sync (15a)               tensor_cores
 
 "highest", "high", "medium": gpt2_cupy.set_float32_matmul_precision. An empty product (M, N or K = 0) fills
 out with zeros (or keeps it, with accumulate) whatever the row. A bias is added in the product's store where the
@@ -29,7 +29,7 @@ Attention, softmax(q kᵀ · scale + mask) v: attention()
 
     inputs                condition                                   kernels (chapter)                 bench/*.json
     bf16 q, k, v; float32 no mask, no dropout, T = S, d in            tensor cores,                     tensor_core_
-      at "high"/"medium"  TENSOR_CORE_HEAD_SIZES, at least            ops.tensor_core_attention (16)    attention
+      at "high"/"medium"  TENSOR_CORE_HEAD_SIZES, at least            ops.tensor_core_attention (16b)   attention
                           TENSOR_CORE_ATTENTION multiply-adds
     other bf16            any                                         the rows below, in float32
     float32               T = S, d in FUSED_HEAD_SIZES, a bool or     fused float32, ops.attention (08) attention
@@ -39,7 +39,7 @@ Attention, softmax(q kᵀ · scale + mask) v: attention()
     float32               otherwise                                   Tensor operations (11b)
 
 Generation's new positions against a KV cache (B, H, n, d) run the decode kernel, ops.decode_attention
-(chapter 17, bench/decode_attention.json), as decode_attention() here.
+(chapter 17b, bench/decode_attention.json), as decode_attention() here.
 """
 
 import math

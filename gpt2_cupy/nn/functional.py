@@ -282,7 +282,7 @@ class Attention(Function):
 
 
 class TensorCoreAttention(Function):
-    """Attention on tensor cores (chapter 16): q, k, v, out and gradients all bf16, or all float32 (TF32
+    """Attention on tensor cores (chapter 16b): q, k, v, out and gradients all bf16, or all float32 (TF32
     products), float32 softmax. The kernels read and write by strides: heads split from the q, k, v product's
     output are read where they lie, out is made with its heads side by side, and the gradients lie as q, k,
     v do."""
@@ -313,7 +313,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     A query whose every key is masked gets 0 (and zero gradients), as in PyTorch's math backend (_safe_softmax).
 
     bf16 q, k, v, and float32 ones at set_float32_matmul_precision("high") (TF32) or ("medium") (bf16), run on
-    the tensor-core kernels of chapter 16 where they take the shape (gpt2_cupy.dispatch.attention has the table).
+    the tensor-core kernels of chapter 16b where they take the shape (gpt2_cupy.dispatch.attention has the table).
     The fused kernels of chapter 08 run head sizes ops.attention.HEAD_SIZES (1 to 256) with as many keys as
     queries: any scale, a bool or float32 mask (read in place, broadcast through strides), dropout (its mask
     regenerated in the backward from Philox, as F.dropout's), grouped heads read without a copy. Anything else
@@ -536,7 +536,7 @@ def _int32(ids, operation, name):
 
 
 
-# ==== Llama (chapter 17): RMSNorm, RoPE, SwiGLU, grouped-query attention ===================================
+# ==== Llama (chapter 17a): RMSNorm, RoPE, SwiGLU, grouped-query attention ===================================
 # This last section holds the Functions that gpt2_cupy.llama needs and GPT-2 does not.
 
 from gpt2_cupy.dispatch import batched_matmul  # noqa: E402

@@ -1,4 +1,4 @@
-"""RMSNorm over the last axis, forward and backward, on float32 arrays (chapter 17, Llama's norm); the forward
+"""RMSNorm over the last axis, forward and backward, on float32 arrays (chapter 17a, Llama's norm); the forward
 also on bf16 rows with a float32 or bf16 weight (a model converted to bf16 for generation).
 
     y, rstd = rmsnorm_forward(x, weight, eps=1e-6)
@@ -11,7 +11,7 @@ gradient into dweight, deterministically (a fixed order of additions, no atomics
 Kernels (kernels/rmsnorm.cu): rmsnorm_forward_registers<WIDTH, K, WARPS_PER_ROW> and
 rmsnorm_backward_registers, the row held in registers by one warp or, for wide rows (Llama 7B's C = 4096), by a
 block of several warps, read from memory once; the backward's blocks each write a row of partial dweight sums,
-which column_sums_accumulate (gpt2_cupy.ops.layernorm) adds into dweight. The first layout of chapter 17,
+which column_sums_accumulate (gpt2_cupy.ops.layernorm) adds into dweight. The first layout of chapter 17a,
 rmsnorm_forward, rmsnorm_backward and rmsnorm_weight_gradient (a warp per row, the row read twice, dweight
 read again), is launched by first_layout_forward and first_layout_backward, which bench/llama.py times against it.
 """
@@ -101,7 +101,7 @@ def _backward(layout, out, dweight, dout, x, weight, rstd, rows, columns, rows_p
     add_column_sums((dweight,), partials)
 
 
-# ---- chapter 17's first layout, for bench/llama.py ---------------------------------------------------------
+# ---- chapter 17a's first layout, for bench/llama.py ---------------------------------------------------------
 
 def first_layout_forward(out, rstd, x, weight, eps=1e-6):
     """rmsnorm_forward, a warp per row, into out and rstd (arrays as rmsnorm_forward's, not checked again)."""

@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE) of queries and keys, forward and backward, on float32 arrays (chapter 17);
+"""Rotary position embedding (RoPE) of queries and keys, forward and backward, on float32 arrays (chapter 17a);
 the forward also on bf16 arrays and from a first position held in device memory (generation).
 
     y = rope_forward(x, theta=10000.0, start=0, interleaved=False)

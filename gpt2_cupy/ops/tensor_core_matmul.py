@@ -17,7 +17,7 @@ Sums are float32 in every case. The Linear layer's three products, x: (N, C_in),
     dx = tensor_core_matmul(dout, W)                                         # dout W
     tensor_core_matmul(dout, x, transpose_a=True, out=dW, accumulate=True)   # dW += doutᵀ x
 
-The kernels are kernels/tensor_core_matmul.cu, from chapters/15_tensor_cores.ipynb: 128 x 128 tiles of C
+The kernels are kernels/tensor_core_matmul.cu, from chapters/15a_tensor_cores_mma_sync.ipynb: 128 x 128 tiles of C
 per block of 256 threads, K in slices of 32 through a 3-stage cp.async pipeline (mma.sync, any GPU since
 Ampere). bf16 a and b (a model trained in bf16, gpt2_cupy.amp) are multiplied as they are, whatever the
 precision: launch_bf16_matmul takes their rows and a float32 or bf16 out (rounded once, after the float32 sum

@@ -23,7 +23,7 @@ bf16 arrays are ml_dtypes' bfloat16 (numpy's, which CuPy shares); uint16 arrays 
 gpt2_cupy.ops.tensor_core_matmul.to_bf16 makes them) pass too. Each operand's rows (its last dimension) must
 be whole 16-byte pieces, which the kernel moves: a multiple of 8 bf16, or 4 float32. Other sizes are free.
 
-The kernel is kernels/wgmma_matmul.cu, from chapters/15_tensor_cores.ipynb, section 4.8: 128 x 256 tiles of C
+The kernel is kernels/wgmma_matmul.cu, from chapters/15b_hopper_gemm.ipynb (its last level): 128 x 256 tiles of C
 (128 x 128, taken by the two warpgroups in turn, where that fills the GPU better) per block of
 two consumer warpgroups and a copy warp, K in slices of 64 copied by the copy engine (TMA, through tensor maps
 made here) into a ring of 128-byte swizzled stages guarded by mbarriers (a slice of 64 bf16 or 32 float32 per
