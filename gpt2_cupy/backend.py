@@ -4,6 +4,7 @@ Everything else imports the names below and never asks which backend is active:
 
     name          "cuda" or "cpu" (for people to read; code asks the capabilities below)
     ON_GPU        True when a GPU runs the kernels (CuPy), False on the CPU executor
+    DEVICE_TYPE   the device type tensors report (torch.device's): "cuda" on a GPU, "cpu" on the executor
     device_id()   the current GPU's number, -1 on the CPU
     device_count()           GPUs this process sees: 0 on the CPU
     xp            the array module: cupy or numpy
@@ -125,6 +126,7 @@ def _report_device_checks():
 if _cupy is not None:
     name = "cuda"
     ON_GPU = True
+    DEVICE_TYPE = "cuda"
     xp = _cupy
     _RawKernel = _cupy.RawKernel
     _RawModule = _cupy.RawModule
@@ -207,6 +209,7 @@ if _cupy is not None:
 else:
     name = "cpu"
     ON_GPU = False
+    DEVICE_TYPE = "cpu"
     xp = numpy
     from .cpu import RawKernel as _RawKernel, RawModule as _RawModule  # (only the CPU backend needs the executor)
 

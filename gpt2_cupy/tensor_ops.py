@@ -33,8 +33,10 @@ import re
 
 import numpy
 
-from gpt2_cupy import backend
-from gpt2_cupy.autograd import Function, Tensor, bump_version, is_grad_enabled, storage_of, storage_version
+from gpt2_cupy import amp, backend
+from gpt2_cupy.autograd import (Function, Tensor, View, bump_version, is_grad_enabled, regenerate_view, storage_of,
+                                storage_version, take_place)
+from gpt2_cupy.dispatch import batched_matmul, matmul as dispatch_matmul
 from gpt2_cupy.elementwise import broadcast_shapes, check_writable, converted, copy, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.random import host_stream
@@ -378,7 +380,6 @@ def _triangle(x, diagonal, upper):
 def _batched_product(operation, a, b, transpose_a=False, transpose_b=False, out_dtype=None):
     """op(a) @ op(b) over broadcast batch axes: a (..., M, K), b (..., K, N) -> (..., M, N), of a's dtype
     (float32, or bf16), or of out_dtype: float32 from bf16 inputs keeps the tensor cores' sums unrounded."""
-    from gpt2_cupy.dispatch import batched_matmul, matmul
     a_rows = a.shape[-1] if transpose_a else a.shape[-2]
     b_columns = b.shape[-2] if transpose_b else b.shape[-1]
     batch = broadcast_shapes(operation, [a.shape[:-2], b.shape[:-2]], ["input", "other"])
@@ -386,7 +387,8 @@ def _batched_product(operation, a, b, transpose_a=False, transpose_b=False, out_
     if b.ndim == 2 and not transpose_a:  # (..., M, K) @ (K, N): one matrix product over all rows
         rows = _contiguous(a).reshape(-1, a.shape[-1])
         out = backend.xp.empty((rows.shape[0], b_columns), dtype=out_dtype)
-        return matmul(rows, _contiguous(b), transpose_b=transpose_b, out=out).reshape(batch + (a_rows, b_columns))
+        product = dispatch_matmul(rows, _contiguous(b), transpose_b=transpose_b, out=out)
+        return product.reshape(batch + (a_rows, b_columns))
     count = math.prod(batch)
     a = _contiguous(backend.xp.broadcast_to(a, batch + a.shape[-2:])).reshape((count,) + a.shape[-2:])
     b = _contiguous(backend.xp.broadcast_to(b, batch + b.shape[-2:])).reshape((count,) + b.shape[-2:])
@@ -449,7 +451,6 @@ class MatMul(Function):
 def matmul(a, b):
     """a @ b, batched and broadcasting as torch.matmul; inside gpt2_cupy.autocast in bf16 (float32 inputs
     converted, a parameter's copy cached for the block), with a bf16 result."""
-    from gpt2_cupy import amp
     if amp.autocast_dtype() is not None:
         return MatMul.apply(a, b, amp.product_input(a), amp.product_input(b))
     return MatMul.apply(a, b)
@@ -654,23 +655,6 @@ def view_strides(shape, strides, new_shape):
                 chunk_base_stride = strides[axis - 1]
                 tensor_elements, view_elements = 1, 1
     return view_axis == -1 and new_strides
-
-
-class View(Function):
-    """A view of new shape, strides or both: forward gives an array over the same memory; backward moves the
-    upstream gradient back with `undo`."""
-    accepts_strided = True
-
-    @staticmethod
-    def forward(ctx, x, name, make, undo):
-        ctx.name, ctx.undo = name, undo
-        out = make(x)
-        ctx.is_view, ctx.view_version = storage_of(out) is storage_of(x), storage_version(x)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        return ctx.undo(dout), None, None, None
 
 
 def _view(name, x, make, undo):
@@ -988,22 +972,11 @@ def _become(x, result):
     bump_version(x.data)
     base = getattr(x, "_base", None)
     if base is None:
-        _take_place(x, result)
+        take_place(x, result)
         return x
-    _take_place(base, CopySlices.apply(base, result, x._view_of_base))
+    take_place(base, CopySlices.apply(base, result, x._view_of_base))
     regenerate_view(x)
     return x
-
-
-def _take_place(x, result):
-    """x stands for result in the graph from now on (its own array unchanged)."""
-    x.grad_fn, x.output_nr, x._requires_grad = result.grad_fn, result.output_nr, result.requires_grad
-
-
-def regenerate_view(view):
-    """view's grad_fn made again from its base's current place in the graph: after an in-place write into
-    the base (or into any view of it), the old grad_fn would miss that write."""
-    _take_place(view, View.apply(view._base, "view", view._view_of_base, view._grad_to_base))
 
 
 class CopySlices(Function):

@@ -30,6 +30,7 @@ import numpy
 
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import Tensor, bump_version
+from gpt2_cupy.elementwise import converted
 from gpt2_cupy.random import init_generator
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.nn import init, utils
@@ -175,12 +176,10 @@ class Module:
         a dtype (float32 or bfloat16) converts every parameter in place, each converted once (a tied matrix
         stays one matrix). bf16 parameters are for inference (generation); training keeps float32 masters
         and runs bf16 under gpt2_cupy.autocast. Returns self."""
-        from gpt2_cupy import dtype_of
-        from gpt2_cupy.elementwise import converted
         for argument in (*arguments, *options.values()):
             if argument is None or isinstance(argument, str) or type(argument).__name__ == "device":
                 continue
-            dtype = dtype_of(argument)
+            dtype = numpy.dtype(argument)
             if dtype not in (numpy.float32, BFLOAT16):
                 raise NotImplementedError(f"{type(self).__name__}.to: dtype {argument} is not supported yet; "
                                           "parameters are float32 or bfloat16")
