@@ -73,7 +73,7 @@ def from_numpy(array):
 def _array_of(data):
     """data as a numpy or backend array: lists of numbers or of one-element tensors, numbers, arrays, Tensors."""
     if isinstance(data, Tensor):
-        return data.data
+        return data._data
     if isinstance(data, (backend.xp.ndarray, numpy.ndarray)):
         return data
     if isinstance(data, (list, tuple)):  # lists of one-element tensors, as torch.tensor([t1, t2]) takes
@@ -174,7 +174,7 @@ def randperm(n, *, generator=None, dtype=None, device=None, requires_grad=False)
 
 def normal(mean, std, size=None, *, generator=None, dtype=None, device=None, requires_grad=False):
     """N(mean, std²): numbers and a size, or tensors (broadcast) for the means and deviations."""
-    mean_array, std_array = (backend.asnumpy(v.data) if is_tensor(v) else v for v in (mean, std))
+    mean_array, std_array = (backend.asnumpy(v._data) if is_tensor(v) else v for v in (mean, std))
     shape = numpy.broadcast_shapes(numpy.shape(mean_array), numpy.shape(std_array)) if size is None else _shape((size,))
     values = _random.host_stream(generator).normal(mean_array, std_array, shape)
     return _made(values, dtype, requires_grad)
@@ -256,7 +256,7 @@ def inference_mode(mode=True):
 
 def equal(input, other):
     """torch.equal: True when both tensors have the same shape and the same values (a Python bool)."""
-    a, b = backend.asnumpy(input.data), backend.asnumpy(other.data)
+    a, b = backend.asnumpy(input._data), backend.asnumpy(other._data)
     return a.shape == b.shape and _builtins.bool((a == b).all())
 
 

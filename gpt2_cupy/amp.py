@@ -123,7 +123,7 @@ def product_input(tensor):
     bf16_working_copy=True: the copy its last step wrote, while that still equals bf16 of the parameter
     (gpt2_cupy.optim.WorkingCopy). Another leaf that requires grad (a parameter) is converted once per
     outermost block and cached, as PyTorch's weight cache does; anything else each time."""
-    array = tensor.data if isinstance(tensor, Tensor) else tensor
+    array = tensor._data if isinstance(tensor, Tensor) else tensor
     working_copy = getattr(tensor, "_working_copy", None)
     if working_copy is not None and working_copy.equals_bf16_of(array):
         return working_copy.array

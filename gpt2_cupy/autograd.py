@@ -1,6 +1,6 @@
 """Autograd, one graph per result: Tensor, Function, no_grad.
 
-    x = Tensor(array, requires_grad=True)      a backend array (.data) with a gradient (.grad, a Tensor)
+    x = Tensor(array, requires_grad=True)      a backend array (._data) with a gradient (.grad, a Tensor)
     y = SomeFunction.apply(x, ...)             runs SomeFunction.forward; if a gradient is wanted, y.grad_fn
                                                is a Node that remembers the call and where its inputs came from
     loss.backward()                            walks the Nodes that reach loss, each after all its consumers
@@ -61,12 +61,12 @@ SECOND_BACKWARD = (
 
 
 class Tensor:
-    """A backend array with a gradient: .data (float32 or bfloat16, unless it holds ids or a mask), .grad,
-    .requires_grad, .grad_fn."""
+    """A backend array with a gradient: ._data (float32 or bfloat16, unless it holds ids or a mask), .grad,
+    .requires_grad, .grad_fn. .data is the same values as a Tensor outside the graph, as PyTorch's."""
 
     def __init__(self, data, requires_grad=False):
         if isinstance(data, Tensor):
-            data = data.data
+            data = data._data
         if isinstance(data, numpy.generic):  # a numpy number keeps its type
             data = backend.xp.asarray(data)
         if not isinstance(data, backend.xp.ndarray):
@@ -76,9 +76,9 @@ class Tensor:
         self.grad_fn = None     # the Node that made this tensor; None for a leaf
         self.output_nr = 0      # which of that Node's outputs it is
 
-    shape = property(lambda self: tuple(self.data.shape))
-    ndim = property(lambda self: self.data.ndim)
-    dtype = property(lambda self: self.data.dtype)
+    shape = property(lambda self: tuple(self._data.shape))
+    ndim = property(lambda self: self._data.ndim)
+    dtype = property(lambda self: self._data.dtype)
     is_leaf = property(lambda self: self.grad_fn is None, doc="made by the user, not by a recorded call")
 
     @property
@@ -93,14 +93,18 @@ class Tensor:
 
     @property
     def data(self):
-        """The backend array (numpy's or CuPy's) that holds the values. Where PyTorch's .data is a Tensor
-        sharing the storage, this is the array itself: `p.data += -lr * p.grad` and `p.data[...] = x` write
-        in place all the same, and `p.data = t` takes a Tensor's array (or an array)."""
-        return self._data
+        """The values as a Tensor over the same storage, outside every graph (requires_grad False), as
+        PyTorch's .data: `p.data.std()` is the Tensor's (unbiased) std, and `p.data += -lr * p.grad`,
+        `p.data.zero_()`, `p.data[...] = x` write into p's own memory (an optimizer's flat buffer, say).
+        The package's code reads the backend array itself as `tensor._data`."""
+        return Tensor(self._data)
 
     @data.setter
     def data(self, value):
-        self._data = value.data if isinstance(value, Tensor) else value
+        """p.data = t: p takes t's storage (an optimizer over p copies it into its flat buffer at its next step)."""
+        if not isinstance(value, Tensor):
+            raise TypeError(f"Variable data has to be a tensor, but got {type(value).__name__}")
+        self._data = value._data
 
     @property
     def grad(self):
@@ -123,7 +127,7 @@ class Tensor:
 
     def _grad_array(self):
         """The gradient's backend array, or None."""
-        return None if self._grad is None else self._grad.data
+        return None if self._grad is None else self._grad._data
 
     def requires_grad_(self, requires_grad=True):
         self.requires_grad = requires_grad
@@ -133,17 +137,17 @@ class Tensor:
         return self.shape if dim is None else self.shape[dim]
 
     def numel(self):
-        return int(self.data.size)
+        return int(self._data.size)
 
     nelement = numel
 
     def element_size(self):
         """Bytes per element."""
-        return self.data.itemsize
+        return self._data.itemsize
 
     def data_ptr(self):
         """The address of the first element (device memory on a GPU, host memory on the CPU)."""
-        return backend.address(self.data)
+        return backend.address(self._data)
 
     def is_floating_point(self):
         return self.dtype.kind == "f" or self.dtype.name == "bfloat16"
@@ -163,16 +167,16 @@ class Tensor:
     def numpy(self):
         if self.requires_grad:
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
-        return backend.asnumpy(self.data)
+        return backend.asnumpy(self._data)
 
     def item(self):
         """The value of a one-element tensor (any shape) as a Python number (on a GPU: waits for it, a host copy)."""
-        if self.data.size != 1:
-            raise RuntimeError(f"a Tensor with {self.data.size} elements cannot be converted to Scalar")
-        return backend.asnumpy(self.data).reshape(()).item()
+        if self._data.size != 1:
+            raise RuntimeError(f"a Tensor with {self._data.size} elements cannot be converted to Scalar")
+        return backend.asnumpy(self._data).reshape(()).item()
 
-    # No __array_priority__: p.data += -lr * p.grad (p.data a backend array) stays numpy's or CuPy's in-place
-    # add, reading the tensor through __array__ or __cuda_array_interface__, so that p.data keeps its memory.
+    # No __array_priority__: `array += tensor` (array a backend array) stays numpy's or CuPy's in-place add,
+    # reading the tensor through __array__ or __cuda_array_interface__, so that the array keeps its memory.
     def __array__(self, dtype=None, copy=None):
         """numpy.asarray(tensor): its values on the host, as torch's; refused while it requires grad."""
         values = self.numpy()
@@ -186,28 +190,28 @@ class Tensor:
         if self.requires_grad:
             raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad. "
                                "If gradients aren't required, use var.detach() to get Variable that doesn't require grad.")
-        return self.data.__cuda_array_interface__
+        return self._data.__cuda_array_interface__
 
     def tolist(self):
-        return backend.asnumpy(self.data).tolist()
+        return backend.asnumpy(self._data).tolist()
 
     def detach(self):
         """The same array, outside every graph."""
-        return Tensor(self.data)
+        return Tensor(self._data)
 
     def dim(self):
-        return self.data.ndim
+        return self._data.ndim
 
     def __len__(self):
-        if self.data.ndim == 0:
+        if self._data.ndim == 0:
             raise TypeError("len() of a 0-d tensor")
-        return self.data.shape[0]
+        return self._data.shape[0]
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
     def __repr__(self):
-        values = numpy.array2string(backend.asnumpy(self.data), separator=", ", prefix="tensor(", precision=4)
+        values = numpy.array2string(backend.asnumpy(self._data), separator=", ", prefix="tensor(", precision=4)
         extra = ""
         if self.dtype not in (numpy.float32, numpy.int64, numpy.bool_):
             extra += f", dtype={_DTYPE_NAMES.get(self.dtype.name, self.dtype.name)}"
@@ -226,12 +230,12 @@ class Tensor:
         if not self.requires_grad:
             raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
         if gradient is None:
-            if self.data.size != 1:
+            if self._data.size != 1:
                 raise RuntimeError(f"grad can be implicitly created only for scalar outputs; backward was called "
                                    f"on a tensor of shape {self.shape} (pass the gradient of the output)")
-            gradient = backend.xp.ones(self.data.shape, dtype=self.data.dtype)
+            gradient = backend.xp.ones(self._data.shape, dtype=self._data.dtype)
         elif isinstance(gradient, Tensor):
-            gradient = gradient.data
+            gradient = gradient._data
         if tuple(gradient.shape) != self.shape:
             raise RuntimeError(f"backward: the gradient has shape {tuple(gradient.shape)}, the tensor {self.shape}")
         if self.grad_fn is None:
@@ -242,7 +246,7 @@ class Tensor:
     @property
     def _version(self):
         """How many in-place operations have written into this tensor's storage (PyTorch's x._version)."""
-        return storage_version(self.data)
+        return storage_version(self._data)
 
     def retain_grad(self):
         """Keep this non-leaf's gradient in .grad after backward (a leaf keeps its own anyway)."""
@@ -355,7 +359,7 @@ def run_backward(root, output_nr, gradient, retain_graph=False):
         for index, reference in node.retained.items():  # retain_grad(): the gradient that reached it
             output = reference()
             if output is not None and douts[index] is not None:
-                output.grad = douts[index].copy() if output.grad is None else _add(output.grad.data, douts[index])
+                output.grad = douts[index].copy() if output.grad is None else _add(output.grad._data, douts[index])
         gradients = node.apply(douts)
         for edge, input_gradient in zip(node.next_edges, gradients):
             if edge is None or input_gradient is None:
@@ -386,7 +390,7 @@ def _accumulate(tensor, gradient):
     if tensor.grad is None:
         tensor.grad = _new_leaf_gradient(tensor, gradient)
     else:
-        _add(tensor.grad.data, gradient, out=tensor.grad.data)
+        _add(tensor.grad._data, gradient, out=tensor.grad._data)
 
 
 class GradientSlot:
@@ -403,7 +407,7 @@ class GradientSlot:
 def _new_leaf_gradient(tensor, gradient=None):
     """A new .grad for a leaf: a copy of gradient, or zeros when gradient is None; in its slot if it has one."""
     slot = getattr(tensor, "_grad_slot", None)
-    if slot is not None and slot.array.shape == tensor.data.shape:
+    if slot is not None and slot.array.shape == tensor._data.shape:
         # kernels, so that a CUDA graph's capture records them (on the CPU executor too)
         if gradient is not None:
             elementwise("leaf_gradient", "a", [gradient], compute_dtype=slot.array.dtype, out=slot.array)
@@ -453,7 +457,7 @@ def _check_view_is_current(tensor):
     taken again from the base's current place in the graph. A view that does not know its base is refused."""
     node = tensor.grad_fn
     if node is not None and getattr(node.ctx, "is_view", False) and \
-            storage_version(tensor.data) != node.ctx.view_version:
+            storage_version(tensor._data) != node.ctx.view_version:
         if getattr(tensor, "_base", None) is not None:
             regenerate_view(tensor)
             return
@@ -519,7 +523,7 @@ class Context:
             return buffer
         if leaf.grad is None:
             leaf.grad = _new_leaf_gradient(leaf)
-        return leaf.grad.data
+        return leaf.grad._data
 
 
 def _edge(tensor):
@@ -543,7 +547,7 @@ class Function:
     def apply(cls, *arguments, **options):
         inputs = [a if isinstance(a, Tensor) else None for a in arguments]
         ctx = Context(inputs)
-        arrays = [a.data if isinstance(a, Tensor) else a for a in arguments]
+        arrays = [a._data if isinstance(a, Tensor) else a for a in arguments]
         if not cls.accepts_strided:
             arrays = [contiguous(a) for a in arrays]
         results = cls.forward(ctx, *arrays, **options)

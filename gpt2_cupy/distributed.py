@@ -147,7 +147,7 @@ COLLECTIVE_DTYPES = ("float32", "float64", "int32", "uint8")
 
 
 def _array(tensor_or_array, what):
-    array = tensor_or_array.data if isinstance(tensor_or_array, Tensor) else tensor_or_array
+    array = tensor_or_array._data if isinstance(tensor_or_array, Tensor) else tensor_or_array
     if not isinstance(array, backend.xp.ndarray):
         raise TypeError(f"{what}: expected a Tensor or a {backend.xp.__name__}.ndarray, got "
                         f"{type(tensor_or_array).__name__}")

@@ -34,7 +34,7 @@ def _rebuild_array(array):
 
 
 def _reduce_tensor(tensor):
-    return _rebuild_tensor, (backend.asnumpy(tensor.data), tensor.requires_grad)
+    return _rebuild_tensor, (backend.asnumpy(tensor._data), tensor.requires_grad)
 
 
 def _checked_dtype(*arguments):

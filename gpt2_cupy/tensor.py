@@ -89,13 +89,13 @@ class TensorMethods:
         return tensor_ops.logical("or", self, other)
 
     def __bool__(self):
-        if self.data.size != 1:
+        if self._data.size != 1:
             raise RuntimeError(f"Boolean value of Tensor with more than one value is ambiguous")
         return bool(self.item())
 
     def __format__(self, format_spec):
         # f"{loss:.4f}" of a 0-d tensor formats its value, as PyTorch's does; other shapes format as objects
-        if self.data.ndim == 0:
+        if self._data.ndim == 0:
             return self.item().__format__(format_spec)
         return object.__format__(self, format_spec)
 
@@ -106,7 +106,7 @@ class TensorMethods:
         return int(self.item())
 
     def __index__(self):
-        if self.dtype.kind not in "iu" or self.data.size != 1:
+        if self.dtype.kind not in "iu" or self._data.size != 1:
             raise TypeError("only integer tensors of a single element can be converted to an index")
         return int(self.item())
 
@@ -423,7 +423,7 @@ class TensorMethods:
         return tensor_ops.clone(self)
 
     def is_contiguous(self):
-        return bool(self.data.flags.c_contiguous)
+        return bool(self._data.flags.c_contiguous)
 
     def split(self, split_size, dim=-1):
         return functional.split(self, split_size, dim)
