@@ -8,7 +8,7 @@
     dist.broadcast(weights, src=0)              # every rank gets rank 0's values
     dist.destroy_process_group()
 
-A collective takes backend arrays or Tensors (their .data) of COLLECTIVE_DTYPES, contiguous, and
+A collective takes backend arrays or Tensors (their arrays) of COLLECTIVE_DTYPES, contiguous, and
 writes its result in place. Two groups stand behind the same calls, and nothing outside this module
 knows which one it has:
 

@@ -12,9 +12,10 @@
                                               # that advances the step count)
     checkpoint = optimizer.state_dict()       # numpy arrays; load_state_dict(checkpoint) resumes bit for bit
 
-A parameter is any object with `.data` (a float32 array of the backend), `.grad` (an array or None) and,
-optionally, `.requires_grad`. At construction the optimizer copies every parameter into ONE flat buffer,
-`optimizer.flat_params`, and makes `p.data` a view into it; it also reserves for each parameter a view
+A parameter is a Tensor (its values a float32 array of the backend, p._data) or any object with `.data`
+(such an array), `.grad` (None, a Tensor or an array) and, optionally, `.requires_grad`. At construction the
+optimizer copies every parameter into ONE flat buffer, `optimizer.flat_params`, and makes its array a view
+into it (so that `p.data += x` writes there); it also reserves for each parameter a view
 into ONE gradient buffer, `optimizer.flat_grads` (p._grad_slot), which the autograd makes the parameter's
 .grad when it first adds a gradient, so that the backward's kernels add straight into the flat buffer.
 That is a speed-up, not a rule code has to follow: before each step (and clip_grad_norm_) the optimizer
@@ -337,7 +338,7 @@ class WorkingCopy:
 
     Seen: every change made through a Tensor (copy_, p[...] = x, add_ under no_grad, nn.init,
     Module.load_state_dict), `p.data = ...`, optimizer.load_state_dict. Not seen: a write straight into the
-    backend array (`p.data[...] = x`, numpy's or CuPy's own functions), which passes by every version
+    backend array (`p._data[...] = x`, numpy's or CuPy's own functions), which passes by every version
     counter as it passes by PyTorch's autograd: write through the Tensor (`with no_grad(): p.copy_(x)`).
     """
 
