@@ -7,7 +7,9 @@ graph nobody differentiates is freed with its result. The references are float64
 same numbers.
 """
 
+import ast
 import gc
+import pathlib
 import weakref
 
 import numpy as np
@@ -235,3 +237,16 @@ def test_tensor_basics(to_device):
     t = Tensor(to_device(np.zeros((2, 3), np.float32)))
     assert t.shape == (2, 3) and t.ndim == 2 and t.size(1) == 3 and t.numel() == 6
     assert isinstance(t._data, backend.xp.ndarray) and t.grad is None and not t.requires_grad
+
+
+def test_the_engine_imports_none_of_the_operations_built_on_it():
+    """autograd.py is the engine: the operations (tensor_ops, nn.functional) and gpt2_cupy.tensor, which puts
+    them on Tensor as methods, import it, never the other way round."""
+    tree = ast.parse(pathlib.Path(autograd.__file__).read_text(encoding="utf-8"))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not imported & {"gpt2_cupy.tensor_ops", "gpt2_cupy.tensor", "gpt2_cupy.nn.functional", "gpt2_cupy.nn"}
+    x = autograd.Tensor(backend.xp.asarray(np.arange(6.0, dtype=np.float32).reshape(2, 3)))
+    expected = np.exp(np.arange(6.0).reshape(2, 3))
+    expected /= expected.sum(-1, keepdims=True)
+    assert np.allclose(backend.asnumpy(x.softmax(-1)._data), expected, rtol=1e-6)   # a method from nn.functional
