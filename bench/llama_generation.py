@@ -85,13 +85,13 @@ def random_bf16_weights_on_device():
 
     def empty_parameter(shape, scale):
         parameter = nn.Parameter()
-        parameter.data = xp.empty(shape, dtype=BFLOAT16)
+        parameter._data = xp.empty(shape, dtype=BFLOAT16)
         return parameter
 
     def device_normal(model):
         for parameter in model.parameters():
             if parameter.ndim == 2:
-                parameter.data[...] = converted(xp.random.standard_normal(parameter.shape, dtype=np.float32)
+                parameter._data[...] = converted(xp.random.standard_normal(parameter.shape, dtype=np.float32)
                                                 * np.float32(0.02), BFLOAT16)
         model.to(BFLOAT16)                                     # the norms' float32 ones
 
@@ -113,7 +113,7 @@ def random_bf16_model(shape):
 def ours(shape, prompts, new_tokens):
     model = random_bf16_model(shape)
     xp = backend.xp
-    parameters = sum(p.data.size for p in model.parameters())
+    parameters = sum(p.numel() for p in model.parameters())
     run = {"dtype": "bfloat16", "parameters": parameters, "weight_bytes": 2 * parameters, "prefill_ms": {}}
     with no_grad():
         for length, prompt in prompts.items():
@@ -131,7 +131,7 @@ def ours(shape, prompts, new_tokens):
 
         def eager_decode(cache, logits):
             for _ in range(new_tokens):
-                token = xp.argmax(converted(logits.data[:, -1], np.float32), axis=-1, keepdims=True)
+                token = xp.argmax(converted(logits._data[:, -1], np.float32), axis=-1, keepdims=True)
                 logits, _ = model(token, kv_cache=cache)
 
         for _ in range(2):                                                   # the second is timed
@@ -141,7 +141,7 @@ def ours(shape, prompts, new_tokens):
                                                                   backend.synchronize)
         cache = model.new_kv_cache(1, length + new_tokens + 2)
         logits, _ = model(ids, kv_cache=cache)
-        token = xp.argmax(converted(logits.data[:, -1], np.float32), axis=-1, keepdims=True)
+        token = xp.argmax(converted(logits._data[:, -1], np.float32), axis=-1, keepdims=True)
         started = time.perf_counter()
         step = DecodeGraph(model, cache, token, greedy=True)
         backend.synchronize()
@@ -268,7 +268,7 @@ def compare_settings(shape, settings, prompt, new_tokens, rounds):
             for setting, (step, _) in steps.items():
                 rates[setting].append(new_tokens / seconds(lambda: [step.graph.replay() for _ in range(new_tokens)],
                                                            backend.synchronize))
-    parameters = sum(p.data.size for p in model.parameters())
+    parameters = sum(p.numel() for p in model.parameters())
     del model, steps
     if backend.name == "cuda":
         xp.get_default_memory_pool().free_all_blocks()

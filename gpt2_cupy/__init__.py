@@ -12,7 +12,7 @@ With PyTorch's names, so that PyTorch code runs with its imports changed:
     torch.cuda.is_available(), torch.backends.cuda.matmul.allow_tf32, torch.amp.autocast, torch.cuda.amp.GradScaler
     with torch.autocast(device_type="cuda", dtype=torch.bfloat16): ...   # bf16 mixed precision (gpt2_cupy.amp)
 
-Importing the package is cheap: the submodules load, and kernels compile, when first used.
+Importing the package compiles nothing: each kernel compiles when first used.
 """
 
 import builtins as _builtins
@@ -24,7 +24,9 @@ import types
 import ml_dtypes
 import numpy
 
-from gpt2_cupy import amp
+from gpt2_cupy import amp, backend
+from gpt2_cupy.autograd import no_grad
+from gpt2_cupy.tensor import Tensor  # Tensor with its operators and methods
 from gpt2_cupy.devices import device
 from gpt2_cupy import random as _random
 from gpt2_cupy.random import (Generator, default_generator, get_rng_state, initial_seed, manual_seed,  # as torch's
@@ -34,7 +36,7 @@ from gpt2_cupy.precision import get_float32_matmul_precision, set_float32_matmul
 
 __version__ = "0.1.0"
 
-_FROM_AUTOGRAD = ("Tensor", "Function", "no_grad", "is_grad_enabled")
+_FROM_AUTOGRAD = ("Function", "is_grad_enabled")
 _FROM_SERIALIZATION = ("save", "load")
 _SUBMODULES = ("nn", "optim", "functional", "autograd", "backend", "model", "utils")
 
@@ -59,8 +61,6 @@ def dtype_of(value):
 def from_numpy(array):
     """A Tensor over a numpy array, its strides kept (on the CPU it shares the array's memory, as torch's;
     on a GPU it is a copy)."""
-    from gpt2_cupy import backend
-    from gpt2_cupy.autograd import Tensor
     if not isinstance(array, numpy.ndarray):
         raise TypeError(f"expected np.ndarray (got {type(array).__name__})")
     if _builtins.any(stride < 0 for stride in array.strides):
@@ -72,10 +72,8 @@ def from_numpy(array):
 
 def _array_of(data):
     """data as a numpy or backend array: lists of numbers or of one-element tensors, numbers, arrays, Tensors."""
-    from gpt2_cupy import backend
-    from gpt2_cupy.autograd import Tensor
     if isinstance(data, Tensor):
-        return data.data
+        return data._data
     if isinstance(data, (backend.xp.ndarray, numpy.ndarray)):
         return data
     if isinstance(data, (list, tuple)):  # lists of one-element tensors, as torch.tensor([t1, t2]) takes
@@ -87,8 +85,6 @@ def _array_of(data):
 def tensor(data, dtype=None, device=None, requires_grad=False, pin_memory=False):
     """A new Tensor, always a C-contiguous copy of data (a list, a number, a numpy or backend array of any
     layout, a Tensor); float32 for floats, int64 for integers, as torch.tensor."""
-    from gpt2_cupy import backend
-    from gpt2_cupy.autograd import Tensor
     array = _array_of(data)
     if dtype is None and array.dtype.kind == "f":
         dtype = float32  # float64 too: the kernels compute in float32 (torch keeps a float64 array's dtype)
@@ -101,13 +97,11 @@ def tensor(data, dtype=None, device=None, requires_grad=False, pin_memory=False)
 def as_tensor(data, dtype=None, device=None):
     """data itself when it is a Tensor of that dtype, a Tensor over the same memory for a backend array of
     that dtype (its strides kept), else a new tensor (torch.as_tensor)."""
-    from gpt2_cupy import backend
-    from gpt2_cupy.autograd import Tensor
     if isinstance(data, Tensor) and (dtype is None or dtype_of(dtype) == data.dtype):
         return data
     if isinstance(data, backend.xp.ndarray) and (dtype is None or dtype_of(dtype) == data.dtype):
         return Tensor(data)
-    if isinstance(data, numpy.ndarray) and backend.name == "cpu" and dtype is None and data.dtype != numpy.float64:
+    if isinstance(data, numpy.ndarray) and not backend.ON_GPU and dtype is None and data.dtype != numpy.float64:
         return from_numpy(data)
     return tensor(data, dtype=dtype)
 
@@ -119,8 +113,6 @@ def _shape(size):
 
 
 def _made(array, dtype, requires_grad):
-    from gpt2_cupy import backend
-    from gpt2_cupy.autograd import Tensor
     dtype = dtype_of(float32 if dtype is None else dtype)
     return Tensor(backend.xp.asarray(numpy.asarray(array).astype(dtype)), requires_grad=requires_grad)
 
@@ -182,8 +174,7 @@ def randperm(n, *, generator=None, dtype=None, device=None, requires_grad=False)
 
 def normal(mean, std, size=None, *, generator=None, dtype=None, device=None, requires_grad=False):
     """N(mean, std²): numbers and a size, or tensors (broadcast) for the means and deviations."""
-    from gpt2_cupy import backend
-    mean_array, std_array = (backend.asnumpy(v.data) if is_tensor(v) else v for v in (mean, std))
+    mean_array, std_array = (backend.asnumpy(v._data) if is_tensor(v) else v for v in (mean, std))
     shape = numpy.broadcast_shapes(numpy.shape(mean_array), numpy.shape(std_array)) if size is None else _shape((size,))
     values = _random.host_stream(generator).normal(mean_array, std_array, shape)
     return _made(values, dtype, requires_grad)
@@ -260,33 +251,28 @@ def set_printoptions(precision=None, threshold=None, edgeitems=None, linewidth=N
 
 def inference_mode(mode=True):
     """torch.inference_mode: no_grad (nothing recorded) when mode is True; a context manager and a decorator."""
-    from gpt2_cupy.autograd import no_grad
     return no_grad() if mode else contextlib.nullcontext()
 
 
 def equal(input, other):
     """torch.equal: True when both tensors have the same shape and the same values (a Python bool)."""
-    from gpt2_cupy import backend
-    a, b = backend.asnumpy(input.data), backend.asnumpy(other.data)
+    a, b = backend.asnumpy(input._data), backend.asnumpy(other._data)
     return a.shape == b.shape and _builtins.bool((a == b).all())
 
 
 def is_tensor(value):
-    from gpt2_cupy.autograd import Tensor
     return isinstance(value, Tensor)
 
 
 def _cuda_is_available():
-    from gpt2_cupy import backend
-    return backend.name == "cuda"
+    return backend.ON_GPU
 
 
 def _cuda_is_bf16_supported(including_emulation=True):
     """torch.cuda.is_bf16_supported: True on a GPU of compute capability 8.0 or more (Ampere on), whose
     tensor cores multiply bf16; False without a GPU, as PyTorch answers on a machine without CUDA, although
     the CPU executor runs the bf16 kernels too (autocast(device_type="cuda") works there: gpt2_cupy.amp)."""
-    from gpt2_cupy import backend
-    if backend.name != "cuda":
+    if not backend.ON_GPU:
         return False
     return _builtins.int(backend.xp.cuda.Device().compute_capability) >= 80  # (this module's int is torch.int)
 
@@ -295,7 +281,7 @@ cuda = types.SimpleNamespace(
     is_available=_cuda_is_available,
     is_bf16_supported=_cuda_is_bf16_supported,
     amp=types.SimpleNamespace(GradScaler=amp.GradScaler, autocast=amp.autocast),
-    synchronize=lambda device=None: __import__("gpt2_cupy.backend").backend.synchronize(),
+    synchronize=lambda device=None: backend.synchronize(),
     # one generator seeds both backends here, so torch.cuda.manual_seed(s) is torch.manual_seed(s)
     manual_seed=manual_seed,
     manual_seed_all=manual_seed,
@@ -355,8 +341,8 @@ _TENSOR_METHODS = ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "ab
 
 
 def __getattr__(name):
-    # Tensor, no_grad, ... are looked up here on first use (PEP 562), so `import gpt2_cupy` does not pick a
-    # backend; `from gpt2_cupy import nn, optim, functional` imports those submodules the usual way.
+    # Function, save, torch.cat, ... are looked up here on first use (PEP 562), so that the modules behind them
+    # load only when used; `from gpt2_cupy import nn, optim, functional` imports those submodules the usual way.
     import importlib
 
     if name in _FROM_AUTOGRAD:
@@ -366,8 +352,7 @@ def __getattr__(name):
     if name in _FROM_TENSOR_OPS:
         return getattr(importlib.import_module("gpt2_cupy.tensor_ops"), _FROM_TENSOR_OPS[name])
     if name in _TENSOR_METHODS:
-        tensor_class = importlib.import_module("gpt2_cupy.autograd").Tensor
-        return lambda input, *arguments, **options: getattr(tensor_class, name)(input, *arguments, **options)
+        return lambda input, *arguments, **options: getattr(Tensor, name)(input, *arguments, **options)
     if name in _SUBMODULES:
         return importlib.import_module(f"gpt2_cupy.{name}")
     raise AttributeError(f"module 'gpt2_cupy' has no attribute {name!r}")

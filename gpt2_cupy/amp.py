@@ -41,6 +41,9 @@ import functools
 import ml_dtypes
 import numpy
 
+from gpt2_cupy.autograd import Tensor
+from gpt2_cupy.elementwise import converted
+
 BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)
 FLOAT32 = numpy.dtype(numpy.float32)
 FLOAT16 = numpy.dtype(numpy.float16)
@@ -112,7 +115,6 @@ def autocast_dtype():
 
 def as_bf16(array):
     """A backend array in bf16: itself if it is bf16 already, else a rounded copy (a generated kernel)."""
-    from gpt2_cupy.elementwise import converted
     return converted(array, BFLOAT16)
 
 
@@ -121,8 +123,7 @@ def product_input(tensor):
     bf16_working_copy=True: the copy its last step wrote, while that still equals bf16 of the parameter
     (gpt2_cupy.optim.WorkingCopy). Another leaf that requires grad (a parameter) is converted once per
     outermost block and cached, as PyTorch's weight cache does; anything else each time."""
-    from gpt2_cupy.autograd import Tensor
-    array = tensor.data if isinstance(tensor, Tensor) else tensor
+    array = tensor._data if isinstance(tensor, Tensor) else tensor
     working_copy = getattr(tensor, "_working_copy", None)
     if working_copy is not None and working_copy.equals_bf16_of(array):
         return working_copy.array

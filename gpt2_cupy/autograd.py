@@ -1,6 +1,6 @@
 """Autograd, one graph per result: Tensor, Function, no_grad.
 
-    x = Tensor(array, requires_grad=True)      a backend array (.data) with a gradient (.grad, a Tensor)
+    x = Tensor(array, requires_grad=True)      a backend array (._data) with a gradient (.grad, a Tensor)
     y = SomeFunction.apply(x, ...)             runs SomeFunction.forward; if a gradient is wanted, y.grad_fn
                                                is a Node that remembers the call and where its inputs came from
     loss.backward()                            walks the Nodes that reach loss, each after all its consumers
@@ -29,6 +29,11 @@ its .grad: an optimisation the graph does not depend on.
 A gradient has its tensor's dtype, as in PyTorch: bf16 activations (gpt2_cupy.amp) receive bf16 gradients,
 float32 parameters float32 ones. The ops add parameter gradients in float32; for a parameter of another
 dtype ctx.grad_buffer hands out a float32 buffer, which the Node converts to the parameter's dtype.
+
+This module is the engine, and Tensor here is what the engine needs of it: its array, its gradient, its
+place in the graph, backward(). The operations (x + y, x.view(...), x.softmax(dim)) are Functions built on
+the engine, in gpt2_cupy.tensor_ops and gpt2_cupy.nn.functional; gpt2_cupy.tensor puts them on Tensor as
+methods, so that this module imports none of them.
 """
 
 import contextlib
@@ -37,10 +42,10 @@ import weakref
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy import devices
 from gpt2_cupy.ops.arrays import storage_of
 # converted: a float32 gradient buffer for a bf16 argument, say
-from gpt2_cupy.elementwise import contiguous, converted as _as_dtype
+from gpt2_cupy.elementwise import contiguous, converted as _as_dtype, elementwise
+from gpt2_cupy.ops.residual import residual_forward
 
 _grad_enabled = True    # switched off inside `with no_grad():`
 
@@ -56,12 +61,12 @@ SECOND_BACKWARD = (
 
 
 class Tensor:
-    """A backend array with a gradient: .data (float32 or bfloat16, unless it holds ids or a mask), .grad,
-    .requires_grad, .grad_fn."""
+    """A backend array with a gradient: ._data (float32 or bfloat16, unless it holds ids or a mask), .grad,
+    .requires_grad, .grad_fn. .data is the same values as a Tensor outside the graph, as PyTorch's."""
 
     def __init__(self, data, requires_grad=False):
         if isinstance(data, Tensor):
-            data = data.data
+            data = data._data
         if isinstance(data, numpy.generic):  # a numpy number keeps its type
             data = backend.xp.asarray(data)
         if not isinstance(data, backend.xp.ndarray):
@@ -71,9 +76,9 @@ class Tensor:
         self.grad_fn = None     # the Node that made this tensor; None for a leaf
         self.output_nr = 0      # which of that Node's outputs it is
 
-    shape = property(lambda self: tuple(self.data.shape))
-    ndim = property(lambda self: self.data.ndim)
-    dtype = property(lambda self: self.data.dtype)
+    shape = property(lambda self: tuple(self._data.shape))
+    ndim = property(lambda self: self._data.ndim)
+    dtype = property(lambda self: self._data.dtype)
     is_leaf = property(lambda self: self.grad_fn is None, doc="made by the user, not by a recorded call")
 
     @property
@@ -88,14 +93,18 @@ class Tensor:
 
     @property
     def data(self):
-        """The backend array (numpy's or CuPy's) that holds the values. Where PyTorch's .data is a Tensor
-        sharing the storage, this is the array itself: `p.data += -lr * p.grad` and `p.data[...] = x` write
-        in place all the same, and `p.data = t` takes a Tensor's array (or an array)."""
-        return self._data
+        """The values as a Tensor over the same storage, outside every graph (requires_grad False), as
+        PyTorch's .data: `p.data.std()` is the Tensor's (unbiased) std, and `p.data += -lr * p.grad`,
+        `p.data.zero_()`, `p.data[...] = x` write into p's own memory (an optimizer's flat buffer, say).
+        The package's code reads the backend array itself as `tensor._data`."""
+        return Tensor(self._data)
 
     @data.setter
     def data(self, value):
-        self._data = value.data if isinstance(value, Tensor) else value
+        """p.data = t: p takes t's storage (an optimizer over p copies it into its flat buffer at its next step)."""
+        if not isinstance(value, Tensor):
+            raise TypeError(f"Variable data has to be a tensor, but got {type(value).__name__}")
+        self._data = value._data
 
     @property
     def grad(self):
@@ -118,7 +127,7 @@ class Tensor:
 
     def _grad_array(self):
         """The gradient's backend array, or None."""
-        return None if self._grad is None else self._grad.data
+        return None if self._grad is None else self._grad._data
 
     def requires_grad_(self, requires_grad=True):
         self.requires_grad = requires_grad
@@ -128,27 +137,27 @@ class Tensor:
         return self.shape if dim is None else self.shape[dim]
 
     def numel(self):
-        return int(self.data.size)
+        return int(self._data.size)
 
     nelement = numel
 
     def element_size(self):
         """Bytes per element."""
-        return self.data.itemsize
+        return self._data.itemsize
 
     def data_ptr(self):
         """The address of the first element (device memory on a GPU, host memory on the CPU)."""
-        return backend.address(self.data)
+        return backend.address(self._data)
 
     def is_floating_point(self):
         return self.dtype.kind == "f" or self.dtype.name == "bfloat16"
 
     def new_zeros(self, *size, dtype=None, device=None, requires_grad=False):
-        return Tensor(backend.xp.zeros(_sizes(size), dtype=self.dtype if dtype is None else dtype),
+        return Tensor(backend.xp.zeros(as_sizes(size), dtype=self.dtype if dtype is None else dtype),
                       requires_grad=requires_grad)
 
     def new_ones(self, *size, dtype=None, device=None, requires_grad=False):
-        return Tensor(backend.xp.ones(_sizes(size), dtype=self.dtype if dtype is None else dtype),
+        return Tensor(backend.xp.ones(as_sizes(size), dtype=self.dtype if dtype is None else dtype),
                       requires_grad=requires_grad)
 
     def new_full(self, size, fill_value, dtype=None, device=None, requires_grad=False):
@@ -158,16 +167,16 @@ class Tensor:
     def numpy(self):
         if self.requires_grad:
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
-        return backend.asnumpy(self.data)
+        return backend.asnumpy(self._data)
 
     def item(self):
         """The value of a one-element tensor (any shape) as a Python number (on a GPU: waits for it, a host copy)."""
-        if self.data.size != 1:
-            raise RuntimeError(f"a Tensor with {self.data.size} elements cannot be converted to Scalar")
-        return backend.asnumpy(self.data).reshape(()).item()
+        if self._data.size != 1:
+            raise RuntimeError(f"a Tensor with {self._data.size} elements cannot be converted to Scalar")
+        return backend.asnumpy(self._data).reshape(()).item()
 
-    # No __array_priority__: p.data += -lr * p.grad (p.data a backend array) stays numpy's or CuPy's in-place
-    # add, reading the tensor through __array__ or __cuda_array_interface__, so that p.data keeps its memory.
+    # No __array_priority__: `array += tensor` (array a backend array) stays numpy's or CuPy's in-place add,
+    # reading the tensor through __array__ or __cuda_array_interface__, so that the array keeps its memory.
     def __array__(self, dtype=None, copy=None):
         """numpy.asarray(tensor): its values on the host, as torch's; refused while it requires grad."""
         values = self.numpy()
@@ -176,33 +185,33 @@ class Tensor:
     @property
     def __cuda_array_interface__(self):
         """CuPy's cupy.asarray(tensor) and cupy.asnumpy(tensor) read the device array (on a GPU only)."""
-        if backend.name != "cuda":
+        if not backend.ON_GPU:
             raise AttributeError("__cuda_array_interface__: the tensor lives in host memory (the CPU backend)")
         if self.requires_grad:
             raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad. "
                                "If gradients aren't required, use var.detach() to get Variable that doesn't require grad.")
-        return self.data.__cuda_array_interface__
+        return self._data.__cuda_array_interface__
 
     def tolist(self):
-        return backend.asnumpy(self.data).tolist()
+        return backend.asnumpy(self._data).tolist()
 
     def detach(self):
         """The same array, outside every graph."""
-        return Tensor(self.data)
+        return Tensor(self._data)
 
     def dim(self):
-        return self.data.ndim
+        return self._data.ndim
 
     def __len__(self):
-        if self.data.ndim == 0:
+        if self._data.ndim == 0:
             raise TypeError("len() of a 0-d tensor")
-        return self.data.shape[0]
+        return self._data.shape[0]
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
     def __repr__(self):
-        values = numpy.array2string(backend.asnumpy(self.data), separator=", ", prefix="tensor(", precision=4)
+        values = numpy.array2string(backend.asnumpy(self._data), separator=", ", prefix="tensor(", precision=4)
         extra = ""
         if self.dtype not in (numpy.float32, numpy.int64, numpy.bool_):
             extra += f", dtype={_DTYPE_NAMES.get(self.dtype.name, self.dtype.name)}"
@@ -221,12 +230,12 @@ class Tensor:
         if not self.requires_grad:
             raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
         if gradient is None:
-            if self.data.size != 1:
+            if self._data.size != 1:
                 raise RuntimeError(f"grad can be implicitly created only for scalar outputs; backward was called "
                                    f"on a tensor of shape {self.shape} (pass the gradient of the output)")
-            gradient = backend.xp.ones(self.data.shape, dtype=self.data.dtype)
+            gradient = backend.xp.ones(self._data.shape, dtype=self._data.dtype)
         elif isinstance(gradient, Tensor):
-            gradient = gradient.data
+            gradient = gradient._data
         if tuple(gradient.shape) != self.shape:
             raise RuntimeError(f"backward: the gradient has shape {tuple(gradient.shape)}, the tensor {self.shape}")
         if self.grad_fn is None:
@@ -234,360 +243,10 @@ class Tensor:
         else:
             run_backward(self.grad_fn, self.output_nr, gradient, retain_graph=bool(retain_graph))
 
-    # ---- operators and methods: the Functions live in gpt2_cupy.tensor_ops -------------------------------
-    __hash__ = object.__hash__  # == is elementwise (a bool tensor), so a tensor hashes by identity
-
-    def __add__(self, other):
-        return _ops().binary("add", self, other)
-
-    def __radd__(self, other):
-        return _ops().binary("add", other, self)
-
-    def __sub__(self, other):
-        return _ops().binary("sub", self, other)
-
-    def __rsub__(self, other):
-        return _ops().binary("sub", other, self)
-
-    def __mul__(self, other):
-        return _ops().binary("mul", self, other)
-
-    def __rmul__(self, other):
-        return _ops().binary("mul", other, self)
-
-    def __truediv__(self, other):
-        return _ops().binary("div", self, other)
-
-    def __rtruediv__(self, other):
-        return _ops().binary("div", other, self)
-
-    def __pow__(self, other):
-        return _ops().binary("pow", self, other)
-
-    def __rpow__(self, other):
-        return _ops().binary("pow", other, self)
-
-    def __matmul__(self, other):
-        return _ops().matmul(self, other)
-
-    def __rmatmul__(self, other):
-        return _ops().matmul(other, self)
-
-    def __neg__(self):
-        return _ops().unary("neg", self)
-
-    def __eq__(self, other):
-        return _ops().compare("eq", self, other)
-
-    def __ne__(self, other):
-        return _ops().compare("ne", self, other)
-
-    def __lt__(self, other):
-        return _ops().compare("lt", self, other)
-
-    def __le__(self, other):
-        return _ops().compare("le", self, other)
-
-    def __gt__(self, other):
-        return _ops().compare("gt", self, other)
-
-    def __ge__(self, other):
-        return _ops().compare("ge", self, other)
-
-    def __invert__(self):
-        if self.dtype != numpy.bool_:
-            raise TypeError("~ (bitwise not) is only supported here for bool tensors")
-        return self == False  # noqa: E712  (elementwise: a bool tensor)
-
-    def __and__(self, other):
-        return _ops().logical("and", self, other)
-
-    def __or__(self, other):
-        return _ops().logical("or", self, other)
-
-    def __bool__(self):
-        if self.data.size != 1:
-            raise RuntimeError(f"Boolean value of Tensor with more than one value is ambiguous")
-        return bool(self.item())
-
-    def __format__(self, format_spec):
-        # f"{loss:.4f}" of a 0-d tensor formats its value, as PyTorch's does; other shapes format as objects
-        if self.data.ndim == 0:
-            return self.item().__format__(format_spec)
-        return object.__format__(self, format_spec)
-
-    def __float__(self):
-        return float(self.item())
-
-    def __int__(self):
-        return int(self.item())
-
-    def __index__(self):
-        if self.dtype.kind not in "iu" or self.data.size != 1:
-            raise TypeError("only integer tensors of a single element can be converted to an index")
-        return int(self.item())
-
-    def __getitem__(self, key):
-        return _ops().index(self, key)
-
-    def __setitem__(self, key, value):
-        _ops().index_put(self, key, value)
-
-    def exp(self):
-        return _ops().unary("exp", self)
-
-    def neg(self):
-        return _ops().unary("neg", self)
-
-    negative = neg
-
-    def square(self):
-        return _ops().unary("square", self)
-
-    def sign(self):
-        return _ops().unary("sign", self)
-
-    def sin(self):
-        return _ops().unary("sin", self)
-
-    def cos(self):
-        return _ops().unary("cos", self)
-
-    def tan(self):
-        return _ops().unary("tan", self)
-
-    def asin(self):
-        return _ops().unary("asin", self)
-
-    def acos(self):
-        return _ops().unary("acos", self)
-
-    def atan(self):
-        return _ops().unary("atan", self)
-
-    def sinh(self):
-        return _ops().unary("sinh", self)
-
-    def cosh(self):
-        return _ops().unary("cosh", self)
-
-    def log10(self):
-        return _ops().unary("log10", self)
-
-    def log2(self):
-        return _ops().unary("log2", self)
-
-    def log1p(self):
-        return _ops().unary("log1p", self)
-
-    def expm1(self):
-        return _ops().unary("expm1", self)
-
-    def exp2(self):
-        return _ops().unary("exp2", self)
-
-    def erf(self):
-        return _ops().unary("erf", self)
-
-    def reciprocal(self):
-        return _ops().unary("reciprocal", self)
-
-    def floor(self):
-        return _ops().unary("floor", self)
-
-    def ceil(self):
-        return _ops().unary("ceil", self)
-
-    def round(self):
-        return _ops().unary("round", self)
-
-    def trunc(self):
-        return _ops().unary("trunc", self)
-
-    def frac(self):
-        return _ops().unary("frac", self)
-
-    def atan2(self, other):
-        return _ops().binary("atan2", self, other)
-
-    def log(self):
-        return _ops().unary("log", self)
-
-    def sqrt(self):
-        return _ops().unary("sqrt", self)
-
-    def rsqrt(self):
-        return _ops().unary("rsqrt", self)
-
-    def tanh(self):
-        return _ops().unary("tanh", self)
-
-    def sigmoid(self):
-        return _ops().unary("sigmoid", self)
-
-    def relu(self):
-        return _ops().unary("relu", self)
-
-    def abs(self):
-        return _ops().unary("abs", self)
-
-    def pow(self, exponent):
-        return _ops().binary("pow", self, exponent)
-
-    def clamp(self, min=None, max=None):
-        return _ops().clamp(self, min, max)
-
-    clip = clamp
-
-    def masked_fill(self, mask, value):
-        return _ops().masked_fill(self, mask, value)
-
-    # In place, as PyTorch's methods ending in _: each writes into self's array (every view of it sees the
-    # change), bumps its storage's version and returns self.
-    def add_(self, other, alpha=1):
-        return _ops().add_(self, other, alpha)
-
-    def sub_(self, other, alpha=1):
-        return _ops().add_(self, other, -alpha, name="sub_")
-
-    def mul_(self, other):
-        return _ops().binary_("mul", self, other)
-
-    def div_(self, other):
-        return _ops().binary_("div", self, other)
-
-    def zero_(self):
-        return _ops().fill_(self, 0)
-
-    def fill_(self, value):
-        return _ops().fill_(self, value)
-
-    def copy_(self, src, non_blocking=False):
-        return _ops().copy_(self, src)
-
-    def clamp_(self, min=None, max=None):
-        return _ops().clamp_(self, min, max)
-
-    clip_ = clamp_
-
-    def masked_fill_(self, mask, value):
-        return _ops().masked_fill_(self, mask, value)
-
-    def normal_(self, mean=0.0, std=1.0, *, generator=None):
-        return _ops().normal_(self, mean, std, generator)
-
-    def uniform_(self, a=0.0, b=1.0, *, generator=None):  # PyTorch names them from and to
-        return _ops().uniform_(self, a, b, generator)
-
-    __iadd__ = add_   # x += y changes x itself, as in PyTorch (without them Python would rebind x to x + y)
-    __isub__ = sub_
-    __imul__ = mul_
-    __itruediv__ = div_
-
     @property
     def _version(self):
         """How many in-place operations have written into this tensor's storage (PyTorch's x._version)."""
-        return storage_version(self.data)
-
-    def tril(self, diagonal=0):
-        return _ops().Triangle.apply(self, diagonal, False)
-
-    def triu(self, diagonal=0):
-        return _ops().Triangle.apply(self, diagonal, True)
-
-    # keepdims: numpy's spelling, which PyTorch accepts too
-    def sum(self, dim=None, keepdim=False, dtype=None, *, keepdims=False):
-        return _ops().sum(self, dim, keepdim or keepdims, dtype)
-
-    def mean(self, dim=None, keepdim=False, dtype=None, *, keepdims=False):
-        return _ops().mean(self, dim, keepdim or keepdims, dtype)
-
-    def var(self, dim=None, unbiased=True, keepdim=False, *, correction=None, keepdims=False):
-        return _ops().var(self, dim, unbiased, keepdim or keepdims, correction)
-
-    def std(self, dim=None, unbiased=True, keepdim=False, *, correction=None, keepdims=False):
-        return _ops().std(self, dim, unbiased, keepdim or keepdims, correction)
-
-    def max(self, dim=None, keepdim=False, *, keepdims=False):
-        return _ops().extreme("max", self, dim, keepdim or keepdims)
-
-    def min(self, dim=None, keepdim=False, *, keepdims=False):
-        return _ops().extreme("min", self, dim, keepdim or keepdims)
-
-    def amax(self, dim=None, keepdim=False, *, keepdims=False):
-        return _ops().amax(self, dim, keepdim or keepdims)
-
-    def amin(self, dim=None, keepdim=False, *, keepdims=False):
-        return _ops().amin(self, dim, keepdim or keepdims)
-
-    def argmax(self, dim=None, keepdim=False, *, keepdims=False):
-        return _ops().argextreme("max", self, dim, keepdim or keepdims)
-
-    def argmin(self, dim=None, keepdim=False, *, keepdims=False):
-        return _ops().argextreme("min", self, dim, keepdim or keepdims)
-
-    def all(self, dim=None, keepdim=False):
-        return _ops().all_of(self, dim, keepdim)
-
-    def any(self, dim=None, keepdim=False):
-        return _ops().any_of(self, dim, keepdim)
-
-    def norm(self, p="fro", dim=None, keepdim=False, dtype=None):
-        return _ops().norm(self, p, dim, keepdim, dtype)
-
-    def cumsum(self, dim, dtype=None):
-        return _ops().cumsum(self, dim, dtype)
-
-    def sort(self, dim=-1, descending=False, stable=False):
-        return _ops().sort(self, dim, descending, stable)
-
-    def argsort(self, dim=-1, descending=False, stable=False):
-        return _ops().argsort(self, dim, descending, stable)
-
-    def unique(self, sorted=True, return_inverse=False, return_counts=False, dim=None):
-        return _ops().unique(self, sorted, return_inverse, return_counts, dim)
-
-    def flip(self, *dims):
-        return _ops().flip(self, _sizes(dims))
-
-    def roll(self, shifts, dims=None):
-        return _ops().roll(self, shifts, dims)
-
-    def repeat_interleave(self, repeats, dim=None, *, output_size=None):
-        return _ops().repeat_interleave(self, repeats, dim, output_size)
-
-    def repeat(self, *sizes):
-        return _ops().repeat(self, _sizes(sizes))
-
-    def index_select(self, dim, index):
-        return _ops().index_select(self, dim, index)
-
-    def nonzero(self, *, as_tuple=False):
-        return _ops().nonzero(self, as_tuple)
-
-    def masked_select(self, mask):
-        return _ops().masked_select(self, mask)
-
-    def chunk(self, chunks, dim=0):
-        return _ops().chunk(self, chunks, dim)
-
-    def unbind(self, dim=0):
-        return _ops().unbind(self, dim)
-
-    def allclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False):
-        return _ops().allclose(self, other, rtol, atol, equal_nan)
-
-    def isclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False):
-        return _ops().isclose(self, other, rtol, atol, equal_nan)
-
-    def maximum(self, other):
-        return _ops().binary("maximum", self, other)
-
-    def minimum(self, other):
-        return _ops().binary("minimum", self, other)
-
-    def histc(self, bins=100, min=0, max=0):
-        return _ops().histc(self, bins, min, max)
+        return storage_version(self._data)
 
     def retain_grad(self):
         """Keep this non-leaf's gradient in .grad after backward (a leaf keeps its own anyway)."""
@@ -596,135 +255,21 @@ class Tensor:
         if self.grad_fn is not None:
             self.grad_fn.retained[self.output_nr] = weakref.ref(self)
 
-    def softmax(self, dim):
-        from gpt2_cupy.nn import functional
-        return functional.softmax(self, dim)
+    # == is elementwise (a bool tensor: gpt2_cupy.tensor), so a tensor hashes by identity
+    __hash__ = object.__hash__
 
-    def log_softmax(self, dim):
-        return _ops().log_softmax(self, dim)
-
-    def topk(self, k, dim=-1, largest=True, sorted=True):
-        return _ops().topk(self, k, dim, largest, sorted)
-
-    def view(self, *shape):
-        return _ops().view(self, _sizes(shape))
-
-    def reshape(self, *shape):
-        return _ops().reshape(self, _sizes(shape))
-
-    def permute(self, *dims):
-        return _ops().permute(self, _sizes(dims))
-
-    def transpose(self, dim0, dim1):
-        return _ops().transpose(self, dim0, dim1)
-
-    def t(self):
-        """The transpose of a matrix (a vector or a number as it is)."""
-        if self.ndim > 2:
-            raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, but self is {self.ndim}D")
-        return self if self.ndim < 2 else self.transpose(0, 1)
-
-    @property
-    def T(self):
-        return _ops().permute(self, tuple(reversed(range(self.ndim))))
-
-    def unsqueeze(self, dim):
-        return _ops().unsqueeze(self, dim)
-
-    def squeeze(self, dim=None):
-        return _ops().squeeze(self, dim)
-
-    def flatten(self, start_dim=0, end_dim=-1):
-        return _ops().flatten(self, start_dim, end_dim)
-
-    def expand(self, *sizes):
-        return _ops().expand(self, _sizes(sizes))
-
-    def expand_as(self, other):
-        return _ops().expand(self, other.shape)
-
-    def view_as(self, other):
-        return _ops().view(self, other.shape)
-
-    def contiguous(self):
-        return _ops().contiguous(self)
-
-    def clone(self):
-        return _ops().clone(self)
-
-    def is_contiguous(self):
-        return bool(self.data.flags.c_contiguous)
-
-    def split(self, split_size, dim=-1):
-        from gpt2_cupy.nn import functional
-        return functional.split(self, split_size, dim)
-
-    def to(self, *arguments, dtype=None, device=None, **options):
-        """.to(dtype), .to(device) or both; one backend runs everything, so a device changes nothing. A new
-        dtype is a copy whose gradient is converted back (bfloat16: rounded to nearest, ties to even)."""
-        for argument in arguments:
-            if isinstance(argument, Tensor):
-                dtype = argument.dtype
-            elif isinstance(argument, devices.device):
-                continue
-            elif argument in ("bfloat16", "float16") or isinstance(argument, (numpy.dtype, type)):
-                dtype = argument
-        if dtype is None:
-            return self
-        if numpy.dtype(dtype) == numpy.float16:
-            raise NotImplementedError(f"to: dtype {dtype} is not supported; tensors are float32, bfloat16, "
-                                      "int32/int64 or bool")
-        return _ops().to_dtype(self, dtype)
-
-    def float(self):
-        return self.to(numpy.float32)
-
-    def bfloat16(self):
-        return self.to("bfloat16")
-
-    def half(self):
-        return self.to(numpy.float16)
-
-    def long(self):
-        return self.to(numpy.int64)
-
-    def int(self):
-        return self.to(numpy.int32)
-
-    def bool(self):
-        return self.to(numpy.bool_)
-
-    def type(self, dtype=None, non_blocking=False):
-        """Without dtype, the type's name ('torch.FloatTensor'); with one, .to(dtype)."""
-        if dtype is None:
-            prefix = "torch.cuda." if backend.name == "cuda" else "torch."
-            return prefix + _TENSOR_TYPES.get(self.dtype.name, self.dtype.name)
-        return self.to(dtype)
-
-    def type_as(self, other):
-        return self.to(other.dtype)
-
-    def cuda(self, device=None):
-        return self
-
-    def cpu(self):
-        return self
-
-    def pin_memory(self):
-        """Itself: page-locked host copies are for overlapping copies to the GPU; every tensor here already
-        lives on the one backend, so there is nothing to pin (and .to(device, non_blocking=True) copies nothing)."""
-        return self
-
-    device = property(lambda self: devices.device(backend.name), doc="the active backend, as a torch.device")
-    is_cuda = property(lambda self: backend.name == "cuda")
+_TENSOR_TYPES = {"float32": "FloatTensor", "float64": "DoubleTensor", "bfloat16": "BFloat16Tensor",
+                 "float16": "HalfTensor", "int64": "LongTensor", "int32": "IntTensor", "bool": "BoolTensor",
+                 "uint8": "ByteTensor"}
 
 
-def _ops():
-    from gpt2_cupy import tensor_ops  # imported on first use: it imports this module
-    return tensor_ops
+def type_name(dtype):
+    """PyTorch's name of a tensor type of dtype on the active backend: 'torch.cuda.FloatTensor', 'torch.LongTensor'."""
+    prefix = "torch.cuda." if backend.ON_GPU else "torch."
+    return prefix + _TENSOR_TYPES.get(dtype.name, dtype.name)
 
 
-def _sizes(sizes):
+def as_sizes(sizes):
     """view(2, 3) and view((2, 3)) alike: the sizes as one tuple."""
     return tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else tuple(sizes)
 
@@ -814,7 +359,7 @@ def run_backward(root, output_nr, gradient, retain_graph=False):
         for index, reference in node.retained.items():  # retain_grad(): the gradient that reached it
             output = reference()
             if output is not None and douts[index] is not None:
-                output.grad = douts[index].copy() if output.grad is None else _add(output.grad.data, douts[index])
+                output.grad = douts[index].copy() if output.grad is None else _add(output.grad._data, douts[index])
         gradients = node.apply(douts)
         for edge, input_gradient in zip(node.next_edges, gradients):
             if edge is None or input_gradient is None:
@@ -834,9 +379,7 @@ def _add(a, b, out=None):
     chapter 03's residual kernel for float32, the generated elementwise kernel for bf16 (one rounding)."""
     a, b = contiguous(a), contiguous(b)
     if a.dtype == numpy.float32 and b.dtype == numpy.float32:
-        from gpt2_cupy.ops.residual import residual_forward
         return residual_forward(a, b, out=out)
-    from gpt2_cupy.elementwise import elementwise
     dtype = a.dtype if out is None else out.dtype
     return elementwise("add_gradients", "a + b", [a, _as_dtype(b, a.dtype)], compute_dtype=dtype, out=out)
 
@@ -847,7 +390,7 @@ def _accumulate(tensor, gradient):
     if tensor.grad is None:
         tensor.grad = _new_leaf_gradient(tensor, gradient)
     else:
-        _add(tensor.grad.data, gradient, out=tensor.grad.data)
+        _add(tensor.grad._data, gradient, out=tensor.grad._data)
 
 
 class GradientSlot:
@@ -864,10 +407,9 @@ class GradientSlot:
 def _new_leaf_gradient(tensor, gradient=None):
     """A new .grad for a leaf: a copy of gradient, or zeros when gradient is None; in its slot if it has one."""
     slot = getattr(tensor, "_grad_slot", None)
-    if slot is not None and slot.array.shape == tensor.data.shape:
+    if slot is not None and slot.array.shape == tensor._data.shape:
         # kernels, so that a CUDA graph's capture records them (on the CPU executor too)
         if gradient is not None:
-            from gpt2_cupy.elementwise import elementwise
             elementwise("leaf_gradient", "a", [gradient], compute_dtype=slot.array.dtype, out=slot.array)
         elif not slot.zeroed:
             backend.fill_zero(slot.array)
@@ -901,17 +443,10 @@ def bump_version(array):
     entry[1] += 1
 
 
-_TENSOR_TYPES = {"float32": "FloatTensor", "float64": "DoubleTensor", "bfloat16": "BFloat16Tensor",
-                 "float16": "HalfTensor", "int64": "LongTensor", "int32": "IntTensor", "bool": "BoolTensor",
-                 "uint8": "ByteTensor"}
-
-
 def _modified_error(array, version, expected):
-    kind = _TENSOR_TYPES.get(array.dtype.name, array.dtype.name)
-    prefix = "torch.cuda." if backend.name == "cuda" else "torch."
     return RuntimeError(
         f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"[{prefix}{kind} {list(array.shape)}] is at version {version}; expected version {expected} instead. "
+        f"[{type_name(array.dtype)} {list(array.shape)}] is at version {version}; expected version {expected} instead. "
         f"Hint: the operation that saved it ran before the in-place operation changed it; clone() it before "
         f"the in-place operation, or do that operation out of place.")
 
@@ -922,9 +457,9 @@ def _check_view_is_current(tensor):
     taken again from the base's current place in the graph. A view that does not know its base is refused."""
     node = tensor.grad_fn
     if node is not None and getattr(node.ctx, "is_view", False) and \
-            storage_version(tensor.data) != node.ctx.view_version:
+            storage_version(tensor._data) != node.ctx.view_version:
         if getattr(tensor, "_base", None) is not None:
-            _ops().regenerate_view(tensor)
+            regenerate_view(tensor)
             return
         raise NotImplementedError(
             "a view used after an in-place operation changed the tensor it was taken from: its gradient would miss "
@@ -988,7 +523,7 @@ class Context:
             return buffer
         if leaf.grad is None:
             leaf.grad = _new_leaf_gradient(leaf)
-        return leaf.grad.data
+        return leaf.grad._data
 
 
 def _edge(tensor):
@@ -1012,7 +547,7 @@ class Function:
     def apply(cls, *arguments, **options):
         inputs = [a if isinstance(a, Tensor) else None for a in arguments]
         ctx = Context(inputs)
-        arrays = [a.data if isinstance(a, Tensor) else a for a in arguments]
+        arrays = [a._data if isinstance(a, Tensor) else a for a in arguments]
         if not cls.accepts_strided:
             arrays = [contiguous(a) for a in arrays]
         results = cls.forward(ctx, *arrays, **options)
@@ -1040,3 +575,33 @@ def no_grad():
 
 def is_grad_enabled():
     return _grad_enabled
+
+
+# ---- views: a view's place in the graph follows in-place writes into its base ------------------------------
+
+class View(Function):
+    """A view of new shape, strides or both: forward gives an array over the same memory; backward moves the
+    upstream gradient back with `undo`."""
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, name, make, undo):
+        ctx.name, ctx.undo = name, undo
+        out = make(x)
+        ctx.is_view, ctx.view_version = storage_of(out) is storage_of(x), storage_version(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return ctx.undo(dout), None, None, None
+
+
+def take_place(x, result):
+    """x stands for result in the graph from now on (its own array unchanged)."""
+    x.grad_fn, x.output_nr, x._requires_grad = result.grad_fn, result.output_nr, result.requires_grad
+
+
+def regenerate_view(view):
+    """view's grad_fn made again from its base's current place in the graph: after an in-place write into
+    the base (or into any view of it), the old grad_fn would miss that write."""
+    take_place(view, View.apply(view._base, "view", view._view_of_base, view._grad_to_base))

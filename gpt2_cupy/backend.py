@@ -4,6 +4,7 @@ Everything else imports the names below and never asks which backend is active:
 
     name          "cuda" or "cpu" (for people to read; code asks the capabilities below)
     ON_GPU        True when a GPU runs the kernels (CuPy), False on the CPU executor
+    DEVICE_TYPE   the device type tensors report (torch.device's): "cuda" on a GPU, "cpu" on the executor
     device_id()   the current GPU's number, -1 on the CPU
     device_count()           GPUs this process sees: 0 on the CPU
     xp            the array module: cupy or numpy
@@ -48,6 +49,9 @@ from functools import lru_cache
 
 import numpy
 
+from gpt2_cupy import cpu   # the CPU executor: only the CPU backend launches through it
+from gpt2_cupy.cpu.kernel import MAX_DYNAMIC_SHARED_BYTES
+from gpt2_cupy.driver_launch import launch_with_programmatic_serialization   # ctypes; the driver loads when first used
 from gpt2_cupy.kernel_files import include_options
 
 _ENV = "GPT2_CUPY_BACKEND"
@@ -125,6 +129,7 @@ def _report_device_checks():
 if _cupy is not None:
     name = "cuda"
     ON_GPU = True
+    DEVICE_TYPE = "cuda"
     xp = _cupy
     _RawKernel = _cupy.RawKernel
     _RawModule = _cupy.RawModule
@@ -206,16 +211,15 @@ if _cupy is not None:
         ordinary launch."""
         if not (DEPENDENT_LAUNCHES and _capturing and _has_dependent_launch(_cupy.cuda.Device().id)):
             return kernel(grid, block, args, shared_mem=shared_mem)
-        from gpt2_cupy.driver_launch import launch_with_programmatic_serialization
-
         launch_with_programmatic_serialization(kernel.kernel.ptr, grid, block, args, shared_mem,
                                                _cupy.cuda.get_current_stream().ptr)
 
 else:
     name = "cpu"
     ON_GPU = False
+    DEVICE_TYPE = "cpu"
     xp = numpy
-    from .cpu import RawKernel as _RawKernel, RawModule as _RawModule  # (only the CPU backend needs the executor)
+    _RawKernel, _RawModule = cpu.RawKernel, cpu.RawModule
 
     def unchecked_asnumpy(a):
         """The array itself, without reporting the range checks (device_checks reads its own flags with it)."""
@@ -247,9 +251,7 @@ else:
             numpy.copyto(dst, src)
 
     def device_name():
-        from .cpu import describe_host
-
-        return describe_host()
+        return cpu.describe_host()
 
     def address(array):
         return array.ctypes.data
@@ -276,8 +278,6 @@ else:
 
     def shared_memory_per_block():
         """The executor's limit for one block after the opt-in, an H100's."""
-        from .cpu.kernel import MAX_DYNAMIC_SHARED_BYTES
-
         return MAX_DYNAMIC_SHARED_BYTES
 
 
@@ -351,7 +351,5 @@ def checks(bounds=False, races=False):
     if name != "cpu":
         yield
         return
-    from .cpu import launch_checks
-
-    with launch_checks(bounds=bounds, races=races):
+    with cpu.launch_checks(bounds=bounds, races=races):
         yield

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy
 
 from . import backend
+from .data import write_atomically
 
 
 def meaningful():
@@ -158,8 +159,6 @@ def measured_on():
 
 def write_results(path, results):
     """Write a benchmark's results as JSON (bench/NAME.json beside bench/NAME.py), atomically."""
-    from gpt2_cupy.data import write_atomically
-
     write_atomically(path, (json.dumps(results, indent=1, ensure_ascii=False) + "\n").encode())
 
 

@@ -23,6 +23,7 @@ import numpy
 import sentencepiece
 from tqdm import tqdm
 
+from gpt2_cupy import backend   # (importing gpt2_cupy picks the backend anyway)
 from gpt2_cupy.checkout import REPOSITORY
 from gpt2_cupy.dtypes import LARGEST_INT
 
@@ -515,9 +516,6 @@ class Batches:
         self.B = int(B)
         self.T = int(T)
         self.random_generator = numpy.random.default_rng(seed)
-        # Imported here, not at the top, so that tokenizing and preparing data need no array backend.
-        from . import backend
-
         self.xp = backend.xp
 
     def sample(self):

@@ -8,7 +8,7 @@
     dist.broadcast(weights, src=0)              # every rank gets rank 0's values
     dist.destroy_process_group()
 
-A collective takes backend arrays or Tensors (their .data) of COLLECTIVE_DTYPES, contiguous, and
+A collective takes backend arrays or Tensors (their arrays) of COLLECTIVE_DTYPES, contiguous, and
 writes its result in place. Two groups stand behind the same calls, and nothing outside this module
 knows which one it has:
 
@@ -147,7 +147,7 @@ COLLECTIVE_DTYPES = ("float32", "float64", "int32", "uint8")
 
 
 def _array(tensor_or_array, what):
-    array = tensor_or_array.data if isinstance(tensor_or_array, Tensor) else tensor_or_array
+    array = tensor_or_array._data if isinstance(tensor_or_array, Tensor) else tensor_or_array
     if not isinstance(array, backend.xp.ndarray):
         raise TypeError(f"{what}: expected a Tensor or a {backend.xp.__name__}.ndarray, got "
                         f"{type(tensor_or_array).__name__}")

@@ -74,8 +74,8 @@ class LayerCache:
         end = self.start + k.shape[2]
         if end > self.cache.max_length:
             raise ValueError(f"GPT: the kv_cache holds {self.cache.max_length} positions, {end} asked")
-        self.cache.keys[self.index][:, :, self.start:end] = k.data
-        self.cache.values[self.index][:, :, self.start:end] = v.data
+        self.cache.keys[self.index][:, :, self.start:end] = k._data
+        self.cache.values[self.index][:, :, self.start:end] = v._data
 
     def attend(self, q, k, v, variant="softmax"):
         """Queries (B, H, n, hs) at positions start..start+n-1 over keys 0..start+n-1, the new ones stored first:
@@ -84,7 +84,7 @@ class LayerCache:
         if variant != "softmax":
             raise NotImplementedError("GPT: the kv_cache path computes softmax attention only")
         self.store(k, v)
-        queries = backend.xp.ascontiguousarray(q.data)                       # (B, H, n, hs)
+        queries = backend.xp.ascontiguousarray(q._data)                       # (B, H, n, hs)
         return Tensor(decode_attention(queries, self.cache.keys[self.index], self.cache.values[self.index],
                                        self.start + q.shape[2]))
 
@@ -102,31 +102,31 @@ class SharedRows:
 
     def share(self):
         """Move the weights into one new array (each layer's weight then a view of its rows)."""
-        self.weight = backend.xp.concatenate([linear.weight.data for linear in self.linears], axis=0)
+        self.weight = backend.xp.concatenate([linear.weight._data for linear in self.linears], axis=0)
         start, self.views = 0, []
         for linear in self.linears:
             rows = linear.out_features
-            linear.weight.data = self.weight[start:start + rows]
-            self.views.append(linear.weight.data)
+            linear.weight._data = self.weight[start:start + rows]
+            self.views.append(linear.weight._data)
             start += rows
 
     def together(self, x, gated=False):
         """The layers' outputs side by side, (..., Σ out_features), one array, for x (..., in_features).
         gated (two layers, gate and up; generation, see one_gemv): silu(gate) * up of the two, (...,
         out_features), in the product's own launch."""
-        x = backend.xp.ascontiguousarray(x.data)
+        x = backend.xp.ascontiguousarray(x._data)
         return gemv_forward(x, self.shared_weight(), gated=True) if gated else linear_forward(x, self.shared_weight())
 
     def shared_weight(self):
         """The one array of the layers' rows, once it is checked that they still are its views."""
-        if any(linear.weight.data is not view for linear, view in zip(self.linears, self.views)):
+        if any(linear.weight._data is not view for linear, view in zip(self.linears, self.views)):
             raise RuntimeError("Llama: a projection's weight was replaced after its rows were shared; call "
                                "model.to(dtype) again")
         return self.weight
 
     def one_gemv(self, x):
         """Whether together(x) is one GEMV launch: shared bf16 rows times a generation step's few rows."""
-        return self.weight is not None and gemv_takes(x.data, self.weight)
+        return self.weight is not None and gemv_takes(x._data, self.weight)
 
     def __call__(self, x):
         """The layers' outputs (..., out_features) for x (..., in_features), as Tensors: views of the one product's
@@ -185,13 +185,13 @@ def _attention_at_device_position(attention, x, layer_cache, residual, norm):
     rope = dict(theta=attention.rope_theta, start=first_position, interleaved=attention.rope_interleaved)
     projections = attention.projections
     if FOLD_ROPE and projections.one_gemv(x):                                 # one launch for all of it
-        q = gemv_rope_store(backend.xp.ascontiguousarray(x.data), projections.shared_weight(), keys, values,
+        q = gemv_rope_store(backend.xp.ascontiguousarray(x._data), projections.shared_weight(), keys, values,
                             attention.n_heads, **rope)                        # (B, H, T, hd)
     else:
         if projections.weight is not None:
             qkv = projections.together(x)
         else:
-            qkv = backend.xp.concatenate([linear(x).data for linear in projections.linears], axis=-1)
+            qkv = backend.xp.concatenate([linear(x)._data for linear in projections.linears], axis=-1)
         q = rope_store_new_positions(qkv, keys, values, attention.n_heads, **rope)   # (B, H, T, hd)
     y = Tensor(decode_attention(q, keys, values, length))                    # (B, H, T, hd)
     return project(attention.o_proj, attention.heads_side_by_side(y), residual, norm)
@@ -212,13 +212,13 @@ def project(linear, x, residual, norm):
     """(y, norm(y)) for y = residual + linear(x), the add in the product's launch where it is a GEMV's; the norm
     (an nn.RMSNorm) in the GEMV's last block up to FOLD_NORMS_MOST_CHANNELS (gemv_rmsnorm_forward: the same bits,
     one launch fewer)."""
-    bias = None if linear.bias is None else linear.bias.data
-    x, residual = backend.xp.ascontiguousarray(x.data), backend.xp.ascontiguousarray(residual.data)
-    if linear.out_features <= FOLD_NORMS_MOST_CHANNELS and gemv_takes(x, linear.weight.data):
+    bias = None if linear.bias is None else linear.bias._data
+    x, residual = backend.xp.ascontiguousarray(x._data), backend.xp.ascontiguousarray(residual._data)
+    if linear.out_features <= FOLD_NORMS_MOST_CHANNELS and gemv_takes(x, linear.weight._data):
         eps = numpy.finfo(numpy.float32).eps if norm.eps is None else norm.eps    # F.rms_norm's default
-        y, normed = gemv_rmsnorm_forward(x, linear.weight.data, norm.weight.data, bias, residual=residual, eps=eps)
+        y, normed = gemv_rmsnorm_forward(x, linear.weight._data, norm.weight._data, bias, residual=residual, eps=eps)
         return Tensor(y), Tensor(normed)
-    y = Tensor(linear_forward(x, linear.weight.data, bias, residual=residual))
+    y = Tensor(linear_forward(x, linear.weight._data, bias, residual=residual))
     return y, norm(y)
 
 
@@ -242,7 +242,7 @@ class DecodeGraph:
             warm_up_logits = self._step()                                        # the warm-up: step `position`
         # Its logits copied out of the pool: a block the warm-up still held would be missing at the capture,
         # which needs as many free blocks of each size as the warm-up used.
-        self.first_logits = Tensor(warm_up_logits.data.copy())
+        self.first_logits = Tensor(warm_up_logits._data.copy())
         del warm_up_logits
         self.graph = CUDAGraph()
         with graph(self.graph, pool=pool):
@@ -253,7 +253,7 @@ class DecodeGraph:
         logits, _ = self.model(self.token, kv_cache=self.cache)
         backend.xp.add(self.cache.device_lengths, 1, out=self.cache.device_lengths)
         if self.greedy:
-            argmax_forward(logits.data[:, -1], out=self.token)
+            argmax_forward(logits._data[:, -1], out=self.token)
         return logits
 
     def run(self, first=False):
@@ -297,7 +297,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, seed=0, cu
     forward per new token. cuda_graph=True captures that decode step once as a CUDA graph (the token,
     the position and the cache length in device memory) and replays it for every token: no Python and
     no launch cost per kernel, one replay per token (gpt2_cupy.graphs; the CPU executor replays too)."""
-    idx = idx.data if isinstance(idx, Tensor) else idx
+    idx = idx._data if isinstance(idx, Tensor) else idx
     B, T = idx.shape
     if T + max_new_tokens > context_length(model.config):
         raise ValueError(f"generate: {T} + {max_new_tokens} positions; the model holds "
@@ -316,7 +316,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, seed=0, cu
     with no_grad():
         cache = model.new_kv_cache(B, T + max_new_tokens)
         logits, _ = model(idx, kv_cache=cache)                                   # the prompt: prefill
-        token = choose(logits.data[:, -1])
+        token = choose(logits._data[:, -1])
         step = DecodeGraph(model, cache, token, greedy=temperature == 0) if cuda_graph and max_new_tokens > 1 else None
         for i in range(max_new_tokens):
             backend.copy_into(generated[:, i:i + 1], token)
@@ -324,10 +324,10 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, seed=0, cu
                 break
             if step is None:
                 logits, _ = model(token, kv_cache=cache)
-                token = choose(logits.data[:, -1])
+                token = choose(logits._data[:, -1])
             else:
                 logits = step.run(first=i == 0)
                 if temperature != 0:
-                    backend.copy_into(step.token, choose(logits.data[:, -1]))
+                    backend.copy_into(step.token, choose(logits._data[:, -1]))
                 token = step.token
     return xp.concatenate([idx.astype(numpy.int64), generated], axis=1)

@@ -178,7 +178,7 @@ class Llama(nn.Module):
         for name, parameter in self.named_parameters():
             if parameter.ndim == 2:
                 values = generator.normal(0.0, self.config.initializer_range, parameter.shape)
-                parameter.data[...] = backend.xp.asarray(values, dtype=numpy.float32)
+                parameter._data[...] = backend.xp.asarray(values, dtype=numpy.float32)
 
     def get_num_params(self, non_embedding=True):
         """Parameters counted once (a tied matrix once); without the input embedding by default."""
@@ -187,7 +187,7 @@ class Llama(nn.Module):
         return count - self.model.embed_tokens.weight.numel() if non_embedding and untied_embedding else count
 
     def forward(self, idx, targets=None, kv_cache=None):
-        idx = idx.data if isinstance(idx, Tensor) else idx
+        idx = idx._data if isinstance(idx, Tensor) else idx
         B, T = idx.shape
         if kv_cache is not None and is_grad_enabled():
             raise RuntimeError("Llama: a kv_cache is for generation; run the model under gpt2_cupy.no_grad()")
@@ -202,7 +202,7 @@ class Llama(nn.Module):
         logits = self.lm_head(self.model.norm(x))                              # (B, T, V)
         loss = None
         if targets is not None:
-            targets = targets.data if isinstance(targets, Tensor) else targets
+            targets = targets._data if isinstance(targets, Tensor) else targets
             targets = backend.xp.where(targets == -1, -100, targets).reshape(B * T)  # -1 (our GPT's) as -100
             loss = F.cross_entropy(logits.view(B * T, self.config.vocab_size), targets, ignore_index=-100)
         return logits, loss
@@ -230,7 +230,7 @@ class Llama(nn.Module):
         weight = self.model.embed_tokens.weight
         if weight.dtype == numpy.float32:
             return self.model.embed_tokens(idx)
-        words = backend.xp.take(weight.data.view(numpy.uint16), idx, axis=0)    # (B, T, C) of bf16 bits
+        words = backend.xp.take(weight._data.view(numpy.uint16), idx, axis=0)    # (B, T, C) of bf16 bits
         return Tensor(words.view(weight.dtype))
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type=None):
@@ -273,7 +273,7 @@ class Llama(nn.Module):
             if array.shape != parameters[name].shape:
                 raise ValueError(f"{name}: shape {array.shape} in the checkpoint, {parameters[name].shape} in the "
                                  "model its config.json describes")
-            parameters[name].data[...] = converted(backend.xp.asarray(array), parameters[name].dtype)
+            parameters[name]._data[...] = converted(backend.xp.asarray(array), parameters[name].dtype)
             loaded.add(name)
         tied = {"lm_head.weight", "model.embed_tokens.weight"}
         if config.tie_word_embeddings and loaded & tied:
@@ -284,7 +284,7 @@ class Llama(nn.Module):
     def save_pretrained(self, directory, dtype="float32", max_shard_size=None):
         """Write config.json and model.safetensors (or shards of at most max_shard_size bytes with their index)
         that transformers.LlamaForCausalLM.from_pretrained reads; dtype "float32", "float16" or "bfloat16"."""
-        tensors = {name: parameter.data for name, parameter in self.named_parameters(remove_duplicate=False)}
+        tensors = {name: parameter._data for name, parameter in self.named_parameters(remove_duplicate=False)}
         if self.config.tie_word_embeddings:
             del tensors["lm_head.weight"]    # stored once, as Hugging Face does
         pretrained.write(directory, tensors, self.config.to_hf(torch_dtype=dtype), dtype, max_shard_size)

@@ -129,7 +129,7 @@ class GPT(nn.Module):
                 values = numpy.zeros(parameter.shape)
             else:                                                        # norm weights, DyT's alpha
                 continue
-            parameter.data[...] = backend.xp.asarray(values, dtype=numpy.float32)
+            parameter._data[...] = backend.xp.asarray(values, dtype=numpy.float32)
 
     def get_num_params(self, non_embedding=True):
         """Parameters counted once (the tied matrix once); without the position table by default, as nanoGPT."""
@@ -207,7 +207,7 @@ class GPT(nn.Module):
         if not config.bias or config.norm != "layernorm" or config.attention != "softmax":
             raise ValueError("save_pretrained: Hugging Face's GPT-2 has biases, LayerNorm and softmax attention; "
                              f"this model has bias={config.bias}, norm={config.norm!r}, attention={config.attention!r}")
-        tensors = {name: parameter.data.T if name.endswith(self.CONV1D) else parameter.data
+        tensors = {name: parameter._data.T if name.endswith(self.CONV1D) else parameter._data
                    for name, parameter in self.named_parameters()}  # lm_head.weight is wte's: stored once
         hf = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=config.vocab_size,
                   n_positions=config.block_size, n_ctx=config.block_size, n_embd=config.n_embd,

@@ -12,9 +12,10 @@
                                               # that advances the step count)
     checkpoint = optimizer.state_dict()       # numpy arrays; load_state_dict(checkpoint) resumes bit for bit
 
-A parameter is any object with `.data` (a float32 array of the backend), `.grad` (an array or None) and,
-optionally, `.requires_grad`. At construction the optimizer copies every parameter into ONE flat buffer,
-`optimizer.flat_params`, and makes `p.data` a view into it; it also reserves for each parameter a view
+A parameter is a Tensor (its values a float32 array of the backend, p._data) or any object with `.data`
+(such an array), `.grad` (None, a Tensor or an array) and, optionally, `.requires_grad`. At construction the
+optimizer copies every parameter into ONE flat buffer, `optimizer.flat_params`, and makes its array a view
+into it (so that `p.data += x` writes there); it also reserves for each parameter a view
 into ONE gradient buffer, `optimizer.flat_grads` (p._grad_slot), which the autograd makes the parameter's
 .grad when it first adds a gradient, so that the backward's kernels add straight into the flat buffer.
 That is a speed-up, not a rule code has to follow: before each step (and clip_grad_norm_) the optimizer
@@ -97,7 +98,7 @@ class Optimizer:
                 seen.add(id(p))
                 kept.append(p)
                 offsets.append((p, end))
-                end += ceil_div(p.data.size, ALIGNMENT) * ALIGNMENT
+                end += ceil_div(_values(p).size, ALIGNMENT) * ALIGNMENT
             group["params"] = kept
             group["_end"] = end
         if end > LARGEST_INT:
@@ -107,16 +108,16 @@ class Optimizer:
         self.flat_grads = xp.zeros(length, dtype=np.float32)
         self._packed = []  # (parameter, its stretch of the buffers, its view of flat_params, its GradientSlot)
         for p, offset in offsets:
-            shape, size = p.data.shape, p.data.size
-            self.flat_params[offset:offset + size] = p.data.reshape(-1)
-            p.data = self.flat_params[offset:offset + size].reshape(shape)
+            shape, size = _values(p).shape, _values(p).size
+            self.flat_params[offset:offset + size] = _values(p).reshape(-1)
+            _set_values(p, self.flat_params[offset:offset + size].reshape(shape))
             slot = GradientSlot(self.flat_grads[offset:offset + size].reshape(shape), owner=self)
             slot.zeroed = p.grad is None
             if p.grad is not None:
                 slot.array[...] = _grad_array(p)
                 p.grad = slot.array
             p._grad_slot = slot
-            self._packed.append((p, slice(offset, offset + size), p.data, slot))
+            self._packed.append((p, slice(offset, offset + size), _values(p), slot))
         self._group_ends = xp.asarray(np.array([group.pop("_end") for group in self.param_groups], dtype=np.int32))
 
     def _buffer_length(self, packed_length):
@@ -138,11 +139,11 @@ class Optimizer:
         skipped = []
         for entry in self._packed:
             p, _, data_view, slot = entry
-            if p.data is not data_view:
-                _check_replacement(self.name, "data", p.data, data_view)
-                backend.copy_into(data_view, p.data)
+            if _values(p) is not data_view:
+                _check_replacement(self.name, "data", _values(p), data_view)
+                backend.copy_into(data_view, _values(p))
                 bump_version(data_view)   # new values in the flat buffer: a bf16 working copy is stale
-                p.data = data_view
+                _set_values(p, data_view)
             if p.grad is None or not getattr(p, "requires_grad", True):
                 skipped.append(entry)
                 if p.grad is None and not slot.zeroed:
@@ -337,7 +338,7 @@ class WorkingCopy:
 
     Seen: every change made through a Tensor (copy_, p[...] = x, add_ under no_grad, nn.init,
     Module.load_state_dict), `p.data = ...`, optimizer.load_state_dict. Not seen: a write straight into the
-    backend array (`p.data[...] = x`, numpy's or CuPy's own functions), which passes by every version
+    backend array (`p._data[...] = x`, numpy's or CuPy's own functions), which passes by every version
     counter as it passes by PyTorch's autograd: write through the Tensor (`with no_grad(): p.copy_(x)`).
     """
 
@@ -401,7 +402,7 @@ def _as_groups(name, params_or_groups):
 
 def _check_parameter(name, group_number, index, p):
     where = f"{name}: param_groups[{group_number}]['params'][{index}]"
-    data = getattr(p, "data", None)
+    data = _values(p) if isinstance(p, Tensor) else getattr(p, "data", None)
     if not isinstance(data, backend.xp.ndarray):
         raise TypeError(f"{where} must have .data, a {backend.xp.__name__}.ndarray (the active backend's "
                         f"arrays); got {type(p).__name__} with .data of type {type(data).__name__}")
@@ -412,10 +413,24 @@ def _check_parameter(name, group_number, index, p):
         raise ValueError(f"{where}.grad must be None or an array of .data's shape {data.shape}")
 
 
+def _values(p):
+    """p's values as a backend array: a Tensor's own array (its .data is a Tensor over it), another parameter
+    object's .data."""
+    return p._data if isinstance(p, Tensor) else p.data
+
+
+def _set_values(p, array):
+    """p's values are array from now on (a view into the flat buffer), as _values reads them."""
+    if isinstance(p, Tensor):
+        p._data = array
+    else:
+        p.data = array
+
+
 def _grad_array(p):
     """p's gradient as a backend array: a Tensor's .grad is a Tensor, another parameter object's an array."""
     grad = getattr(p, "grad", None)
-    return grad.data if isinstance(grad, Tensor) else grad
+    return grad._data if isinstance(grad, Tensor) else grad
 
 
 def _check_replacement(name, attribute, array, packed):

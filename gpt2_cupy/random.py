@@ -69,7 +69,7 @@ class Generator:
 
     def set_state(self, new_state):
         """Restore a state get_state() returned."""
-        array = backend.asnumpy(getattr(new_state, "data", new_state))
+        array = backend.asnumpy(getattr(new_state, "_data", new_state))
         if array.dtype != numpy.uint8 or array.size != 8 * (_STATE_FIELDS + 1):
             raise RuntimeError("RNG state must be a torch.ByteTensor returned by get_state()")
         words = [int(w) for w in numpy.ascontiguousarray(array).view(numpy.uint64)]

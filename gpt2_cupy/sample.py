@@ -186,7 +186,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, see
                     cache = model.new_kv_cache(1, block_size)
                 logits, _ = model(backend.xp.asarray(numpy.array([new], dtype=numpy.int32)), kv_cache=cache)
             allowed = allowed_tokens() if allowed_tokens is not None else None
-            token = next_token(backend.asnumpy(logits.data[0, -1]), temperature, top_k, generator, allowed)
+            token = next_token(backend.asnumpy(logits._data[0, -1]), temperature, top_k, generator, allowed)
             yield token
             context.append(token)
             context = context[-block_size:] if not use_cache else context

@@ -20,11 +20,11 @@ import pickle
 import numpy
 
 from gpt2_cupy import backend
+from gpt2_cupy.autograd import Tensor
 
 
 def _rebuild_tensor(array, requires_grad):
     """What load calls for each stored Tensor: a Tensor on the active backend (the one allowed constructor)."""
-    from gpt2_cupy.autograd import Tensor
     return Tensor(backend.xp.asarray(array), requires_grad=requires_grad)
 
 
@@ -34,7 +34,7 @@ def _rebuild_array(array):
 
 
 def _reduce_tensor(tensor):
-    return _rebuild_tensor, (backend.asnumpy(tensor.data), tensor.requires_grad)
+    return _rebuild_tensor, (backend.asnumpy(tensor._data), tensor.requires_grad)
 
 
 def _checked_dtype(*arguments):
@@ -78,7 +78,6 @@ class _WeightsOnlyUnpickler(pickle.Unpickler):
 
 class _TensorPickler(pickle.Pickler):
     def reducer_override(self, obj):
-        from gpt2_cupy.autograd import Tensor
         if isinstance(obj, Tensor):
             return _reduce_tensor(obj)
         if isinstance(obj, backend.xp.ndarray) and backend.xp is not numpy:

@@ -33,8 +33,10 @@ import re
 
 import numpy
 
-from gpt2_cupy import backend
-from gpt2_cupy.autograd import Function, Tensor, bump_version, is_grad_enabled, storage_of, storage_version
+from gpt2_cupy import amp, backend
+from gpt2_cupy.autograd import (Function, Tensor, View, bump_version, is_grad_enabled, regenerate_view, storage_of,
+                                storage_version, take_place)
+from gpt2_cupy.dispatch import batched_matmul, matmul as dispatch_matmul
 from gpt2_cupy.elementwise import broadcast_shapes, check_writable, converted, copy, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32
 from gpt2_cupy.random import host_stream
@@ -87,7 +89,7 @@ def floating(dtype):
 def as_operand(value):
     """A Tensor's array, a Python number as it is; anything else is refused with its type."""
     if isinstance(value, Tensor):
-        return value.data
+        return value._data
     if isinstance(value, (bool, int, float)) or isinstance(value, backend.xp.ndarray):
         return value
     if isinstance(value, numpy.generic):
@@ -333,7 +335,7 @@ def masked_fill(x, mask, value):
     """x with `value` where mask (bool, broadcast to x's shape) is True: where(mask, value, x)."""
     if isinstance(value, Tensor):
         value = value.item()
-    mask_array = mask.data if isinstance(mask, Tensor) else mask
+    mask_array = mask._data if isinstance(mask, Tensor) else mask
     _check_bool("masked_fill", "mask", mask_array)
     if broadcast_shapes("masked_fill", [mask_array.shape, x.shape], ["mask", "self"]) != x.shape:
         raise RuntimeError(f"masked_fill: the mask {tuple(mask_array.shape)} must broadcast to self {x.shape}")
@@ -378,7 +380,6 @@ def _triangle(x, diagonal, upper):
 def _batched_product(operation, a, b, transpose_a=False, transpose_b=False, out_dtype=None):
     """op(a) @ op(b) over broadcast batch axes: a (..., M, K), b (..., K, N) -> (..., M, N), of a's dtype
     (float32, or bf16), or of out_dtype: float32 from bf16 inputs keeps the tensor cores' sums unrounded."""
-    from gpt2_cupy.dispatch import batched_matmul, matmul
     a_rows = a.shape[-1] if transpose_a else a.shape[-2]
     b_columns = b.shape[-2] if transpose_b else b.shape[-1]
     batch = broadcast_shapes(operation, [a.shape[:-2], b.shape[:-2]], ["input", "other"])
@@ -386,7 +387,8 @@ def _batched_product(operation, a, b, transpose_a=False, transpose_b=False, out_
     if b.ndim == 2 and not transpose_a:  # (..., M, K) @ (K, N): one matrix product over all rows
         rows = _contiguous(a).reshape(-1, a.shape[-1])
         out = backend.xp.empty((rows.shape[0], b_columns), dtype=out_dtype)
-        return matmul(rows, _contiguous(b), transpose_b=transpose_b, out=out).reshape(batch + (a_rows, b_columns))
+        product = dispatch_matmul(rows, _contiguous(b), transpose_b=transpose_b, out=out)
+        return product.reshape(batch + (a_rows, b_columns))
     count = math.prod(batch)
     a = _contiguous(backend.xp.broadcast_to(a, batch + a.shape[-2:])).reshape((count,) + a.shape[-2:])
     b = _contiguous(backend.xp.broadcast_to(b, batch + b.shape[-2:])).reshape((count,) + b.shape[-2:])
@@ -449,7 +451,6 @@ class MatMul(Function):
 def matmul(a, b):
     """a @ b, batched and broadcasting as torch.matmul; inside gpt2_cupy.autocast in bf16 (float32 inputs
     converted, a parameter's copy cached for the block), with a bf16 result."""
-    from gpt2_cupy import amp
     if amp.autocast_dtype() is not None:
         return MatMul.apply(a, b, amp.product_input(a), amp.product_input(b))
     return MatMul.apply(a, b)
@@ -572,12 +573,12 @@ def extreme(kind, x, dim=None, keepdim=False):
 
 def argextreme(kind, x, dim=None, keepdim=False):
     """argmax/argmin: int64 indices; without dim, into the flattened tensor."""
-    data = x.data
+    data = x._data
     if dim is None:
         data, dim = _contiguous(data).reshape(-1), 0
         keepdim = False if not keepdim else keepdim
     _, indices = reduce(f"arg{kind}", kind, data, (dim,) if data.ndim else (), keepdim)
-    if keepdim and x.data.ndim != data.ndim:
+    if keepdim and x._data.ndim != data.ndim:
         indices = indices.reshape((1,) * x.ndim)
     return Tensor(indices)
 
@@ -656,23 +657,6 @@ def view_strides(shape, strides, new_shape):
     return view_axis == -1 and new_strides
 
 
-class View(Function):
-    """A view of new shape, strides or both: forward gives an array over the same memory; backward moves the
-    upstream gradient back with `undo`."""
-    accepts_strided = True
-
-    @staticmethod
-    def forward(ctx, x, name, make, undo):
-        ctx.name, ctx.undo = name, undo
-        out = make(x)
-        ctx.is_view, ctx.view_version = storage_of(out) is storage_of(x), storage_version(x)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        return ctx.undo(dout), None, None, None
-
-
 def _view(name, x, make, undo):
     out = View.apply(x, name, make, undo)
     remember_base(out, x, make, undo)
@@ -683,7 +667,7 @@ def remember_base(view, x, make, undo):
     """A view keeps the tensor whose memory it shares (PyTorch's ._base: the first one, never a view) and
     how to take it from that tensor again (_view_of_base) and send a gradient back to it (_grad_to_base):
     an in-place write into the view must change the base's place in the graph too."""
-    if storage_of(view.data) is not storage_of(x.data):
+    if storage_of(view._data) is not storage_of(x._data):
         return  # a copy (clone, contiguous, a reshape that could not be a view), not a view
     base = getattr(x, "_base", None)
     if base is None:
@@ -697,7 +681,7 @@ def remember_base(view, x, make, undo):
 
 def view(x, shape):
     shape = infer_shape(shape, x.numel())
-    if view_strides(x.shape, [s // x.data.itemsize for s in x.data.strides], shape) is None:
+    if view_strides(x.shape, [s // x._data.itemsize for s in x._data.strides], shape) is None:
         raise RuntimeError(VIEW_ERROR)
     old = x.shape
     return _view("view", x, lambda a: a.reshape(shape), lambda d: _reshape_array(d, old))
@@ -784,7 +768,7 @@ def clone(x):
 
 
 def contiguous(x):
-    if x.data.flags.c_contiguous:
+    if x._data.flags.c_contiguous:
         return x
     return _view("contiguous", x, lambda a: copy("contiguous", a), lambda d: d)
 
@@ -797,7 +781,7 @@ def _index_key(x, key):
     converted, advanced = [], False
     for part in parts:
         if isinstance(part, Tensor):
-            part = part.data
+            part = part._data
         if isinstance(part, list):
             part = backend.xp.asarray(numpy.array(part))
         if isinstance(part, slice) and part.step is not None and part.step <= 0:
@@ -893,8 +877,8 @@ def index_put(x, key, value):
     gradient at key and x's old elements there receive none. A leaf that requires grad refuses, as PyTorch."""
     key, advanced = _index_key(x, key)
     if not _records(x, value):
-        x.data[key] = value.data if isinstance(value, Tensor) else value
-        bump_version(x.data)
+        x._data[key] = value._data if isinstance(value, Tensor) else value
+        bump_version(x._data)
         return
     if not advanced:  # a basic index is a view: the in-place copy into it records CopySlices on x
         target = index(x, key)
@@ -966,14 +950,14 @@ def _check_target(operation, x, shape, result_dtype=None):
     if result_dtype is not None and _category(result_dtype) > _category(x.dtype):
         raise RuntimeError(f"{operation}: result type {_TYPE_NAMES.get(numpy.dtype(result_dtype).name)} can't be "
                            f"cast to the desired output type {_TYPE_NAMES.get(x.dtype.name, x.dtype.name)}")
-    check_writable(operation, x.data, [])
+    check_writable(operation, x._data, [])
 
 
 def _write(operation, expression, x, operands, compute_dtype):
     """x = expression(x's array and operands...) in place, by the generated kernel; x's version goes up."""
-    elementwise(operation, expression, [x.data, *operands], compute_dtype=compute_dtype, out_dtype=x.dtype,
-                out=x.data)
-    bump_version(x.data)
+    elementwise(operation, expression, [x._data, *operands], compute_dtype=compute_dtype, out_dtype=x.dtype,
+                out=x._data)
+    bump_version(x._data)
     return x
 
 
@@ -984,26 +968,15 @@ def _become(x, result):
     on to "the base as it was, with result written where x is", and x becomes a view of that again."""
     if result.dtype != x.dtype:
         result = result.to(x.dtype)
-    elementwise("copy_", "a", [result.data], compute_dtype=x.dtype, out=x.data)
-    bump_version(x.data)
+    elementwise("copy_", "a", [result._data], compute_dtype=x.dtype, out=x._data)
+    bump_version(x._data)
     base = getattr(x, "_base", None)
     if base is None:
-        _take_place(x, result)
+        take_place(x, result)
         return x
-    _take_place(base, CopySlices.apply(base, result, x._view_of_base))
+    take_place(base, CopySlices.apply(base, result, x._view_of_base))
     regenerate_view(x)
     return x
-
-
-def _take_place(x, result):
-    """x stands for result in the graph from now on (its own array unchanged)."""
-    x.grad_fn, x.output_nr, x._requires_grad = result.grad_fn, result.output_nr, result.requires_grad
-
-
-def regenerate_view(view):
-    """view's grad_fn made again from its base's current place in the graph: after an in-place write into
-    the base (or into any view of it), the old grad_fn would miss that write."""
-    _take_place(view, View.apply(view._base, "view", view._view_of_base, view._grad_to_base))
 
 
 class CopySlices(Function):
@@ -1032,7 +1005,7 @@ def _operand_shapes(*operands):
 def add_(x, other, alpha=1, name="add_"):
     """x += alpha * other (sub_ passes -alpha)."""
     operand = as_operand(other)
-    dtype = result_type(x.data, operand)
+    dtype = result_type(x._data, operand)
     _check_target(name, x, broadcast_shapes(name, [x.shape] + _operand_shapes(operand), ["self", "other"]), dtype)
     if _records(x, other):
         scaled = other if alpha == 1 else (other * alpha if isinstance(other, Tensor) else operand * alpha)
@@ -1043,7 +1016,7 @@ def add_(x, other, alpha=1, name="add_"):
 def binary_(name, x, other):
     """x *= other or x /= other."""
     operand = as_operand(other)
-    dtype = result_type(x.data, operand)
+    dtype = result_type(x._data, operand)
     if name == "div":
         dtype = floating(dtype)
     _check_target(f"{name}_", x, broadcast_shapes(f"{name}_", [x.shape] + _operand_shapes(operand),
@@ -1073,13 +1046,13 @@ def copy_(x, src):
     _check_target("copy_", x, broadcast_shapes("copy_", [x.shape, src.shape], ["self", "src"]))
     if _records(x, src):
         return _become(x, where(_all_true(), src, x))
-    return _write("copy_", "b", x, [src.data], x.dtype)
+    return _write("copy_", "b", x, [src._data], x.dtype)
 
 
 def clamp_(x, min=None, max=None):
     if min is None and max is None:
         raise RuntimeError("torch.clamp: At least one of 'min' or 'max' must not be None")
-    dtype, low, high = clamp_bounds(x.data, min, max)
+    dtype, low, high = clamp_bounds(x._data, min, max)
     _check_target("clamp_", x, x.shape, dtype)
     if _records(x):
         return _become(x, Clamp.apply(clone(x), min, max))
@@ -1088,7 +1061,7 @@ def clamp_(x, min=None, max=None):
 
 def masked_fill_(x, mask, value):
     """value where mask (bool, broadcast to x's shape) is True; x elsewhere."""
-    mask_array = mask.data if isinstance(mask, Tensor) else mask
+    mask_array = mask._data if isinstance(mask, Tensor) else mask
     _check_bool("masked_fill_", "mask", mask_array)
     operand = as_operand(value)
     if isinstance(operand, backend.xp.ndarray) and operand.ndim != 0:
@@ -1105,8 +1078,8 @@ def fill_random_(x, values):
     """x's elements set to values drawn on the host (normal_, uniform_, random_): a write that no graph
     records, as PyTorch's random fills."""
     _records(x)
-    x.data[...] = backend.xp.asarray(numpy.asarray(values).astype(x.dtype))
-    bump_version(x.data)
+    x._data[...] = backend.xp.asarray(numpy.asarray(values).astype(x.dtype))
+    bump_version(x._data)
     return x
 
 
@@ -1149,7 +1122,7 @@ def cat(tensors, dim=0):
         if t.ndim != len(first) or t.shape[:dim] + t.shape[dim + 1:] != first[:dim] + first[dim + 1:]:
             raise RuntimeError(f"torch.cat(): Sizes of tensors must match except in dimension {dim}. Expected "
                                f"{list(first)} but got {list(t.shape)} for tensor number {index} in the list")
-    dtype = result_type(*[t.data for t in tensors])
+    dtype = result_type(*[t._data for t in tensors])
     return Cat.apply(dim, *[t if t.dtype == dtype else t.to(dtype) for t in tensors])
 
 
@@ -1196,7 +1169,7 @@ def topk(x, k, dim=-1, largest=True, sorted=True):
     (dim,) = normalize_dims("topk", (dim,), x.ndim)
     if not 0 <= k <= x.shape[dim]:
         raise RuntimeError(f"selected index k out of range: k = {k}, dimension {dim} has size {x.shape[dim]}")
-    keys = -x.data if largest else x.data
+    keys = -x._data if largest else x._data
     order = backend.xp.argsort(keys, axis=dim, kind="stable")
     indices = backend.xp.take(order, backend.xp.arange(k), axis=dim).astype(numpy.int64)
     return TopK(gather(x, dim, Tensor(indices)), Tensor(indices))
@@ -1204,7 +1177,7 @@ def topk(x, k, dim=-1, largest=True, sorted=True):
 
 def gather(x, dim, index):
     """out[i][j] = x[i][index[i][j]] along dim (index the same rank as x)."""
-    index = index.data if isinstance(index, Tensor) else index
+    index = index._data if isinstance(index, Tensor) else index
     # An open grid of positions along every axis (numpy's indices(..., sparse=True), which CuPy lacks).
     rank = len(index.shape)
     grids = [backend.xp.arange(size).reshape([size if axis == a else 1 for axis in range(rank)])
@@ -1216,7 +1189,7 @@ def gather(x, dim, index):
 def multinomial(probabilities, num_samples, replacement=False, generator=None):
     """num_samples indices per row, drawn with the given (unnormalised) weights; from generator, or the
     default generator manual_seed seeds."""
-    weights = backend.asnumpy(probabilities.data).astype(numpy.float64)
+    weights = backend.asnumpy(probabilities._data).astype(numpy.float64)
     rows = weights.reshape(-1, weights.shape[-1])
     if (rows < 0).any() or not numpy.isfinite(rows).all():
         raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
@@ -1235,7 +1208,7 @@ def multinomial(probabilities, num_samples, replacement=False, generator=None):
 
 def _nonzero_count(x, dims, keepdim):
     """How many elements of x along dims are not zero (int64), by the generated kernels."""
-    nonzero = elementwise("nonzero", "a != 0", [x.data], compute_dtype=x.dtype, out_dtype=BOOL)
+    nonzero = elementwise("nonzero", "a != 0", [x._data], compute_dtype=x.dtype, out_dtype=BOOL)
     dims = normalize_dims("count", dims, x.ndim) if x.ndim else ()
     return reduce("count_nonzero", "sum", nonzero, dims if dims else None, keepdim) if x.ndim else \
         nonzero.astype(INT64), (math.prod(x.shape[d] for d in dims) if dims else x.numel())
@@ -1300,7 +1273,7 @@ def repeat_interleave(x, repeats, dim=None, output_size=None):
     if dim is None:
         x, dim = flatten(x), 0
     (dim,) = normalize_dims("repeat_interleave", (dim,), x.ndim)
-    counts = backend.asnumpy(repeats.data) if isinstance(repeats, Tensor) else repeats
+    counts = backend.asnumpy(repeats._data) if isinstance(repeats, Tensor) else repeats
     positions = numpy.repeat(numpy.arange(x.shape[dim]), counts)
     return _along(x, dim, backend.xp.asarray(positions))
 
@@ -1321,7 +1294,7 @@ SortResult = collections.namedtuple("SortResult", ["values", "indices"])
 
 def argsort(x, dim=-1, descending=False, stable=False):
     (dim,) = normalize_dims("argsort", (dim,), x.ndim) if x.ndim else (0,)
-    keys = x.data
+    keys = x._data
     if descending:  # stable among equals: sort the reversed axis ascending, then reverse back
         keys = backend.xp.flip(keys, axis=dim)
         order = backend.xp.flip(backend.xp.argsort(keys, axis=dim, kind="stable"), axis=dim)
@@ -1344,7 +1317,7 @@ def unique(x, sorted=True, return_inverse=False, return_counts=False, dim=None):
     """The distinct elements, in ascending order; with the inverse indices and the counts when asked."""
     if dim is not None:
         raise NotImplementedError("unique: dim= is not supported; the elements of the flattened tensor are")
-    values, inverse, counts = backend.xp.unique(x.data, return_inverse=True, return_counts=True)
+    values, inverse, counts = backend.xp.unique(x._data, return_inverse=True, return_counts=True)
     results = [Tensor(values)]
     if return_inverse:
         results.append(Tensor(inverse.reshape(x.shape).astype(INT64)))
@@ -1380,14 +1353,14 @@ def cumsum(x, dim, dtype=None):
 # ---- counting ------------------------------------------------------------------------------------------------------
 
 def bincount(x, weights=None, minlength=0):
-    counts = numpy.bincount(backend.asnumpy(x.data), None if weights is None else backend.asnumpy(weights.data),
+    counts = numpy.bincount(backend.asnumpy(x._data), None if weights is None else backend.asnumpy(weights._data),
                             minlength)
     return Tensor(backend.xp.asarray(counts if weights is not None else counts.astype(INT64)))
 
 
 def histc(x, bins=100, min=0, max=0):
     """Counts in `bins` equal bins over [min, max] (the data's own range when both are 0), float as torch's."""
-    values = backend.asnumpy(x.data).astype(numpy.float64).reshape(-1)
+    values = backend.asnumpy(x._data).astype(numpy.float64).reshape(-1)
     low, high = (values.min(), values.max()) if min == max == 0 and values.size else (min, max)
     if low == high:
         low, high = low - 1, high + 1
@@ -1399,10 +1372,10 @@ Histogram = collections.namedtuple("Histogram", ["hist", "bin_edges"])
 
 
 def histogram(x, bins=100, *, range=None, weight=None, density=False):
-    values = backend.asnumpy(x.data).astype(numpy.float64).reshape(-1)
+    values = backend.asnumpy(x._data).astype(numpy.float64).reshape(-1)
     if isinstance(bins, Tensor):
-        bins = backend.asnumpy(bins.data)
-    weights = None if weight is None else backend.asnumpy(weight.data).reshape(-1)
+        bins = backend.asnumpy(bins._data)
+    weights = None if weight is None else backend.asnumpy(weight._data).reshape(-1)
     counts, edges = numpy.histogram(values, bins=bins, range=range, weights=weights, density=density)
     return Histogram(*(Tensor(backend.xp.asarray(a.astype(x.dtype))) for a in (counts, edges)))
 
@@ -1453,7 +1426,7 @@ def unbind(x, dim=0):
 def index_select(x, dim, index):
     """The entries of x at `index` (a 1-D integer tensor) along dim: a differentiable copy."""
     (dim,) = normalize_dims("index_select", (dim,), x.ndim)
-    positions = index.data if isinstance(index, Tensor) else backend.xp.asarray(index)
+    positions = index._data if isinstance(index, Tensor) else backend.xp.asarray(index)
     if positions.ndim != 1:
         raise IndexError("index_select(): Index is supposed to be a vector")
     return _along(x, dim, positions)
@@ -1461,16 +1434,16 @@ def index_select(x, dim, index):
 
 def nonzero(x, as_tuple=False):
     """The int64 coordinates of the nonzero elements, one row each (or one tensor per axis with as_tuple)."""
-    coordinates = backend.xp.nonzero(x.data)
+    coordinates = backend.xp.nonzero(x._data)
     if as_tuple:
         return tuple(Tensor(c.astype(INT64)) for c in coordinates)
     return Tensor(backend.xp.stack(coordinates, axis=1).astype(INT64) if coordinates else
-                  backend.xp.zeros((int(builtins.bool(x.data)), 0), dtype=INT64))
+                  backend.xp.zeros((int(builtins.bool(x._data)), 0), dtype=INT64))
 
 
 def masked_select(x, mask):
     """The elements of x where mask (broadcast to x's shape) is True, as a 1-D tensor: a differentiable copy."""
-    mask_array = mask.data if isinstance(mask, Tensor) else mask
+    mask_array = mask._data if isinstance(mask, Tensor) else mask
     _check_bool("masked_select", "mask", mask_array)
     shape = broadcast_shapes("masked_select", [x.shape, mask_array.shape], ["self", "mask"])
     return Index.apply(expand(x, shape) if x.shape != shape else x,

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from gpt2_cupy import backend
+
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 
 
 def _float64(array):
-    from gpt2_cupy import backend
-
     if isinstance(array, backend.xp.ndarray):
         array = backend.asnumpy(array)  # a copy from the GPU; on the CPU the array itself
     return np.asarray(array, dtype=np.float64)

@@ -369,7 +369,7 @@ class Trainer:
             with self.forward_model.no_sync() if self.distributed and not last else contextlib.nullcontext():
                 loss = self.loss(inputs, targets)
                 loss.backward(self.backward_seed)
-            loss_sum += loss.data
+            loss_sum += loss._data
         self.average_over_ranks(loss_sum)
         if self.config.grad_clip > 0:
             norm = self.optimizer.clip_grad_norm_(self.config.grad_clip)
@@ -433,7 +433,7 @@ class Trainer:
         with no_grad():
             for inputs, targets in self.validation_batches():
                 loss = self.loss(inputs, targets)
-                total += loss.data
+                total += loss._data
         return float(backend.asnumpy(self.average_over_ranks(total)))
 
     # ---- checkpoints --------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ class TrainingGraphs:
             self.modules, self.parameters = list(trainer.model.modules()), trainer.model.parameters()
         modules = self.modules
         return (tuple(module.training for module in modules), tuple(getattr(module, "p", None) for module in modules),
-                tuple(id(parameter.data) for parameter in self.parameters), id(dropout_rng_state()),
+                tuple(id(parameter._data) for parameter in self.parameters), id(dropout_rng_state()),
                 get_float32_matmul_precision(), trainer.config.grad_clip, trainer.config.batch_size,
                 trainer.config.block_size)
 
@@ -99,7 +99,7 @@ class TrainingGraphs:
         with graph(self.micro_step_graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
             loss = trainer.loss(self.inputs, self.targets)
             loss.backward(trainer.backward_seed)
-            residual_forward(loss_sum, loss.data.reshape(1), out=loss_sum)
+            residual_forward(loss_sum, loss._data.reshape(1), out=loss_sum)
         del loss  # the graph's activations go back to the pool
         if trainer.config.grad_clip > 0:
             self.clip_graph = CUDAGraph()
@@ -144,7 +144,7 @@ class TrainingGraphs:
         self.evaluation_graph = CUDAGraph()
         with no_grad(), graph(self.evaluation_graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
             loss = self.trainer.loss(self.val_inputs, self.val_targets)
-            residual_forward(self.val_total, loss.data.reshape(1), out=self.val_total)
+            residual_forward(self.val_total, loss._data.reshape(1), out=self.val_total)
         del loss
         self.evaluation_signature = self.signature()
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gpt2_cupy import backend, optim
+from gpt2_cupy.autograd import Tensor
 from gpt2_cupy.testing import relative_error, torch_or_none
 
 SHAPES = [(5, 7), (3,), (11, 2), (1,), (4, 4)]
@@ -278,12 +279,12 @@ def test_training_continues_after_a_second_optimizer_or_a_new_data_array(rng, to
         weight = weight - 0.1 * u64.T @ x64
         assert relative_error(to_host(layer.weight.data), weight) < TOLERANCE
     new_weight = rng.normal(size=(4, 5)).astype(np.float32)
-    layer.weight.data = to_device(new_weight)        # replaced, not written into
+    layer.weight.data = Tensor(to_device(new_weight))  # replaced, not written into
     first.zero_grad()
     linear_loss(layer, x, u).backward()
     first.step()
     assert relative_error(to_host(layer.weight.data), new_weight - 0.1 * u64.T @ x64) < TOLERANCE
-    layer.weight.data = to_device(np.zeros((2, 2), np.float32))
+    layer.weight.data = Tensor(to_device(np.zeros((2, 2), np.float32)))
     with pytest.raises(ValueError, match=r"SGD.step: a parameter's .data was replaced by .* shape \(2, 2\)"):
         first.step()
 

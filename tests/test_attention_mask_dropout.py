@@ -236,8 +236,8 @@ def test_bad_masks_and_probabilities_are_refused(to_device):
     with pytest.raises(ValueError, match="dropout_p = 1.5"):
         F.scaled_dot_product_attention(q, q, q, dropout_p=1.5)
     with pytest.raises(ValueError, match="scale, attn_mask and dropout_p are for the softmax variant"):
-        attention_forward(q.data, q.data, q.data, variant="relu", scale=0.5)
+        attention_forward(q._data, q._data, q._data, variant="relu", scale=0.5)
     with pytest.raises(ValueError, match="rng_state"):
-        attention_forward(q.data, q.data, q.data, dropout_p=0.1)
+        attention_forward(q._data, q._data, q._data, dropout_p=0.1)
     with pytest.raises(TypeError, match="attn_mask must be bool .* or float32"):
-        attention_forward(q.data, q.data, q.data, attn_mask=to_device(np.zeros((5, 5), np.float64)))
+        attention_forward(q._data, q._data, q._data, attn_mask=to_device(np.zeros((5, 5), np.float64)))

@@ -7,7 +7,9 @@ graph nobody differentiates is freed with its result. The references are float64
 same numbers.
 """
 
+import ast
 import gc
+import pathlib
 import weakref
 
 import numpy as np
@@ -24,7 +26,7 @@ TOLERANCE = 1e-5
 
 def weighted_sum(tensor, weights):
     """Σ weights · tensor as a scalar Tensor (a Linear with one output row): dL/dtensor = weights."""
-    n = tensor.data.size
+    n = tensor._data.size
     return F.linear(tensor.reshape(1, n), Tensor(weights.reshape(1, n))).reshape(())
 
 
@@ -34,7 +36,7 @@ def test_gradient_of_a_linear_chain_matches_numpy(rng, to_device, to_host):
     weight = Tensor(to_device(w64.astype(np.float32)), requires_grad=True)
     loss = weighted_sum(F.linear(x, weight), to_device(u64.astype(np.float32)))
     loss.backward()
-    assert relative_error(to_host(loss.data), np.sum(u64 * (x64 @ w64.T))) < TOLERANCE
+    assert relative_error(to_host(loss._data), np.sum(u64 * (x64 @ w64.T))) < TOLERANCE
     assert relative_error(to_host(x.grad), u64 @ w64) < TOLERANCE          # dL/dx = u W
     assert relative_error(to_host(weight.grad), u64.T @ x64) < TOLERANCE   # dL/dW = uᵀ x
 
@@ -220,7 +222,7 @@ def test_a_custom_function_follows_the_torch_pattern(rng, to_device, to_host):
     x = Tensor(to_device(x64.astype(np.float32)), requires_grad=True)
     y = Scale.apply(x)
     weighted_sum(y, to_device(np.arange(5, dtype=np.float32))).backward()
-    assert relative_error(to_host(y.data), 3 * x64) < TOLERANCE
+    assert relative_error(to_host(y._data), 3 * x64) < TOLERANCE
     assert relative_error(to_host(x.grad), 3 * np.arange(5.0)) < TOLERANCE
 
 
@@ -234,4 +236,17 @@ def test_backward_needs_a_scalar_or_a_gradient(rng, to_device):
 def test_tensor_basics(to_device):
     t = Tensor(to_device(np.zeros((2, 3), np.float32)))
     assert t.shape == (2, 3) and t.ndim == 2 and t.size(1) == 3 and t.numel() == 6
-    assert isinstance(t.data, backend.xp.ndarray) and t.grad is None and not t.requires_grad
+    assert isinstance(t._data, backend.xp.ndarray) and t.grad is None and not t.requires_grad
+
+
+def test_the_engine_imports_none_of_the_operations_built_on_it():
+    """autograd.py is the engine: the operations (tensor_ops, nn.functional) and gpt2_cupy.tensor, which puts
+    them on Tensor as methods, import it, never the other way round."""
+    tree = ast.parse(pathlib.Path(autograd.__file__).read_text(encoding="utf-8"))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not imported & {"gpt2_cupy.tensor_ops", "gpt2_cupy.tensor", "gpt2_cupy.nn.functional", "gpt2_cupy.nn"}
+    x = autograd.Tensor(backend.xp.asarray(np.arange(6.0, dtype=np.float32).reshape(2, 3)))
+    expected = np.exp(np.arange(6.0).reshape(2, 3))
+    expected /= expected.sum(-1, keepdims=True)
+    assert np.allclose(backend.asnumpy(x.softmax(-1)._data), expected, rtol=1e-6)   # a method from nn.functional

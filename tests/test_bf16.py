@@ -46,7 +46,7 @@ def tensor(array, dtype=BF16, requires_grad=False):
 
 def host(t):
     backend.synchronize()
-    return backend.asnumpy(t.data if isinstance(t, torch.Tensor) else t)
+    return backend.asnumpy(t._data if isinstance(t, torch.Tensor) else t)
 
 
 # ---- the dtype and conversions ------------------------------------------------------------------------------
@@ -142,14 +142,14 @@ def test_elementwise_in_bf16_rounds_once_and_follows_pytorch_promotion(rng):
     ta, tb = tensor(a), tensor(b)
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     # one float32 operation, exact or within 2^-24 of the exact result, then one rounding to bf16
-    within_one_rounding((ta * tb).data, a64 * b64)
-    within_one_rounding((ta + tb).data, a64 + b64, FLOAT32_UNIT_ROUNDOFF * np.abs(a64 + b64))
+    within_one_rounding((ta * tb)._data, a64 * b64)
+    within_one_rounding((ta + tb)._data, a64 + b64, FLOAT32_UNIT_ROUNDOFF * np.abs(a64 + b64))
     denominator = tb.abs() + 1                                          # itself bf16: |b| + 1 rounded once
     assert host(denominator).tobytes() == (np.abs(b64) + 1).astype(BF16).tobytes()
     quotient = a64 / host(denominator).astype(np.float64)
-    within_one_rounding((ta / denominator).data, quotient, FLOAT32_UNIT_ROUNDOFF * np.abs(quotient))
-    within_one_rounding((ta * 0.1).data, a64 * np.float32(0.1), FLOAT32_UNIT_ROUNDOFF * np.abs(a64))  # 0.1 in float32
-    within_one_rounding(ta.exp().data, np.exp(a64), 4 * FLOAT32_UNIT_ROUNDOFF * np.exp(a64))           # expf: 2 ulp
+    within_one_rounding((ta / denominator)._data, quotient, FLOAT32_UNIT_ROUNDOFF * np.abs(quotient))
+    within_one_rounding((ta * 0.1)._data, a64 * np.float32(0.1), FLOAT32_UNIT_ROUNDOFF * np.abs(a64))  # 0.1 in float32
+    within_one_rounding(ta.exp()._data, np.exp(a64), 4 * FLOAT32_UNIT_ROUNDOFF * np.exp(a64))           # expf: 2 ulp
     assert (ta * tb).dtype == BF16 and (ta * 2.5).dtype == BF16 and (2 - ta).dtype == BF16
     assert (ta + tensor(b, np.float32)).dtype == np.float32           # bf16 with float32: float32, as PyTorch
     assert (ta > 0).dtype == np.bool_
@@ -180,8 +180,8 @@ def test_reductions_of_bf16_sum_in_float32_and_round_once(rng, dims):
     count = math.prod(x.shape[d] for d in axes)
     # a float32 sum in any order, then one rounding (a bf16 running sum would be off by ~2^-8 per addition)
     float32_error = count * FLOAT32_UNIT_ROUNDOFF * np.abs(x64).sum(axis=axes)
-    within_one_rounding(total.data, x64.sum(axis=axes), float32_error)
-    within_one_rounding(t.mean(dims).data, x64.mean(axis=axes), 2 * float32_error / count)
+    within_one_rounding(total._data, x64.sum(axis=axes), float32_error)
+    within_one_rounding(t.mean(dims)._data, x64.mean(axis=axes), 2 * float32_error / count)
     values, indices = t.max(dim=1)
     assert values.dtype == BF16
     np.testing.assert_array_equal(host(values).astype(np.float32), x.max(axis=1))
@@ -239,7 +239,7 @@ def test_layernorm_gelu_dropout_in_bf16(rng):
     reference = x_hat * weight + bias
     # float32 mean and variance of C values (C ulps each), then three float32 operations: within 1e-5 of the
     # row's scale |x_hat w| + |b|
-    within_one_rounding(y.data, reference, 1e-5 * (np.abs(x_hat * weight) + np.abs(bias)))
+    within_one_rounding(y._data, reference, 1e-5 * (np.abs(x_hat * weight) + np.abs(bias)))
     dout = bf16_inputs(rng, B, T, C)
     y.backward(tensor(dout))
     g = dout * weight
@@ -253,9 +253,9 @@ def test_layernorm_gelu_dropout_in_bf16(rng):
     z = bf16_inputs(rng, 5, 37, scale=3.0)
     z64 = z.astype(np.float64)
     gelu = 0.5 * z64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (z64 + 0.044715 * z64 ** 3)))
-    within_one_rounding(F.gelu(tensor(z), approximate="tanh").data, gelu, 1e-5 * np.abs(gelu) + 1e-7)
+    within_one_rounding(F.gelu(tensor(z), approximate="tanh")._data, gelu, 1e-5 * np.abs(gelu) + 1e-7)
     exact = 0.5 * z64 * (1 + np.vectorize(math.erf)(z64 / math.sqrt(2)))
-    within_one_rounding(F.gelu(tensor(z)).data, exact, 1e-5 * np.abs(exact) + 1e-7)
+    within_one_rounding(F.gelu(tensor(z))._data, exact, 1e-5 * np.abs(exact) + 1e-7)
 
     # dropout: the float32 op's mask (the same Philox numbers), each kept value scaled and rounded once
     torch.manual_seed(3)
@@ -326,7 +326,7 @@ def test_attention_and_softmax_take_bf16_through_float32_kernels(rng, head_size,
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     # float32 attention is within 1e-5 of float64 on these sizes (chapter 08); then one rounding
-    within_one_rounding(out.data, weights @ v.astype(np.float64), 1e-5 * np.abs(v).max())
+    within_one_rounding(out._data, weights @ v.astype(np.float64), 1e-5 * np.abs(v).max())
     out.backward(tensor(bf16_inputs(rng, B, H, T, head_size)))
     assert tq.grad.dtype == tk.grad.dtype == tv.grad.dtype == BF16
     grouped = F.scaled_dot_product_attention(tq, tk[:, :1], tv[:, :1], is_causal=causal, enable_gqa=True)
@@ -337,7 +337,7 @@ def test_attention_and_softmax_take_bf16_through_float32_kernels(rng, head_size,
     probabilities = F.softmax(tensor(scores), dim=-1)
     assert probabilities.dtype == BF16
     weights = np.exp(scores - scores.max(-1, keepdims=True))
-    within_one_rounding(probabilities.data, weights / weights.sum(-1, keepdims=True), 1e-6)
+    within_one_rounding(probabilities._data, weights / weights.sum(-1, keepdims=True), 1e-6)
 
 
 # ---- autocast ------------------------------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def test_autocast_runs_products_in_bf16_with_float32_parameters_and_gradients(rn
     w64, b64 = (host(p).astype(np.float32).astype(BF16).astype(np.float64) for p in (layer.weight, layer.bias))
     x64 = host(x).astype(np.float64)
     b64 = host(layer.bias).astype(np.float64)                # the bias is added in float32, not rounded first
-    within_one_rounding(y.data, x64 @ w64.T + b64, 26 * TENSOR_CORE_ADDITION * (np.abs(x64) @ np.abs(w64).T + 1))
+    within_one_rounding(y._data, x64 @ w64.T + b64, 26 * TENSOR_CORE_ADDITION * (np.abs(x64) @ np.abs(w64).T + 1))
     z.sum().backward()
     assert layer.weight.grad.dtype == np.float32 and layer.bias.grad.dtype == np.float32
     assert x.grad.dtype == np.float32                    # a float32 input's gradient: float32 sums, unrounded
@@ -375,7 +375,7 @@ def test_autocast_nests_disables_decorates_and_caches_weights_per_block(rng):
             with ctx:                                              # ...the same object nests inside itself
                 assert layer(x).dtype == BF16
         assert layer(x).dtype == BF16                              # ...and the outer block is back
-        layer.weight.data = backend.xp.zeros((4, 8), np.float32)   # a replaced .data is converted again
+        layer.weight._data = backend.xp.zeros((4, 8), np.float32)   # a replaced .data is converted again
         assert not host(amp.product_input(layer.weight)).any()
     assert layer(x).dtype == np.float32 and not amp._weight_cache  # the cache ends with the outermost block
     with ctx:                                                      # one object serves many blocks

@@ -112,7 +112,7 @@ def test_copy_into_refuses_another_shape_or_dtype(to_device):
 
 
 HOST_COPIES = {
-    "backend.asnumpy": lambda t: backend.asnumpy(t.data),
+    "backend.asnumpy": lambda t: backend.asnumpy(t._data),
     ".item()": lambda t: t.item(),
     "float()": float,
     ".tolist()": lambda t: t.tolist(),
@@ -135,9 +135,9 @@ def test_a_host_copy_inside_capture_raises_naming_the_call_and_leaves_no_capture
     assert not graphs.is_current_stream_capturing()
     assert backend.xp.__name__ == ("cupy" if backend.name == "cuda" else "numpy")
     with gpt2_cupy.cuda.graph(g):  # a capture works again afterwards
-        residual_forward(values.data, values.data, out=values.data)
+        residual_forward(values._data, values._data, out=values._data)
     g.replay()
-    assert to_host(values.data)[0] == 2.0
+    assert to_host(values._data)[0] == 2.0
 
 
 @pytest.mark.skipif(backend.name != "cuda", reason="on the CPU executor int() of an array reads host memory: "
@@ -170,7 +170,7 @@ def test_new_memory_inside_capture_raises_with_its_size_unless_the_warm_up_made_
 def test_dropout_draws_new_numbers_at_every_replay_as_successive_eager_calls_do(to_device, to_host):
     x = Tensor(to_device(np.ones(N, np.float32)))
     manual_seed(7)
-    eager = [to_host(F.dropout(x, 0.5).data) for _ in range(3)]
+    eager = [to_host(F.dropout(x, 0.5)._data) for _ in range(3)]
     pool = graphs.graph_pool_handle()
     with graphs.use_pool(pool):
         F.dropout(x, 0.5)
@@ -182,7 +182,7 @@ def test_dropout_draws_new_numbers_at_every_replay_as_successive_eager_calls_do(
     replayed = []
     for replay in range(3):
         g.replay()
-        replayed.append(to_host(y.data).copy())
+        replayed.append(to_host(y._data).copy())
         assert to_host(dropout_rng_state())[1] == (replay + 1) * N  # the offset advances on the device
     for mask in replayed:
         assert set(np.unique(mask)) == {0.0, 2.0}  # dropped, or kept and scaled by 1 / (1 - p)

@@ -29,7 +29,7 @@ def check_op(function, reference, inputs, to_device, to_host, requires_grad=None
     tensors = [Tensor(to_device(a.astype(np.float32)), requires_grad=r) for a, r in zip(inputs, requires_grad)]
     out = function(*tensors)
     expected = reference(*inputs)
-    assert relative_error(to_host(out.data), expected) < (forward or FORWARD_TOLERANCE)
+    assert relative_error(to_host(out._data), expected) < (forward or FORWARD_TOLERANCE)
     dout = rng.normal(size=expected.shape)
     out.backward(to_device(dout.astype(np.float32)).reshape(dout.shape))  # (to_device makes 0-d arrays 1-d)
     for index, (tensor, array) in enumerate(zip(tensors, inputs)):
@@ -105,11 +105,11 @@ def test_split_gives_views_and_in_place_writes_reach_x(rng, to_device, to_host):
     source = Tensor(to_device(values.astype(np.float32)), requires_grad=True)
     x = source * 1.0
     first, second = x.split(3, dim=1)
-    assert first.data.base is not None and not first.is_contiguous()
+    assert first._data.base is not None and not first.is_contiguous()
     first.mul_(2.0)
     expected = values.copy()
     expected[:, :3] *= 2
-    np.testing.assert_allclose(to_host(x.data), expected, rtol=1e-6)
+    np.testing.assert_allclose(to_host(x._data), expected, rtol=1e-6)
     weights = rng.normal(size=(3, 6))
     (x * Tensor(to_device(weights.astype(np.float32)))).sum().backward()
     expected_grad = weights.copy()
@@ -233,7 +233,7 @@ def test_cross_entropy_refuses_a_target_out_of_range(rng, to_device):
 def test_gelu_is_exact_by_default_as_in_pytorch(rng, to_device, to_host):
     x64 = rng.normal(size=(3, 37)) * 3
     x = Tensor(to_device(x64.astype(np.float32)))
-    assert relative_error(to_host(F.gelu(x).data), gelu_reference(x64, "none")) < FORWARD_TOLERANCE
+    assert relative_error(to_host(F.gelu(x)._data), gelu_reference(x64, "none")) < FORWARD_TOLERANCE
     # The tanh form differs from the exact one by up to ~5e-4 on this range: a check that could tell them apart.
     assert np.abs(gelu_reference(x64, "tanh") - gelu_reference(x64, "none")).max() > 1e-4
     with pytest.raises(ValueError, match="gelu: approximate='erf'"):
@@ -246,7 +246,7 @@ def test_scaled_dot_product_attention_is_not_causal_by_default(rng, to_device, t
              [q, k, v], to_device, to_host)
     tensors = [Tensor(to_device(a.astype(np.float32))) for a in (q, k, v)]
     same_scale = F.scaled_dot_product_attention(*tensors, is_causal=True, scale=1 / math.sqrt(32))
-    assert relative_error(to_host(same_scale.data), attention_reference(q, k, v)) < FORWARD_TOLERANCE
+    assert relative_error(to_host(same_scale._data), attention_reference(q, k, v)) < FORWARD_TOLERANCE
     with pytest.raises(RuntimeError, match="Explicit attn_mask should not be set when is_causal=True"):
         F.scaled_dot_product_attention(*tensors, attn_mask=Tensor(to_device(np.ones((5, 5), bool))), is_causal=True)
 
@@ -288,9 +288,9 @@ def test_scaled_dot_product_attention_dropout_drops_weights_as_f_dropout_does(rn
     manual_seed(11)
     weights = F.softmax((q @ k.transpose(-2, -1)) * (1 / math.sqrt(32)), dim=-1)
     expected = F.dropout(weights, 0.5) @ v
-    assert relative_error(backend.asnumpy(dropped.data), backend.asnumpy(expected.data)) < FORWARD_TOLERANCE
+    assert relative_error(backend.asnumpy(dropped._data), backend.asnumpy(expected._data)) < FORWARD_TOLERANCE
     undropped = F.scaled_dot_product_attention(q, k, v)
-    assert not np.allclose(backend.asnumpy(dropped.data), backend.asnumpy(undropped.data))
+    assert not np.allclose(backend.asnumpy(dropped._data), backend.asnumpy(undropped._data))
 
 
 def test_dropout_scales_kept_elements_and_the_backward_uses_the_same_mask(rng, to_device, to_host):
@@ -299,7 +299,7 @@ def test_dropout_scales_kept_elements_and_the_backward_uses_the_same_mask(rng, t
     x64 = rng.uniform(1.0, 2.0, size=(4, 1000))   # never zero: zeros in y mark dropped elements
     x = Tensor(to_device(x64.astype(np.float32)), requires_grad=True)
     y = F.dropout(x, p=p, training=True)
-    y_host = to_host(y.data)
+    y_host = to_host(y._data)
     kept = y_host != 0
     assert relative_error(y_host[kept], x64[kept] / (1 - p)) < FORWARD_TOLERANCE
     assert abs((~kept).mean() - p) < 0.03           # 4000 draws: the dropped fraction is near p
@@ -307,7 +307,7 @@ def test_dropout_scales_kept_elements_and_the_backward_uses_the_same_mask(rng, t
     y.backward(to_device(dout.astype(np.float32)))
     assert relative_error(to_host(x.grad), dout * kept / (1 - p)) < FORWARD_TOLERANCE
     manual_seed(1234)                               # the same seed gives the same mask
-    again = to_host(F.dropout(Tensor(to_device(x64.astype(np.float32))), p=p).data)
+    again = to_host(F.dropout(Tensor(to_device(x64.astype(np.float32))), p=p)._data)
     assert np.array_equal(again != 0, kept)
     assert F.dropout(x, p=p, training=False) is x   # evaluation: the identity
 

@@ -54,25 +54,25 @@ CASES = {
 def test_each_method_writes_into_self_and_returns_it(case, to_device, to_host):
     method, reference = CASES[case]
     x = tensor(X, to_device)
-    array = x.data
+    array = x._data
     result = method(x, lambda a: tensor(a, to_device))
-    assert result is x and x.data is array  # the same tensor, the same memory
-    assert relative_error(to_host(x.data), reference(X.astype(np.float32).astype(np.float64))) < TOLERANCE
+    assert result is x and x._data is array  # the same tensor, the same memory
+    assert relative_error(to_host(x._data), reference(X.astype(np.float32).astype(np.float64))) < TOLERANCE
     assert x._version == 1
 
 
 def test_copy_converts_to_the_destination_dtype_as_pytorch(to_device, to_host):
     ids = torch.zeros(4, dtype=torch.long)
     ids.copy_(tensor([1.9, -1.9, 0.2, 7.0], to_device))
-    assert ids.dtype == np.int64 and to_host(ids.data).tolist() == [1, -1, 0, 7]  # truncated toward 0
+    assert ids.dtype == np.int64 and to_host(ids._data).tolist() == [1, -1, 0, 7]  # truncated toward 0
     flags = torch.zeros(3, dtype=torch.bool).copy_(tensor([0.0, 2.0, -0.5], to_device))
-    assert to_host(flags.data).tolist() == [False, True, True]
+    assert to_host(flags._data).tolist() == [False, True, True]
 
 
 def test_integer_tensor_keeps_integer_arithmetic(to_device, to_host):
     counts = torch.tensor([1, 2, 3])
     counts.mul_(3).add_(1)
-    assert counts.dtype == np.int64 and to_host(counts.data).tolist() == [4, 7, 10]
+    assert counts.dtype == np.int64 and to_host(counts._data).tolist() == [4, 7, 10]
 
 
 # ---- every reference sees the write ----------------------------------------------------------------------
@@ -82,12 +82,12 @@ def test_other_references_and_views_see_the_change(to_device, to_host):
     alias, flat, row = x, x.view(12), x[1]
     x.add_(1.0)
     expected = X.astype(np.float32) + np.float32(1)
-    assert np.array_equal(to_host(alias.data), expected)
-    assert np.array_equal(to_host(flat.data), expected.reshape(12))
-    assert np.array_equal(to_host(row.data), expected[1])
+    assert np.array_equal(to_host(alias._data), expected)
+    assert np.array_equal(to_host(flat._data), expected.reshape(12))
+    assert np.array_equal(to_host(row._data), expected[1])
     row.mul_(0.0)  # through a view, into the tensor it was taken from
     expected[1] = 0
-    assert np.array_equal(to_host(x.data), expected)
+    assert np.array_equal(to_host(x._data), expected)
     assert x._version == flat._version == row._version == 2  # one counter per storage
     assert x.detach()._version == 2
 
@@ -101,7 +101,7 @@ def test_augmented_assignment_changes_the_tensor_itself(statement, reference, to
     namespace = {"x": x, "y": y}
     exec(statement, namespace)
     assert id(namespace["x"]) == identity  # not rebound to a new tensor
-    assert relative_error(to_host(alias.data), reference(X.astype(np.float32), ROW.astype(np.float32))) < TOLERANCE
+    assert relative_error(to_host(alias._data), reference(X.astype(np.float32), ROW.astype(np.float32))) < TOLERANCE
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def test_in_place_on_a_leaf_that_requires_grad_raises(operation, to_device, to_h
     w = tensor([1.0, 2.0, 3.0], to_device, requires_grad=True)
     with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place"):
         operation(w)
-    assert to_host(w.data).tolist() == [1.0, 2.0, 3.0] and w._version == 0
+    assert to_host(w._data).tolist() == [1.0, 2.0, 3.0] and w._version == 0
 
 
 def test_no_grad_writes_a_parameter_in_place(to_device, to_host):
@@ -123,7 +123,7 @@ def test_no_grad_writes_a_parameter_in_place(to_device, to_host):
     with torch.no_grad():
         weight.mul_(0.5).add_(gradient, alpha=-0.1)  # what an optimizer step does
     expected = ROW.astype(np.float32) * np.float32(0.5) - np.float32(0.1) * normal(4, seed=5).astype(np.float32)
-    assert relative_error(to_host(weight.data), expected) < TOLERANCE
+    assert relative_error(to_host(weight._data), expected) < TOLERANCE
     assert weight.is_leaf and weight.requires_grad and weight.grad_fn is None
     (weight * weight).sum().backward()  # still a parameter: d Σw² / dw = 2w
     assert relative_error(to_host(weight.grad), 2 * expected) < TOLERANCE
@@ -255,7 +255,7 @@ def test_in_place_into_a_view_of_a_tensor_outside_the_graph_joins_it(to_device, 
     assert relative_error(to_host(w.grad), 4 * ROW) < 1e-6
     expected = np.zeros((3, 4))
     expected[1:] = ROW
-    assert relative_error(to_host(total.data), expected) < 1e-6
+    assert relative_error(to_host(total._data), expected) < 1e-6
 
 
 def test_in_place_on_a_view_of_a_leaf_that_requires_grad_raises(to_device, to_host):
@@ -267,7 +267,7 @@ def test_in_place_on_a_view_of_a_leaf_that_requires_grad_raises(to_device, to_ho
         a.T[0].mul_(2.0)
     expected = X.astype(np.float32).copy()
     expected[:, 0] *= 2
-    assert np.array_equal(to_host(a.data), expected)
+    assert np.array_equal(to_host(a._data), expected)
 
 
 # ---- non-contiguous tensors: writes by strides ------------------------------------------------------------------
@@ -298,9 +298,9 @@ def test_in_place_on_a_view_writes_through_to_every_alias(view, case, rng, to_de
                    "copy_": lambda: other.astype(np.float32), "clamp_": lambda: np.clip(target, -0.3, 0.4),
                    "masked_fill_": lambda: np.where(mask, 7.0, target)}[case]()
     assert result is v and not v.is_contiguous() or view == "row"
-    assert relative_error(to_host(x.data), expected) < TOLERANCE
-    assert relative_error(to_host(alias.data), expected.reshape(12)) < TOLERANCE
-    assert relative_error(to_host(v.data), target) < TOLERANCE
+    assert relative_error(to_host(x._data), expected) < TOLERANCE
+    assert relative_error(to_host(alias._data), expected.reshape(12)) < TOLERANCE
+    assert relative_error(to_host(v._data), target) < TOLERANCE
     assert x._version == 1 and v._version == 1
 
 
@@ -314,12 +314,12 @@ def test_in_place_operations_are_captured_and_run_at_each_replay(to_device, to_h
     g = gpt2_cupy.cuda.CUDAGraph()
     with gpt2_cupy.cuda.graph(g):
         x.mul_(0.5).add_(y).clamp_(-1.0, 1.0)
-    assert np.array_equal(to_host(x.data), start)  # recorded, not run
+    assert np.array_equal(to_host(x._data), start)  # recorded, not run
     expected = start.astype(np.float64)
     for _ in range(2):
         g.replay()
         expected = np.clip(expected * 0.5 + step, -1.0, 1.0)
-        assert relative_error(to_host(x.data), expected) < 1e-6
+        assert relative_error(to_host(x._data), expected) < 1e-6
 
 
 def test_a_view_taken_before_an_in_place_write_into_its_base_follows_the_write(to_device, to_host):

@@ -202,7 +202,7 @@ def test_loss_and_every_gradient_match_the_float64_reference(rng, to_device, to_
     _, loss = model(to_device(idx), to_device(targets))
     loss.backward()
     expected_loss, expected_grads = reference_gpt2(params, idx, targets, config.n_layer, config.n_head)
-    assert relative_error(to_host(loss.data), expected_loss) < 1e-5
+    assert relative_error(to_host(loss._data), expected_loss) < 1e-5
     for name, parameter in model.named_parameters():
         error = relative_error(to_host(parameter.grad), expected_grads[name])
         assert error < 1e-4, f"{name}: relative error {error:.3g}"
@@ -254,7 +254,7 @@ def test_variants_match_the_float64_loss_and_finite_differences(norm, attention,
     idx, targets = tiny_batch(rng, config, T=5)
     _, loss = model(to_device(idx), to_device(targets))
     loss.backward()
-    assert relative_error(to_host(loss.data), reference_loss(params, idx, targets, config)) < 1e-5
+    assert relative_error(to_host(loss._data), reference_loss(params, idx, targets, config)) < 1e-5
     for name, parameter in model.named_parameters():   # two entries of every parameter
         gradient = to_host(parameter.grad)
         for flat_index in rng.choice(gradient.size, size=min(2, gradient.size), replace=False):
@@ -280,8 +280,8 @@ def test_kv_cache_gives_the_logits_of_the_full_forward(rng, to_device, to_host):
         pieces = [model(to_device(to_host(idx)[:, start:end]), kv_cache=cache)[0]
                   for start, end in [(0, 5), (5, 6), (6, 9), (9, 10)]]   # a prompt, one token, three, one
     assert cache.length == 10
-    cached = np.concatenate([to_host(piece.data) for piece in pieces], axis=1)
-    assert relative_error(cached, to_host(full.data)) < 1e-5
+    cached = np.concatenate([to_host(piece._data) for piece in pieces], axis=1)
+    assert relative_error(cached, to_host(full._data)) < 1e-5
     with pytest.raises(RuntimeError, match="no_grad"):
         model(idx[:, :1], kv_cache=cache)
 
@@ -290,9 +290,9 @@ def test_dropout_is_on_in_training_and_off_in_evaluation(rng, to_device, to_host
     model = GPT(GPTConfig(**TINY, dropout=0.5))
     idx = to_device(rng.integers(0, 37, size=(2, 7)))
     with no_grad():
-        first, second = (to_host(model(idx)[0].data) for _ in range(2))
+        first, second = (to_host(model(idx)[0]._data) for _ in range(2))
         model.eval()
-        third, fourth = (to_host(model(idx)[0].data) for _ in range(2))
+        third, fourth = (to_host(model(idx)[0]._data) for _ in range(2))
     assert not np.array_equal(first, second)      # fresh masks each call
     assert np.array_equal(third, fourth)
     assert not any(module.training for _, module in model.named_modules())
@@ -301,7 +301,7 @@ def test_dropout_is_on_in_training_and_off_in_evaluation(rng, to_device, to_host
 def test_module_api(rng, to_device, to_host):
     layer = nn.Linear(5, 3)
     assert [name for name, _ in layer.named_parameters()] == ["weight", "bias"]
-    assert abs(to_host(layer.weight.data)).max() <= 1 / math.sqrt(5)   # PyTorch's U(±1/√in)
+    assert abs(to_host(layer.weight._data)).max() <= 1 / math.sqrt(5)   # PyTorch's U(±1/√in)
     buffers = [np.ones(p.shape, np.float32) for p in layer.parameters()]
     for parameter, buffer in zip(layer.parameters(), buffers):
         parameter.grad = to_device(buffer)
@@ -311,16 +311,16 @@ def test_module_api(rng, to_device, to_host):
     layer.zero_grad()                                   # PyTorch's default: set_to_none=True
     assert all(p.grad is None for p in layer.parameters())
     state = {"weight": np.zeros((3, 5), np.float32), "bias": np.arange(3, dtype=np.float32)}
-    data = layer.weight.data
+    data = layer.weight._data
     layer.load_state_dict(state)
-    assert layer.weight.data is data and np.array_equal(to_host(layer.bias.data), state["bias"])
+    assert layer.weight._data is data and np.array_equal(to_host(layer.bias._data), state["bias"])
     with pytest.raises(RuntimeError, match="Error\\(s\\) in loading state_dict for Linear:\n\tMissing key\\(s\\) in "
                                            "state_dict: 'bias'"):
         layer.load_state_dict({"weight": state["weight"]})
     with pytest.raises(RuntimeError, match="size mismatch for weight"):
         layer.load_state_dict({"weight": np.zeros((5, 3), np.float32), "bias": state["bias"]})
     x = Tensor(to_device(rng.normal(size=(2, 5)).astype(np.float32)))
-    assert relative_error(to_host(layer(x).data), to_host(x.data) @ state["weight"].T + state["bias"]) < 1e-6
+    assert relative_error(to_host(layer(x)._data), to_host(x._data) @ state["weight"].T + state["bias"]) < 1e-6
 
 
 def test_save_and_load_round_trip(tmp_path, rng, to_device, to_host):
@@ -334,7 +334,7 @@ def test_save_and_load_round_trip(tmp_path, rng, to_device, to_host):
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     idx = to_device(rng.integers(0, 37, size=(1, 5)))
     with no_grad():
-        assert np.array_equal(to_host(model(idx)[0].data), to_host(loaded(idx)[0].data))
+        assert np.array_equal(to_host(model(idx)[0]._data), to_host(loaded(idx)[0]._data))
 
 
 def test_configure_optimizers_groups_as_nanogpt():
@@ -380,7 +380,7 @@ def test_loss_and_gradients_match_pytorch(rng, to_device, to_host):
     torch_loss = _torch_gpt2(torch, params, torch.tensor(idx, device=device), torch.tensor(targets, device=device),
                              config)
     torch_loss.backward()
-    assert relative_error(to_host(loss.data), torch_loss.item()) < 1e-4
+    assert relative_error(to_host(loss._data), torch_loss.item()) < 1e-4
     for name, parameter in model.named_parameters():
         error = relative_error(to_host(parameter.grad), params[name].grad.cpu().numpy())
         assert error < 1e-4, f"{name}: relative error {error:.3g}"

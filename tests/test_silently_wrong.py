@@ -254,6 +254,46 @@ def test_triangles_of_a_bool_tensor(upper, diagonal):
 
 def test_b_an_update_through_data_is_in_place():
     layer, _ = _trained_linear()
-    data = layer.weight.data
+    array = layer.weight._data
     layer.weight.data += -0.1 * layer.weight.grad
-    assert layer.weight.data is data   # the same memory (an optimizer's flat buffer, a state_dict's entry)
+    assert layer.weight._data is array   # the same memory (an optimizer's flat buffer, a state_dict's entry)
+
+
+def test_b_data_is_a_tensor_with_pytorchs_statistics():
+    """p.data.std() as in the lectures' update-to-data ratio: the Tensor's unbiased std, not numpy's biased one."""
+    layer, _ = _trained_linear()
+    weight64 = host(layer.weight)
+    data = layer.weight.data
+    assert isinstance(data, torch.Tensor) and not data.requires_grad and data.grad_fn is None
+    assert data.std().item() == pytest.approx(weight64.std(ddof=1), rel=1e-6)
+    assert abs(data.std().item() - weight64.std()) > 1e-3 * weight64.std()   # the biased std would differ
+    assert np.allclose(host(layer.weight.grad.data.std()), host(layer.weight.grad).std(ddof=1), rtol=1e-6)
+
+
+def test_b_an_update_through_data_lands_in_the_optimizers_flat_buffer():
+    layer, _ = _trained_linear()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    optimizer.step()                        # packs the parameters into its flat buffer
+    w, g = host(layer.weight), host(layer.weight.grad)
+    layer.weight.data += -0.1 * layer.weight.grad
+    flat = backend.asnumpy(optimizer.flat_params).astype(np.float64)
+    assert np.allclose(host(layer.weight), w - 0.1 * g, rtol=1e-6)
+    assert np.isin(host(layer.weight).ravel(), flat).all()   # the new values are in the buffer itself
+    layer.bias.data.zero_()
+    assert not host(layer.bias).any()
+    layer.weight.grad.zero_()
+    optimizer.step()                        # the step reads the buffer: the values written through .data stay
+    assert np.allclose(host(layer.weight), w - 0.1 * g, rtol=1e-6)
+
+
+def test_b_assigning_data_takes_the_tensors_storage_or_raises_as_pytorch():
+    layer, _ = _trained_linear()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+    new = torch.ones(3, 4)
+    layer.weight.data = new
+    assert layer.weight._data is new._data and layer.weight.requires_grad
+    layer.weight.grad = torch.ones(3, 4)
+    optimizer.step()                        # copied into the optimizer's buffer, then stepped
+    assert np.allclose(host(layer.weight), 0.5)
+    with pytest.raises(TypeError, match="Variable data has to be a tensor, but got ndarray"):
+        layer.weight.data = np.zeros((3, 4), np.float32)

@@ -28,8 +28,8 @@ def test_entries_are_detached_tensors_over_the_parameters_arrays(to_host):
     assert list(state) == ["fc.weight", "fc.bias", "head.weight", "scale"]
     for name, value in state.items():
         assert isinstance(value, Tensor) and not value.requires_grad and value.grad_fn is None, name
-    assert state["fc.weight"].data is model.fc.weight.data and state["head.weight"].data is model.fc.weight.data
-    assert state["scale"].data is model.scale.data
+    assert state["fc.weight"]._data is model.fc.weight._data and state["head.weight"]._data is model.fc.weight._data
+    assert state["scale"]._data is model.scale._data
     assert model.fc.weight.requires_grad  # detaching the entry leaves the parameter as it was
 
 
@@ -40,10 +40,10 @@ def test_copy_into_an_entry_writes_the_parameter(rng, to_device, to_host):
     with torch.no_grad():
         model.state_dict()["fc.weight"].copy_(Tensor(to_device(new_weight)))
         model.state_dict()["fc.bias"].copy_(Tensor(to_device(new_bias)))
-    np.testing.assert_array_equal(to_host(model.fc.weight.data), new_weight)
-    np.testing.assert_array_equal(to_host(model.head.weight.data), new_weight)  # the tied name too
+    np.testing.assert_array_equal(to_host(model.fc.weight._data), new_weight)
+    np.testing.assert_array_equal(to_host(model.head.weight._data), new_weight)  # the tied name too
     x = rng.normal(size=(2, 3)).astype(np.float32)
-    out = to_host(model.fc(Tensor(to_device(x))).data)
+    out = to_host(model.fc(Tensor(to_device(x)))._data)
     np.testing.assert_allclose(out, x.astype(np.float64) @ new_weight.T + new_bias, rtol=1e-5, atol=1e-6)
 
 
@@ -78,5 +78,5 @@ def test_save_load_and_load_state_dict_round_trip(rng, to_device, to_host):
         np.testing.assert_array_equal(value.numpy(), expected[name])
     assert other.head.weight is other.fc.weight  # tying survives the load
     # the loaded Tensors were copied in, not adopted: changing them leaves the model alone
-    loaded["fc.bias"].data[...] = 0
+    loaded["fc.bias"]._data[...] = 0
     np.testing.assert_array_equal(other.fc.bias.detach().numpy(), expected["fc.bias"])

@@ -28,7 +28,7 @@ def check_activation(module, reference, rng, to_device, to_host):
     dout = rng.normal(size=x64.shape)
     x = torch.Tensor(to_device(x64.astype(np.float32)), requires_grad=True)
     y = module(x)
-    assert relative_error(to_host(y.data), reference(x64)) < TOLERANCE
+    assert relative_error(to_host(y._data), reference(x64)) < TOLERANCE
     y.backward(to_device(dout.astype(np.float32)))
     numeric = finite_difference_gradient(lambda: np.sum(dout * reference(x64)), x64)
     assert relative_error(to_host(x.grad), numeric) < 1e-4
@@ -50,10 +50,10 @@ def test_sequential_runs_its_modules_in_order(rng, to_device, to_host):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
     x64 = rng.normal(size=(4, 5))
-    w1, b1, w2, b2 = (to_host(p.data).astype(np.float64) for p in model.parameters())
+    w1, b1, w2, b2 = (to_host(p._data).astype(np.float64) for p in model.parameters())
     expected = np.maximum(x64 @ w1.T + b1, 0) @ w2.T + b2
     y = model(torch.Tensor(to_device(x64.astype(np.float32))))
-    assert relative_error(to_host(y.data), expected) < TOLERANCE
+    assert relative_error(to_host(y._data), expected) < TOLERANCE
     assert [name for name, _ in model.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert len(model) == 3 and isinstance(model[1], nn.ReLU) and len(model[1:]) == 2
     named = nn.Sequential(OrderedDict(fc=nn.Linear(5, 8), act=nn.GELU()))
@@ -75,10 +75,10 @@ def test_module_tree_apply_children_buffers_and_repr(to_device, to_host):
     model.apply(lambda module: visited.append(type(module).__name__))
     assert visited[-1] == "ModuleDict" and visited.count("Linear") == 2
     zeroed = model.apply(lambda m: nn.init.zeros_(m.fc.weight) if isinstance(m, Block) else None)
-    assert zeroed is model and not to_host(model.blocks[0].fc.weight.data).any()
+    assert zeroed is model and not to_host(model.blocks[0].fc.weight._data).any()
     assert "blocks.0.mask" in model.state_dict() and "blocks.0.scratch" not in model.state_dict()
     assert all("mask" not in name for name, _ in model.named_parameters())
-    assert np.array_equal(to_host(model.blocks[1].mask.data), np.tril(np.ones((3, 3))))
+    assert np.array_equal(to_host(model.blocks[1].mask._data), np.tril(np.ones((3, 3))))
     assert model.to("cuda") is model and model.to(torch.float32) is model
     with pytest.raises(NotImplementedError, match="ModuleDict.to: dtype float16 is not supported yet"):
         model.to(torch.float16)
@@ -105,33 +105,33 @@ def test_module_list_slices_and_parameter_of_a_tensor(to_device, to_host):
     assert len(layers) == 5
     values = torch.Tensor(to_device(np.arange(6, dtype=np.float32).reshape(2, 3)))
     parameter = nn.Parameter(values)
-    assert parameter.requires_grad and parameter.data is values.data   # shares the tensor's array
+    assert parameter.requires_grad and parameter._data is values._data   # shares the tensor's array
 
 
 def test_load_state_dict_takes_tensors_or_arrays(rng, to_device, to_host):
     layer = nn.Linear(3, 2)
     weight, bias = rng.normal(size=(2, 3)).astype(np.float32), rng.normal(size=2).astype(np.float32)
     layer.load_state_dict({"weight": torch.Tensor(to_device(weight)), "bias": to_device(bias)})
-    assert np.array_equal(to_host(layer.weight.data), weight) and np.array_equal(to_host(layer.bias.data), bias)
+    assert np.array_equal(to_host(layer.weight._data), weight) and np.array_equal(to_host(layer.bias._data), bias)
     layer.load_state_dict({"weight": weight * 2, "bias": bias})  # numpy arrays on either backend
-    assert np.array_equal(to_host(layer.weight.data), weight * 2)
+    assert np.array_equal(to_host(layer.weight._data), weight * 2)
 
 
 def test_init_functions_draw_the_stated_distributions(to_host):
     torch.manual_seed(0)
     weight = nn.Parameter(np.zeros((300, 200), np.float32))
-    values = to_host(nn.init.normal_(weight, mean=1.0, std=0.5).data)
+    values = to_host(nn.init.normal_(weight, mean=1.0, std=0.5)._data)
     assert abs(values.mean() - 1.0) < 0.01 and abs(values.std() - 0.5) < 0.01   # 60 000 draws
-    values = to_host(nn.init.uniform_(weight, -2.0, 3.0).data)
+    values = to_host(nn.init.uniform_(weight, -2.0, 3.0)._data)
     assert values.min() >= -2.0 and values.max() < 3.0 and abs(values.mean() - 0.5) < 0.03
     bound = math.sqrt(6 / (200 + 300))
-    values = to_host(nn.init.xavier_uniform_(weight).data)
+    values = to_host(nn.init.xavier_uniform_(weight)._data)
     assert np.abs(values).max() <= bound and np.abs(values).max() > 0.99 * bound
-    assert not to_host(nn.init.zeros_(weight).data).any() and (to_host(nn.init.ones_(weight).data) == 1).all()
+    assert not to_host(nn.init.zeros_(weight)._data).any() and (to_host(nn.init.ones_(weight)._data) == 1).all()
     torch.manual_seed(5)
-    first = to_host(nn.init.normal_(weight).data).copy()
+    first = to_host(nn.init.normal_(weight)._data).copy()
     torch.manual_seed(5)
-    assert np.array_equal(to_host(nn.init.normal_(weight).data), first)
+    assert np.array_equal(to_host(nn.init.normal_(weight)._data), first)
 
 
 def test_clip_grad_norm_returns_the_norm_as_a_new_tensor(rng, to_device, to_host):
@@ -147,8 +147,8 @@ def test_clip_grad_norm_returns_the_norm_as_a_new_tensor(rng, to_device, to_host
         norm = nn.utils.clip_grad_norm_(parameters, 1.0)
         again = nn.utils.clip_grad_norm_(parameters, 1.0)
         assert isinstance(norm, torch.Tensor) and norm is not again
-        assert relative_error(to_host(norm.data), expected) < TOLERANCE      # kept: not overwritten by again
-        assert abs(to_host(again.data) - 1.0) < 1e-5
+        assert relative_error(to_host(norm._data), expected) < TOLERANCE      # kept: not overwritten by again
+        assert abs(to_host(again._data) - 1.0) < 1e-5
         for p, g in zip(parameters, gradients):
             assert relative_error(to_host(p.grad), g / (expected + 1e-6)) < TOLERANCE
 
@@ -157,7 +157,7 @@ def test_torch_names(to_device, to_host):
     assert torch.long == np.int64 and torch.float32 == np.float32 and torch.int32 == np.int32
     array = np.arange(5)
     tensor = torch.from_numpy(array)
-    assert tensor.dtype == np.int64 and np.array_equal(to_host(tensor.data), array)
+    assert tensor.dtype == np.int64 and np.array_equal(to_host(tensor._data), array)
     assert torch.tensor([1.5, 2]).dtype == np.float32 and torch.tensor([1, 2]).dtype == np.int64
     assert torch.cuda.is_available() == (backend.name == "cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -189,13 +189,13 @@ def test_save_and_load_state_dicts_and_checkpoints(tmp_path, rng, to_device, to_
     torch.save(checkpoint, tmp_path / "ckpt.pt")
     loaded = torch.load(tmp_path / "ckpt.pt", map_location="cpu")
     assert loaded["iter_num"] == 7 and loaded["config"] == {"n_layer": 2, "name": "tiny"}
-    assert np.array_equal(to_host(loaded["ids"].data), np.arange(4)) and isinstance(loaded["ids"], torch.Tensor)
+    assert np.array_equal(to_host(loaded["ids"]._data), np.arange(4)) and isinstance(loaded["ids"], torch.Tensor)
     assert isinstance(loaded["array"], backend.xp.ndarray)
     for name, value in checkpoint["model"].items():
         assert np.array_equal(loaded["model"][name], value)
     other = nn.Sequential(nn.Linear(3, 4), nn.GELU())
     other.load_state_dict(loaded["model"])
-    assert np.array_equal(to_host(other[0].weight.data), to_host(model[0].weight.data))
+    assert np.array_equal(to_host(other[0].weight._data), to_host(model[0].weight._data))
     resumed = torch.optim.AdamW(other.parameters(), lr=1e-3)
     resumed.load_state_dict(loaded["optimizer"])
 

@@ -30,6 +30,7 @@ import numpy
 
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import Tensor, bump_version
+from gpt2_cupy.elementwise import converted
 from gpt2_cupy.random import init_generator
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.nn import init, utils
@@ -45,7 +46,7 @@ class Parameter(Tensor):
         if data is None:
             data = numpy.empty(0, numpy.float32)
         if isinstance(data, Tensor):
-            data = data.data
+            data = data._data
         super().__init__(backend.xp.asarray(data, dtype=numpy.float32), requires_grad=requires_grad)
 
     def __repr__(self):
@@ -154,13 +155,13 @@ class Module:
         for name, value in state_dict.items():
             if name not in tensors:
                 continue
-            value = value.data if isinstance(value, Tensor) else value
+            value = value._data if isinstance(value, Tensor) else value
             tensor = tensors[name]
             if tuple(value.shape) != tensor.shape:
                 raise RuntimeError(f"load_state_dict: size mismatch for {name}: copying a param with shape "
                                    f"{tuple(value.shape)}, the shape in current model is {tensor.shape}")
-            tensor.data[...] = backend.xp.asarray(value, dtype=tensor.dtype)
-            bump_version(tensor.data)   # an in-place write, as PyTorch's copy_ into the parameter
+            tensor._data[...] = backend.xp.asarray(value, dtype=tensor.dtype)
+            bump_version(tensor._data)   # an in-place write, as PyTorch's copy_ into the parameter
         return missing, unexpected
 
     def apply(self, fn):
@@ -175,17 +176,15 @@ class Module:
         a dtype (float32 or bfloat16) converts every parameter in place, each converted once (a tied matrix
         stays one matrix). bf16 parameters are for inference (generation); training keeps float32 masters
         and runs bf16 under gpt2_cupy.autocast. Returns self."""
-        from gpt2_cupy import dtype_of
-        from gpt2_cupy.elementwise import converted
         for argument in (*arguments, *options.values()):
             if argument is None or isinstance(argument, str) or type(argument).__name__ == "device":
                 continue
-            dtype = dtype_of(argument)
+            dtype = numpy.dtype(argument)
             if dtype not in (numpy.float32, BFLOAT16):
                 raise NotImplementedError(f"{type(self).__name__}.to: dtype {argument} is not supported yet; "
                                           "parameters are float32 or bfloat16")
             for parameter in self.parameters():
-                parameter.data = converted(parameter.data, dtype)
+                parameter._data = converted(parameter._data, dtype)
         return self
 
     def bfloat16(self):
@@ -225,7 +224,7 @@ class Module:
             if set_to_none:
                 parameter.grad = None
             elif parameter.grad is not None:
-                backend.fill_zero(parameter.grad.data)  # in place: the buffer may be a view into the optimizer's flat one
+                backend.fill_zero(parameter.grad._data)  # in place: the buffer may be a view into the optimizer's flat one
 
 
 class ModuleList(Module):

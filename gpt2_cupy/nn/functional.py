@@ -462,7 +462,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     if reduction not in REDUCTIONS:
         raise ValueError(f"cross_entropy: reduction={reduction!r} is not a valid value; use one of {REDUCTIONS}")
     if isinstance(target, Tensor):
-        target = target.data
+        target = target._data
     target = _int32(target, "cross_entropy", "target")
     if input.ndim != 2 or target.shape != input.shape[:1]:
         raise ValueError(f"cross_entropy: input must be (N, C) logits and target (N,) class indices; got input "
@@ -526,7 +526,7 @@ def _float32(parameter):
 def _int32(ids, operation, name):
     """ids as a C-contiguous int32 backend array (token ids fit easily in 32 bits)."""
     if isinstance(ids, Tensor):
-        ids = ids.data
+        ids = ids._data
     if not isinstance(ids, backend.xp.ndarray):
         raise TypeError(f"{operation}: {name} must be a {backend.xp.__name__}.ndarray of integers, "
                         f"got {type(ids).__name__}")
@@ -665,7 +665,7 @@ def causal_attention(q, k, v):
 
 def one_hot(tensor, num_classes=-1):
     """int64 (..., num_classes): 1 where the last axis equals the id; num_classes -1 means max + 1."""
-    ids = tensor.data
+    ids = tensor._data
     if ids.dtype.kind not in "iu":
         raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
     if num_classes == -1:

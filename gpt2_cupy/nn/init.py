@@ -15,8 +15,8 @@ from gpt2_cupy.random import host_stream
 
 
 def _fill(tensor, values):
-    tensor.data[...] = backend.xp.asarray(numpy.asarray(values, dtype=tensor.dtype))
-    bump_version(tensor.data)   # an in-place write, as PyTorch's init functions are
+    tensor._data[...] = backend.xp.asarray(numpy.asarray(values, dtype=tensor.dtype))
+    bump_version(tensor._data)   # an in-place write, as PyTorch's init functions are
     return tensor
 
 

@@ -230,9 +230,9 @@ class DistributedDataParallel(Module):
         self.require_backward_grad_sync = True
         self.reducer = None  # made at the first forward that needs it: the optimizer must exist by then
         for parameter in module.parameters():
-            distributed.broadcast(parameter.data, src=0)
+            distributed.broadcast(parameter._data, src=0)
         for buffer in module.buffers():
-            distributed.broadcast(_bytes_of(buffer.data), src=0)
+            distributed.broadcast(_bytes_of(buffer._data), src=0)
 
     def forward(self, *inputs, **options):
         if self.reducer is not None and not self.reducer.finished:

@@ -23,7 +23,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if owner is not None and len(owners) == 1 and {id(p) for p in parameters} == {id(e[0]) for e in owner._packed}:
         return Tensor(owner.clip_grad_norm_(max_norm))
     xp = backend.xp
-    grads = [p.grad.data for p in parameters if p.grad is not None]
+    grads = [p.grad._data for p in parameters if p.grad is not None]
     norm = xp.sqrt(sum((xp.sum(g.astype(numpy.float64) ** 2) for g in grads), xp.zeros((), numpy.float64)))
     factor = xp.minimum(1.0, max_norm / (norm + 1e-6)).astype(numpy.float32)
     for g in grads:

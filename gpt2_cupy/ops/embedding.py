@@ -29,6 +29,7 @@ The kernels are kernels/embedding.cu, taught in chapters/06_embedding.ipynb.
 import numpy as np
 
 from gpt2_cupy import backend, kernels
+from gpt2_cupy.graphs import is_current_stream_capturing
 from gpt2_cupy.ops.arrays import (FLOAT32, LARGEST_INT, STORAGE_DTYPES, THREADS_PER_BLOCK, WARP_SIZE, ceil_div, check,
                                   output, row_width, storage_c_type, storage_dtype)
 
@@ -111,8 +112,6 @@ def _output(operation, out, sizes, dtype=FLOAT32):
 def _check_ids(operation, ids, V):
     """ValueError unless every id is in [0, V). On a GPU this waits for the ids and reads two numbers back,
     which a CUDA graph's capture cannot do: skipped then (the kernels still never leave the table)."""
-    from gpt2_cupy.graphs import is_current_stream_capturing
-
     if ids.size == 0 or is_current_stream_capturing():
         return
     smallest, largest = int(ids.min()), int(ids.max())
