@@ -31,6 +31,11 @@ STATIC_SHARED_LIMIT_BYTES = 48 * 1024
 # of runtime.cpp's (shared_arena_bytes: 4 MiB) that holds them, the dynamic memory and the room after it.
 MODULE_SHARED_LIMIT_BYTES = 1024 * 1024
 DYNAMIC_SHARED_ALIGNMENT = 128  # runtime.cpp's dynamic_shared_alignment
+# A GPU gives a block its shared memory (__shared__ variables and dynamic memory together) in whole units of this
+# many bytes: a read past the last array that stays inside the last unit does not fault. On an H100, 8 floats of
+# __shared__ read up to their 32nd float run on, and 128 bytes of dynamic memory read at byte 128 stop the kernel
+# (tests/test_conformance_shared_bounds.py).
+SHARED_ALLOCATION_BYTES = 128
 # Below a block's own shared memory an H100 keeps 1 KiB for the system, inside the block's window: a read a little
 # before the first array does not fault there.
 RESERVED_SHARED_BYTES = 1024
@@ -324,7 +329,7 @@ class Function:
         entry_address = (self.race_check_entry_address() if race_build else None) or self._entry_address
         track_races = track_races and entry_address != self._entry_address
         result, output = runtime.launch(entry_address, self._pack(*values), grid, block, reverse_order, track_races,
-                                        global_ranges, shared_mem, _shared_slack_bytes(self.shared_layout),
+                                        global_ranges, shared_mem, _shared_slack_bytes(self.shared_layout, shared_mem),
                                         _dynamic_offset_above_lower_guard(self.shared_layout, shared_mem)
                                         if shared_against_lower_guard else None)
         if output and show_output:
@@ -426,12 +431,15 @@ def _static_shared_bytes(shared_layout, kernel_name):
     return max(per_instance.values(), default=0)
 
 
-def _shared_slack_bytes(shared_layout):
+def _shared_slack_bytes(shared_layout, dynamic_bytes):
     """Where the guard after the block's shared memory must lie, past its end, so that only an access no GPU layout
-    keeps inside the window faults: the bytes of the __shared__ declarations below the last one. Reading past the
-    end of the last by fewer bytes may, on a GPU that put it lower, read another; a read that reaches the guard is
-    past the end of the window in any order (with a single declaration, right at the end)."""
-    return shared_layout[-1].offset if shared_layout else 0
+    keeps inside the window faults: the bytes of the __shared__ declarations below the last one (reading past the
+    end of the last by fewer bytes may, on a GPU that put it lower, read another), and the rest of the last
+    SHARED_ALLOCATION_BYTES unit the block's shared memory is given in. A read that reaches the guard is past the
+    end of the window in any order and in any unit."""
+    total = _shared_total_bytes(shared_layout) + dynamic_bytes
+    rest_of_unit = _round_up(total, SHARED_ALLOCATION_BYTES) - total
+    return (shared_layout[-1].offset if shared_layout else 0) + rest_of_unit
 
 
 def _dynamic_offset_above_lower_guard(shared_layout, dynamic_bytes):

@@ -1262,8 +1262,11 @@ void place_shared_window(unsigned long long dynamic_bytes, unsigned long long sl
         arena.dynamic = arena.low + std::min<unsigned long long>(dynamic_offset, shared_arena_bytes / 2);
         return;
     }
+    // A launch's dynamic memory is aligned to 128 bytes. Without any, the __shared__ variables below end where the
+    // slack says (16 bytes apart; cuda_builtins.h aligns each variable down as it needs), not a whole unit lower.
+    const uintptr_t alignment = arena.dynamic_bytes != 0 ? dynamic_shared_alignment : 16;
     arena.dynamic = reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(arena.guard - slack_bytes - arena.dynamic_bytes) &
-                                            ~(uintptr_t)(dynamic_shared_alignment - 1));
+                                            ~(alignment - 1));
 }
 
 // Runs blocks of the launch until none are left; returns when done or failed.
