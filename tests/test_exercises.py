@@ -203,6 +203,16 @@ BROKEN = {
         "guard": ("if (i < n) {", "{"),
         "wrong element": ("y[i] =", "y[n - 1 - i] ="),
     },
+    # Chapter 18
+    "18.reduce_scatter": {
+        "guard": ("if (i < shard_size) {", "{"),
+        "wrong element": ("int j = rank * shard_size + i;", "int j = i;"),
+    },
+    "18.shard_sum_of_squares": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("value = gradients[i] * gradients[i];", "value = gradients[n - 1 - i] * gradients[i];"),
+        "barrier": ("    __syncthreads();\n    for", "    for"),
+    },
 }
 
 IDS = [exercise_id for exercise_id, _, _ in exercises.list()]

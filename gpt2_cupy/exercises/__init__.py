@@ -15,7 +15,7 @@ from gpt2_cupy import kernels
 from gpt2_cupy.exercises import (chapter_00, chapter_01, chapter_02, chapter_03, chapter_04, chapter_05, chapter_06,
                                  chapter_07, chapter_08, chapter_09)
 from gpt2_cupy.exercises import chapter_10, chapter_11, chapter_11b, chapter_12, chapter_13, chapter_14
-from gpt2_cupy.exercises import chapter_16a, chapter_16b, chapter_16c
+from gpt2_cupy.exercises import chapter_16a, chapter_16b, chapter_16c, chapter_18
 from gpt2_cupy.exercises.checker import Exercise, Result, run_check
 
 __all__ = ["check", "list", "solution", "exercise", "Exercise", "Result"]
@@ -23,7 +23,7 @@ __all__ = ["check", "list", "solution", "exercise", "Exercise", "Result"]
 _CHAPTERS = (chapter_00, chapter_01, chapter_02, chapter_03, chapter_04, chapter_05, chapter_06, chapter_07, chapter_08,
              chapter_09,
              chapter_10, chapter_11, chapter_11b, chapter_12, chapter_13, chapter_14,
-             chapter_16a, chapter_16b, chapter_16c)
+             chapter_16a, chapter_16b, chapter_16c, chapter_18)
 _EXERCISES = {exercise.id: exercise for chapter in _CHAPTERS for exercise in chapter.EXERCISES}
 
 
