@@ -32,6 +32,8 @@ dtype ctx.grad_buffer hands out a float32 buffer, which the Node converts to the
 """
 
 import contextlib
+import copy
+import threading
 import weakref
 
 import numpy
@@ -42,7 +44,34 @@ from gpt2_cupy.ops.arrays import storage_of
 from gpt2_cupy.elementwise import contiguous, converted as _as_dtype
 
 _grad_enabled = True    # switched off inside `with no_grad():`
-_dropout_state = {}     # "rng": dropout's (seed, offset) device array; "init": numpy's generator for weights
+
+
+class _RandomState:
+    """"rng": dropout's (seed, offset) device array; "seed"; "init": numpy's generator for weights. The process's,
+    or, in a thread that called use_own_random_state (a simulated rank of distributed.run_simulated), its own."""
+
+    def __init__(self):
+        self.process, self.threads = {}, threading.local()
+
+    def _current(self):
+        own = getattr(self.threads, "state", None)
+        return self.process if own is None else own
+
+    def __getitem__(self, key):
+        return self._current()[key]
+
+    def __setitem__(self, key, value):
+        self._current()[key] = value
+
+    def __contains__(self, key):
+        return key in self._current()
+
+    def get(self, key, default=None):
+        return self._current().get(key, default)
+
+
+_dropout_state = _RandomState()
+_dropout_part = threading.local()  # .index, .parts: this thread's rows' place in the global batch (dropout_batch_part)
 
 _DTYPE_NAMES = {"float32": "torch.float32", "float64": "torch.float64", "int32": "torch.int32",
                 "int64": "torch.int64", "bool": "torch.bool", "uint8": "torch.uint8", "float16": "torch.float16",
@@ -813,3 +842,35 @@ def dropout_rng_state():
 def initial_seed():
     dropout_rng_state()
     return _dropout_state["seed"]
+
+
+def use_own_random_state():
+    """From now on this thread draws from generators of its own, copies of the process's: a simulated rank (a
+    thread of distributed.run_simulated) seeds and advances them as a process of its own would."""
+    process = _dropout_state.process
+    own = {"rng": process["rng"].copy(), "seed": process["seed"], "init": copy.deepcopy(process["init"])} \
+        if "rng" in process else {}
+    _dropout_state.threads.state = own
+
+
+@contextlib.contextmanager
+def dropout_batch_part(index, parts):
+    """Inside the block this thread's batch is part `index` of `parts` equal parts of a global batch, along the
+    leading axis of every tensor that dropout drops (rank `index` of `parts` under data parallelism): each
+    dropout draws the random numbers of its elements' places in the global tensor, and moves the generator past
+    all the parts, so that the parts together draw what one process draws for the whole batch."""
+    if not 0 <= index < parts:
+        raise ValueError(f"dropout_batch_part: index must be in [0, {parts - 1}], got {index}")
+    previous = getattr(_dropout_part, "place", (0, 1))
+    _dropout_part.place = (index, parts)
+    try:
+        yield
+    finally:
+        _dropout_part.place = previous
+
+
+def dropout_draw(count):
+    """(start, advance) of a dropout over `count` elements of this thread's batch: the stream index of its first
+    element, and how far the generator's offset moves past it (count, or the whole global batch's)."""
+    index, parts = getattr(_dropout_part, "place", (0, 1))
+    return index * count, parts * count

@@ -17,7 +17,8 @@ knows which one it has:
                     it runs on the group's own stream instead, after what the current stream has queued,
                     and the returned Work's wait() makes the current stream wait for it (still no host wait).
     SimulatedGroup  N ranks as N threads of one process, for the CPU executor and the tests:
-                    run_simulated(N, function) calls function(rank) on each. A collective waits until every
+                    run_simulated(N, function) calls function(rank) on each, with generators of its own (as a
+                    process has). A collective waits until every
                     rank has called it, then computes the result from every rank's arrays.
 
 The NCCL unique id, the 128 bytes every rank needs to find the others, comes from the launcher
@@ -38,7 +39,7 @@ from pathlib import Path
 import numpy
 
 from gpt2_cupy import backend
-from gpt2_cupy.autograd import Tensor
+from gpt2_cupy.autograd import Tensor, use_own_random_state
 from gpt2_cupy.data import write_atomically
 
 ID_VARIABLE = "GPT2_CUPY_NCCL_ID"            # the unique id, as 256 hex digits
@@ -479,6 +480,7 @@ def run_simulated(world_size, function):
         _thread_group.group = SimulatedGroup(world, rank)
         with world.turn:
             try:
+                use_own_random_state()  # a rank's generators are its own, as a process's are
                 results[rank] = function(rank)
                 world.finish(rank)
             except BaseException as error:  # noqa: B036 (KeyboardInterrupt too: the others must not hang)

@@ -125,6 +125,19 @@ def test_n_ranks_take_the_steps_of_one_process_with_n_times_the_batch(tmp_path_f
         np.testing.assert_array_equal(parameters[rank], parameters[0])  # every rank holds the same model
 
 
+def test_with_dropout_n_ranks_draw_the_masks_of_one_process_rows(tmp_path_factory):
+    """Dropout 0.1 in the residual stream and the attention weights: rank r's B rows must draw the random numbers
+    of rows rB to (r+1)B - 1 of one process's N·B rows, so that N ranks take one process's steps."""
+    options = dict(dropout=0.1, max_steps=2, eval_interval=2, checkpoint_interval=2)
+    records, parameters = simulated_run(2, str(tmp_path_factory.mktemp("ranks")), **options)
+    trainer = Trainer(make_config(**{**SMALL, **options}, batch_size=2 * ROWS, out_dir=str(tmp_path_factory.mktemp("one"))))
+    expected = trainer.run()
+    for rank in range(2):
+        np.testing.assert_allclose(losses(records[rank]), losses(expected), rtol=RTOL)
+        np.testing.assert_allclose(gradient_norms(records[rank]), gradient_norms(expected), rtol=RTOL)
+    assert gradient_norms(expected).size == 2  # two training steps were compared
+
+
 def test_n_ranks_equal_one_process_accumulating_n_micro_batches(tmp_path_factory):
     records, parameters = simulated_run(2, str(tmp_path_factory.mktemp("ranks")))
     expected_losses, _, expected_parameters = one_process(str(tmp_path_factory.mktemp("one")), ROWS, 2)

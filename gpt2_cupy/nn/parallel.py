@@ -29,6 +29,10 @@ and counts, for each parameter, the Nodes with an edge to it. The backward frees
 down. A backward with retain_graph=True frees nothing: its buckets are never launched, and the next
 forward raises (as PyTorch's does when a reduction did not finish).
 
+The forward runs with this rank's rows placed in the global batch (autograd.dropout_batch_part): with dropout,
+rank r's B rows draw the random numbers of rows rB to (r+1)B - 1 of N·B rows in one process, so that N ranks
+take exactly one process's steps. Every rank must take the same number of rows.
+
 Under no_sync() the forward prepares nothing: gradients only add up locally (gradient accumulation);
 the forward after the block, and its backward, all-reduce the sum.
 
@@ -43,7 +47,7 @@ import weakref
 import numpy
 
 from gpt2_cupy import backend, distributed
-from gpt2_cupy.autograd import AccumulateGrad, Tensor, is_grad_enabled, topological_order
+from gpt2_cupy.autograd import AccumulateGrad, Tensor, dropout_batch_part, is_grad_enabled, topological_order
 from gpt2_cupy.nn import Module
 from gpt2_cupy.zero import ZeroRedundancyOptimizer
 
@@ -239,7 +243,8 @@ class DistributedDataParallel(Module):
             raise RuntimeError("Expected to have finished reduction in the prior iteration before starting a new "
                                "one: the last backward through this DistributedDataParallel did not reach every "
                                "parameter (a backward with retain_graph=True, or none at all)")
-        outputs = self.module(*inputs, **options)
+        with dropout_batch_part(distributed.get_rank(), distributed.get_world_size()):  # this rank's rows' masks
+            outputs = self.module(*inputs, **options)
         if is_grad_enabled() and self.require_backward_grad_sync:
             if self.reducer is None:
                 parameters = [p for p in self.module.parameters() if p.requires_grad]
