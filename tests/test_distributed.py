@@ -125,14 +125,15 @@ def test_n_ranks_take_the_steps_of_one_process_with_n_times_the_batch(tmp_path_f
         np.testing.assert_array_equal(parameters[rank], parameters[0])  # every rank holds the same model
 
 
-def test_with_dropout_n_ranks_draw_the_masks_of_one_process_rows(tmp_path_factory):
+@pytest.mark.parametrize("world_size, zero", [(2, False), (3, True)], ids=["2-ranks", "3-ranks-zero"])
+def test_with_dropout_n_ranks_draw_the_masks_of_one_process_rows(tmp_path_factory, world_size, zero):
     """Dropout 0.1 in the residual stream and the attention weights: rank r's B rows must draw the random numbers
     of rows rB to (r+1)B - 1 of one process's N·B rows, so that N ranks take one process's steps."""
     options = dict(dropout=0.1, max_steps=2, eval_interval=2, checkpoint_interval=2)
-    records, parameters = simulated_run(2, str(tmp_path_factory.mktemp("ranks")), **options)
-    trainer = Trainer(make_config(**{**SMALL, **options}, batch_size=2 * ROWS, out_dir=str(tmp_path_factory.mktemp("one"))))
-    expected = trainer.run()
-    for rank in range(2):
+    records, _ = simulated_run(world_size, str(tmp_path_factory.mktemp("ranks")), zero=zero, **options)
+    expected = Trainer(make_config(**{**SMALL, **options}, batch_size=world_size * ROWS,
+                                   out_dir=str(tmp_path_factory.mktemp("one")))).run()
+    for rank in range(world_size):
         np.testing.assert_allclose(losses(records[rank]), losses(expected), rtol=RTOL)
         np.testing.assert_allclose(gradient_norms(records[rank]), gradient_norms(expected), rtol=RTOL)
     assert gradient_norms(expected).size == 2  # two training steps were compared
