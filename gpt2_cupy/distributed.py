@@ -85,6 +85,11 @@ def get_world_size():
     return _group().world_size
 
 
+def uses_nccl():
+    """Whether this rank's collectives go through NCCL (else: a simulated rank)."""
+    return isinstance(_group(), NcclGroup)
+
+
 def _check_world_size(world_size):
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -293,7 +298,7 @@ class NcclGroup:
         ready.record(cuda.get_current_stream())
         self.stream.wait_event(ready)  # the gradients are written before NCCL reads them
         call(self.stream.ptr)
-        done = cuda.Event(disable_timing=True)
+        done = cuda.Event()  # timed: a bucket timeline (nn.parallel.BucketTimeline) reads when it completed
         done.record(self.stream)
         return NcclWork(done)
 
@@ -329,6 +334,7 @@ class _Collective:
 
     def __init__(self, kind, world_size):
         self.kind, self.arrivals, self.done = kind, [None] * world_size, False
+        self.done_at = None  # time.perf_counter() when the last rank arrived and the result was written
 
 
 class SimulatedWorld:
@@ -357,7 +363,7 @@ class SimulatedWorld:
             collective.arrivals[rank] = arguments
             if all(arrival is not None for arrival in collective.arrivals):
                 compute(collective.arrivals)
-                collective.done = True
+                collective.done, collective.done_at = True, time.perf_counter()
                 del self.collectives[number]
                 self.changed.notify_all()
         return SimulatedWork(self, collective)

@@ -17,7 +17,7 @@ from gpt2_cupy import train as training
 from gpt2_cupy.autograd import Context, manual_seed
 from gpt2_cupy.launch import ChildFailedError, launch
 from gpt2_cupy.model import GPT, GPTConfig
-from gpt2_cupy.nn.parallel import DistributedDataParallel, make_buckets
+from gpt2_cupy.nn.parallel import BucketTimeline, DistributedDataParallel, make_buckets
 from gpt2_cupy.train import Trainer, make_config
 from gpt2_cupy.zero import ZeroRedundancyOptimizer, shard_optimizer
 
@@ -267,6 +267,39 @@ def test_buckets_follow_the_order_gradients_arrive_in_after_the_first_backward()
     assert set(order[-2:]) == {"transformer.wte.weight", "transformer.wpe.weight"}
     assert order.index("transformer.h.1.mlp.c_proj.weight") < order.index("transformer.h.0.mlp.c_proj.weight")
     assert [name for bucket in buckets for name in bucket] == order
+
+
+def test_the_bucket_timeline_shows_the_first_bucket_complete_in_the_backward_s_first_half():
+    """BucketTimeline on two simulated ranks, 4 layers, small buckets: on rank 1, the last to arrive at every
+    all-reduce, a bucket completes as it is issued, so the first bucket's all-reduce is complete before half the
+    backward has run (it would not be if the first bucket waited for the first layer's gradients); on
+    every rank each bucket completes after its issue and before the backward returns."""
+    def rank_main(rank):
+        manual_seed(0)
+        model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=32, dropout=0.0))
+        model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
+        batch = xp.asarray(np.random.default_rng(rank).integers(0, 64, size=(2, 17)).astype(np.int32))
+        timelines = []
+        for _ in range(2):
+            _, loss = ddp(batch[:, :-1], batch[:, 1:])
+            ddp.reducer.timeline = timeline = BucketTimeline()
+            timeline.start()
+            loss.backward()
+            timeline.end()
+            timelines.append((timeline.milliseconds(), len(ddp.reducer.buckets)))
+        return timelines
+
+    for rank, timelines in enumerate(distributed.run_simulated(2, rank_main)):
+        for times, buckets in timelines:
+            issued, complete = np.array(times["issued"]), np.array(times["complete"])
+            assert len(issued) == len(complete) == buckets > 3
+            assert np.all(np.diff(issued) >= 0) and np.all(issued <= complete) and np.all(complete <= times["end"])
+            if rank == 1:  # its backward never waits for another rank: its clock is its own backward's
+                assert complete[0] < times["end"] / 2, f"the first bucket completed at {complete[0]:.2f} ms of a " \
+                                                       f"{times['end']:.2f} ms backward"
+    with pytest.raises(RuntimeError, match="call start"):
+        distributed.run_simulated(1, lambda rank: BucketTimeline().milliseconds())
 
 
 def test_module_buffers_are_broadcast_from_rank_0():
