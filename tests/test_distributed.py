@@ -15,6 +15,7 @@ import pytest
 from gpt2_cupy import backend, distributed
 from gpt2_cupy import train as training
 from gpt2_cupy.autograd import Context, manual_seed
+from gpt2_cupy.checkout import REPOSITORY
 from gpt2_cupy.launch import ChildFailedError, launch
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.nn.parallel import BucketTimeline, DistributedDataParallel, make_buckets
@@ -481,3 +482,23 @@ def test_nccl_with_one_rank_matches_the_plain_run(tmp_path):
             np.testing.assert_allclose(flat, expected_parameters, rtol=0, atol=PARAMETER_ATOL)
     finally:
         distributed.destroy_process_group()
+
+
+def test_the_scaling_bench_runs_its_tiny_path_on_simulated_ranks():
+    """bench/data_parallel_scaling.py --tiny: the four runs and the timeline through the bench's own code, on
+    simulated ranks (the GPU run launches NCCL ranks instead): N ranks' losses equal one process's with N
+    micro-batches, and every bucket completes after it is issued. A process of its own, as a learner runs it
+    (and its rank threads' executor memory goes with it)."""
+    command = [sys.executable, "-m", "bench.data_parallel_scaling", "--tiny", "--nproc", "2"]
+    printed = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPOSITORY).stdout
+    assert printed.count("tokens/s") == 4
+    difference = float(printed.split("largest difference ")[1].split()[0])
+    assert difference < 1e-4  # float32 rounding of losses near ln 2048 ≈ 7.6
+    buckets = [line for line in printed.splitlines() if line.strip().startswith("bucket ")]
+    assert len(buckets) > 2
+    for line in buckets:
+        issued, complete = float(line.split("issued")[1].split(",")[0]), float(line.split("complete")[1])
+        assert issued <= complete
+    help_text = subprocess.run([sys.executable, "-m", "bench.data_parallel_scaling", "--help"], check=True,
+                               capture_output=True, text=True, cwd=REPOSITORY).stdout
+    assert "--tiny" in help_text and "--nproc" in help_text
