@@ -25,7 +25,8 @@ compute the same sums in another order (rounding apart).
 The timeline: N ranks started by the launcher (this script again, with --timeline-rank) each train the same
 model a few steps through DistributedDataParallel and record, for the last step, when each bucket's
 all-reduce is issued and when it completes, in milliseconds from the backward's start, from CUDA events
-(nn.parallel.BucketTimeline); rank 0's is stored. chapters/18_data_parallel.ipynb shows the stored results.
+(nn.parallel.BucketTimeline); rank 0's is stored, with the bytes of AdamW's state a rank keeps, and under
+ZeRO-1 (which should be 1/N of it, padding apart). chapters/18_data_parallel.ipynb shows the stored results.
 """
 
 import argparse
@@ -45,6 +46,7 @@ from gpt2_cupy.launch import launch
 from gpt2_cupy.model import GPT, GPTConfig
 from gpt2_cupy.nn.parallel import BucketTimeline, DistributedDataParallel
 from gpt2_cupy.train import Trainer, make_config
+from gpt2_cupy.zero import shard_optimizer
 
 B, T, VOCAB_SIZE = 8, 1024, 50_304
 WARM_STEPS = 5
@@ -130,11 +132,24 @@ def bucket_timeline(model_config, rows, dtype, steps=TIMELINE_STEPS):
     times = timeline.milliseconds()
     times["bucket_bytes"] = [4 * bucket.elements for bucket in ddp.reducer.buckets]
     times["parameters"] = sum(p.data.size for p in model.parameters())
+    times["world_size"] = distributed.get_world_size()
+    times["adamw_state_bytes"] = state_bytes(optimizer)
+    times["zero_state_bytes_per_rank"] = state_bytes(shard_optimizer(
+        GPT(GPTConfig(dropout=0.0, **model_config)).configure_optimizers(0.1, 6e-4, (0.9, 0.95))))
     return times
 
 
+def state_bytes(optimizer):
+    """The bytes of AdamW's state this rank keeps: m and v (of its shard, under ZeRO-1), and the step count."""
+    return sum(buffer.nbytes for buffer in optimizer.state.values())
+
+
 def timeline_table(times):
-    lines = [f"buckets ({len(times['issued'])}), milliseconds from the backward's start (it ends at "
+    lines = [f"AdamW's state: {times['adamw_state_bytes'] / 1e6:.2f} MB a rank; under ZeRO-1 "
+             f"{times['zero_state_bytes_per_rank'] / 1e6:.2f} MB, "
+             f"{times['zero_state_bytes_per_rank'] / times['adamw_state_bytes']:.3f} of it "
+             f"(1/N = {1 / times['world_size']:.3f})",
+             f"buckets ({len(times['issued'])}), milliseconds from the backward's start (it ends at "
              f"{times['end']:.2f} ms, after waiting for every all-reduce):"]
     for number, (issued, complete, size) in enumerate(zip(times["issued"], times["complete"], times["bucket_bytes"])):
         lines.append(f"  bucket {number:2}: {size / 1e6:7.2f} MB, issued {issued:8.2f}, complete {complete:8.2f}")

@@ -494,6 +494,8 @@ def test_the_scaling_bench_runs_its_tiny_path_on_simulated_ranks():
     assert printed.count("tokens/s") == 4
     difference = float(printed.split("largest difference ")[1].split()[0])
     assert difference < 1e-4  # float32 rounding of losses near ln 2048 ≈ 7.6
+    zero_fraction = float(printed.split(" of it (1/N")[0].split()[-1])
+    assert abs(zero_fraction - 1 / 2) < 0.01  # ZeRO-1 keeps half of AdamW's state on each of 2 ranks, padding apart
     buckets = [line for line in printed.splitlines() if line.strip().startswith("bucket ")]
     assert len(buckets) > 2
     for line in buckets:
