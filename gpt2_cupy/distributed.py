@@ -17,7 +17,8 @@ knows which one it has:
                     it runs on the group's own stream instead, after what the current stream has queued,
                     and the returned Work's wait() makes the current stream wait for it (still no host wait).
     SimulatedGroup  N ranks as N threads of one process, for the CPU executor and the tests:
-                    run_simulated(N, function) calls function(rank) on each. A collective waits until every
+                    run_simulated(N, function) calls function(rank) on each, with generators of its own (as a
+                    process has). A collective waits until every
                     rank has called it, then computes the result from every rank's arrays.
 
 The NCCL unique id, the 128 bytes every rank needs to find the others, comes from the launcher
@@ -39,6 +40,7 @@ import numpy
 
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import Tensor
+from gpt2_cupy.random import use_own_random_state
 from gpt2_cupy.data import write_atomically
 
 ID_VARIABLE = "GPT2_CUPY_NCCL_ID"            # the unique id, as 256 hex digits
@@ -82,6 +84,11 @@ def get_rank():
 
 def get_world_size():
     return _group().world_size
+
+
+def uses_nccl():
+    """Whether this rank's collectives go through NCCL (else: a simulated rank)."""
+    return isinstance(_group(), NcclGroup)
 
 
 def _check_world_size(world_size):
@@ -292,7 +299,7 @@ class NcclGroup:
         ready.record(cuda.get_current_stream())
         self.stream.wait_event(ready)  # the gradients are written before NCCL reads them
         call(self.stream.ptr)
-        done = cuda.Event(disable_timing=True)
+        done = cuda.Event()  # timed: a bucket timeline (nn.parallel.BucketTimeline) reads when it completed
         done.record(self.stream)
         return NcclWork(done)
 
@@ -328,6 +335,7 @@ class _Collective:
 
     def __init__(self, kind, world_size):
         self.kind, self.arrivals, self.done = kind, [None] * world_size, False
+        self.done_at = None  # time.perf_counter() when the last rank arrived and the result was written
 
 
 class SimulatedWorld:
@@ -356,7 +364,7 @@ class SimulatedWorld:
             collective.arrivals[rank] = arguments
             if all(arrival is not None for arrival in collective.arrivals):
                 compute(collective.arrivals)
-                collective.done = True
+                collective.done, collective.done_at = True, time.perf_counter()
                 del self.collectives[number]
                 self.changed.notify_all()
         return SimulatedWork(self, collective)
@@ -479,6 +487,7 @@ def run_simulated(world_size, function):
         _thread_group.group = SimulatedGroup(world, rank)
         with world.turn:
             try:
+                use_own_random_state()  # a rank's generators are its own, as a process's are
                 results[rank] = function(rank)
                 world.finish(rank)
             except BaseException as error:  # noqa: B036 (KeyboardInterrupt too: the others must not hang)

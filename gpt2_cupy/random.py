@@ -15,6 +15,10 @@ get_state() is a uint8 tensor (PyTorch's ByteTensor) that set_state() takes back
 and dropout's offset, so that a restored generator repeats the numbers that followed the save.
 """
 
+import contextlib
+import copy
+import threading
+
 import numpy
 
 from gpt2_cupy import backend
@@ -82,43 +86,108 @@ class Generator:
         return self
 
 
-_dropout_state = {}
-default_generator = Generator(_dropout_holder=_dropout_state)
+default_generator = Generator(_dropout_holder={})
+_own = threading.local()  # .generator: the default generator of a thread that called use_own_random_state
+
+
+def current_generator():
+    """The default generator this thread draws from: the process's, or a simulated rank's own."""
+    own = getattr(_own, "generator", None)
+    return default_generator if own is None else own
+
+
+class _CurrentDropoutState:
+    """Dropout's state as the current thread's default generator holds it ("rng": its (seed, offset) array, which
+    a CUDA graph's capture on the CPU swaps for an array that records copies)."""
+
+    def _holder(self):
+        return current_generator()._holder
+
+    def __getitem__(self, key):
+        return self._holder()[key]
+
+    def __setitem__(self, key, value):
+        self._holder()[key] = value
+
+    def __contains__(self, key):
+        return key in self._holder()
+
+    def get(self, key, default=None):
+        return self._holder().get(key, default)
+
+
+_dropout_state = _CurrentDropoutState()
+
+
+def use_own_random_state():
+    """From now on this thread draws from a default generator of its own, a copy of the process's: a simulated
+    rank (a thread of distributed.run_simulated) seeds and advances it as a process of its own would."""
+    own = copy.copy(default_generator)
+    own.numpy = copy.deepcopy(default_generator.numpy)
+    own._holder = {"rng": default_generator.dropout_state().copy()}
+    _own.generator = own
 
 
 def manual_seed(seed):
     """Seed the default generator (initial weights, random factories, dropout's masks); returns it."""
-    return default_generator.manual_seed(seed)
+    return current_generator().manual_seed(seed)
 
 
 def seed():
-    return default_generator.seed()
+    return current_generator().seed()
 
 
 def initial_seed():
-    return default_generator.initial_seed()
+    return current_generator().initial_seed()
 
 
 def get_rng_state():
-    return default_generator.get_state()
+    return current_generator().get_state()
 
 
 def set_rng_state(new_state):
-    default_generator.set_state(new_state)
+    current_generator().set_state(new_state)
 
 
 def init_generator():
     """The numpy generator that nn's layers draw their initial weights from (seeded by manual_seed)."""
-    return default_generator.numpy
+    return current_generator().numpy
 
 
 def dropout_rng_state():
     """The (seed, offset) device array of dropout's generator."""
-    return _dropout_state["rng"]
+    return current_generator().dropout_state()
+
+
+# ---- dropout under data parallelism: a rank's rows are a part of the global batch ------------------------------
+_batch_part = threading.local()  # .place: (index, parts), this thread's rows' place in the global batch
+
+
+@contextlib.contextmanager
+def dropout_batch_part(index, parts):
+    """Inside the block this thread's batch is part `index` of `parts` equal parts of a global batch, along the
+    leading axis of every tensor that dropout drops (rank `index` of `parts` under data parallelism): each
+    dropout draws the random numbers of its elements' places in the global tensor, and moves the generator past
+    all the parts, so that the parts together draw what one process draws for the whole batch."""
+    if not 0 <= index < parts:
+        raise ValueError(f"dropout_batch_part: index must be in [0, {parts - 1}], got {index}")
+    previous = getattr(_batch_part, "place", (0, 1))
+    _batch_part.place = (index, parts)
+    try:
+        yield
+    finally:
+        _batch_part.place = previous
+
+
+def dropout_draw(count):
+    """(start, advance) of a dropout over `count` elements of this thread's batch: the stream index of its first
+    element, and how far the generator's offset moves past it (count, or the whole global batch's)."""
+    index, parts = getattr(_batch_part, "place", (0, 1))
+    return index * count, parts * count
 
 
 def host_stream(generator=None):
     """The numpy generator to draw from: generator's, or the default generator's."""
     if generator is not None and not isinstance(generator, Generator):
         raise TypeError(f"generator must be a torch.Generator, not {type(generator).__name__}")
-    return (default_generator if generator is None else generator).numpy
+    return (current_generator() if generator is None else generator).numpy

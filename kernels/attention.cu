@@ -311,7 +311,9 @@ __device__ void store_micro_tile_transposed(float* tile, float value[ROWS_PER_TH
 //            every head without a copy.
 //   dropout: each weight P_ij kept with probability 1 - p and then scaled by 1 / (1 - p), from the Philox
 //            number of element (b, h, i, j) of (B, H, T, T), flat index ((b H + h) T + i) T + j, of the stream
-//            (seed, offset) in rng_state (philox.cuh, chapter 07): the backward regenerates the same mask.
+//            (seed, offset) in rng_state (philox.cuh, chapter 07), plus dropout_start (0 for a whole batch; under
+//            data parallelism the index of the rank's first weight in the global batch): the backward
+//            regenerates the same mask.
 // A row whose every key is masked attends to nothing: its output is 0 and its gradients are 0, as in
 // PyTorch's math backend (its _safe_softmax). The forward then saves lse = +inf, which makes every P of the
 // row 2^(S - inf) = 0 in the backward, whatever S is.
@@ -324,6 +326,7 @@ struct ScoreOptions {
     int heads;                        // H: flat query head `head` is head head % H of sequence head / H
     int T;
     unsigned long long seed, offset;  // dropout's stream, read once from rng_state
+    unsigned long long start;         // the stream index of weight (0, 0, 0, 0): a rank's rows' place in the batch
     float dropout_p, keep_scale;      // keep_scale = 1 / (1 - p)
 };
 
@@ -344,7 +347,7 @@ __device__ float mask_value(const ScoreOptions<Mask>& options, long long head, i
 template <typename Mask>
 __device__ bool dropout_keeps(const ScoreOptions<Mask>& options, long long head, int query, int key)
 {
-    unsigned long long index = ((unsigned long long)head * options.T + query) * options.T + key;
+    unsigned long long index = options.start + ((unsigned long long)head * options.T + query) * options.T + key;
     return philox_uniform(options.seed, options.offset, index) >= options.dropout_p;
 }
 
@@ -360,7 +363,8 @@ __device__ ScoreOptions<void> plain_options(int d)
 template <typename Mask, bool DROPOUT>
 __device__ ScoreOptions<Mask> general_options(float scale, const Mask* mask, long long batch_stride,
                                               long long head_stride, long long query_stride, long long key_stride,
-                                              int heads, int T, const unsigned long long* rng_state, float dropout_p)
+                                              int heads, int T, const unsigned long long* rng_state, float dropout_p,
+                                              unsigned long long dropout_start)
 {
     ScoreOptions<Mask> options;
     options.scale = scale;
@@ -371,6 +375,7 @@ __device__ ScoreOptions<Mask> general_options(float scale, const Mask* mask, lon
     options.T = T;
     options.seed = DROPOUT ? rng_state[0] : 0;
     options.offset = DROPOUT ? rng_state[1] : 0;
+    options.start = DROPOUT ? dropout_start : 0;
     options.dropout_p = dropout_p;
     options.keep_scale = 1.0f / (1.0f - dropout_p);
     return options;
@@ -530,12 +535,12 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), FORWARD_BLOCKS(D, ROWS)) at
     float* out, float* lse, const float* q, const float* k, const float* v, int T, int causal, int d, int group,
     int heads, HeadLayout out_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at, float scale, const Mask* mask,
     long long mask_batch_stride, long long mask_head_stride, long long mask_query_stride, long long mask_key_stride,
-    const unsigned long long* rng_state, float dropout_p)
+    const unsigned long long* rng_state, float dropout_p, unsigned long long dropout_start)
 {
     forward_block<D, false, ROWS, true, Mask, DROPOUT>(out, lse, q, k, v, T, causal, d, group, heads, out_at, q_at,
         k_at, v_at, general_options<Mask, DROPOUT>(scale, mask, mask_batch_stride, mask_head_stride,
                                                    mask_query_stride, mask_key_stride, heads, T, rng_state,
-                                                   dropout_p));
+                                                   dropout_p, dropout_start));
 }
 
 // rowdot[i] = Σ_c dout[i][c] * out[i][c], the softmax backward's row sum (D_i in FlashAttention-2):
@@ -777,12 +782,13 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) a
     const float* lse, const float* rowdot, int T, int causal, int d, int group, int heads, HeadLayout dk_at,
     HeadLayout dv_at, HeadLayout dq_at, HeadLayout dout_at, HeadLayout q_at, HeadLayout k_at, HeadLayout v_at,
     float scale, const Mask* mask, long long mask_batch_stride, long long mask_head_stride,
-    long long mask_query_stride, long long mask_key_stride, const unsigned long long* rng_state, float dropout_p)
+    long long mask_query_stride, long long mask_key_stride, const unsigned long long* rng_state, float dropout_p,
+    unsigned long long dropout_start)
 {
     backward_dk_dv_block<D, false, ROWS, DQ_ATOMIC, true, Mask, DROPOUT>(dk, dv, dq, dout, q, k, v, lse, rowdot, T,
         causal, d, group, heads, dk_at, dv_at, dq_at, dout_at, q_at, k_at, v_at,
         general_options<Mask, DROPOUT>(scale, mask, mask_batch_stride, mask_head_stride, mask_query_stride,
-                                       mask_key_stride, heads, T, rng_state, dropout_p));
+                                       mask_key_stride, heads, T, rng_state, dropout_p, dropout_start));
 }
 
 // Backward, second pass: dq. grid = (heads, ⌈T/ROWS⌉): a block owns ROWS queries (rows; columns = keys)
@@ -869,10 +875,10 @@ __global__ void __launch_bounds__(THREADS_FOR(ROWS), BACKWARD_BLOCKS(D, ROWS)) a
     const float* rowdot, int T, int causal, int d, int group, int heads, HeadLayout dq_at, HeadLayout dout_at,
     HeadLayout q_at, HeadLayout k_at, HeadLayout v_at, float scale, const Mask* mask, long long mask_batch_stride,
     long long mask_head_stride, long long mask_query_stride, long long mask_key_stride,
-    const unsigned long long* rng_state, float dropout_p)
+    const unsigned long long* rng_state, float dropout_p, unsigned long long dropout_start)
 {
     backward_dq_block<D, false, ROWS, true, Mask, DROPOUT>(dq, dout, q, k, v, lse, rowdot, T, causal, d, group,
         heads, dq_at, dout_at, q_at, k_at, v_at,
         general_options<Mask, DROPOUT>(scale, mask, mask_batch_stride, mask_head_stride, mask_query_stride,
-                                       mask_key_stride, heads, T, rng_state, dropout_p));
+                                       mask_key_stride, heads, T, rng_state, dropout_p, dropout_start));
 }

@@ -42,8 +42,11 @@ extern "C" __global__ void dropout_uniform(float* u, const unsigned long long* r
 // one Philox call for all four, loads and stores of 4 elements at once where both arrays are aligned to
 // them (float4s: 16 bytes). out may be x. floatX is how x and out are stored (storage.cuh): float, or bf16
 // (computed in float, rounded once): dropout_forward<float> or dropout_forward<__nv_bfloat16>.
+// start is the stream index of x's element 0: 0 for a whole batch; under data parallelism, rank r's rows
+// start where they lie in the global batch, so that N ranks draw the numbers one process draws for them all.
 template <typename floatX>
-__global__ void dropout_forward(floatX* out, const floatX* x, const unsigned long long* rng_state, float p, int n)
+__global__ void dropout_forward(floatX* out, const floatX* x, const unsigned long long* rng_state, float p, int n,
+                                unsigned long long start)
 {
     int group = blockIdx.x * blockDim.x + threadIdx.x;
     int first = 4 * group;
@@ -51,7 +54,13 @@ __global__ void dropout_forward(floatX* out, const floatX* x, const unsigned lon
         return;
     }
     float u[4];
-    philox_uniforms(u, rng_state[0], rng_state[1], group);
+    if (start % 4 == 0) {   // the four elements are one group of the stream: one Philox call
+        philox_uniforms(u, rng_state[0], rng_state[1], start / 4 + group);
+    } else {                // they straddle two groups: a call for each element
+        for (int word = 0; word < 4; ++word) {
+            u[word] = philox_uniform(rng_state[0], rng_state[1], start + first + word);
+        }
+    }
     float scale = 1.0f / (1.0f - p);  // infinite for p = 1, but then no element is kept and it is never used
     const unsigned long long group_bytes = 4 * sizeof(floatX);
     bool aligned = ((unsigned long long)out % group_bytes == 0) && ((unsigned long long)x % group_bytes == 0);

@@ -241,3 +241,26 @@ def test_bad_masks_and_probabilities_are_refused(to_device):
         attention_forward(q._data, q._data, q._data, dropout_p=0.1)
     with pytest.raises(TypeError, match="attn_mask must be bool .* or float32"):
         attention_forward(q._data, q._data, q._data, attn_mask=to_device(np.zeros((5, 5), np.float64)))
+
+
+def test_rows_of_a_batch_draw_the_weights_of_their_place_in_it(rng, to_device, to_host):
+    """A rank's rows under data parallelism: rows 1-2 of a batch of 3 with dropout_start at row 1's first weight
+    drop the weights the whole batch drops there (numpy's Philox), and their gradients are the whole's rows."""
+    q, k, v = inputs(rng, B=3, H=2, T=11, d=8)
+    p, seed, offset = 0.3, 21, 8
+    state = to_device(np.array([seed, offset], np.uint64))
+    start = 1 * 2 * 11 * 11
+    keep = dropout_keep((3, 2, 11, 11), p, seed, offset)[1:]
+    part = [to_device(a[1:].astype(np.float32)) for a in (q, k, v)]
+    out, lse = attention_forward(*part, causal=True, dropout_p=p, rng_state=state, dropout_start=start)
+    expected = reference(q[1:], k[1:], v[1:], 1 / math.sqrt(8), keep=keep, p=p, causal=True)
+    assert relative_error(to_host(out), expected) < FORWARD_TOLERANCE
+    whole = [to_device(a.astype(np.float32)) for a in (q, k, v)]
+    whole_out, whole_lse = attention_forward(*whole, causal=True, dropout_p=p, rng_state=state)
+    dout = rng.normal(size=(3, 2, 11, 8)).astype(np.float32)
+    whole_gradients = attention_backward(to_device(dout), *whole, whole_out, whole_lse, causal=True, dropout_p=p,
+                                         rng_state=state)
+    part_gradients = attention_backward(to_device(dout[1:]), *part, out, lse, causal=True, dropout_p=p,
+                                        rng_state=state, dropout_start=start)
+    for part_gradient, whole_gradient in zip(part_gradients, whole_gradients):
+        np.testing.assert_allclose(to_host(part_gradient), to_host(whole_gradient)[1:], rtol=1e-5, atol=1e-6)

@@ -15,10 +15,11 @@ import pytest
 from gpt2_cupy import backend, distributed
 from gpt2_cupy import train as training
 from gpt2_cupy.autograd import Context
+from gpt2_cupy.checkout import REPOSITORY
 from gpt2_cupy.random import manual_seed
 from gpt2_cupy.launch import ChildFailedError, launch
 from gpt2_cupy.model import GPT, GPTConfig
-from gpt2_cupy.nn.parallel import DistributedDataParallel, make_buckets
+from gpt2_cupy.nn.parallel import BucketTimeline, DistributedDataParallel, make_buckets
 from gpt2_cupy.train import Trainer, make_config
 from gpt2_cupy.zero import ZeroRedundancyOptimizer, shard_optimizer
 
@@ -124,6 +125,20 @@ def test_n_ranks_take_the_steps_of_one_process_with_n_times_the_batch(tmp_path_f
         np.testing.assert_allclose(parameters[rank][:expected_parameters.size], expected_parameters, rtol=0,
                                    atol=PARAMETER_ATOL)
         np.testing.assert_array_equal(parameters[rank], parameters[0])  # every rank holds the same model
+
+
+@pytest.mark.parametrize("world_size, zero", [(2, False), (3, True)], ids=["2-ranks", "3-ranks-zero"])
+def test_with_dropout_n_ranks_draw_the_masks_of_one_process_rows(tmp_path_factory, world_size, zero):
+    """Dropout 0.1 in the residual stream and the attention weights: rank r's B rows must draw the random numbers
+    of rows rB to (r+1)B - 1 of one process's N·B rows, so that N ranks take one process's steps."""
+    options = dict(dropout=0.1, max_steps=2, eval_interval=2, checkpoint_interval=2)
+    records, _ = simulated_run(world_size, str(tmp_path_factory.mktemp("ranks")), zero=zero, **options)
+    expected = Trainer(make_config(**{**SMALL, **options}, batch_size=world_size * ROWS,
+                                   out_dir=str(tmp_path_factory.mktemp("one")))).run()
+    for rank in range(world_size):
+        np.testing.assert_allclose(losses(records[rank]), losses(expected), rtol=RTOL)
+        np.testing.assert_allclose(gradient_norms(records[rank]), gradient_norms(expected), rtol=RTOL)
+    assert gradient_norms(expected).size == 2  # two training steps were compared
 
 
 def test_n_ranks_equal_one_process_accumulating_n_micro_batches(tmp_path_factory):
@@ -254,6 +269,39 @@ def test_buckets_follow_the_order_gradients_arrive_in_after_the_first_backward()
     assert set(order[-2:]) == {"transformer.wte.weight", "transformer.wpe.weight"}
     assert order.index("transformer.h.1.mlp.c_proj.weight") < order.index("transformer.h.0.mlp.c_proj.weight")
     assert [name for bucket in buckets for name in bucket] == order
+
+
+def test_the_bucket_timeline_shows_the_first_bucket_complete_in_the_backward_s_first_half():
+    """BucketTimeline on two simulated ranks, 4 layers, small buckets: on rank 1, the last to arrive at every
+    all-reduce, a bucket completes as it is issued, so the first bucket's all-reduce is complete before half the
+    backward has run (it would not be if the first bucket waited for the first layer's gradients); on
+    every rank each bucket completes after its issue and before the backward returns."""
+    def rank_main(rank):
+        manual_seed(0)
+        model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=32, dropout=0.0))
+        model.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.02)
+        batch = xp.asarray(np.random.default_rng(rank).integers(0, 64, size=(2, 17)).astype(np.int32))
+        timelines = []
+        for _ in range(2):
+            _, loss = ddp(batch[:, :-1], batch[:, 1:])
+            ddp.reducer.timeline = timeline = BucketTimeline()
+            timeline.start()
+            loss.backward()
+            timeline.end()
+            timelines.append((timeline.milliseconds(), len(ddp.reducer.buckets)))
+        return timelines
+
+    for rank, timelines in enumerate(distributed.run_simulated(2, rank_main)):
+        for times, buckets in timelines:
+            issued, complete = np.array(times["issued"]), np.array(times["complete"])
+            assert len(issued) == len(complete) == buckets > 3
+            assert np.all(np.diff(issued) >= 0) and np.all(issued <= complete) and np.all(complete <= times["end"])
+            if rank == 1:  # its backward never waits for another rank: its clock is its own backward's
+                assert complete[0] < times["end"] / 2, f"the first bucket completed at {complete[0]:.2f} ms of a " \
+                                                       f"{times['end']:.2f} ms backward"
+    with pytest.raises(RuntimeError, match="call start"):
+        distributed.run_simulated(1, lambda rank: BucketTimeline().milliseconds())
 
 
 def test_module_buffers_are_broadcast_from_rank_0():
@@ -435,3 +483,25 @@ def test_nccl_with_one_rank_matches_the_plain_run(tmp_path):
             np.testing.assert_allclose(flat, expected_parameters, rtol=0, atol=PARAMETER_ATOL)
     finally:
         distributed.destroy_process_group()
+
+
+def test_the_scaling_bench_runs_its_tiny_path_on_simulated_ranks():
+    """bench/data_parallel_scaling.py --tiny: the four runs and the timeline through the bench's own code, on
+    simulated ranks (the GPU run launches NCCL ranks instead): N ranks' losses equal one process's with N
+    micro-batches, and every bucket completes after it is issued. A process of its own, as a learner runs it
+    (and its rank threads' executor memory goes with it)."""
+    command = [sys.executable, "-m", "bench.data_parallel_scaling", "--tiny", "--nproc", "2"]
+    printed = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPOSITORY).stdout
+    assert printed.count("tokens/s") == 4
+    difference = float(printed.split("largest difference ")[1].split()[0])
+    assert difference < 1e-4  # float32 rounding of losses near ln 2048 ≈ 7.6
+    zero_fraction = float(printed.split(" of it (1/N")[0].split()[-1])
+    assert abs(zero_fraction - 1 / 2) < 0.01  # ZeRO-1 keeps half of AdamW's state on each of 2 ranks, padding apart
+    buckets = [line for line in printed.splitlines() if line.strip().startswith("bucket ")]
+    assert len(buckets) > 2
+    for line in buckets:
+        issued, complete = float(line.split("issued")[1].split(",")[0]), float(line.split("complete")[1])
+        assert issued <= complete
+    help_text = subprocess.run([sys.executable, "-m", "bench.data_parallel_scaling", "--help"], check=True,
+                               capture_output=True, text=True, cwd=REPOSITORY).stdout
+    assert "--tiny" in help_text and "--nproc" in help_text

@@ -134,3 +134,19 @@ def test_bad_arguments_name_the_op_and_the_argument(to_device):
         dropout_forward(x, 0.1, state, out=to_device(np.zeros(9, np.float32)))
     with pytest.raises(ValueError, match="advance_rng_state: count"):
         advance_rng_state(state, -1)
+
+
+@pytest.mark.parametrize("start", [0, 4, 6, 1001])
+def test_a_part_starting_at_start_draws_the_numbers_of_its_place_in_the_whole(start, rng, to_device, to_host):
+    """A rank's rows under data parallelism: elements start .. start + n - 1 of the stream, the one-element path
+    where start is not a multiple of 4, against numpy's Philox for the whole; the backward regenerates them."""
+    n, p = 37, 0.4
+    x = rng.normal(size=n).astype(np.float32)
+    state = new_rng_state(11)
+    advance_rng_state(state, 5)
+    keep = uniform_reference(start + n, 11, 5)[start:] >= np.float32(p)
+    expected = np.where(keep, x / np.float32(1 - p), np.float32(0.0))
+    np.testing.assert_allclose(to_host(dropout_forward(to_device(x), p, state, start=start)), expected, rtol=1e-6)
+    np.testing.assert_array_equal(to_host(dropout_backward(to_device(x), p, state, start=start)) != 0, keep)
+    with pytest.raises(ValueError, match="start must be an int"):
+        dropout_forward(to_device(x), p, state, start=-1)

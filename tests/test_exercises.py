@@ -239,6 +239,16 @@ BROKEN = {
         "wrong element": ("float* C = partials + (long long)blockIdx.z * M * N;",
                           "float* C = partials + (long long)(stretches - 1 - blockIdx.z) * M * N;"),
     },
+    # Chapter 18
+    "18.reduce_scatter": {
+        "guard": ("if (i < shard_size) {", "{"),
+        "wrong element": ("int j = rank * shard_size + i;", "int j = i;"),
+    },
+    "18.shard_sum_of_squares": {
+        "guard": ("if (i < n) {", "{"),
+        "wrong element": ("value = gradients[i] * gradients[i];", "value = gradients[n - 1 - i] * gradients[i];"),
+        "barrier": ("    __syncthreads();\n    for", "    for"),
+    },
 }
 
 IDS = [exercise_id for exercise_id, _, _ in exercises.list()]

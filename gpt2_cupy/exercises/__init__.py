@@ -17,6 +17,7 @@ from gpt2_cupy.exercises import (chapter_00, chapter_01, chapter_02, chapter_03,
 from gpt2_cupy.exercises import chapter_10, chapter_11, chapter_11b, chapter_12, chapter_13, chapter_14
 from gpt2_cupy.exercises import chapter_15a, chapter_15b
 from gpt2_cupy.exercises import chapter_16a, chapter_16b, chapter_16c, chapter_17a, chapter_17b
+from gpt2_cupy.exercises import chapter_18
 from gpt2_cupy.exercises.checker import Exercise, Result, run_check
 
 __all__ = ["check", "list", "solution", "exercise", "Exercise", "Result"]
@@ -25,7 +26,8 @@ _CHAPTERS = (chapter_00, chapter_01, chapter_02, chapter_03, chapter_04, chapter
              chapter_09,
              chapter_10, chapter_11, chapter_11b, chapter_12, chapter_13, chapter_14,
              chapter_15a, chapter_15b,
-             chapter_16a, chapter_16b, chapter_16c, chapter_17a, chapter_17b)
+             chapter_16a, chapter_16b, chapter_16c, chapter_17a, chapter_17b,
+             chapter_18)
 _EXERCISES = {exercise.id: exercise for chapter in _CHAPTERS for exercise in chapter.EXERCISES}
 
 

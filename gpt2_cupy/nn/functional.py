@@ -35,7 +35,7 @@ import numpy
 
 from gpt2_cupy import amp, backend, device_checks, dispatch, tensor_ops
 from gpt2_cupy.autograd import Function, Tensor, storage_version
-from gpt2_cupy.random import dropout_rng_state
+from gpt2_cupy.random import dropout_draw, dropout_rng_state
 from gpt2_cupy.elementwise import contiguous, converted, elementwise
 from gpt2_cupy.ops.arrays import BFLOAT16, FLOAT32, same_place, storage_of
 from gpt2_cupy.reduction import normalize_dims
@@ -204,13 +204,14 @@ class Dropout(Function):
         rng_state = dropout_rng_state()
         ctx.rng_state = rng_state.copy()  # the backward regenerates the forward's mask from this state
         ctx.p = p
-        y = dropout_forward(x, p, ctx.rng_state)
-        advance_rng_state(rng_state, x.size)  # the next call draws fresh numbers
+        ctx.start, advance = dropout_draw(x.size)  # x's place in the global batch (data parallelism)
+        y = dropout_forward(x, p, ctx.rng_state, start=ctx.start)
+        advance_rng_state(rng_state, advance)  # the next call draws fresh numbers
         return y
 
     @staticmethod
     def backward(ctx, dout):
-        return dropout_backward(dout, ctx.p, ctx.rng_state), None
+        return dropout_backward(dout, ctx.p, ctx.rng_state, start=ctx.start), None
 
 
 def dropout(x, p=0.5, training=True):
@@ -261,14 +262,16 @@ class Attention(Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, variant, scale=None, attn_mask=None, dropout_p=0.0):
-        ctx.rng_state = None
+        ctx.rng_state, start, advance = None, 0, 0
         if dropout_p > 0.0:
             rng_state = dropout_rng_state()
             ctx.rng_state = rng_state.copy()
-        options = dict(scale=scale, attn_mask=attn_mask, dropout_p=dropout_p, rng_state=ctx.rng_state)
+            start, advance = dropout_draw(q.size // q.shape[-1] * q.shape[-2])  # one number per weight, (..., H, T, T)
+        options = dict(scale=scale, attn_mask=attn_mask, dropout_p=dropout_p, rng_state=ctx.rng_state,
+                       dropout_start=start)
         out, lse = attention_forward(q, k, v, causal=causal, variant=variant, **options)
         if dropout_p > 0.0:
-            advance_rng_state(rng_state, lse.size * q.shape[-2])   # one number per weight, (..., H, T, T)
+            advance_rng_state(rng_state, advance)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.variant, ctx.options = causal, variant, options
         return out

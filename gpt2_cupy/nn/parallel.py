@@ -29,6 +29,10 @@ and counts, for each parameter, the Nodes with an edge to it. The backward frees
 down. A backward with retain_graph=True frees nothing: its buckets are never launched, and the next
 forward raises (as PyTorch's does when a reduction did not finish).
 
+The forward runs with this rank's rows placed in the global batch (random.dropout_batch_part): with dropout,
+rank r's B rows draw the random numbers of rows rB to (r+1)B - 1 of N·B rows in one process, so that N ranks
+take exactly one process's steps. Every rank must take the same number of rows.
+
 Under no_sync() the forward prepares nothing: gradients only add up locally (gradient accumulation);
 the forward after the block, and its backward, all-reduce the sum.
 
@@ -38,12 +42,14 @@ it differs from PyTorch: a parameter must not be used by some ranks and not by o
 """
 
 import contextlib
+import time
 import weakref
 
 import numpy
 
 from gpt2_cupy import backend, distributed
 from gpt2_cupy.autograd import AccumulateGrad, Tensor, is_grad_enabled, topological_order
+from gpt2_cupy.random import dropout_batch_part
 from gpt2_cupy.nn import Module
 from gpt2_cupy.zero import ZeroRedundancyOptimizer
 
@@ -100,6 +106,56 @@ def make_buckets(packed, order, cap_bytes, itemsize=4):
     return made
 
 
+class BucketTimeline:
+    """When each bucket's all-reduces are issued and when they complete, in milliseconds from the backward's
+    start, for one backward: set reducer.timeline = BucketTimeline() before it, call start() just before
+    loss.backward() and end() just after, then read milliseconds().
+
+    Over NCCL the marks are CUDA events: issued on the compute stream as the bucket is launched, complete on the
+    communication stream after its last all-reduce, the end on the compute stream after the backward (which
+    waits for every all-reduce). On simulated ranks they are the host's clock after a synchronize: a collective
+    completes when the last rank arrives at it."""
+
+    def __init__(self):
+        self.on_device = distributed.uses_nccl()
+        self.origin, self.issued, self.works, self.finish = None, [], [], None
+
+    def mark(self):
+        if self.on_device:
+            event = backend.xp.cuda.Event()
+            event.record()
+            return event
+        backend.synchronize()
+        return time.perf_counter()
+
+    def start(self):
+        self.origin, self.issued, self.works, self.finish = self.mark(), [], [], None
+
+    def record(self, issued, works):
+        """The reducer's call for each bucket it launches: the mark taken before its all-reduces were queued, and
+        their works."""
+        self.issued.append(issued)
+        self.works.append(works)
+
+    def end(self):
+        self.finish = self.mark()
+
+    def _milliseconds(self, mark):
+        if self.on_device:
+            mark.synchronize()
+            return backend.xp.cuda.get_elapsed_time(self.origin, mark)
+        return (mark - self.origin) * 1e3
+
+    def milliseconds(self):
+        """{"issued": [ms a bucket], "complete": [ms a bucket], "end": ms}: from the backward's start."""
+        if self.finish is None:
+            raise RuntimeError("BucketTimeline.milliseconds: call start() before the backward and end() after it")
+        complete = [self._milliseconds(works[-1].done_event) if self.on_device else
+                    (max(work.collective.done_at for work in works) - self.origin) * 1e3 for works in self.works]
+        return {"issued": [self._milliseconds(mark) for mark in self.issued], "complete": complete,
+                "end": self._milliseconds(self.finish)}
+
+
 class GradientReducer:
     """The buckets of one model and their all-reduces during one backward."""
 
@@ -114,6 +170,7 @@ class GradientReducer:
         self.packed = [(p, where) for p, where, _, _ in owner._packed if id(p) in wanted]
         self.reduce_in_backward = not isinstance(owner, ZeroRedundancyOptimizer)  # which reduce-scatters in its step
         self.arrival_order = None  # recorded during the first backward, then the buckets follow it
+        self.timeline = None       # a BucketTimeline, to record when each bucket is issued and complete
         self._make_buckets(list(reversed(parameters)))
         self.buckets_follow_guess = True
         self.next_bucket = len(self.buckets)  # none pending: no backward is under way
@@ -176,8 +233,11 @@ class GradientReducer:
         flat_grads = self.optimizer.flat_grads
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             bucket = self.buckets[self.next_bucket]
+            issued = self.timeline.mark() if self.timeline is not None else None
             bucket.works = [distributed.all_reduce(flat_grads[start:stop], op=distributed.ReduceOp.AVG, async_op=True)
                             for start, stop in bucket.runs]
+            if self.timeline is not None:
+                self.timeline.record(issued, bucket.works)
             self.next_bucket += 1
             if self.finished:
                 for launched in self.buckets:  # the compute stream waits for every all-reduce
@@ -239,7 +299,8 @@ class DistributedDataParallel(Module):
             raise RuntimeError("Expected to have finished reduction in the prior iteration before starting a new "
                                "one: the last backward through this DistributedDataParallel did not reach every "
                                "parameter (a backward with retain_graph=True, or none at all)")
-        outputs = self.module(*inputs, **options)
+        with dropout_batch_part(distributed.get_rank(), distributed.get_world_size()):  # this rank's rows' masks
+            outputs = self.module(*inputs, **options)
         if is_grad_enabled() and self.require_backward_grad_sync:
             if self.reducer is None:
                 parameters = [p for p in self.module.parameters() if p.requires_grad]

@@ -28,8 +28,10 @@ PyTorch's scaled_dot_product_attention options (softmax only), which run the ker
                 A row with every key masked gives 0 (out and gradients), as PyTorch's math backend does;
     dropout_p:  each weight P_ij dropped with probability p, the others scaled by 1/(1-p), from the Philox
                 number of element (..., h, i, j) of the scores, flattened, of the stream rng_state = (seed,
-                offset) (ops.dropout, chapter 07). The backward regenerates the mask from the same rng_state;
-                the caller advances it (advance_rng_state) after the forward.
+                offset) (ops.dropout, chapter 07), plus dropout_start: 0 for a whole batch, the flat index of
+                a rank's first weight in the global batch under data parallelism. The backward regenerates the
+                mask from the same rng_state and dropout_start; the caller advances rng_state
+                (advance_rng_state) after the forward.
 
 These are the fused kernels (kernels/attention.cu): S and P = softmax(S) are never written to memory, so
 the only memory beyond the inputs and outputs is lse and the backward's row sums, O(T) per head. The
@@ -165,15 +167,15 @@ class ScoreOptions:
     mask and its strides, dropout's p and rng_state. ScoreOptions.of(...) is None where there is nothing."""
 
     @classmethod
-    def of(cls, operation, sizes, variant, scale, attn_mask, dropout_p, rng_state):
+    def of(cls, operation, sizes, variant, scale, attn_mask, dropout_p, rng_state, dropout_start=0):
         if scale is None and attn_mask is None and dropout_p == 0.0:
             return None
         if variant != "softmax":
             raise ValueError(f"{operation}: scale, attn_mask and dropout_p are for the softmax variant, got "
                              f"variant={variant!r}")
-        return cls(operation, sizes, scale, attn_mask, dropout_p, rng_state)
+        return cls(operation, sizes, scale, attn_mask, dropout_p, rng_state, dropout_start)
 
-    def __init__(self, operation, sizes, scale, attn_mask, dropout_p, rng_state):
+    def __init__(self, operation, sizes, scale, attn_mask, dropout_p, rng_state, dropout_start=0):
         d = sizes["d"]
         if scale is None:
             scale = 1.0 / math.sqrt(d)
@@ -188,11 +190,14 @@ class ScoreOptions:
                 raise ValueError(f"{operation}: dropout_p = {dropout_p} needs an rng_state, the (seed, offset) "
                                  "device array of ops.dropout.new_rng_state")
             check(operation, rng_state=(rng_state, (2,), np.uint64))
+        if isinstance(dropout_start, bool) or not isinstance(dropout_start, (int, np.integer)) \
+                or not 0 <= dropout_start < 2**64:
+            raise ValueError(f"{operation}: dropout_start must be an int in [0, 2**64), got {dropout_start!r}")
         self.mask, strides = _mask_and_strides(operation, attn_mask, sizes)
         mask_type = "void" if self.mask is None else "bool" if self.mask.dtype == np.bool_ else "float"
         self.template_arguments = f"{mask_type}, {'true' if self.dropout else 'false'}"
         self.arguments = (np.float32(scale), 0 if self.mask is None else self.mask, *(np.int64(s) for s in strides),
-                          rng_state if self.dropout else 0, np.float32(dropout_p))
+                          rng_state if self.dropout else 0, np.float32(dropout_p), np.uint64(dropout_start))
 
 
 def _mask_and_strides(operation, mask, sizes):
@@ -264,13 +269,13 @@ def _placed(*arrays):
 
 
 def attention_forward(q, k, v, *, causal=True, variant="softmax", scale=None, attn_mask=None, dropout_p=0.0,
-                      rng_state=None, out=None):
+                      rng_state=None, dropout_start=0, out=None):
     """(out, lse): attention of queries q (..., H, T, d) over keys k and values v (..., H_kv, T, d);
-    lse is None for "relu". scale, attn_mask, dropout_p and rng_state: see the module's docstring."""
+    lse is None for "relu". scale, attn_mask, dropout_p, rng_state and dropout_start: see the module's docstring."""
     name = "attention_forward"
     _check_variant(name, variant)
     sizes = _check_sizes(name, q, k, v)
-    options = ScoreOptions.of(name, sizes, variant, scale, attn_mask, dropout_p, rng_state)
+    options = ScoreOptions.of(name, sizes, variant, scale, attn_mask, dropout_p, rng_state, dropout_start)
     shape = LaunchShape(sizes)
     out = empty_heads_side_by_side(q.shape, np.float32) if out is None else output(name, out, q.shape)
     lse = backend.xp.empty(q.shape[:-1], dtype=np.float32) if variant == "softmax" else None
@@ -293,15 +298,16 @@ def _forward(out, lse, q, k, v, shape, causal, variant, rows=FORWARD_ROWS, optio
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=True, variant="softmax", scale=None, attn_mask=None,
-                       dropout_p=0.0, rng_state=None, deterministic=True):
+                       dropout_p=0.0, rng_state=None, dropout_start=0, deterministic=True):
     """(dq, dk, dv): the gradients of q, k, v, given dout = dL/dout and the forward's out and lse; scale,
-    attn_mask, dropout_p and rng_state as the forward had them (rng_state before it was advanced).
+    attn_mask, dropout_p, rng_state and dropout_start as the forward had them (rng_state before it was
+    advanced).
 
     deterministic=False takes the one-pass backward (dq added with atomics): faster, not bit-reproducible."""
     name = "attention_backward"
     _check_variant(name, variant)
     sizes = _check_sizes(name, q, k, v, like_q=dict(dout=dout, out=out), per_row=dict(lse=lse))
-    options = ScoreOptions.of(name, sizes, variant, scale, attn_mask, dropout_p, rng_state)
+    options = ScoreOptions.of(name, sizes, variant, scale, attn_mask, dropout_p, rng_state, dropout_start)
     shape = LaunchShape(sizes)
     if variant == "softmax" and lse is None:
         raise ValueError(f"{name}: the softmax variant needs the lse that attention_forward returned")

@@ -39,14 +39,17 @@ def new_rng_state(seed):
     return backend.xp.array([seed, 0], dtype=np.uint64)
 
 
-def dropout_forward(x, p, rng_state, *, out=None):
-    """x * mask / (1 - p): x float32 of any shape, p in [0, 1], rng_state (2,) uint64 (seed, offset)."""
-    return _dropout("dropout_forward", "x", x, p, rng_state, out)
+def dropout_forward(x, p, rng_state, *, out=None, start=0):
+    """x * mask / (1 - p): x float32 of any shape, p in [0, 1], rng_state (2,) uint64 (seed, offset).
+
+    start: the stream index of x's element 0 (element i draws number start + i): 0 for a whole batch, the place
+    of a rank's rows in the global batch under data parallelism."""
+    return _dropout("dropout_forward", "x", x, p, rng_state, out, start)
 
 
-def dropout_backward(dout, p, rng_state, *, out=None):
-    """dout * mask / (1 - p), with the mask the forward drew from the same rng_state."""
-    return _dropout("dropout_backward", "dout", dout, p, rng_state, out)
+def dropout_backward(dout, p, rng_state, *, out=None, start=0):
+    """dout * mask / (1 - p), with the mask the forward drew from the same rng_state and start."""
+    return _dropout("dropout_backward", "dout", dout, p, rng_state, out, start)
 
 
 def advance_rng_state(rng_state, count):
@@ -68,14 +71,16 @@ def dropout_uniform(n, rng_state):
     return u
 
 
-def _dropout(operation, name, x, p, rng_state, out):
+def _dropout(operation, name, x, p, rng_state, out, start):
     dtype = storage_dtype(operation, name, x)
     check(operation, **{name: (x, ("...",), dtype)}, rng_state=(rng_state, (2,), np.uint64))
     if isinstance(p, bool) or not isinstance(p, (int, float, np.floating, np.integer)) or not 0.0 <= p <= 1.0:
         raise ValueError(f"{operation}: p must be a probability in [0, 1], got {p!r}")
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= start < 2**64:
+        raise ValueError(f"{operation}: start must be an int in [0, 2**64), got {start!r}")
     out = output(operation, out, x.shape, dtype=dtype)
     if x.size:
         _kernel(f"dropout_forward<{storage_c_type(dtype)}>")(
             (ceil_div(ceil_div(x.size, ELEMENTS_PER_THREAD), THREADS_PER_BLOCK),), (THREADS_PER_BLOCK,),
-            (out, x, rng_state, np.float32(p), np.int32(x.size)))
+            (out, x, rng_state, np.float32(p), np.int32(x.size), np.uint64(start)))
     return out
