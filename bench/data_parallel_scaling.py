@@ -131,7 +131,7 @@ def bucket_timeline(model_config, rows, dtype, steps=TIMELINE_STEPS):
     timeline.end()
     times = timeline.milliseconds()
     times["bucket_bytes"] = [4 * bucket.elements for bucket in ddp.reducer.buckets]
-    times["parameters"] = sum(p.data.size for p in model.parameters())
+    times["parameters"] = sum(p.numel() for p in model.parameters())
     times["world_size"] = distributed.get_world_size()
     times["adamw_state_bytes"] = state_bytes(optimizer)
     times["zero_state_bytes_per_rank"] = state_bytes(shard_optimizer(
