@@ -135,11 +135,18 @@ if _cupy is not None:
     _RawModule = _cupy.RawModule
 
     def _device_array(a):
-        """a, or the CuPy array an object (a Tensor) exposes through __cuda_array_interface__, viewed in place
-        with the object's own dtype: the interface spells bf16 as two raw bytes, which CuPy cannot copy."""
+        """a, or the CuPy array over the memory an object (a Tensor) exposes through __cuda_array_interface__, with
+        the object's own dtype: the interface spells bf16 as two raw bytes, which CuPy cannot copy as such."""
         if isinstance(a, _cupy.ndarray) or not hasattr(a, "__cuda_array_interface__"):
             return a
-        return _cupy.asarray(a).view(a.dtype)
+        interface = a.__cuda_array_interface__
+        dtype = numpy.dtype(getattr(a, "dtype", interface["typestr"]))
+        shape = tuple(interface["shape"])
+        strides = interface.get("strides") or tuple(
+            int(numpy.prod(shape[axis + 1:], dtype=numpy.int64)) * dtype.itemsize for axis in range(len(shape)))
+        extent = (sum((n - 1) * abs(s) for n, s in zip(shape, strides)) + dtype.itemsize) if all(shape) else 0
+        memory = _cupy.cuda.UnownedMemory(interface["data"][0], extent, a)
+        return _cupy.ndarray(shape, dtype, _cupy.cuda.MemoryPointer(memory, 0), strides)
 
     def unchecked_asnumpy(a):
         """A numpy copy, without reporting the range checks (device_checks reads its own flags with it)."""

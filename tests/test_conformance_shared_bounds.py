@@ -184,8 +184,8 @@ def test_an_access_inside_the_shared_window_is_not_reported(name, shift, threads
         assert got[0] == x.sum()
     elif name == "static_into_dynamic":
         assert got.tolist() == [1.0, 6.0, 7.0, 8.0, 0.0, 0.0, 0.0, 0.0]
-    elif shift == -24:  # the dynamic memory's first 8 floats: what this block left there is not known, not read
-        assert got.shape == (8,)
+    elif shift == -24 or shift >= 8:  # the dynamic memory's first 8 floats, or the rest of the array's 128-byte
+        assert got.shape == (8,)        # unit: what lies there is not known (the launch ran, unreported)
     else:
         assert got.tolist() == x.tolist()
 
