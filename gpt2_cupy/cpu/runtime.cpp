@@ -429,9 +429,18 @@ thread_local volatile sig_atomic_t this_thread_interrupt_pending = 0;
 thread_local unsigned long long this_thread_block_serial = 0;
 
 void register_runner(BlockRunner* runner);
+void release_runner_of_this_thread();
+
+// Frees the thread's runner (its fibers' stacks: thousands of mappings) when the thread ends: threads that come
+// and go (a simulated rank's, say) would otherwise use up the process's mappings.
+struct RunnerReleaser {
+    ~RunnerReleaser() { release_runner_of_this_thread(); }
+};
+thread_local RunnerReleaser this_thread_runner_releaser;
 
 BlockRunner& runner_of_this_thread() {
     if (this_thread_runner == nullptr) {
+        (void)&this_thread_runner_releaser;      // constructed now, so destroyed when the thread ends
         this_thread_runner = new BlockRunner();  // lives as long as the thread
         register_runner(this_thread_runner);
     }
@@ -1137,19 +1146,35 @@ void register_runner(BlockRunner* runner) {
     runners.emplace_back(pthread_self(), runner);
 }
 
+void release_runner_of_this_thread() {
+    BlockRunner* runner = this_thread_runner;
+    if (runner == nullptr) return;
+    {
+        std::lock_guard<std::mutex> lock(runners_mutex);  // the watchdog reads the list under it
+        for (auto entry = runners.begin(); entry != runners.end(); ++entry) {
+            if (entry->second == runner) {
+                runners.erase(entry);
+                break;
+            }
+        }
+    }
+    this_thread_runner = nullptr;
+    delete runner;
+}
+
 void watch_for_threads_that_never_yield() {
     constexpr auto look_every = std::chrono::milliseconds(10);
-    std::vector<unsigned long long> last_seen;
+    std::unordered_map<const BlockRunner*, unsigned long long> last_seen;  // by runner: threads come and go
     for (;;) {
         std::this_thread::sleep_for(look_every);
         std::lock_guard<std::mutex> lock(runners_mutex);
-        last_seen.resize(runners.size(), ~0ull);
-        for (size_t k = 0; k < runners.size(); ++k) {
-            BlockRunner* runner = runners[k].second;
+        for (const auto& [thread, runner] : runners) {
             unsigned long long resumes = runner->resumes();
-            if (launch_running.load() && runner->current_fiber() != nullptr && resumes == last_seen[k])
-                pthread_kill(runners[k].first, preempt_signal);
-            last_seen[k] = resumes;
+            auto seen = last_seen.find(runner);
+            if (launch_running.load() && runner->current_fiber() != nullptr && seen != last_seen.end() &&
+                seen->second == resumes)
+                pthread_kill(thread, preempt_signal);
+            last_seen[runner] = resumes;
         }
     }
 }
