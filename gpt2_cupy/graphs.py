@@ -10,8 +10,9 @@
     g.replay()                              # every recorded launch again, on the same buffers
     print(float(loss))                      # read after the replay
 
-Why: launched one by one from Python, a kernel costs about 5.6 µs of Python and driver time (CuPy on an
-H200); replayed from a captured graph, 0.9 µs. GPT-2 launches about a hundred kernels per layer and step.
+Why: launched one by one from Python, a kernel costs microseconds of Python and driver time; replayed from
+a captured graph, several times less (bench/design_choices.json). GPT-2 launches about a hundred kernels per
+layer and step.
 
 What a graph holds is launches with their arguments: the same device addresses, grid sizes and scalar
 arguments at every replay. So everything that changes from one replay to the next must live in device

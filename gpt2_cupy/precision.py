@@ -18,9 +18,8 @@ Attention (gpt2_cupy.dispatch.attention) follows the setting too: at "high" its
 tensor-core kernels run in TF32, at "medium" in bf16, where they take the shape; at "highest" chapter 08's
 float32 kernels run. The tensor-core kernels have a 3xTF32 format too (tensor_core_attention_forward's
 precision="highest": each operand, and P and dS, split into two TF32 parts), as accurate as chapter 08's
-(measured at GPT-2's shape: 1.2e-7 to 6.1e-7 against float64, they 3.4e-7 to 1.7e-6) but slower: on an H100,
-three times TF32's mma.sync work took 1.8 ms forward and backward where chapter 08's took 1.6 and TF32 0.55
-(bench/tensor_core_attention.json), so "highest" keeps chapter 08's.
+but slower, three times TF32's mma.sync work, so "highest" keeps chapter 08's (bench/design_choices.json has the
+figures).
 
 gpt2_cupy.ops.tensor_core_matmul reads the setting when it is not given a precision, and there "highest"
 means 3xTF32; chapter 15a explains each format and measures its error against float64. An unknown name is

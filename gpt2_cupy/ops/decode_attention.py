@@ -22,16 +22,13 @@ about BLOCKS_PER_MULTIPROCESSOR blocks per multiprocessor. One chunk writes out 
 chunks cover the whole capacity (blocks past the end do nothing), so that the grid does not change from step to
 step.
 
-Choices, from bench/decode_attention.py on an H100 (bf16, one new token, a cache of 700 filled to 600, the
-launches replayed from a CUDA graph, the cache cold in L2):
-- blocks of WIDE_WARPS warps where their grid fits one block per multiprocessor (fewer, fatter chunks, and a
-  thread for each element of the merge), else of WARPS: Llama 3.2 1B's heads, 6 chunks of 128 keys, 6.8 µs a
-  forward, against 7.5 µs with 11 chunks of 64 in blocks of 4 warps;
+Choices, timed by bench/decode_attention.py (the figures are in bench/design_choices.json, "decode_attention:
+WIDE_WARPS blocks and the merge in the last block"):
+- blocks of WIDE_WARPS warps where their grid fits one block per multiprocessor: fewer, fatter chunks, and a
+  thread for each element of the merge; else blocks of WARPS;
 - the merge in the last block only where it is one round trip to memory: an output element per thread and every
   chunk loaded at once (at most SPLITS_AT_ONCE); otherwise a block merging several elements per thread in turn
-  is slower than the second launch (Llama 3.2 1B's heads at batch 8: 11.1 µs with the second launch, 12.0 µs
-  without; Llama 2 7B's heads at batch 1, one element per thread: 9.0 µs in the last block, 9.3 µs with the
-  second launch). The kernel before this design took 15.4 µs and 14.4 µs at the 1B and 7B shapes.
+  is slower than the second launch.
 """
 
 import numpy as np

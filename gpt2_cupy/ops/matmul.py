@@ -43,7 +43,7 @@ THREADS = 256     # the kernel's block size: __launch_bounds__(256, 2)
 BLOCKS_PER_MULTIPROCESSOR = 2
 MIN_K_PER_SPLIT = 128
 MAX_SPLITS = 16
-MACHINE_BALANCE = 13  # FLOP per byte: this kernel's 39 TFLOP/s over 3 TB/s of memory bandwidth on an H100
+MACHINE_BALANCE = 13  # FLOP per byte: this kernel's TFLOP/s over the memory's TB/s (bench/design_choices.json)
 
 
 def _kernel_name(transpose_a, transpose_b, vector_loads):

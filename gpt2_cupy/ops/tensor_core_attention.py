@@ -24,10 +24,8 @@ gpt2_cupy.set_float32_matmul_precision's names (the op does not read that settin
   - float32, precision "highest" (3xTF32): every operand of every product, P and dS included, is split into
     big = x rounded to TF32 and small = the rest rounded to TF32, and each product is small·big + big·small
     + big·big, each 16-wide step's products summed from zero and added to the running sum in float32. The
-    outputs are float32, as accurate as chapter 08's float32 kernels make them (measured on an H100 at GPT-2's
-    shape: out, dq, dk, dv within 1.2e-7 to 6.1e-7 of float64, relative to their largest element; chapter
-    08's kernels 3.4e-7 to 1.7e-6), for three times TF32's tensor work: 1.8 ms forward and backward there,
-    TF32 0.55 ms, chapter 08's float32 kernels 1.6 ms (bench/tensor_core_attention.json).
+    outputs are float32, as accurate as chapter 08's float32 kernels make them, for three times TF32's tensor
+    work (bench/design_choices.json: 'precision: "highest" attention keeps chapter 08's kernels').
   - float32, precision "medium" is a ValueError: bf16 products take bf16 inputs (F.scaled_dot_product_attention
     converts float32 ones at set_float32_matmul_precision("medium")).
 dk and dv of a key/value head are summed over the query heads of its group in float32 before they are stored.
@@ -73,10 +71,10 @@ ROW_ALIGNMENT_BYTES = 16        # every row of every tensor must start on 16 byt
 # per block, queries per tile, strips of 16 keys per warp) of the dk, dv pass, for each format and d: the
 # fastest of TILE_CANDIDATES measured by bench/tensor_core_attention.py on an H100 at GPT-2's shape (d = 64,
 # taken for d = 32 too) and Llama's (d = 128, grouped heads). Two strips pay where a pass reads the most
-# shared memory per product: the dk, dv pass, whose four products all read Q or dO from shared memory,
-# takes 0.109 ms in bf16 at GPT-2's shape with two strips and 0.117 with one. The forward keeps its queries
-# in registers and runs faster with one strip (0.066 ms to 0.070): two take 244 registers a thread, so that
-# an SM holds 8 warps instead of 12 to hide the latencies of the softmax between the products. At d = 128
+# shared memory per product: the dk, dv pass, whose four products all read Q or dO from shared memory. The
+# forward keeps its queries in registers and runs faster with one strip: two take 244 registers a thread, so
+# that an SM holds 8 warps instead of 12 to hide the latencies of the softmax between the products
+# (bench/design_choices.json, "tensor_core_attention: strips per warp"). At d = 128
 # the sums of two strips take more registers than a thread has (they spill), except in bf16's dq pass.
 # TF32's fragments take twice the registers of bf16's, and its tiles twice the shared memory; 3xTF32 reads
 # TF32's tiles and fragments and splits them in each step, and at d = 128 takes all 255 registers a thread
