@@ -11,9 +11,9 @@
 The package's products read the setting in one place, gpt2_cupy.dispatch.product: the Linear
 layer's forward, input gradient and weight gradient, and the batched products (attention's unfused path).
 At "highest" they run chapter 01's float32 kernels, except on an H100 or H200, where a large 2-D product
-(a Linear layer's, at GPT-2's sizes) runs tensor_core_matmul's 3xTF32 on the wgmma: as accurate (measured
-on an H200: 0.35 to 0.88 of the float32 kernel's error against float64 on GPT-2's Linear products, 0.23 of it
-at 4096³) and faster (bench/tensor_cores.json has both kernels against cuBLAS float32). The CPU executor keeps the float32 kernels.
+(a Linear layer's, at GPT-2's sizes) runs tensor_core_matmul's 3xTF32 on the wgmma: as accurate
+(bench/design_choices.json, "wgmma_matmul.SLICES_PER_SUM") and faster (bench/tensor_cores.json has both
+kernels against cuBLAS float32). The CPU executor keeps the float32 kernels.
 Attention (gpt2_cupy.dispatch.attention) follows the setting too: at "high" its
 tensor-core kernels run in TF32, at "medium" in bf16, where they take the shape; at "highest" chapter 08's
 float32 kernels run. The tensor-core kernels have a 3xTF32 format too (tensor_core_attention_forward's
