@@ -3,6 +3,7 @@ tests/test_conformance_tensor_cores.py:
 
 - ldmatrix with its qualifiers in CUTLASS's order (`ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16`), which ptxas
   takes as it takes the PTX ISA's (`...m8n8.x4.trans.shared.b16`): both orders load the same registers;
+- stmatrix (sm_90), ldmatrix's store, in both orders, as LeetCUDA's and CUTLASS's epilogues write it;
 - mma.sync m16n8k16 and m16n8k8 with f16 accumulators (`.f16.f16.f16.f16`: C and D two halves to a register).
 
 Each kernel runs on the active backend; the results are compared with numpy, exactly (the inputs are small
@@ -57,6 +58,52 @@ def test_ldmatrix_in_cutlass_order_loads_what_the_isa_order_loads(instruction, c
     out = to_device(np.zeros((32, 4), dtype=np.uint32))
     kernel((1,), (32,), (to_device(matrices), out))
     assert_each_lane_got_its_elements(to_host(out), matrices, count, transpose)
+
+
+# Each lane stores registers that say who holds them (matrix m, lane l, half i: (m << 12) | (l << 4) | i) with
+# STORE, lane 8m + r giving the address of row r of matrix m; the shared tile, all ones before, is copied out.
+STMATRIX = r"""
+extern "C" __global__ void store_matrices(unsigned short* out)
+{
+    __shared__ __align__(16) unsigned short tile[32][8];
+    const unsigned lane = threadIdx.x;
+    for (int i = lane; i < 32 * 8; i += 32) tile[i / 8][i % 8] = 0xffff;
+    __syncwarp();
+    unsigned r[4];
+    for (int m = 0; m < 4; ++m) r[m] = (m << 12 | lane << 4) | (m << 12 | lane << 4 | 1) << 16;
+    const unsigned row_address = __cvta_generic_to_shared(&tile[lane][0]);
+#if COUNT == 1
+    asm volatile(STORE " [%0], {%1};" :: "r"(row_address), "r"(r[0]));
+#elif COUNT == 2
+    asm volatile(STORE " [%0], {%1, %2};" :: "r"(row_address), "r"(r[0]), "r"(r[1]));
+#else
+    asm volatile(STORE " [%0], {%1, %2, %3, %4};" :: "r"(row_address), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
+#endif
+    __syncwarp();
+    for (int i = lane; i < 32 * 8; i += 32) out[i] = tile[i / 8][i % 8];
+}
+"""
+
+STMATRIX_FORMS = [(f"stmatrix.sync.aligned.{order}.b16", count, transpose)
+                  for count in (1, 2, 4) for transpose in (False, True)
+                  for order in (f"m8n8.x{count}{'.trans' if transpose else ''}.shared",      # the PTX ISA's
+                                f"x{count}{'.trans' if transpose else ''}.m8n8.shared")]     # CUTLASS's
+
+
+@pytest.mark.parametrize("instruction, count, transpose", STMATRIX_FORMS, ids=[i for i, _, _ in STMATRIX_FORMS])
+def test_stmatrix_stores_where_ldmatrix_loads(instruction, count, transpose, to_device, to_host):
+    """Element (r, c) of matrix m comes from lane 4r + c/2, half c%2 of its register m; with .trans element (r, c)
+    from lane 4c + r/2, half r%2. Matrices past the count are not written."""
+    kernel = backend.RawKernel(STMATRIX, "store_matrices", options=(f"-DCOUNT={count}", f'-DSTORE="{instruction}"'))
+    out = to_device(np.zeros(32 * 8, dtype=np.uint16))
+    kernel((1,), (32,), (out,))
+    expected = np.full((4, 8, 8), 0xffff, dtype=np.uint16)
+    for m in range(count):
+        for r in range(8):
+            for c in range(8):
+                lane, half = (4 * c + r // 2, r % 2) if transpose else (4 * r + c // 2, c % 2)
+                expected[m, r, c] = m << 12 | lane << 4 | half
+    np.testing.assert_array_equal(to_host(out).reshape(4, 8, 8), expected)
 
 
 # D = A·B + C for one m16n8kK tile with f16 A, B, C and D, one warp. A is 16xK row-major, B is given transposed

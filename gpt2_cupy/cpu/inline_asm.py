@@ -28,7 +28,8 @@ _EXECUTOR = Path(__file__).resolve().parent  # its headers: cuda_builtins.h, inc
 
 SUPPORTED = ("mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f32.{tf32 (m16n8k8 only),bf16,f16}.<same>.f32, "
              "mma.sync.aligned.{m16n8k8,m16n8k16}.row.col.f16.f16.f16.f16, "
-             "ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans][.shared].b16 (its qualifiers in any order), "
+             "ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans][.shared].b16 and "
+             "stmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans][.shared].b16 (their qualifiers in any order), "
              "cp.async.{ca,cg}.shared.global, cp.async.commit_group, cp.async.wait_group, cp.async.wait_all, "
              "cvt.rna[.satfinite].tf32.f32, cvt between u32/s32/u64/s64, cvta[.to].shared, mov, setp, "
              "wgmma.mma_async.sync.aligned.m64n{8..256}k16.f32.{bf16,f16}.<same> with both matrices by descriptor "
@@ -88,6 +89,7 @@ _NS = "gpt2cupy::ptx::"
 # written: the match then fails and says what the executor runs.
 _QUALIFIER_CATEGORIES = {
     "ldmatrix": (r"sync", r"aligned", r"m8n8", r"x[124]", r"trans", r"shared(?:::cta)?", r"b16"),
+    "stmatrix": (r"sync", r"aligned", r"m8n8", r"x[124]", r"trans", r"shared(?:::cta)?", r"b16"),
 }
 
 
@@ -498,6 +500,16 @@ class _Body:
         return (f"{{ unsigned gpt2cupy_r[4]; {_NS}ldmatrix(gpt2cupy_r, {count}, {transpose}, {address}, {shared}, {self.line}); "
                 + " ".join(f"{_NS}assign({target}, gpt2cupy_r[{i}]);" for i, target in enumerate(registers)) + " }")
 
+    def stmatrix(self, match, operands):
+        count = int(match.group("count"))
+        self.expect(operands, 2, "stmatrix")
+        address = self.address(operands[0], "stmatrix")
+        registers = self.vector(operands[1], count, "stmatrix")
+        transpose, shared = str(bool(match.group("trans"))).lower(), str(bool(match.group("shared"))).lower()
+        values = ", ".join(f"{_NS}bits<unsigned>({register})" for register in registers)
+        return (f"{{ const unsigned gpt2cupy_r[4] = {{{values}}}; "
+                f"{_NS}stmatrix(gpt2cupy_r, {count}, {transpose}, {address}, {shared}, {self.line}); }}")
+
     def cp_async(self, match, operands):
         fixed = 3 + bool(match.group("hint"))
         if not fixed <= len(operands) <= fixed + 1:
@@ -824,6 +836,7 @@ class _Body:
         (r"mma\.sync\.aligned\.(?P<shape>m16n8k8|m16n8k16)\.row\.col\.(?P<d>f32|f16)\.(?P<a>\w+)\.(?P<b>\w+)\.(?P<c>f32|f16)",
          mma),
         (rf"ldmatrix\.sync\.aligned\.m8n8\.x(?P<count>[124])(?P<trans>\.trans)?(?P<shared>{_SHARED})?\.b16", ldmatrix),
+        (rf"stmatrix\.sync\.aligned\.m8n8\.x(?P<count>[124])(?P<trans>\.trans)?(?P<shared>{_SHARED})?\.b16", stmatrix),
         (rf"cp\.async\.(?P<cache>ca|cg){_SHARED}\.global(?:\.L2::(?:64|128|256)B)?(?P<hint>\.L2::cache_hint)?", cp_async),
         (r"cp\.async\.commit_group", commit_group),
         (r"cp\.async\.wait_group", wait_group),

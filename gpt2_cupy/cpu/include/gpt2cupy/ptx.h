@@ -254,6 +254,31 @@ inline void ldmatrix(unsigned* destination, int matrices, bool transpose, unsign
     }
 }
 
+// ---- stmatrix (sm_90) ----------------------------------------------------------------------------------
+// ldmatrix's store: the same lanes give the rows' addresses, and each lane writes its register m's two
+// elements where ldmatrix would have read them (an mma accumulator fragment, converted to 16 bits, goes to
+// shared memory as whole rows).
+inline void stmatrix(const unsigned* source, int matrices, bool transpose, unsigned long long address, bool shared,
+                     int line) {
+    const char* not_shared = "stmatrix: a row address is not a shared-memory address (from __cvta_generic_to_shared "
+                             "or cvta.to.shared)";
+    unsigned char* row = shared ? from_shared(address, not_shared, line) : (unsigned char*)address;
+    if ((unsigned long long)row % 16 != 0) fail("stmatrix: a row address is not a multiple of 16 bytes", line);
+    unsigned long long row_bits = (unsigned long long)row;
+    unsigned mine[2] = {(unsigned)row_bits, (unsigned)(row_bits >> 32)}, rows[32][2];
+    gather(mine, rows, "stmatrix: all 32 lanes of the warp must execute it together (a lane exited, or the "
+                       "block's last warp has fewer than 32 threads)", line);
+    unsigned me = lane();
+    for (int m = 0; m < matrices; ++m) {
+        for (int i = 0; i < 2; ++i) {
+            int r = transpose ? 2 * (me & 3) + i : me >> 2;
+            int column = transpose ? me >> 2 : 2 * (me & 3) + i;
+            unsigned short* start = (unsigned short*)((unsigned long long)rows[8 * m + r][1] << 32 | rows[8 * m + r][0]);
+            start[column] = (unsigned short)(source[m] >> (16 * i));
+        }
+    }
+}
+
 // ---- cp.async ------------------------------------------------------------------------------------------
 // A copy may land any time between its issue and the wait that covers it; here it lands at that wait, the
 // latest moment a GPU allows, so a kernel that reads its destination too early reads the old bytes, as a
