@@ -584,3 +584,84 @@ def test_every_distinct_race_of_a_launch_is_listed_up_to_ten_and_the_rest_counte
     assert "63 more race(s) in this launch:" in message
     assert len(re.findall(r"^  shared memory .*: a (write and a read|read and a write), thread", message, re.M)) == 9
     assert message.endswith("... and 54 more")
+
+
+# Threads writing one place with nothing between them race only if their values can differ. CUDA's programming
+# guide: where several threads of a warp write one location in one instruction, one write is performed, which
+# one undefined; with one value, the result does not depend on it (llm.c's `shared_sum[warp_id] = warp_sum`,
+# every lane holding the sum its shuffles gave it, "lane_id == 0 guard not needed").
+SAME_VALUE_WRITES = r"""
+extern "C" __global__ void warp_sums_stored_by_every_lane(float* out, const float* x)
+{
+    __shared__ float per_warp[32];
+    float sum = x[threadIdx.x];
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+    per_warp[threadIdx.x / 32] = sum;                       // every lane of the warp: the same value
+    __syncthreads();
+    if (threadIdx.x == 0) out[0] = per_warp[0] + per_warp[1];
+}
+
+extern "C" __global__ void one_flag_set_by_all(float* out)
+{
+    __shared__ float flag;
+    flag = 1.0f;                                            // every thread of both warps: the same value
+    __syncthreads();
+    out[threadIdx.x] = flag;
+}
+
+extern "C" __global__ void same_value_then_ordered_change(float* out)
+{
+    __shared__ float flag;
+    if (threadIdx.x < 2) flag = 1.0f;                       // lanes 0 and 1: the same value, unordered
+    __syncwarp();
+    if (threadIdx.x == 0) flag = 2.0f;                      // after the warp's sync: ordered after both
+    __syncthreads();
+    out[threadIdx.x] = flag;
+}
+
+extern "C" __global__ void lane_numbers_into_one_place(float* out)
+{
+    __shared__ float last;
+    last = (float)threadIdx.x;                              // different values: which stays is not promised
+    __syncthreads();
+    out[threadIdx.x] = last;
+}
+
+extern "C" __global__ void copy_columns_stepping_by_one(float* out, const float* x, int columns)
+{
+    for (int c = threadIdx.x; c < columns; c += 1) out[c] = 2.0f * x[c];   // each column stored by many threads
+}
+"""
+
+
+def test_every_lane_storing_the_warps_sum_is_not_a_race():
+    x = np.arange(64, dtype=np.float32)
+    out = np.zeros(1, dtype=np.float32)
+    RawKernel(SAME_VALUE_WRITES, "warp_sums_stored_by_every_lane")((1,), (64,), (out, x), check_races=True)
+    assert out[0] == x.sum()
+
+
+def test_threads_of_several_warps_setting_one_flag_to_one_value_is_not_a_race():
+    out = np.zeros(64, dtype=np.float32)
+    RawKernel(SAME_VALUE_WRITES, "one_flag_set_by_all")((1,), (64,), (out,), check_races=True)
+    np.testing.assert_array_equal(out, np.ones(64, dtype=np.float32))
+
+
+def test_a_same_value_write_followed_by_an_ordered_change_is_not_a_race():
+    out = np.zeros(32, dtype=np.float32)
+    RawKernel(SAME_VALUE_WRITES, "same_value_then_ordered_change")((1,), (32,), (out,), check_races=True)
+    np.testing.assert_array_equal(out, np.full(32, 2.0, dtype=np.float32))
+
+
+def test_threads_writing_different_values_to_one_place_race():
+    with pytest.raises(RaceError, match=r"race on shared memory.*both write it"):
+        RawKernel(SAME_VALUE_WRITES, "lane_numbers_into_one_place")((1,), (64,), (np.zeros(64, dtype=np.float32),),
+                                                                    check_races=True)
+
+
+def test_a_store_loop_stepping_by_one_stores_the_same_values_and_is_not_a_race():
+    x = np.arange(100, dtype=np.float32)
+    out = np.zeros(100, dtype=np.float32)
+    RawKernel(SAME_VALUE_WRITES, "copy_columns_stepping_by_one")((1,), (64,), (out, x, np.int32(100)),
+                                                                 check_races=True)
+    np.testing.assert_array_equal(out, 2 * x)

@@ -190,6 +190,7 @@ namespace {
 // The race check's record of fences, atomics and barriers (defined with the race check, below).
 void race_block_started(unsigned long long block_linear);
 void race_barrier_opened();
+void judge_pending_writes();
 
 enum class FiberState { not_started, ready, at_block_barrier, at_warp_barrier, at_tile_barrier, done };
 
@@ -881,7 +882,10 @@ bool BlockRunner::release_tiles() {
             released = true;
         }
     }
-    if (released) epoch_ += 1;
+    if (released) {
+        epoch_ += 1;
+        if (tracking_races_) judge_pending_writes();
+    }
     return released;
 }
 
@@ -983,6 +987,7 @@ bool BlockRunner::run_block(Launch& launch, unsigned block_linear) {
         block_failed_ = true;
         break;
     }
+    if (tracking_races_) judge_pending_writes();
     // Stacks of threads left waiting in a failed block go back to the pool.
     for (unsigned t = 0; t < thread_count; ++t) {
         if (fibers_[t].stack != nullptr) {
@@ -1441,6 +1446,22 @@ struct Granule {
 };
 std::unordered_map<unsigned long long, Granule> race_shadow;  // by word (address / 4)
 std::unordered_map<unsigned long long, Granule> race_bytes;   // by byte address, for the words split
+
+// Two threads writing one place with nothing between them race only if they write different values. CUDA's
+// programming guide: where several threads of a warp write one location, one of the writes is performed, which
+// one undefined; with one value the result is the same in any order (the idiom of every lane storing the
+// warp's sum, reduced with shuffles that gave each lane the same number). A write that finds another thread's
+// unordered write is kept here with the bytes it is about to replace, and judged once its own store has
+// certainly happened: when a later access is ordered after it (its own thread's, or any after a barrier or
+// warp operation between), or when the block reaches a barrier or its end. The bytes then differ from what the
+// first thread left only if the two values differed: that is the race.
+struct PendingWrite {
+    Access second;                   // the write that found the other
+    unsigned char replaced[4];       // the place's bytes before it, the other thread's value
+    unsigned size;                   // 4 for a word, 1 for a byte
+    ThreadCoordinates now, then;     // the second thread and the first, for the report
+};
+std::unordered_map<unsigned long long, PendingWrite> race_pending_writes;  // by the place's address
 bool tracking_races = false;
 
 const gpt2cupy_launch_request* race_request = nullptr;
@@ -1504,6 +1525,7 @@ void race_block_started(unsigned long long block_linear) {
 }
 
 void race_barrier_opened() {
+    judge_pending_writes();
     block_order.last_barrier = ++race_sequence;
     block_order.shared_atomic = block_order.last_atomic;
     if (block_order.fences != nullptr) block_order.fences->barriers.push_back({block_order.last_barrier, 0});
@@ -1642,14 +1664,38 @@ void record_order_event(bool is_fence) {
     runner->in_kernel_code = was_in_kernel_code;
 }
 
+// A kept write judged: reported if the place's bytes no longer hold what the first thread wrote.
+void judge_pending_write(unsigned long long at, const PendingWrite& pending) {
+    BlockRunner* runner = this_thread_runner;
+    if (std::memcmp(reinterpret_cast<const void*>(at), pending.replaced, pending.size) != 0 && runner != nullptr &&
+        runner->launch() != nullptr)
+        runner->launch()->report_race(write_then_write, at, pending.now, pending.then);
+}
+
+// Every kept write judged (at a barrier and at a block's end, when every store before them has happened).
+void judge_pending_writes() {
+    for (const auto& [at, pending] : race_pending_writes) judge_pending_write(at, pending);
+    race_pending_writes.clear();
+}
+
 // An access of the running thread to one place (a word, or a byte of a word that holds smaller data),
 // checked against the place's last write and read, then recorded there. A race is reported once per
 // access (`reported`), at the first place of it that races. An atomic operation is checked against the
 // plain accesses, and recorded apart from them: atomic operations never race with each other.
 void check_place(Granule& place, const Access& now, bool is_write, bool is_atomic, unsigned long long at,
-                 bool& reported) {
+                 unsigned place_bytes, bool& reported) {
     BlockRunner* runner = this_thread_runner;
     const unsigned thread = now.thread;
+    if (!race_pending_writes.empty()) {
+        // A kept write is judged by the first access ordered after it (its store has happened by then).
+        const auto kept = race_pending_writes.find(at);
+        if (kept != race_pending_writes.end() &&
+            ((kept->second.second.thread == thread && kept->second.second.block == now.block) ||
+             ordered(*runner, kept->second.second, thread, at))) {
+            judge_pending_write(at, kept->second);
+            race_pending_writes.erase(kept);
+        }
+    }
     int kind = no_race;
     const Access* other = nullptr;
     const bool read_it_first = place.read.valid && place.read.thread == thread &&
@@ -1675,7 +1721,7 @@ void check_place(Granule& place, const Access& now, bool is_write, bool is_atomi
         kind = atomic_and_plain;
         other = &place.atomic;
     }
-    if (kind != no_race && !reported && runner->launch() != nullptr) {
+    if (kind != no_race && (kind == write_then_write || !reported) && runner->launch() != nullptr) {
         // The other thread's coordinates, rebuilt from its block and linear index.
         const gpt2cupy_launch_request& request = runner->launch()->request();
         // (A bulk copy's writes are named by the thread that issued the copy.)
@@ -1690,8 +1736,21 @@ void check_place(Granule& place, const Access& now, bool is_write, bool is_atomi
         unsigned long long b = other->block;
         then.block_idx = uint3{(unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / ((unsigned long long)gx * gy))};
         then.thread_idx = thread_idx(other->thread);
-        runner->launch()->report_race(kind, at, coordinates, then);
-        reported = true;
+        if (kind == write_then_write) {
+            // Judged later, once this write's value is in place (race_pending_writes); a write kept before at
+            // this place, by a third thread, is judged now.
+            const auto kept = race_pending_writes.find(at);
+            if (kept != race_pending_writes.end()) {
+                judge_pending_write(at, kept->second);
+                race_pending_writes.erase(kept);
+            }
+            PendingWrite pending{now, {}, place_bytes, coordinates, then};
+            std::memcpy(pending.replaced, reinterpret_cast<const void*>(at), place_bytes);
+            race_pending_writes.emplace(at, pending);
+        } else {
+            runner->launch()->report_race(kind, at, coordinates, then);
+            reported = true;
+        }
     }
     if (is_atomic) {
         place.atomic = now;
@@ -1729,13 +1788,13 @@ void record_access_by(const Access& now, const volatile void* address, unsigned 
         const unsigned long long word_address = key * 4;
         const unsigned long long from = std::max(begin, word_address), to = std::min(end, word_address + 4);
         if (to - from == 4 && !word.split) {
-            check_place(word, now, is_write, is_atomic, word_address, reported);
+            check_place(word, now, is_write, is_atomic, word_address, 4, reported);
             continue;
         }
         // A byte or two (a half, a bfloat16, a uint8, a bool): neighbouring threads may store to the other
         // bytes of the word without racing.
         if (!word.split) split_word(word, word_address);
-        for (unsigned long long byte = from; byte < to; ++byte) check_place(race_bytes[byte], now, is_write, is_atomic, byte, reported);
+        for (unsigned long long byte = from; byte < to; ++byte) check_place(race_bytes[byte], now, is_write, is_atomic, byte, 1, reported);
     }
 }
 
@@ -2228,6 +2287,7 @@ int gpt2cupy_launch(const gpt2cupy_launch_request* request, gpt2cupy_launch_resu
     race_request = request;
     race_shadow.clear();
     race_bytes.clear();
+    race_pending_writes.clear();
     race_fences.clear();
     launch_in_flight = &launch;
     launch_running.store(true);
