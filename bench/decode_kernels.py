@@ -60,16 +60,22 @@ def measure():
         seconds = benchmark.seconds_per_call(run)
         results[name] = {"bytes": bytes_moved, "microseconds": seconds * 1e6,
                          "bound_microseconds": bytes_moved / (copy * 1e9) * 1e6}
-    return {**benchmark.measured_on(), "copy_bandwidth_gb_per_s": copy, "results": results}
+    return {**benchmark.measured_on(), "copy_bandwidth_gb_per_s": copy,
+            "datasheet_gb_per_s": benchmark.datasheet_gb_per_s(), "results": results}
 
 
 def table(measured):
     copy = measured["copy_bandwidth_gb_per_s"]
-    lines = [f"{measured['device']}, {measured['date']}: copy {copy:.0f} GB/s; Llama 3.2 1B's shapes, bf16, batch 1"]
+    datasheet = measured.get("datasheet_gb_per_s") or benchmark.datasheet_gb_per_s(measured["device"])
+    lines = [f"{measured['device']}, {measured['date']}: copy {copy:.0f} GB/s"
+             + (f", datasheet {datasheet} GB/s" if datasheet else "") + "; Llama 3.2 1B's shapes, bf16, batch 1"]
     width = max(map(len, measured["results"]))
     for name, r in measured["results"].items():
+        of_datasheet = (f", {r['bound_microseconds'] * copy / datasheet / r['microseconds']:6.1%} of the datasheet's"
+                        if datasheet else "")
         lines.append(f"  {name:<{width}} {r['microseconds']:7.1f} µs, its bytes at the copy rate "
-                     f"{r['bound_microseconds']:6.1f} µs: {r['bound_microseconds'] / r['microseconds']:6.1%} of the bound")
+                     f"{r['bound_microseconds']:6.1f} µs: {r['bound_microseconds'] / r['microseconds']:6.1%} of the "
+                     f"copy's bound{of_datasheet}")
     return lines
 
 

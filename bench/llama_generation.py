@@ -325,11 +325,15 @@ def settings_table(arguments):
         rates, failed, weight_bytes = compare_settings(shape, arguments.settings, arguments.prompt,
                                                        arguments.new_tokens, arguments.rounds)
         bound = bandwidth / weight_bytes
-        lines = [f"{NAMES[shape]}: bound {bound:.0f} tokens/s"]
+        datasheet = benchmark.datasheet_gb_per_s()
+        datasheet_bound = datasheet * 1e9 / weight_bytes if datasheet else None
+        lines = [f"{NAMES[shape]}: bound {bound:.0f} tokens/s at the copy rate"
+                 + (f", {datasheet_bound:.0f} at the datasheet's {datasheet} GB/s" if datasheet_bound else "")]
         for setting, measured in rates.items():
             median, best = float(np.median(measured)), max(measured)
-            lines.append(f"  {setting:60} median {median:7.1f} ({median / bound:.1%})  best {best:7.1f} "
-                         f"({best / bound:.1%})  rounds " + " ".join(f"{r:.0f}" for r in measured))
+            of_datasheet = f", {median / datasheet_bound:.1%} of the datasheet's" if datasheet_bound else ""
+            lines.append(f"  {setting:60} median {median:7.1f} ({median / bound:.1%} of the copy's{of_datasheet})  "
+                         f"best {best:7.1f} ({best / bound:.1%})  rounds " + " ".join(f"{r:.0f}" for r in measured))
         lines += [f"  {setting:60} failed: {why}" for setting, why in failed.items()]
         print("\n".join(lines), flush=True)
 
@@ -338,7 +342,8 @@ def measure(arguments):
     benchmark.require_gpu()
     bandwidth = benchmark.copy_bandwidth()
     stored = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    results = {"copy_bandwidth_gb_per_s": bandwidth / 1e9, "batch": 1, "shapes": stored.get("shapes", {})}
+    results = {"copy_bandwidth_gb_per_s": bandwidth / 1e9, "datasheet_gb_per_s": benchmark.datasheet_gb_per_s(),
+               "batch": 1, "shapes": stored.get("shapes", {})}
     torch = testing.torch_or_none()
     for shape in arguments.shape:
         rng = np.random.default_rng(0)
@@ -354,6 +359,8 @@ def measure(arguments):
                 entry["runs"]["transformers bf16"] = {"error": f"{type(error).__name__}: {error}"}
         bound_bytes = entry["runs"]["gpt2_cupy bf16"]["weight_bytes"]
         entry["bound_tokens_per_second"] = bandwidth / bound_bytes
+        if results["datasheet_gb_per_s"]:
+            entry["datasheet_bound_tokens_per_second"] = results["datasheet_gb_per_s"] * 1e9 / bound_bytes
         results["shapes"][shape] = entry
     if arguments.gemv:
         results["gemv"], results["gemv_measured_on"] = gemv_products(torch), benchmark.measured_on()
@@ -365,18 +372,22 @@ def measure(arguments):
 
 
 def table(results):
-    lines = [f"batch 1, bf16 (copy: {results['copy_bandwidth_gb_per_s']:.0f} GB/s)"]
+    datasheet = results.get("datasheet_gb_per_s")
+    lines = [f"batch 1, bf16 (copy: {results['copy_bandwidth_gb_per_s']:.0f} GB/s"
+             + (f", datasheet: {datasheet} GB/s)" if datasheet else ")")]
     for shape, entry in results["shapes"].items():
-        bound = entry["bound_tokens_per_second"]
+        bound, datasheet_bound = entry["bound_tokens_per_second"], entry.get("datasheet_bound_tokens_per_second")
         lines.append(f"{entry['name']} ({entry['measured_on']['device']}, {entry['measured_on']['date']}): "
-                     f"bound {bound:.0f} tokens/s")
+                     f"bound {bound:.0f} tokens/s at the copy rate"
+                     + (f", {datasheet_bound:.0f} at the datasheet's" if datasheet_bound else ""))
         for name, run in entry["runs"].items():
             if "error" in run:
                 lines.append(f"  {name:20} not run: {run['error']}")
                 continue
             rates = {k: v for k, v in run.items() if k.endswith("tokens_per_second")}
             for kind, rate in rates.items():
-                lines.append(f"  {name:20} {kind:34} {rate:8.1f} ({rate / bound:.0%} of the bound)")
+                lines.append(f"  {name:20} {kind:34} {rate:8.1f} ({rate / bound:.0%} of the copy's bound"
+                             + (f", {rate / datasheet_bound:.0%} of the datasheet's)" if datasheet_bound else ")"))
             prefill = ", ".join(f"{length} tokens {ms:.1f} ms" for length, ms in run["prefill_ms"].items())
             lines.append(f"  {name:20} prefill: {prefill}")
     for entry in results.get("gemv", []):

@@ -111,6 +111,23 @@ def copy_bandwidth(megabytes=512):
     return 2 * source.nbytes / seconds
 
 
+# HBM bandwidth in GB/s from NVIDIA's datasheets, by a name the device's name contains (the most specific
+# first): the rate of the memory's pins, above what any copy reaches. A bound against it and one against the
+# measured copy (copy_bandwidth) say different things: how far from the hardware, and how far from the best a
+# kernel does.
+DATASHEET_GB_PER_S = {"H100 PCIe": 2000, "H100 NVL": 3900, "H100": 3350, "H200": 4800}
+
+
+def datasheet_gb_per_s(device_name=None):
+    """The datasheet's memory bandwidth of the named device (the current one by default), or None where the
+    table does not know it (or on the CPU)."""
+    if device_name is None:
+        if not meaningful():
+            return None
+        device_name = backend.device_name()
+    return next((rate for name, rate in DATASHEET_GB_PER_S.items() if name in device_name), None)
+
+
 # Dense multiply-adds per clock per multiprocessor of the tensor cores, by compute capability and input type
 # (NVIDIA's architecture whitepapers: four tensor cores per multiprocessor; TF32 at half bf16's rate).
 TENSOR_CORE_MULTIPLY_ADDS = {"80": {"bf16": 1024, "tf32": 512}, "86": {"bf16": 512, "tf32": 256},
@@ -138,16 +155,21 @@ def tflops(flops, seconds):
     return flops / seconds / 1e12
 
 
-def bandwidth_rows(gb_per_s, copy_gb_per_s, seconds=None):
-    """Lines of a table, one per {name: GB/s} entry: `  name   2781 GB/s  83.5% of copy`, the names aligned.
+def bandwidth_rows(gb_per_s, copy_gb_per_s, seconds=None, datasheet=None):
+    """Lines of a table, one per {name: GB/s} entry, `  name   2781 GB/s  83.5% of copy  83.0% of datasheet`,
+    the names aligned.
 
-    seconds: {name: seconds per call}, to show each call's time (in µs) before its rate.
+    seconds: {name: seconds per call}, to show each call's time (in µs) before its rate. datasheet: the
+    device's datasheet bandwidth in GB/s (by default the current device's, datasheet_gb_per_s()); the last
+    column is left out where it is not known.
     """
+    datasheet = datasheet if datasheet is not None else datasheet_gb_per_s()
     width = max(map(len, gb_per_s), default=0)
     lines = []
     for name, rate in gb_per_s.items():
         time = f"{seconds[name] * 1e6:9.1f} µs " if seconds is not None else ""
-        lines.append(f"  {name:<{width}s} {time}{rate:7.0f} GB/s {rate / copy_gb_per_s:6.1%} of copy")
+        of_datasheet = f" {rate / datasheet:6.1%} of datasheet" if datasheet else ""
+        lines.append(f"  {name:<{width}s} {time}{rate:7.0f} GB/s {rate / copy_gb_per_s:6.1%} of copy{of_datasheet}")
     return lines
 
 

@@ -85,3 +85,20 @@ def test_tensor_core_peak_is_none_on_the_cpu_and_a_datasheet_magnitude_on_a_hopp
     bf16, tf32 = benchmark.tensor_core_peak_tflops("bf16"), benchmark.tensor_core_peak_tflops("tf32")
     assert 700 < bf16 < 1200   # dense bf16: 756 (H100 PCIe) to 989 TFLOP/s (SXM) at the boost clock, more at the highest
     assert tf32 == pytest.approx(bf16 / 2)
+
+
+def test_datasheet_bandwidth_by_the_devices_name():
+    assert benchmark.datasheet_gb_per_s("NVIDIA H100 80GB HBM3") == 3350
+    assert benchmark.datasheet_gb_per_s("NVIDIA H100 PCIe") == 2000
+    assert benchmark.datasheet_gb_per_s("NVIDIA H200") == 4800
+    assert benchmark.datasheet_gb_per_s("Tesla T4") is None
+
+
+def test_bandwidth_rows_against_the_copy_and_the_datasheet():
+    rows = benchmark.bandwidth_rows({"a": 2000.0, "longer name": 1000.0}, 2500.0, seconds={"a": 1e-6, "longer name": 2e-6},
+                                    datasheet=4000.0)
+    assert rows[0].split() == ["a", "1.0", "µs", "2000", "GB/s", "80.0%", "of", "copy", "50.0%", "of", "datasheet"]
+    assert rows[1].split()[-6:] == ["40.0%", "of", "copy", "25.0%", "of", "datasheet"]
+    assert rows[0].index("2000") == rows[1].index("1000")  # the names padded to one width
+    unknown = benchmark.bandwidth_rows({"a": 2000.0}, 2500.0, datasheet=0)
+    assert "datasheet" not in unknown[0]
