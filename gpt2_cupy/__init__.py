@@ -330,7 +330,8 @@ _FROM_TENSOR_OPS = {
     "permute": "permute", "transpose": "transpose", "unsqueeze": "unsqueeze", "squeeze": "squeeze",
     "flatten": "flatten", "allclose": "allclose", "isclose": "isclose", "bincount": "bincount", "histc": "histc",
     "histogram": "histogram", "unique": "unique", "chunk": "chunk", "unbind": "unbind",
-    "index_select": "index_select", "nonzero": "nonzero", "masked_select": "masked_select",
+    "index_select": "index_select", "nonzero": "nonzero", "masked_select": "masked_select", "prod": "prod",
+    "einsum": "einsum", "scatter": "scatter", "scatter_add": "scatter_add",
 }
 _TENSOR_METHODS = ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "abs", "pow", "tril", "triu", "max",
                    "min", "argmax", "argmin", "softmax", "log_softmax", "clone", "square", "sign", "sin", "cos", "tan",

@@ -286,6 +286,9 @@ class TensorMethods:
     def std(self, dim=None, unbiased=True, keepdim=False, *, correction=None, keepdims=False):
         return tensor_ops.std(self, dim, unbiased, keepdim or keepdims, correction)
 
+    def prod(self, dim=None, keepdim=False, *, dtype=None):
+        return tensor_ops.prod(self, dim, keepdim, dtype)
+
     def max(self, dim=None, keepdim=False, *, keepdims=False):
         return tensor_ops.extreme("max", self, dim, keepdim or keepdims)
 
@@ -336,6 +339,18 @@ class TensorMethods:
 
     def repeat(self, *sizes):
         return tensor_ops.repeat(self, as_sizes(sizes))
+
+    def scatter(self, dim, index, src=None, *, value=None, reduce=None):
+        return tensor_ops.scatter(self, dim, index, value if src is None else src, reduce)
+
+    def scatter_(self, dim, index, src=None, *, value=None, reduce=None):
+        return tensor_ops.scatter_(self, dim, index, value if src is None else src, reduce)
+
+    def scatter_add(self, dim, index, src):
+        return tensor_ops.scatter_add(self, dim, index, src)
+
+    def scatter_add_(self, dim, index, src):
+        return tensor_ops.scatter_add_(self, dim, index, src)
 
     def index_select(self, dim, index):
         return tensor_ops.index_select(self, dim, index)

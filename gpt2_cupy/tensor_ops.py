@@ -4,12 +4,15 @@
     comparisons   a == b, a != b, a < b, a <= b, a > b, a >= b    (bool tensors, no gradient)
     functions     exp log sqrt rsqrt tanh sigmoid relu silu abs clamp, sin cos tan ... log10 erf floor round
                   (UNARY), maximum minimum atan2, where, masked_fill, tril, triu
-    reductions    sum mean var std max min amax amin argmax argmin norm all any cumsum   (over dim, keepdim)
+    reductions    sum mean var std prod max min amax amin argmax argmin norm all any cumsum  (over dim, keepdim)
+    products      a @ b, einsum (pairs of operands as batched matrix products)
     movement      view reshape permute transpose unsqueeze squeeze flatten expand contiguous, indexing,
-                  cat stack chunk unbind, flip roll repeat repeat_interleave sort (differentiable indexes)
+                  cat stack chunk unbind, flip roll repeat repeat_interleave sort, gather scatter scatter_add
+                  (differentiable indexes)
     sampling      topk multinomial, normal_ uniform_                                     (generator=)
     counting      unique bincount histc histogram isclose allclose                      (no gradient)
-    in place      add_ sub_ mul_ div_ zero_ fill_ copy_ clamp_ masked_fill_, x[key] = value (recorded in a graph)
+    in place      add_ sub_ mul_ div_ zero_ fill_ copy_ clamp_ masked_fill_ scatter_ scatter_add_, x[key] = value
+                  (recorded in a graph)
 
 Elementwise operations are one line each: an expression for the generated kernel (gpt2_cupy.elementwise)
 and one for each input's gradient. An input that was broadcast receives the sum of its gradient over the
@@ -843,10 +846,8 @@ class Index(Function):
 
     @staticmethod
     def backward(ctx, dout):
-        if ctx.advanced:  # an index may repeat: each of its uses adds its gradient, summed in float32 for bf16
-            gradient = backend.xp.zeros(ctx.shape, dtype=FLOAT32 if dout.dtype == BFLOAT16 else dout.dtype)
-            backend.xp.add.at(gradient, ctx.key, converted(dout, gradient.dtype))
-            return converted(gradient, dout.dtype), None, None
+        if ctx.advanced:  # an index may repeat: each of its uses adds its gradient
+            return _added_at(backend.xp.zeros(ctx.shape, dtype=dout.dtype), ctx.key, dout), None, None
         gradient = backend.xp.zeros(ctx.shape, dtype=dout.dtype)
         gradient[ctx.key] = dout
         return gradient, None, None
@@ -1178,12 +1179,7 @@ def topk(x, k, dim=-1, largest=True, sorted=True):
 def gather(x, dim, index):
     """out[i][j] = x[i][index[i][j]] along dim (index the same rank as x)."""
     index = index._data if isinstance(index, Tensor) else index
-    # An open grid of positions along every axis (numpy's indices(..., sparse=True), which CuPy lacks).
-    rank = len(index.shape)
-    grids = [backend.xp.arange(size).reshape([size if axis == a else 1 for axis in range(rank)])
-             for a, size in enumerate(index.shape)]
-    grids[dim] = index
-    return Index.apply(x, tuple(grids), True)
+    return Index.apply(x, _along_index(dim, index), True)
 
 
 def multinomial(probabilities, num_samples, replacement=False, generator=None):
@@ -1348,6 +1344,343 @@ def cumsum(x, dim, dtype=None):
     out = CumulativeSum.apply(x if x.ndim else reshape(x, (1,)), dim)
     out = out if x.ndim else reshape(out, ())
     return out if dtype is None else out.to(dtype)
+
+
+class Product(Function):
+    """The product along one axis. Its gradient for x[k] is dout times the product of every other element of
+    the slice, computed as (product of those before k) * (product of those after k): exact where the slice
+    holds zeros, unlike dout * prod / x[k], which divides by zero there."""
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, dim, keepdim):
+        ctx.save_for_backward(x)
+        ctx.dim, ctx.keepdim = dim, keepdim
+        dtype = x.dtype if is_floating(x.dtype) else INT64  # of integers and bools: int64, as PyTorch's
+        values = converted(x, FLOAT32 if dtype == BFLOAT16 else dtype)
+        return converted(backend.xp.prod(values, axis=dim, keepdims=keepdim), dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (x,) = ctx.saved_tensors
+        values = converted(x, FLOAT32 if x.dtype == BFLOAT16 else x.dtype)
+        others = _exclusive_product(values, ctx.dim) * _exclusive_product(values, ctx.dim, reverse=True)
+        upstream = dout if ctx.keepdim else backend.xp.expand_dims(dout, ctx.dim)
+        return converted(others * converted(upstream, others.dtype), x.dtype), None, None
+
+
+def _exclusive_product(values, axis, reverse=False):
+    """Along axis, the product of the elements strictly before each one (after it, with reverse); 1 for the
+    first (last). Only multiplications: no division by an element, so zeros are exact."""
+    if values.shape[axis] == 0:
+        return values
+    if reverse:
+        return backend.xp.flip(_exclusive_product(backend.xp.flip(values, axis=axis), axis), axis=axis)
+    ones = backend.xp.ones_like(backend.xp.take(values, backend.xp.arange(1), axis=axis))
+    before = backend.xp.take(values, backend.xp.arange(values.shape[axis] - 1), axis=axis)
+    return backend.xp.concatenate([ones, backend.xp.cumprod(before, axis=axis)], axis=axis)
+
+
+def prod(x, dim=None, keepdim=False, dtype=None):
+    """The product of all elements (a 0-d tensor), or along dim (one int, as PyTorch's); x converted to dtype
+    first when given. Integer and bool tensors give int64."""
+    if isinstance(dim, (tuple, list)):
+        raise TypeError(f"prod(): argument 'dim' must be int, not {type(dim).__name__}")
+    x = x if dtype is None else x.to(dtype)
+    if dim is None:
+        return Product.apply(reshape(x, (-1,)), 0, False)
+    (dim,) = normalize_dims("prod", (dim,), x.ndim) if x.ndim else (0,)
+    out = Product.apply(x if x.ndim else reshape(x, (1,)), dim, keepdim and x.ndim > 0)
+    return out if x.ndim else reshape(out, ())
+
+
+# ---- einsum: labelled axes, taken apart into diagonals, sums and batched products ---------------------------------
+#
+# Each operand's axes get labels: its letters, and for the axes an ellipsis covers negative integers counted from
+# the right (-1 the last), so that ellipses of different ranks line up as broadcasting does. A label repeated
+# within one operand takes that operand's diagonal; a label that no other operand and not the output needs is
+# summed at once; the operands are then contracted two at a time, left to right, each pair as one batched matrix
+# product: the labels both share and still need are the batch axes, those both share and no longer need the
+# summed axis K, and each one's own labels its M and N.
+
+def einsum(equation, *operands):
+    """torch.einsum: sums of products of the operands' elements over the labels the equation names, e.g.
+    einsum("bij,bjk->bik", a, b) is a @ b; operands may also come as one list. Without "->" the output is the
+    ellipsis's axes, then the letters used once, in alphabetical order (uppercase first)."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not operands:
+        raise RuntimeError("einsum(): must provide at least one operand")
+    terms, output_term = _parse_einsum(equation, len(operands))
+    labelled = [_einsum_labels(term, t.ndim, n) for n, (term, t) in enumerate(zip(terms, operands))]
+    widest = builtins.max(builtins.sum(isinstance(label, int) for label in labels) for labels in labelled)
+    ellipsis = list(range(-widest, 0))  # the broadcast ellipsis's labels
+    output = _einsum_output(output_term, labelled, ellipsis)
+    _einsum_sizes(operands, labelled, output)
+    items = [_diagonal_of(t, labels) for t, labels in zip(operands, labelled)]
+    items = [_sum_unneeded(t, labels, _labels_needed(items, n, output)) for n, (t, labels) in enumerate(items)]
+    while len(items) > 1:
+        (a, a_labels), (b, b_labels) = items[:2]
+        items = [_contract(a, a_labels, b, b_labels, _labels_needed(items[1:], 0, output))] + items[2:]
+    x, labels = _sum_unneeded(*items[0], set(output))
+    return permute(x, [labels.index(label) for label in output]) if output else x
+
+
+def _parse_einsum(equation, count):
+    """The terms of the operands and of the output (None without "->"): lists of letters and "..."."""
+    arrow = equation.find("->")
+    left = equation if arrow < 0 else equation[:arrow]
+    terms, start = [], 0
+    for text in left.split(","):
+        terms.append(_einsum_term(text, start, f"operand {len(terms)}"))
+        start += len(text) + 1
+    if len(terms) > count:
+        raise RuntimeError("einsum(): fewer operands were provided than specified in the equation")
+    if len(terms) < count:
+        raise RuntimeError("einsum(): more operands were provided than specified in the equation")
+    return terms, None if arrow < 0 else _einsum_term(equation[arrow + 2:], arrow + 2, "output")
+
+
+def _einsum_term(text, start, owner):
+    """One term's letters and "...", spaces skipped; PyTorch's errors for a stray '.' or another character."""
+    tokens, at = [], 0
+    while at < len(text):
+        character = text[at]
+        if character == ".":
+            if "..." in tokens:
+                raise RuntimeError(f"einsum(): found '.' for {owner} for which an ellipsis was already found")
+            if text[at:at + 3] != "...":
+                raise RuntimeError(f"einsum(): found '.' for {owner} that is not part of any ellipsis")
+            tokens.append("...")
+            at += 3
+            continue
+        if not (character.isascii() and character.isalpha()) and character != " ":
+            raise RuntimeError(f"einsum(): invalid subscript given at index {start + at} in the equation string, "
+                               "subscripts must be in [a-zA-Z]")
+        if character != " ":
+            tokens.append(character)
+        at += 1
+    return tokens
+
+
+def _einsum_labels(term, ndim, n):
+    """One label per axis of operand n: its letters, and -k .. -1 for the k axes its ellipsis covers."""
+    letters = [token for token in term if token != "..."]
+    if "..." not in term:
+        if len(letters) != ndim:
+            raise RuntimeError(f"einsum(): the number of subscripts in the equation ({len(letters)}) does not match "
+                               f"the number of dimensions ({ndim}) for operand {n} and no ellipsis was given")
+        return letters
+    if len(letters) > ndim:
+        raise RuntimeError(f"einsum(): the number of subscripts in the equation ({len(letters)}) is more than the "
+                           f"number of dimensions ({ndim}) for operand {n}")
+    at = term.index("...")
+    return term[:at] + list(range(len(letters) - ndim, 0)) + term[at + 1:]
+
+
+def _einsum_output(term, labelled, ellipsis):
+    """The output's labels: as written (its "..." the ellipsis's axes; without one, those axes are summed), or
+    without "->", the ellipsis's axes then the letters used exactly once, sorted."""
+    letters = [label for labels in labelled for label in labels if isinstance(label, str)]
+    if term is None:
+        return ellipsis + sorted(label for label in set(letters) if letters.count(label) == 1)
+    for label in term:
+        if label != "..." and term.count(label) > 1:
+            raise RuntimeError(f"einsum(): output subscript {label} appears more than once in the output")
+        if label != "..." and label not in letters:
+            raise RuntimeError(f"einsum(): output subscript {label} does not appear in the equation for any input "
+                               "operand")
+    at = term.index("...") if "..." in term else len(term)
+    return term[:at] + (ellipsis if "..." in term else []) + term[at + 1:]
+
+
+def _einsum_sizes(operands, labelled, output):
+    """Each label's size, checked: equal within an operand; across operands equal or 1 (which broadcasts)."""
+    sizes = {}
+    for n, (t, labels) in enumerate(zip(operands, labelled)):
+        own = {}
+        for label, size in zip(labels, t.shape):
+            if own.get(label, size) != size:
+                raise RuntimeError(f"einsum(): subscript {label} is repeated for operand {n} but the sizes don't "
+                                   f"match, {own[label]} != {size}")
+            own[label] = size
+        for label, size in own.items():
+            if sizes.get(label, 1) not in (1, size) and size != 1:
+                raise RuntimeError(_einsum_broadcast_error(operands, labelled, output))
+            sizes[label] = size if sizes.get(label, 1) == 1 else sizes[label]
+    return sizes
+
+
+def _einsum_broadcast_error(operands, labelled, output):
+    """PyTorch's message: each operand's shape, and its shape over every label (1 where it has none)."""
+    order = list(output) + [label for labels in labelled for label in labels if label not in output]
+    order = list(dict.fromkeys(order))
+    remapped = [[dict(zip(labels, t.shape)).get(label, 1) for label in order] for t, labels in zip(operands, labelled)]
+    shapes = " ".join(f"{list(t.shape)}->{shape}" for t, shape in zip(operands, remapped))
+    return f"einsum(): operands do not broadcast with remapped shapes (original->remapped): {shapes}"
+
+
+def _diagonal_of(x, labels):
+    """x with every label once: the axes of a repeated label replaced by their diagonal (x[i, i] for "ii"),
+    moved to the front, as a differentiable index."""
+    labels = list(labels)
+    for label in dict.fromkeys(labels):
+        axes = [axis for axis, other in enumerate(labels) if other == label]
+        if len(axes) < 2:
+            continue
+        rest = [axis for axis in range(len(labels)) if axis not in axes]
+        x = permute(x, axes + rest)
+        positions = backend.xp.arange(x.shape[0])
+        x = Index.apply(x, (positions,) * len(axes), True)
+        labels = [label] + [labels[axis] for axis in rest]
+    return x, labels
+
+
+def _labels_needed(items, n, output):
+    """The labels that items other than the n-th, or the output, have."""
+    return set(output).union(*(labels for m, (_, labels) in enumerate(items) if m != n))
+
+
+def _sum_unneeded(x, labels, needed):
+    """x summed over its labels that are not needed, and the labels left."""
+    dims = [axis for axis, label in enumerate(labels) if label not in needed]
+    if not dims:
+        return x, labels
+    return sum(x, dims), [label for label in labels if label in needed]
+
+
+def _contract(a, a_labels, b, b_labels, needed):
+    """The product of two labelled operands, summed over the labels both have and `needed` lacks, as one
+    batched matrix product (batch..., M, K) @ (batch..., K, N)."""
+    batch = [label for label in a_labels if label in b_labels and label in needed]
+    summed = [label for label in a_labels if label in b_labels and label not in needed]
+    a_only = [label for label in a_labels if label not in b_labels]
+    b_only = [label for label in b_labels if label not in a_labels]
+    for label in summed:  # size 1 against n: the other side's sum over it first, as broadcasting says
+        a_size, b_size = a.shape[a_labels.index(label)], b.shape[b_labels.index(label)]
+        if a_size != b_size:
+            if a_size == 1:
+                b = sum(b, b_labels.index(label), keepdim=True)
+            else:
+                a = sum(a, a_labels.index(label), keepdim=True)
+    a_sizes, b_sizes = dict(zip(a_labels, a.shape)), dict(zip(b_labels, b.shape))
+    a = permute(a, [a_labels.index(label) for label in batch + a_only + summed])
+    b = permute(b, [b_labels.index(label) for label in batch + summed + b_only])
+    rows, inner, columns = (math.prod(sizes[label] for label in labels)
+                            for sizes, labels in ((a_sizes, a_only), (a_sizes, summed), (b_sizes, b_only)))
+    a = reshape(a, [a_sizes[label] for label in batch] + [rows, inner])
+    b = reshape(b, [b_sizes[label] for label in batch] + [inner, columns])
+    product = matmul(a, b) if is_floating(a.dtype) and is_floating(b.dtype) else \
+        sum(unsqueeze(a, -1) * unsqueeze(b, -3), -2)  # integers: the matmul kernels take floats only
+    shape = list(product.shape[:len(batch)]) + [a_sizes[label] for label in a_only] + \
+        [b_sizes[label] for label in b_only]
+    return reshape(product, shape), batch + a_only + b_only
+
+
+# ---- scatter: gather's inverse ---------------------------------------------------------------------------------
+#
+# gather reads x at _along_index's key, scatter writes there: for every position p of index, the position of x
+# that is p with its dim-th coordinate replaced by index[p]. Only the part of src of index's shape is used.
+
+def _along_index(dim, index):
+    """The advanced key for gather and scatter: open grids of index's positions, index itself along dim."""
+    rank = len(index.shape)
+    grids = [backend.xp.arange(size).reshape([size if axis == a else 1 for axis in range(rank)])
+             for a, size in enumerate(index.shape)]
+    grids[dim] = index
+    return tuple(grids)
+
+
+def _scatter_key(operation, x, dim, index, src):
+    """dim (non-negative) and the key for scatter into x, after PyTorch's checks of index and src."""
+    (dim,) = normalize_dims(operation, (dim,), x.ndim)
+    positions = index._data if isinstance(index, Tensor) else index
+    if positions.dtype != INT64:
+        raise RuntimeError(f"{operation}(): Expected dtype int64 for index")
+    if positions.ndim != x.ndim:
+        raise RuntimeError("Index tensor must have the same number of dimensions as self tensor")
+    src_shape = x.shape
+    if isinstance(src, Tensor):
+        if src.dtype != x.dtype:
+            raise RuntimeError(f"{operation}(): Expected self.dtype to be equal to src.dtype")
+        if src.ndim != x.ndim:
+            raise RuntimeError("Index tensor must have the same number of dimensions as src tensor")
+        src_shape = src.shape
+    for axis, size in enumerate(positions.shape):
+        if size > src_shape[axis] or (axis != dim and size > x.shape[axis]):
+            raise RuntimeError(f"Expected index {list(positions.shape)} to be smaller than self {list(x.shape)} "
+                               f"apart from dimension {dim} and to be smaller size than src {list(src_shape)}")
+    if positions.size:
+        low, high = int(positions.min()), int(positions.max())  # a host read, as PyTorch's own check
+        if low < 0 or high >= x.shape[dim]:
+            raise RuntimeError(f"index {high if high >= x.shape[dim] else low} is out of bounds for dimension "
+                               f"{dim} with size {x.shape[dim]}")
+    return _along_index(dim, positions)
+
+
+def _scattered_part(src, key):
+    """src's part of the key's shape (a differentiable view), or a number as it is."""
+    if not isinstance(src, Tensor):
+        return as_operand(src)
+    return src[tuple(slice(0, size) for size in numpy.broadcast_shapes(*(k.shape for k in key)))]
+
+
+def scatter(x, dim, index, src, reduce=None):
+    """x with src's elements (or the number src) written at index along dim: out[i][index[i][j]] = src[i][j]
+    for dim 1. The gradient reaches x where nothing was written and src where it was read (IndexPut's)."""
+    if reduce is not None:
+        if reduce != "add":
+            raise NotImplementedError(f"scatter(reduce={reduce!r}): only reduce='add' is supported")
+        return scatter_add(x, dim, index, src)
+    key = _scatter_key("scatter", x, dim, index, src)
+    return IndexPut.apply(x, _lift(_scattered_part(src, key)), key)
+
+
+class ScatterAdd(Function):
+    """x with src added at key (repeated positions add up): the gradient is dout for x, dout at key for src."""
+    accepts_strided = True
+
+    @staticmethod
+    def forward(ctx, x, src, key):
+        ctx.key = key
+        return _added_at(copy("scatter_add", x), key, src)
+
+    @staticmethod
+    def backward(ctx, dout):
+        to_src = copy("scatter_add_backward", dout[ctx.key]) if ctx.needs_input_grad[1] else None
+        return copy("scatter_add_backward", dout), to_src, None
+
+
+def scatter_add(x, dim, index, src):
+    """x with src's elements added at index along dim: out[i][index[i][j]] += src[i][j] for dim 1."""
+    if not isinstance(src, Tensor):
+        raise TypeError(f"scatter_add(): argument 'src' must be Tensor, not {type(src).__name__}")
+    key = _scatter_key("scatter_add", x, dim, index, src)
+    return ScatterAdd.apply(x, _scattered_part(src, key), key)
+
+
+def _added_at(target, key, values):
+    """target with values added at key, repeated positions each adding (ufunc.at); bf16 summed in float32.
+    Writes into target unless it is bf16; use the result."""
+    wide = converted(target, FLOAT32) if target.dtype == BFLOAT16 else target
+    backend.xp.add.at(wide, key, converted(values, wide.dtype))
+    return converted(wide, target.dtype)
+
+
+def _scatter_in_place(operation, scattered, x, src):
+    """x set to `scattered` (scatter's or scatter_add's result) in place; recorded in a graph as in-place
+    operations are (_become)."""
+    if _records(x, src):
+        return _become(x, scattered(x))
+    return _write(operation, "b", x, [scattered(x.detach())._data], x.dtype)
+
+
+def scatter_(x, dim, index, src, reduce=None):
+    return _scatter_in_place("scatter_", lambda t: scatter(t, dim, index, src, reduce), x, src)
+
+
+def scatter_add_(x, dim, index, src):
+    return _scatter_in_place("scatter_add_", lambda t: scatter_add(t, dim, index, src), x, src)
 
 
 # ---- counting ------------------------------------------------------------------------------------------------------

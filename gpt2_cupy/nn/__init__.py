@@ -2,6 +2,7 @@
 
     Module        named_parameters, named_modules, children, apply, state_dict, load_state_dict, to, repr
     Linear, LayerNorm, DyT, Embedding, Dropout          the layers GPT-2 needs, over the course's kernels
+    BatchNorm1d                                         makemore's, from Tensor operations
     GELU, ReLU, SiLU, Tanh, Sigmoid, LeakyReLU, Softmax, LogSoftmax, Flatten, Identity
     MSELoss, CrossEntropyLoss, RMSNorm, Sequential, ModuleList, ModuleDict, Parameter
     Linear, Embedding, LayerNorm and RMSNorm take PyTorch's dtype= (float32 or bfloat16) and device= (any
@@ -387,6 +388,41 @@ class Embedding(Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
+class BatchNorm1d(Module):
+    """Each of num_features channels normalised over the batch (inputs (N, C) or (N, C, L)), then weight
+    (ones) and bias (zeros) with affine. Training uses the batch's statistics and moves the running_mean and
+    running_var buffers towards them by momentum (momentum=None: their plain average over all batches so far,
+    counted by num_batches_tracked); evaluation uses the running ones (the batch's without
+    track_running_stats)."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, device=None,
+                 dtype=None):
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.affine, self.track_running_stats = affine, track_running_stats
+        self.weight = Parameter(numpy.ones(num_features, numpy.float32)) if affine else None
+        self.bias = Parameter(numpy.zeros(num_features, numpy.float32)) if affine else None
+        tracked = track_running_stats
+        self.register_buffer("running_mean", numpy.zeros(num_features, numpy.float32) if tracked else None)
+        self.register_buffer("running_var", numpy.ones(num_features, numpy.float32) if tracked else None)
+        self.register_buffer("num_batches_tracked", numpy.zeros((), numpy.int64) if tracked else None)
+        _to_dtype(self, dtype)
+
+    def forward(self, input):
+        if input.ndim not in (2, 3):
+            raise ValueError(f"expected 2D or 3D input (got {input.ndim}D input)")
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # the cumulative average: the n-th batch weighs 1/n
+                momentum = 1.0 / self.num_batches_tracked.item()
+        return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
+                            self.training or not self.track_running_stats, momentum, self.eps)
+
+    def extra_repr(self):
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}")
+
+
 class Dropout(Module):
     def __init__(self, p=0.5):
         self.p = p
@@ -494,9 +530,10 @@ class Identity(Module):
         return x
 
 
-__all__ = ["Module", "Parameter", "Linear", "LayerNorm", "DyT", "Embedding", "Dropout", "GELU", "ReLU", "SiLU",
-           "Tanh", "Sigmoid", "LeakyReLU", "Softmax", "LogSoftmax", "Flatten", "MSELoss", "CrossEntropyLoss",
-           "Identity", "Sequential", "ModuleList", "ModuleDict", "RMSNorm", "functional", "init", "utils"]
+__all__ = ["Module", "Parameter", "Linear", "LayerNorm", "DyT", "Embedding", "BatchNorm1d", "Dropout", "GELU",
+           "ReLU", "SiLU", "Tanh", "Sigmoid", "LeakyReLU", "Softmax", "LogSoftmax", "Flatten", "MSELoss",
+           "CrossEntropyLoss", "Identity", "Sequential", "ModuleList", "ModuleDict", "RMSNorm", "functional", "init",
+           "utils"]
 
 
 class RMSNorm(Module):

@@ -9,6 +9,7 @@
     F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)
     F.relu_attention(q, k, v, is_causal=True)
     split(x, size, dim): Tensor's .split
+    F.batch_norm(x, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5)
 
 Each forward calls the op's X_forward and saves what X_backward needs; each backward calls X_backward
 with the upstream gradient and hands the op the parameters' own gradient buffers (ctx.grad_buffer),
@@ -704,3 +705,39 @@ def _reduced(losses, reduction):
 def normalize(input, p=2.0, dim=1, eps=1e-12):
     """input / max(‖input‖_p over dim, eps)."""
     return input / input.norm(p, dim, keepdim=True).clamp(min=eps)
+
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """Each channel (axis 1) normalised over the batch and every axis after the channel's: by the batch's mean
+    and biased variance when training (then running_mean and running_var, if given, move towards the batch's
+    mean and unbiased variance by `momentum`), else by running_mean and running_var; then weight and bias."""
+    channels = input.shape[1] if input.ndim > 1 else 0
+    for name, statistic in (("running_mean", running_mean), ("running_var", running_var)):
+        if statistic is not None and statistic.numel() != channels:
+            raise RuntimeError(f"{name} should contain {channels} elements not {statistic.numel()}")
+    dims = (0,) + tuple(range(2, input.ndim))
+    shape = (1, channels) + (1,) * (input.ndim - 2)
+    if training:
+        count = input.numel() // max(channels, 1)
+        if count <= 1:
+            raise ValueError("Expected more than 1 value per channel when training, got input size "
+                             f"torch.Size({list(input.shape)})")
+        mean = input.mean(dims, keepdim=True)
+        variance = input.var(dims, unbiased=False, keepdim=True)
+        _move_towards(running_mean, mean, momentum)
+        _move_towards(running_var, variance * (count / (count - 1)), momentum)
+    elif running_mean is None or running_var is None:
+        raise RuntimeError("running_mean and running_var must be defined in evaluation mode")
+    else:
+        mean, variance = running_mean.reshape(shape), running_var.reshape(shape)
+    out = (input - mean) * (variance + eps).rsqrt()
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    return out if bias is None else out + bias.reshape(shape)
+
+
+def _move_towards(running, statistic, momentum):
+    """running = (1 - momentum) running + momentum statistic, in place (the buffer stays the same tensor, so
+    state_dict's entries see it) and outside every graph."""
+    if running is not None:
+        running.mul_(1 - momentum).add_(statistic.detach().reshape(running.shape), alpha=momentum)
