@@ -79,6 +79,23 @@ def layer_norm(x, w, b, eps=1e-5):
     return (x - mean) / np.sqrt(x.var(-1, keepdims=True) + eps) * w + b
 
 
+def scattered(a, index, src, add):
+    """a with src's elements written (or added) at index along axis 1 (index and src 2-D)."""
+    out = a.copy()
+    rows = np.arange(index.shape[0])[:, None]
+    if add:
+        np.add.at(out, (rows, index), src[:, :index.shape[1]])
+    else:
+        out[rows, index] = src[:, :index.shape[1]]
+    return out
+
+
+def batch_norm(x, w, b, eps=1e-5):
+    """Over the batch and length axes of x (N, C, L), with the batch's biased variance."""
+    mean, var = x.mean((0, 2), keepdims=True), x.var((0, 2), keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w[:, None] + b[:, None]
+
+
 def attention(q, k, v, causal=True):
     scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
     if causal:
@@ -248,6 +265,18 @@ CASES += [
          lambda q, k, v: (np.tril(np.maximum(q @ np.swapaxes(k, -1, -2) / math.sqrt(8), 0))) @ v,
          ((1, 2, 5, 8), ANY), ((1, 2, 5, 8), ANY), ((1, 2, 5, 8), ANY), atol=1e-4),
     case("F.split", lambda a: F.split(a, 2, dim=0)[1] * 1, lambda a: a[2:4], (M, ANY)),
+    # products, scatters, batch norm
+    case("prod", lambda a: a.prod(1) + torch.prod(a), lambda a: a.prod(1) + a.prod(), (M, (0.7, 1.3))),
+    case("einsum", lambda a, b: torch.einsum("bij,jk->bki", a, b), lambda a, b: np.einsum("bij,jk->bki", a, b),
+         (S, ANY), ((6, 5), ANY)),
+    case("einsum_diagonal", lambda a: torch.einsum("ii->i", a[:, :4]) + torch.einsum("...ii", a[:, 2:]),
+         lambda a: np.einsum("ii->i", a[:, :4]) + np.einsum("...ii", a[:, 2:]), (M, ANY)),
+    case("scatter", lambda a, s: a.scatter(1, a.argsort(1)[:, :3], s),  # argsort: distinct places in each row
+         lambda a, s: scattered(a, np.argsort(a, 1, kind="stable")[:, :3], s, add=False), (M, ANY), (M, ANY)),
+    case("scatter_add", lambda a, i, s: torch.scatter_add(a, 1, i, s), lambda a, i, s: scattered(a, i, s, add=True),
+         (M, ANY), ("ids", (4, 3), 6), (M, ANY)),
+    case("F.batch_norm", lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), batch_norm,
+         (S, ANY), ((4,), ANY), ((4,), ANY)),
 ]
 
 
@@ -293,6 +322,8 @@ MODULES = [
     pytest.param(lambda: nn.RMSNorm(6, eps=1e-6), "weight",
                  lambda m, x: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * m["weight"], id="RMSNorm"),
     pytest.param(lambda: nn.DyT(6), "weight", lambda m, x: m["weight"] * np.tanh(m["alpha"] * x) + m["bias"], id="DyT"),
+    pytest.param(lambda: nn.BatchNorm1d(4), "weight", lambda m, x: batch_norm(x, m["weight"], m["bias"]),
+                 id="BatchNorm1d"),
     pytest.param(lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)), "0.weight",
                  lambda m, x: np.tanh(x @ m["0.weight"].T + m["0.bias"]) @ m["2.weight"].T + m["2.bias"], id="Sequential"),
 ]
