@@ -1358,7 +1358,8 @@ class Product(Function):
         ctx.dim, ctx.keepdim = dim, keepdim
         dtype = x.dtype if is_floating(x.dtype) else INT64  # of integers and bools: int64, as PyTorch's
         values = converted(x, FLOAT32 if dtype == BFLOAT16 else dtype)
-        return converted(backend.xp.prod(values, axis=dim, keepdims=keepdim), dtype)
+        # asarray: numpy's product of a whole vector is a numpy scalar, not an array
+        return converted(backend.xp.asarray(backend.xp.prod(values, axis=dim, keepdims=keepdim)), dtype)
 
     @staticmethod
     def backward(ctx, dout):
@@ -1410,13 +1411,14 @@ def einsum(equation, *operands):
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
     if not operands:
-        raise RuntimeError("einsum(): must provide at least one operand")
+        raise ValueError("einsum(): must specify the equation string and at least one operand, or at least one "
+                         "operand and its subscripts list")
     terms, output_term = _parse_einsum(equation, len(operands))
     labelled = [_einsum_labels(term, t.ndim, n) for n, (term, t) in enumerate(zip(terms, operands))]
     widest = builtins.max(builtins.sum(isinstance(label, int) for label in labels) for labels in labelled)
     ellipsis = list(range(-widest, 0))  # the broadcast ellipsis's labels
     output = _einsum_output(output_term, labelled, ellipsis)
-    _einsum_sizes(operands, labelled, output)
+    _einsum_sizes(operands, labelled)
     items = [_diagonal_of(t, labels) for t, labels in zip(operands, labelled)]
     items = [_sum_unneeded(t, labels, _labels_needed(items, n, output)) for n, (t, labels) in enumerate(items)]
     while len(items) > 1:
@@ -1448,9 +1450,12 @@ def _einsum_term(text, start, owner):
         character = text[at]
         if character == ".":
             if "..." in tokens:
-                raise RuntimeError(f"einsum(): found '.' for {owner} for which an ellipsis was already found")
+                raise RuntimeError(f"einsum(): found '.' for {owner} for which an ellipsis was already found"
+                                   if owner != "output" else
+                                   "einsum(): found '.' for output but an ellipsis (...) was already found")
             if text[at:at + 3] != "...":
-                raise RuntimeError(f"einsum(): found '.' for {owner} that is not part of any ellipsis")
+                raise RuntimeError(f"einsum(): found '.' for {owner} that is not part of any ellipsis"
+                                   + (" (...)" if owner == "output" else ""))
             tokens.append("...")
             at += 3
             continue
@@ -1494,30 +1499,26 @@ def _einsum_output(term, labelled, ellipsis):
     return term[:at] + (ellipsis if "..." in term else []) + term[at + 1:]
 
 
-def _einsum_sizes(operands, labelled, output):
-    """Each label's size, checked: equal within an operand; across operands equal or 1 (which broadcasts)."""
+def _einsum_sizes(operands, labelled):
+    """Each label's size, checked as PyTorch's: equal within an operand; across operands equal or 1 (which
+    broadcasts)."""
     sizes = {}
     for n, (t, labels) in enumerate(zip(operands, labelled)):
         own = {}
-        for label, size in zip(labels, t.shape):
+        for axis, (label, size) in enumerate(zip(labels, t.shape)):
             if own.get(label, size) != size:
                 raise RuntimeError(f"einsum(): subscript {label} is repeated for operand {n} but the sizes don't "
-                                   f"match, {own[label]} != {size}")
+                                   f"match, {size} != {own[label]}")
             own[label] = size
-        for label, size in own.items():
-            if sizes.get(label, 1) not in (1, size) and size != 1:
-                raise RuntimeError(_einsum_broadcast_error(operands, labelled, output))
-            sizes[label] = size if sizes.get(label, 1) == 1 else sizes[label]
+            if size != 1 and sizes.get(label, 1) not in (1, size):
+                raise RuntimeError(
+                    f"einsum(): subscript {label} has size {size} for operand {n} which does not broadcast with "
+                    f"previously seen size {sizes[label]}" if isinstance(label, str) else
+                    f"einsum(): dimension {axis} covered by ellipsis in operand {n} has size {size} which does not "
+                    f"broadcast with previously seen ellipsis with size {sizes[label]} for the respective dimension")
+            if size != 1:
+                sizes[label] = size
     return sizes
-
-
-def _einsum_broadcast_error(operands, labelled, output):
-    """PyTorch's message: each operand's shape, and its shape over every label (1 where it has none)."""
-    order = list(output) + [label for labels in labelled for label in labels if label not in output]
-    order = list(dict.fromkeys(order))
-    remapped = [[dict(zip(labels, t.shape)).get(label, 1) for label in order] for t, labels in zip(operands, labelled)]
-    shapes = " ".join(f"{list(t.shape)}->{shape}" for t, shape in zip(operands, remapped))
-    return f"einsum(): operands do not broadcast with remapped shapes (original->remapped): {shapes}"
 
 
 def _diagonal_of(x, labels):
@@ -1591,31 +1592,38 @@ def _along_index(dim, index):
     return tuple(grids)
 
 
-def _scatter_key(operation, x, dim, index, src):
-    """dim (non-negative) and the key for scatter into x, after PyTorch's checks of index and src."""
-    (dim,) = normalize_dims(operation, (dim,), x.ndim)
+def _scatter_key(x, dim, index, src):
+    """dim (non-negative) and the key for scatter into x, after PyTorch's checks of index and src (whose
+    messages say scatter for scatter_add too, as PyTorch's do)."""
+    (dim,) = normalize_dims("scatter", (dim,), x.ndim)
     positions = index._data if isinstance(index, Tensor) else index
     if positions.dtype != INT64:
-        raise RuntimeError(f"{operation}(): Expected dtype int64 for index")
-    if positions.ndim != x.ndim:
-        raise RuntimeError("Index tensor must have the same number of dimensions as self tensor")
-    src_shape = x.shape
-    if isinstance(src, Tensor):
-        if src.dtype != x.dtype:
-            raise RuntimeError(f"{operation}(): Expected self.dtype to be equal to src.dtype")
-        if src.ndim != x.ndim:
-            raise RuntimeError("Index tensor must have the same number of dimensions as src tensor")
-        src_shape = src.shape
-    for axis, size in enumerate(positions.shape):
-        if size > src_shape[axis] or (axis != dim and size > x.shape[axis]):
-            raise RuntimeError(f"Expected index {list(positions.shape)} to be smaller than self {list(x.shape)} "
-                               f"apart from dimension {dim} and to be smaller size than src {list(src_shape)}")
+        raise RuntimeError("scatter(): Expected dtype int64 for index")
+    if isinstance(src, Tensor) and src.dtype != x.dtype:
+        raise RuntimeError("scatter(): Expected self.dtype to be equal to src.dtype")
     if positions.size:
+        _check_scatter_shapes(x, dim, positions, src)
         low, high = int(positions.min()), int(positions.max())  # a host read, as PyTorch's own check
         if low < 0 or high >= x.shape[dim]:
             raise RuntimeError(f"index {high if high >= x.shape[dim] else low} is out of bounds for dimension "
                                f"{dim} with size {x.shape[dim]}")
     return _along_index(dim, positions)
+
+
+def _check_scatter_shapes(x, dim, positions, src):
+    """index as many axes as x (and src), no longer than x along the other axes, nor than src along any."""
+    if positions.ndim != x.ndim:
+        raise RuntimeError("Index tensor must have the same number of dimensions as self tensor")
+    wrong = any(size > x.shape[axis] for axis, size in enumerate(positions.shape) if axis != dim)
+    message = f"Expected index {list(positions.shape)} to be smaller than self {list(x.shape)} apart from dimension " \
+              f"{dim}"
+    if isinstance(src, Tensor):
+        if src.ndim != positions.ndim:
+            raise RuntimeError("Index tensor must have the same number of dimensions as src tensor")
+        wrong = wrong or any(size > src.shape[axis] for axis, size in enumerate(positions.shape))
+        message += f" and to be smaller size than src {list(src.shape)}"
+    if wrong:
+        raise RuntimeError(message)
 
 
 def _scattered_part(src, key):
@@ -1632,7 +1640,7 @@ def scatter(x, dim, index, src, reduce=None):
         if reduce != "add":
             raise NotImplementedError(f"scatter(reduce={reduce!r}): only reduce='add' is supported")
         return scatter_add(x, dim, index, src)
-    key = _scatter_key("scatter", x, dim, index, src)
+    key = _scatter_key(x, dim, index, src)
     return IndexPut.apply(x, _lift(_scattered_part(src, key)), key)
 
 
@@ -1655,7 +1663,7 @@ def scatter_add(x, dim, index, src):
     """x with src's elements added at index along dim: out[i][index[i][j]] += src[i][j] for dim 1."""
     if not isinstance(src, Tensor):
         raise TypeError(f"scatter_add(): argument 'src' must be Tensor, not {type(src).__name__}")
-    key = _scatter_key("scatter_add", x, dim, index, src)
+    key = _scatter_key(x, dim, index, src)
     return ScatterAdd.apply(x, _scattered_part(src, key), key)
 
 
@@ -1670,6 +1678,7 @@ def _added_at(target, key, values):
 def _scatter_in_place(operation, scattered, x, src):
     """x set to `scattered` (scatter's or scatter_add's result) in place; recorded in a graph as in-place
     operations are (_become)."""
+    _check_target(operation, x, x.shape)
     if _records(x, src):
         return _become(x, scattered(x))
     return _write(operation, "b", x, [scattered(x.detach())._data], x.dtype)

@@ -136,9 +136,9 @@ def test_einsum_broadcasts_axes_of_size_one(rng):
     a, b = rng.standard_normal((2, 1)), rng.standard_normal((3, 4))
     got = torch.einsum("ik,jk->ij", torch.tensor(a), torch.tensor(b))
     assert relative_error(host(got), np.broadcast_to(a, (2, 4)) @ b.T) < 1e-6
-    c = rng.standard_normal((1, 3, 4))
-    got = torch.einsum("bij,bjk->bik", torch.tensor(rng.standard_normal((2, 2, 3))[:, :, :]), torch.tensor(c))
-    assert got.shape == (2, 2, 4)
+    c, d = rng.standard_normal((1, 3, 4)), rng.standard_normal((2, 2, 3))
+    got = torch.einsum("bij,bjk->bik", torch.tensor(d), torch.tensor(c))
+    assert relative_error(host(got), np.matmul(d, c)) < 1e-6
 
 
 def test_einsum_of_integers_is_exact():
@@ -171,12 +171,22 @@ def test_einsum_contracts_pairs_by_matmul(monkeypatch, rng, equation, shapes):
                          "\\(2\\) for operand 0"),
     ("ij->ii", [(2, 3)], "output subscript i appears more than once in the output"),
     ("ij->k", [(2, 3)], "output subscript k does not appear in the equation for any input operand"),
-    ("ii->i", [(2, 3)], "subscript i is repeated for operand 0 but the sizes don't match, 2 != 3"),
-    ("ij,jk->ik", [(2, 3), (4, 5)], "operands do not broadcast with remapped shapes \\(original->remapped\\)"),
+    ("ij->i..i", [(2, 3)], "found '.' for output that is not part of any ellipsis \\(...\\)"),
+    ("...ij->......", [(2, 3)], "found '.' for output but an ellipsis \\(...\\) was already found"),
+    ("ii->i", [(2, 3)], "subscript i is repeated for operand 0 but the sizes don't match, 3 != 2"),
+    ("ij,jk->ik", [(2, 3), (4, 5)], "subscript j has size 4 for operand 1 which does not broadcast with previously "
+                                    "seen size 3"),
+    ("...i,...i", [(2, 3), (4, 3)], "dimension 0 covered by ellipsis in operand 1 has size 4 which does not "
+                                    "broadcast with previously seen ellipsis with size 2 for the respective dimension"),
 ])
 def test_einsum_errors(equation, shapes, message):
     with pytest.raises(RuntimeError, match="einsum\\(\\): " + message):
         torch.einsum(equation, *[torch.zeros(*shape) for shape in shapes])
+
+
+def test_einsum_without_operands():
+    with pytest.raises(ValueError, match="einsum\\(\\): must specify the equation string and at least one operand"):
+        torch.einsum("ij")
 
 
 # ---- scatter, scatter_add ----------------------------------------------------------------------------------------------
@@ -289,6 +299,17 @@ def test_scatter_errors(index, src, message):
     src = torch.ones(2, 2, dtype=torch.int64) if src == "int" else torch.ones(2, 2)
     with pytest.raises(RuntimeError, match=message):
         torch.zeros(3, 2).scatter(0, torch.tensor(index), src)
+
+
+def test_scatter_shape_errors_of_a_number_and_of_scatter_add():
+    with pytest.raises(RuntimeError, match="Expected index \\[1, 3\\] to be smaller than self \\[3, 2\\] apart from "
+                                           "dimension 0$"):
+        torch.zeros(3, 2).scatter(0, torch.tensor([[0, 1, 2]]), 1.0)
+    with pytest.raises(RuntimeError, match="Index tensor must have the same number of dimensions as src tensor"):
+        torch.zeros(3, 2).scatter_add(0, torch.tensor([[0, 1]]), torch.ones(2))
+    with pytest.raises(TypeError, match="scatter_add\\(\\): argument 'src' must be Tensor, not float"):
+        torch.zeros(3, 2).scatter_add(0, torch.tensor([[0, 1]]), 1.0)
+    assert torch.zeros(2).scatter(0, torch.zeros(0, dtype=torch.int64), 5.0).tolist() == [0.0, 0.0]
 
 
 def test_scatter_index_must_be_int64():

@@ -733,7 +733,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     out = (input - mean) * (variance + eps).rsqrt()
     if weight is not None:
         out = out * weight.reshape(shape)
-    return out if bias is None else out + bias.reshape(shape)
+    out = out if bias is None else out + bias.reshape(shape)
+    return out.to(input.dtype)  # a bf16 input with float32 weights stays bf16, as PyTorch's
 
 
 def _move_towards(running, statistic, momentum):
