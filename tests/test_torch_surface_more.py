@@ -9,6 +9,7 @@ import pytest
 import gpt2_cupy as torch
 import gpt2_cupy.nn as nn
 from gpt2_cupy import backend, tensor_ops
+from gpt2_cupy.dtypes import BFLOAT16
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.testing import finite_difference_gradient, relative_error, torch_or_none
 
@@ -430,3 +431,15 @@ def test_against_pytorch(rng):
 def reference_or_ours(t):
     """The package a tensor comes from: gpt2_cupy for ours, torch for PyTorch's."""
     return torch if isinstance(t, torch.Tensor) else torch_or_none()
+
+
+def test_module_to_bfloat16_converts_floating_buffers_and_keeps_integer_ones():
+    """As torch.nn.Module.to(dtype): a BatchNorm's running statistics follow the parameters to bf16; the count
+    of batches tracked stays int64; the values are the float32 ones rounded to bf16."""
+    norm = nn.BatchNorm1d(3)
+    norm.running_mean._data[...] = backend.xp.asarray(np.array([0.1, -2.5, 3.0], dtype=np.float32))
+    norm.to(torch.bfloat16)
+    assert norm.weight.dtype == BFLOAT16 and norm.running_mean.dtype == BFLOAT16 and norm.running_var.dtype == BFLOAT16
+    assert norm.num_batches_tracked.dtype == np.int64
+    got = backend.asnumpy(norm.running_mean._data).astype(np.float64)
+    np.testing.assert_array_equal(got, np.array([0.1, -2.5, 3.0], dtype=np.float32).astype(BFLOAT16).astype(np.float64))

@@ -32,6 +32,7 @@ import numpy
 from gpt2_cupy import backend
 from gpt2_cupy.autograd import Tensor, bump_version
 from gpt2_cupy.elementwise import converted
+from gpt2_cupy.tensor_ops import is_floating
 from gpt2_cupy.random import init_generator
 from gpt2_cupy.nn import functional as F
 from gpt2_cupy.nn import init, utils
@@ -174,9 +175,10 @@ class Module:
 
     def to(self, *arguments, **options):
         """As PyTorch's: a device ("cpu", "cuda") maps to the active backend, where every array already is;
-        a dtype (float32 or bfloat16) converts every parameter in place, each converted once (a tied matrix
-        stays one matrix). bf16 parameters are for inference (generation); training keeps float32 masters
-        and runs bf16 under gpt2_cupy.autocast. Returns self."""
+        a dtype (float32 or bfloat16) converts every parameter and every floating-point buffer (a norm's
+        running statistics) in place, each converted once (a tied matrix stays one matrix); integer and bool
+        buffers keep their dtype. bf16 parameters are for inference (generation); training keeps float32
+        masters and runs bf16 under gpt2_cupy.autocast. Returns self."""
         for argument in (*arguments, *options.values()):
             if argument is None or isinstance(argument, str) or type(argument).__name__ == "device":
                 continue
@@ -186,6 +188,9 @@ class Module:
                                           "parameters are float32 or bfloat16")
             for parameter in self.parameters():
                 parameter._data = converted(parameter._data, dtype)
+            for buffer in self.buffers():
+                if is_floating(buffer.dtype):
+                    buffer._data = converted(buffer._data, dtype)
         return self
 
     def bfloat16(self):
