@@ -231,24 +231,40 @@ inline void multiply_half_accumulators(unsigned (&d)[2], const unsigned (&a)[Til
 // Up to four 8x8 matrices of 16-bit elements. Lane 8m + r gives the address of row r of matrix m; lane l
 // receives, in register m, elements 2(l % 4) and 2(l % 4) + 1 of row l / 4 (with .trans: rows 2(l % 4) and
 // 2(l % 4) + 1 of column l / 4) of matrix m. Each lane reads its own elements at the rows' addresses.
+// The row addresses of every lane of the warp (ldmatrix's and stmatrix's operand), each checked, as pointers.
+// MESSAGES names the instruction in each of the three ways it can fail.
+#define GPT2CUPY_MATRIX_MESSAGES(instruction)                                                                      \
+    instruction ": a row address is not a shared-memory address (from __cvta_generic_to_shared or cvta.to.shared)", \
+    instruction ": a row address is not a multiple of 16 bytes",                                                  \
+    instruction ": all 32 lanes of the warp must execute it together (a lane exited, or the block's last warp "    \
+                "has fewer than 32 threads)"
+inline void matrix_rows(unsigned long long address, bool shared, unsigned short* (&rows)[32], int line,
+                        const char* not_shared, const char* not_aligned, const char* missing_lane) {
+    unsigned char* row = shared ? from_shared(address, not_shared, line) : (unsigned char*)address;
+    if ((unsigned long long)row % 16 != 0) fail(not_aligned, line);
+    unsigned long long row_bits = (unsigned long long)row;
+    unsigned mine[2] = {(unsigned)row_bits, (unsigned)(row_bits >> 32)}, all[32][2];
+    gather(mine, all, missing_lane, line);
+    for (int lane_row = 0; lane_row < 32; ++lane_row)
+        rows[lane_row] = (unsigned short*)((unsigned long long)all[lane_row][1] << 32 | all[lane_row][0]);
+}
+
+// Where this lane's element i (0 or 1) of a matrix is: (row, column) of the 8x8 matrix.
+inline void matrix_element(bool transpose, int i, int& row, int& column) {
+    const unsigned me = lane();
+    row = transpose ? 2 * (me & 3) + i : me >> 2;
+    column = transpose ? me >> 2 : 2 * (me & 3) + i;
+}
+
 inline void ldmatrix(unsigned* destination, int matrices, bool transpose, unsigned long long address, bool shared,
                      int line) {
-    const char* not_shared = "ldmatrix: a row address is not a shared-memory address (from __cvta_generic_to_shared "
-                             "or cvta.to.shared)";
-    unsigned char* row = shared ? from_shared(address, not_shared, line) : (unsigned char*)address;
-    if ((unsigned long long)row % 16 != 0) fail("ldmatrix: a row address is not a multiple of 16 bytes", line);
-    unsigned long long row_bits = (unsigned long long)row;
-    unsigned mine[2] = {(unsigned)row_bits, (unsigned)(row_bits >> 32)}, rows[32][2];
-    gather(mine, rows, "ldmatrix: all 32 lanes of the warp must execute it together (a lane exited, or the "
-                       "block's last warp has fewer than 32 threads)", line);
-    unsigned me = lane();
+    unsigned short* rows[32];
+    matrix_rows(address, shared, rows, line, GPT2CUPY_MATRIX_MESSAGES("ldmatrix"));
     for (int m = 0; m < matrices; ++m) {
         unsigned short pair[2];
-        for (int i = 0; i < 2; ++i) {
-            int r = transpose ? 2 * (me & 3) + i : me >> 2;
-            int column = transpose ? me >> 2 : 2 * (me & 3) + i;
-            const unsigned short* start = (const unsigned short*)((unsigned long long)rows[8 * m + r][1] << 32 | rows[8 * m + r][0]);
-            pair[i] = start[column];
+        for (int i = 0, r, column; i < 2; ++i) {
+            matrix_element(transpose, i, r, column);
+            pair[i] = rows[8 * m + r][column];
         }
         destination[m] = pair[0] | (unsigned)pair[1] << 16;
     }
@@ -260,21 +276,12 @@ inline void ldmatrix(unsigned* destination, int matrices, bool transpose, unsign
 // shared memory as whole rows).
 inline void stmatrix(const unsigned* source, int matrices, bool transpose, unsigned long long address, bool shared,
                      int line) {
-    const char* not_shared = "stmatrix: a row address is not a shared-memory address (from __cvta_generic_to_shared "
-                             "or cvta.to.shared)";
-    unsigned char* row = shared ? from_shared(address, not_shared, line) : (unsigned char*)address;
-    if ((unsigned long long)row % 16 != 0) fail("stmatrix: a row address is not a multiple of 16 bytes", line);
-    unsigned long long row_bits = (unsigned long long)row;
-    unsigned mine[2] = {(unsigned)row_bits, (unsigned)(row_bits >> 32)}, rows[32][2];
-    gather(mine, rows, "stmatrix: all 32 lanes of the warp must execute it together (a lane exited, or the "
-                       "block's last warp has fewer than 32 threads)", line);
-    unsigned me = lane();
+    unsigned short* rows[32];
+    matrix_rows(address, shared, rows, line, GPT2CUPY_MATRIX_MESSAGES("stmatrix"));
     for (int m = 0; m < matrices; ++m) {
-        for (int i = 0; i < 2; ++i) {
-            int r = transpose ? 2 * (me & 3) + i : me >> 2;
-            int column = transpose ? me >> 2 : 2 * (me & 3) + i;
-            unsigned short* start = (unsigned short*)((unsigned long long)rows[8 * m + r][1] << 32 | rows[8 * m + r][0]);
-            start[column] = (unsigned short)(source[m] >> (16 * i));
+        for (int i = 0, r, column; i < 2; ++i) {
+            matrix_element(transpose, i, r, column);
+            rows[8 * m + r][column] = (unsigned short)(source[m] >> (16 * i));
         }
     }
 }
