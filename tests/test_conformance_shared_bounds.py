@@ -21,8 +21,8 @@ import pytest
 from gpt2_cupy import backend
 from gpt2_cupy.testing import launch_in_a_process_of_its_own
 
-# Each kernel in a module of its own, as a GPU gives each kernel a window of its own __shared__ variables (the
-# executor's window holds those of the whole module).
+# A GPU gives each kernel a window of the __shared__ variables it can reach, whatever else its module declares;
+# so does the executor (shifted_beside_a_larger_kernel: a module whose other kernel declares 4 KiB).
 KERNELS = {
     "warp_partials": r"""
 // The block reduction's last step as it is often written wrong: the 8 warps' partial sums in an array of 8, and
@@ -50,6 +50,47 @@ extern "C" __global__ void static_shifted(float* out, const float* x, int shift)
     staged[threadIdx.x] = x[threadIdx.x];
     __syncthreads();
     out[threadIdx.x] = staged[threadIdx.x + shift];
+}
+""",
+    "shifted_beside_a_larger_kernel": r"""
+// static_shifted, in a module with another kernel of 4 KiB of __shared__ memory, which this one never reaches.
+extern "C" __global__ void shifted_beside_a_larger_kernel(float* out, const float* x, int shift)
+{
+    __shared__ float staged[8];
+    staged[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    out[threadIdx.x] = staged[threadIdx.x + shift];
+}
+
+extern "C" __global__ void larger(float* out, const float* x, int shift)
+{
+    __shared__ float table[1024];
+    table[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    out[threadIdx.x] = table[threadIdx.x + shift];
+}
+""",
+    "shifted_beside_an_uncalled_function": r"""
+// static_shifted, in a module whose __device__ function of 4 KiB of __shared__ memory only another kernel calls.
+__device__ float from_table(const float* x, int i)
+{
+    __shared__ float table[1024];
+    table[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    return table[i];
+}
+
+extern "C" __global__ void shifted_beside_an_uncalled_function(float* out, const float* x, int shift)
+{
+    __shared__ float staged[8];
+    staged[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    out[threadIdx.x] = staged[threadIdx.x + shift];
+}
+
+extern "C" __global__ void through_the_table(float* out, const float* x, int shift)
+{
+    out[threadIdx.x] = from_table(x, threadIdx.x + shift);
 }
 """,
     "dynamic_shifted": r"""
@@ -114,6 +155,8 @@ extern "C" __global__ void device_function_shifted(float* out, const float* x, i
 OVERRUNS = [
     ("static_shifted", 25, 8, 0, "staged"),         # one element past the block's unit, by the last thread
     ("static_shifted", 5000, 8, 0, "staged"),       # far past it
+    ("shifted_beside_a_larger_kernel", 25, 8, 0, "staged"),   # the other kernel's 4 KiB are not in its window
+    ("shifted_beside_an_uncalled_function", 25, 8, 0, "staged"),   # nor a function's it never calls
     ("dynamic_shifted", 1, 8, 128, "the dynamic shared memory"),   # 128 bytes: one past the unit's end
     ("device_function_shifted", 25, 8, 0, "values"),
 ]

@@ -121,7 +121,7 @@ def test_bf16_model_holds_bf16_weights_and_cache(models):
     assert model16.dtype == BFLOAT16
     assert {p.dtype for p in model16.parameters()} == {BFLOAT16}
     attention = model16.model.layers[0].self_attn   # q, k, v: rows of one array, read by one product
-    assert backend.xp.may_share_memory(attention.q_proj.weight.data, attention.projections.weight)
+    assert backend.xp.may_share_memory(attention.q_proj.weight._data, attention.projections.weight)  # (arrays)
     assert attention.projections.weight.shape == (CONFIG["hidden_size"] * 2, CONFIG["hidden_size"])  # 4 + 2 + 2 heads of 16
     cache = model16.new_kv_cache(1, 8)
     assert cache.keys[0].dtype == BFLOAT16 and cache.values[1].dtype == BFLOAT16

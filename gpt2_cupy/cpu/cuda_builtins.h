@@ -91,8 +91,12 @@ template <class S>
 __forceinline__ S& shared_variable() {
     const SharedLayout& layout = shared_layout;
     const unsigned long long end = (unsigned long long)gpt2cupy_dynamic_shared_memory();
-    const unsigned long long start = (end - layout.bytes) & ~(layout.alignment - 1);
-    return *reinterpret_cast<S*>(start + layout.declarations[SharedPlace<S>::index].offset);
+    unsigned long long bytes = layout.bytes;
+    const unsigned long long* launched = gpt2cupy_shared_offsets(&bytes);  // the launched kernel's own placement
+    if (launched == nullptr) bytes = layout.bytes;
+    const unsigned long long start = (end - bytes) & ~(layout.alignment - 1);
+    const unsigned index = SharedPlace<S>::index;
+    return *reinterpret_cast<S*>(start + (launched ? launched[index] : layout.declarations[index].offset));
 }
 }  // namespace
 }  // namespace gpt2cupy

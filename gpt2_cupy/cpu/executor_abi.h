@@ -87,6 +87,9 @@ void gpt2cupy_tile_sync(unsigned int first_thread, unsigned int thread_count);
 // launch fails with where it happened; otherwise it returns and the shuffle goes on.
 void gpt2cupy_shuffle_from_absent_lane(unsigned int mask, unsigned int source);
 void* gpt2cupy_dynamic_shared_memory(void);
+// The launched kernel's offsets of the module's __shared__ declarations (by index) and their total bytes, or
+// null where the launch gives none (the module's own placement then holds).
+const unsigned long long* gpt2cupy_shared_offsets(unsigned long long* static_bytes);
 int gpt2cupy_printf(const char* format, ...);
 [[noreturn]] void gpt2cupy_assert_failed(const char* condition, const char* file, int line);
 // Something the executor cannot do as a GPU does: the launch fails with `why`.

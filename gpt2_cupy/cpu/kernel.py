@@ -142,11 +142,27 @@ def _argument_layout(parameters):
 class Function:
     """A compiled kernel, launched like CuPy's: function(grid, block, args, shared_mem=0)."""
 
-    def __init__(self, name, signature, entry_address, entry, static_shared_bytes=0, shared_layout=()):
+    def __init__(self, name, signature, entry_address, entry, static_shared_bytes=0, shared_layout=(),
+                 module_kernels=(), code=""):
         self.name = name
         self.max_threads_per_block = signature.max_threads_per_block if signature else 1024
         self.static_shared_bytes = static_shared_bytes
-        self.shared_layout = list(shared_layout)  # its module's __shared__ declarations (runtime.shared_layout)
+        # its module's __shared__ declarations (runtime.shared_layout), and the kernel's own placement of those it
+        # can reach, which its launches use (the race check's build keeps the module's)
+        self.module_shared_layout = list(shared_layout)
+        self.shared_layout = _kernel_shared_layout(self.module_shared_layout, name, module_kernels, code)
+        # Declarations the kernel cannot reach lie below its window, apart from its own: were one reached after
+        # all (a call the source scan missed), it would neither alias the kernel's arrays nor fault.
+        offsets = (ctypes.c_ulonglong * max(1, len(self.module_shared_layout)))()
+        own = {place.index for place in self.shared_layout}
+        self._bytes_below_window = 0
+        for place in self.module_shared_layout:
+            if place.index not in own:
+                self._bytes_below_window = _round_up(self._bytes_below_window + place.bytes, max(place.alignment, 16))
+                offsets[place.index] = 2**64 - self._bytes_below_window
+        for place in self.shared_layout:
+            offsets[place.index] = place.offset
+        self._shared_placement = (offsets, _shared_total_bytes(self.shared_layout))
         # What a GPU reports for a kernel until it is raised: the 48 KiB a block gets, less its __shared__ arrays.
         self._max_dynamic_shared_size_bytes = DEFAULT_DYNAMIC_SHARED_BYTES - static_shared_bytes
         names = signature.parameter_names if signature else []
@@ -328,10 +344,15 @@ class Function:
         race_build = track_races or unchecked_alignment
         entry_address = (self.race_check_entry_address() if race_build else None) or self._entry_address
         track_races = track_races and entry_address != self._entry_address
+        # (the race check's build is another library, whose declarations need not register in the same order)
+        own = entry_address == self._entry_address
+        layout = self.shared_layout if own else self.module_shared_layout
         result, output = runtime.launch(entry_address, self._pack(*values), grid, block, reverse_order, track_races,
-                                        global_ranges, shared_mem, _shared_slack_bytes(self.shared_layout, shared_mem),
-                                        _dynamic_offset_above_lower_guard(self.shared_layout, shared_mem)
-                                        if shared_against_lower_guard else None)
+                                        global_ranges, shared_mem, _shared_slack_bytes(layout, shared_mem),
+                                        _dynamic_offset_above_lower_guard(layout, shared_mem) +
+                                        (self._bytes_below_window if own else 0)
+                                        if shared_against_lower_guard else None,
+                                        self._shared_placement if own else None)
         if output and show_output:
             sys.stdout.write(output)
             sys.stdout.flush()
@@ -414,6 +435,16 @@ def _kernel_library(code, prepared, options, entry_expressions, what, for_race_c
 _DECLARING_FUNCTION = re.compile(r".*?\bconst char\* (?P<function>.*)::gpt2cupy_shared_\d+::where\(\)(?P<instance>.*)")
 
 
+def _declaring_function(place):
+    """(the name of the function a __shared__ declaration is in, that function's instance) or (None, None)
+    where its description cannot be read."""
+    found = _DECLARING_FUNCTION.fullmatch(place.function)
+    if found is None:
+        return None, None
+    name = re.match(r"\s*([A-Za-z_]\w*)\s*(?:<|\()", found.group("function"))
+    return (name.group(1) if name else None), found.group("function") + found.group("instance")
+
+
 def _static_shared_bytes(shared_layout, kernel_name):
     """The bytes of the __shared__ variables declared in a kernel's body (what a GPU counts as its static
     shared memory); those of __device__ functions it calls are not counted here. For a template kernel,
@@ -421,14 +452,68 @@ def _static_shared_bytes(shared_layout, kernel_name):
     base = kernel_name.split("<")[0].strip()
     per_instance = {}
     for place in shared_layout:
-        found = _DECLARING_FUNCTION.fullmatch(place.function)
-        if found is None:
-            continue
-        name = re.match(r"\s*([A-Za-z_]\w*)\s*(?:<|\()", found.group("function"))
-        if name and name.group(1) == base:
-            key = found.group("function") + found.group("instance")
-            per_instance[key] = per_instance.get(key, 0) + place.bytes
+        name, instance = _declaring_function(place)
+        if name == base:
+            per_instance[instance] = per_instance.get(instance, 0) + place.bytes
     return max(per_instance.values(), default=0)
+
+
+def _function_bodies(code, name):
+    """The text of every body of the functions called `name` in code (each definition, overload or template),
+    or None where none is found."""
+    bodies = []
+    for found in re.finditer(rf"\b{re.escape(name)}\s*(?:<[^;{{}}]*?>\s*)?\(", code):
+        depth, position = 0, found.end() - 1
+        for position in range(found.end() - 1, len(code)):          # the parameter list
+            depth += {"(": 1, ")": -1}.get(code[position], 0)
+            if depth == 0:
+                break
+        after = re.match(r"[^;{}()]*\{", code[position + 1:])        # qualifiers, then the body's brace
+        if after is None:
+            continue                                                  # a call or a declaration, not a definition
+        start = position + 1 + after.end() - 1
+        depth = 0
+        for end in range(start, len(code)):
+            depth += {"{": 1, "}": -1}.get(code[end], 0)
+            if depth == 0:
+                bodies.append(code[start:end + 1])
+                break
+    return bodies or None
+
+
+def _reachable_functions(code, kernel_base, declaring_names):
+    """Which of declaring_names (functions that declare __shared__ variables) the kernel may call, directly or
+    through one another: a name written in a body reached. Where a body cannot be found, its name counts as
+    reached (an array too many in the window hides an overrun; one too few would report a false one)."""
+    reached, pending = {kernel_base}, [kernel_base]
+    while pending:
+        bodies = _function_bodies(code, pending.pop())
+        if bodies is None:
+            return set(declaring_names) | reached
+        for name in declaring_names - reached:
+            if any(re.search(rf"\b{re.escape(name)}\b", body) for body in bodies):
+                reached.add(name)
+                pending.append(name)
+    return reached
+
+
+def _kernel_shared_layout(shared_layout, kernel_name, module_kernels, code=""):
+    """The module's __shared__ declarations a kernel can reach, placed one after another in the module's order:
+    those of its own body and those of the functions it may call (never another kernel). A GPU gives a kernel
+    only its own variables, so an access past them runs off its shared memory there; with the module's other
+    variables beside them here, it would land in theirs and go unseen."""
+    base = kernel_name.split("<")[0].strip()
+    names = {_declaring_function(place)[0] for place in shared_layout} - {None}
+    reachable = _reachable_functions(code, base, names - set(module_kernels)) if code else names
+    placed, end = [], 0
+    for place in shared_layout:
+        name, _ = _declaring_function(place)
+        if name is not None and name != base and (name in module_kernels or name not in reachable):
+            continue
+        offset = _round_up(end, place.alignment)
+        placed.append(place._replace(offset=offset))
+        end = offset + place.bytes
+    return placed
 
 
 def _shared_slack_bytes(shared_layout, dynamic_bytes):
@@ -473,7 +558,7 @@ def _shared_overrun_message(shared_layout, past_end, dynamic_bytes):
         return (f"before the start of {first}, the first of the block's shared memory. A GPU stops the kernel there "
                 "with an illegal address")
     arrays = ", ".join(f"'{place.names}' ({place.bytes} bytes)" for place in shared_layout)
-    static = f"the module's __shared__ variables {arrays}" if arrays else "no __shared__ variables"
+    static = f"the kernel's __shared__ variables {arrays}" if arrays else "no __shared__ variables"
     dynamic = (f"then the launch's {dynamic_bytes} bytes of dynamic shared memory (extern __shared__, shared_mem)"
                if dynamic_bytes else "no dynamic shared memory (shared_mem=0)")
     last = ("the dynamic shared memory" if dynamic_bytes else f"'{shared_layout[-1].names}'" if shared_layout
@@ -580,7 +665,8 @@ class RawModule:
                 "much shared data'). Beyond 48 KiB, use extern __shared__ (dynamic) memory and raise "
                 "max_dynamic_shared_size_bytes")
         function = Function(name, signature, address, entry, static_shared_bytes=static_shared,
-                            shared_layout=self._shared_layout)
+                            shared_layout=self._shared_layout, module_kernels=set(self._kernels),
+                            code=self._source.body)
         function.race_check_entry_address = lambda: self._race_check_entry_address(name)
         self._functions[name] = function
         return function

@@ -182,6 +182,11 @@ struct gpt2cupy_launch_request {
     unsigned long long shared_slack_bytes;
     int shared_against_lower_guard;
     unsigned long long shared_dynamic_offset;
+    // The launched kernel's own placement of the module's __shared__ declarations (kernel.py): an offset for each,
+    // by its index, and their bytes. A GPU gives a kernel only the variables it can reach, so an access past them
+    // faults there; null: the module's placement of them all (cuda_builtins.h).
+    const unsigned long long* shared_offsets;
+    unsigned long long shared_static_bytes;
 };
 }
 
@@ -1299,11 +1304,18 @@ void place_shared_window(unsigned long long dynamic_bytes, unsigned long long sl
                                             ~(alignment - 1));
 }
 
+// The running launch's placement of the __shared__ declarations, for the blocks this OS thread runs
+// (gpt2cupy_shared_offsets); set with the window, as each launch starts on the thread.
+thread_local const unsigned long long* launch_shared_offsets = nullptr;
+thread_local unsigned long long launch_shared_static_bytes = 0;
+
 // Runs blocks of the launch until none are left; returns when done or failed.
 void run_blocks(Launch& launch) {
     BlockRunner& runner = runner_of_this_thread();
     place_shared_window(launch.request().dynamic_shared_bytes, launch.request().shared_slack_bytes,
                         launch.request().shared_against_lower_guard != 0, launch.request().shared_dynamic_offset);
+    launch_shared_offsets = launch.request().shared_offsets;
+    launch_shared_static_bytes = launch.request().shared_static_bytes;
     FloatingPointDefaults floating_point_defaults;
     use_alternate_signal_stack();
     sigjmp_buf recovery;
@@ -2136,6 +2148,11 @@ void* gpt2cupy_dynamic_shared_memory(void) {
     SharedArena& arena = shared_arena();
     if (arena.dynamic == nullptr) place_shared_window(dynamic_shared_bytes, 0, false, 0);  // not in a launch: all of it
     return arena.dynamic;
+}
+
+const unsigned long long* gpt2cupy_shared_offsets(unsigned long long* static_bytes) {
+    *static_bytes = launch_shared_static_bytes;
+    return launch_shared_offsets;
 }
 
 int gpt2cupy_shared_overrun(unsigned long long address, unsigned long long* bytes_past_end,

@@ -31,7 +31,8 @@ class LaunchRequest(ctypes.Structure):
                 ("reverse_order", ctypes.c_int), ("worker_count", ctypes.c_int), ("track_races", ctypes.c_int),
                 ("global_ranges", ctypes.POINTER(ctypes.c_ulonglong)), ("global_range_count", ctypes.c_int),
                 ("dynamic_shared_bytes", ctypes.c_ulonglong), ("shared_slack_bytes", ctypes.c_ulonglong),
-                ("shared_against_lower_guard", ctypes.c_int), ("shared_dynamic_offset", ctypes.c_ulonglong)]
+                ("shared_against_lower_guard", ctypes.c_int), ("shared_dynamic_offset", ctypes.c_ulonglong),
+                ("shared_offsets", ctypes.POINTER(ctypes.c_ulonglong)), ("shared_static_bytes", ctypes.c_ulonglong)]
 
 
 class Race(ctypes.Structure):
@@ -99,7 +100,7 @@ class SharedDeclaration(ctypes.Structure):
 
 
 # One __shared__ declaration of a kernel library, as shared_layout gives it.
-SharedPlace = collections.namedtuple("SharedPlace", "offset bytes names function alignment")
+SharedPlace = collections.namedtuple("SharedPlace", "offset bytes names function alignment index")
 
 
 def shared_layout(kernel_library):
@@ -110,8 +111,8 @@ def shared_layout(kernel_library):
     layout.argtypes = [ctypes.POINTER(ctypes.c_uint)]
     count = ctypes.c_uint()
     declarations = layout(ctypes.byref(count))
-    found = [SharedPlace(d.offset, d.bytes, d.names.decode(), d.function.decode(), d.alignment)
-             for d in (declarations[k] for k in range(count.value))]
+    found = [SharedPlace(declarations[k].offset, declarations[k].bytes, declarations[k].names.decode(),
+                         declarations[k].function.decode(), declarations[k].alignment, k) for k in range(count.value)]
     return sorted(found)
 
 
@@ -122,20 +123,23 @@ def worker_count():
 
 
 def launch(entry_address, packed_arguments, grid, block, reverse_order=False, track_races=False, global_ranges=(),
-           dynamic_shared_bytes=None, shared_slack_bytes=0, shared_dynamic_offset=None):
+           dynamic_shared_bytes=None, shared_slack_bytes=0, shared_dynamic_offset=None, shared_placement=None):
     """Run a kernel to the end. Returns (LaunchResult, printf output as text).
     track_races: the kernel was built for the race check, and its accesses are to be checked;
     global_ranges: then, the [start, end) addresses of its array arguments;
     dynamic_shared_bytes: the launch's dynamic shared memory (None: all a block may have), where bulk copies land;
     shared_slack_bytes: bytes left between the end of the block's shared memory and the guard after it;
     shared_dynamic_offset: if given, the window lies against the guard below it instead, its dynamic memory this
-    many bytes above the guard's end."""
+    many bytes above the guard's end;
+    shared_placement: (offsets, bytes): the launched kernel's own offsets of the module's __shared__ declarations
+    (a ctypes array by declaration index) and their total bytes; None: the module's placement of them all."""
     lib = library()
     ranges = (ctypes.c_ulonglong * max(1, 2 * len(global_ranges)))(*[bound for pair in global_ranges for bound in pair])
     shared = 2**64 - 1 if dynamic_shared_bytes is None else dynamic_shared_bytes  # the runtime caps it at its own
     request = LaunchRequest(entry_address, packed_arguments, grid, block, int(reverse_order), worker_count(),
                             int(track_races), ranges, len(global_ranges), shared, shared_slack_bytes,
-                            shared_dynamic_offset is not None, shared_dynamic_offset or 0)
+                            shared_dynamic_offset is not None, shared_dynamic_offset or 0,
+                            *(shared_placement if shared_placement is not None else (None, 0)))
     result = LaunchResult()
     output = ctypes.c_void_p()
     output_length = ctypes.c_ulonglong()
