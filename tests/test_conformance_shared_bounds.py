@@ -52,47 +52,6 @@ extern "C" __global__ void static_shifted(float* out, const float* x, int shift)
     out[threadIdx.x] = staged[threadIdx.x + shift];
 }
 """,
-    "shifted_beside_a_larger_kernel": r"""
-// static_shifted, in a module with another kernel of 4 KiB of __shared__ memory, which this one never reaches.
-extern "C" __global__ void shifted_beside_a_larger_kernel(float* out, const float* x, int shift)
-{
-    __shared__ float staged[8];
-    staged[threadIdx.x] = x[threadIdx.x];
-    __syncthreads();
-    out[threadIdx.x] = staged[threadIdx.x + shift];
-}
-
-extern "C" __global__ void larger(float* out, const float* x, int shift)
-{
-    __shared__ float table[1024];
-    table[threadIdx.x] = x[threadIdx.x];
-    __syncthreads();
-    out[threadIdx.x] = table[threadIdx.x + shift];
-}
-""",
-    "shifted_beside_an_uncalled_function": r"""
-// static_shifted, in a module whose __device__ function of 4 KiB of __shared__ memory only another kernel calls.
-__device__ float from_table(const float* x, int i)
-{
-    __shared__ float table[1024];
-    table[threadIdx.x] = x[threadIdx.x];
-    __syncthreads();
-    return table[i];
-}
-
-extern "C" __global__ void shifted_beside_an_uncalled_function(float* out, const float* x, int shift)
-{
-    __shared__ float staged[8];
-    staged[threadIdx.x] = x[threadIdx.x];
-    __syncthreads();
-    out[threadIdx.x] = staged[threadIdx.x + shift];
-}
-
-extern "C" __global__ void through_the_table(float* out, const float* x, int shift)
-{
-    out[threadIdx.x] = from_table(x, threadIdx.x + shift);
-}
-""",
     "dynamic_shifted": r"""
 // The same through dynamic shared memory (launched with 32 floats of it): read back `shift` further on.
 extern "C" __global__ void dynamic_shifted(float* out, const float* x, int shift)
@@ -148,6 +107,34 @@ extern "C" __global__ void device_function_shifted(float* out, const float* x, i
 """,
 }
 
+
+# static_shifted in a module with more __shared__ memory that it never reaches: another kernel's 4 KiB, and a
+# __device__ function's 4 KiB that only another kernel calls.
+KERNELS["shifted_beside_a_larger_kernel"] = KERNELS["static_shifted"].replace(
+    "static_shifted", "shifted_beside_a_larger_kernel") + r"""
+extern "C" __global__ void larger(float* out, const float* x, int shift)
+{
+    __shared__ float table[1024];
+    table[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    out[threadIdx.x] = table[threadIdx.x + shift];
+}
+"""
+KERNELS["shifted_beside_an_uncalled_function"] = KERNELS["static_shifted"].replace(
+    "static_shifted", "shifted_beside_an_uncalled_function") + r"""
+__device__ float from_table(const float* x, int i)
+{
+    __shared__ float table[1024];
+    table[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    return table[i];
+}
+
+extern "C" __global__ void through_the_table(float* out, const float* x, int shift)
+{
+    out[threadIdx.x] = from_table(x, threadIdx.x + shift);
+}
+"""
 
 # (kernel, shift, threads, dynamic shared bytes, the array named in the CPU's message)
 # A block's shared memory is given in units of 128 bytes (the executor's SHARED_ALLOCATION_BYTES): 8 floats of
