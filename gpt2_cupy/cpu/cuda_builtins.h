@@ -37,7 +37,9 @@ namespace {  // one of each per kernel library
 // writes it), placed one after another when the library is loaded, as a GPU places a kernel's. They lie just
 // below the block's dynamic shared memory, which runtime.cpp puts against an inaccessible guard: an access
 // past the last of them (without dynamic shared memory) or past the dynamic memory faults, as on a GPU, and
-// one from an array into the next stays inside the window, as on a GPU.
+// one from an array into the next stays inside the window, as on a GPU. A launch gives its kernel's own
+// placement (gpt2cupy_shared_offsets, from kernel.py): only the declarations that kernel can reach lie in its
+// window, as on a GPU, which gives a kernel none of its module's other kernels' variables.
 struct SharedDeclaration {
     unsigned long long offset, bytes, alignment;
     unsigned serial;       // its place in the source: declarations lie in the order they are written
