@@ -126,7 +126,8 @@ def ones(*size, dtype=None, device=None, requires_grad=False):
 
 
 def empty(*size, dtype=None, device=None, requires_grad=False):
-    return _made(numpy.empty(_shape(size)), dtype, requires_grad)
+    # uninitialised, as torch.empty: made in its own dtype, so that no stray bits are cast (and overflow)
+    return _made(numpy.empty(_shape(size), dtype_of(float32 if dtype is None else dtype)), dtype, requires_grad)
 
 
 def full(size, fill_value, dtype=None, device=None, requires_grad=False):
