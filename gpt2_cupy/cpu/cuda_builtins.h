@@ -93,7 +93,7 @@ template <class S>
 __forceinline__ S& shared_variable() {
     const SharedLayout& layout = shared_layout;
     const unsigned long long end = (unsigned long long)gpt2cupy_dynamic_shared_memory();
-    unsigned long long bytes = layout.bytes;
+    unsigned long long bytes;
     const unsigned long long* launched = gpt2cupy_shared_offsets(&bytes);  // the launched kernel's own placement
     if (launched == nullptr) bytes = layout.bytes;
     const unsigned long long start = (end - bytes) & ~(layout.alignment - 1);

@@ -151,18 +151,8 @@ class Function:
         # can reach, which its launches use (the race check's build keeps the module's)
         self.module_shared_layout = list(shared_layout)
         self.shared_layout = _kernel_shared_layout(self.module_shared_layout, name, module_kernels, code)
-        # Declarations the kernel cannot reach lie below its window, apart from its own: were one reached after
-        # all (a call the source scan missed), it would neither alias the kernel's arrays nor fault.
-        offsets = (ctypes.c_ulonglong * max(1, len(self.module_shared_layout)))()
-        own = {place.index for place in self.shared_layout}
-        self._bytes_below_window = 0
-        for place in self.module_shared_layout:
-            if place.index not in own:
-                self._bytes_below_window = _round_up(self._bytes_below_window + place.bytes, max(place.alignment, 16))
-                offsets[place.index] = 2**64 - self._bytes_below_window
-        for place in self.shared_layout:
-            offsets[place.index] = place.offset
-        self._shared_placement = (offsets, _shared_total_bytes(self.shared_layout))
+        self._shared_placement, self._bytes_below_window = _launch_placement(self.module_shared_layout,
+                                                                             self.shared_layout)
         # What a GPU reports for a kernel until it is raised: the 48 KiB a block gets, less its __shared__ arrays.
         self._max_dynamic_shared_size_bytes = DEFAULT_DYNAMIC_SHARED_BYTES - static_shared_bytes
         names = signature.parameter_names if signature else []
@@ -463,7 +453,7 @@ def _function_bodies(code, name):
     or None where none is found."""
     bodies = []
     for found in re.finditer(rf"\b{re.escape(name)}\s*(?:<[^;{{}}]*?>\s*)?\(", code):
-        depth, position = 0, found.end() - 1
+        depth = 0
         for position in range(found.end() - 1, len(code)):          # the parameter list
             depth += {"(": 1, ")": -1}.get(code[position], 0)
             if depth == 0:
@@ -503,17 +493,34 @@ def _kernel_shared_layout(shared_layout, kernel_name, module_kernels, code=""):
     only its own variables, so an access past them runs off its shared memory there; with the module's other
     variables beside them here, it would land in theirs and go unseen."""
     base = kernel_name.split("<")[0].strip()
-    names = {_declaring_function(place)[0] for place in shared_layout} - {None}
-    reachable = _reachable_functions(code, base, names - set(module_kernels)) if code else names
+    declared_in = [_declaring_function(place)[0] for place in shared_layout]
+    functions = set(declared_in) - {None} - set(module_kernels)
+    # (most modules declare no __shared__ outside their kernels: nothing to look for in the source)
+    reachable = _reachable_functions(code, base, functions) if code and functions else functions
     placed, end = [], 0
-    for place in shared_layout:
-        name, _ = _declaring_function(place)
+    for place, name in zip(shared_layout, declared_in):
         if name is not None and name != base and (name in module_kernels or name not in reachable):
             continue
         offset = _round_up(end, place.alignment)
         placed.append(place._replace(offset=offset))
         end = offset + place.bytes
     return placed
+
+
+def _launch_placement(module_layout, kernel_layout):
+    """((offsets by declaration index, the kernel's bytes of them), bytes below the window) for runtime.launch.
+    The declarations the kernel cannot reach lie below its window, apart from its own: were one reached after
+    all (a call the source scan missed), it would neither alias the kernel's arrays nor fault."""
+    offsets = (ctypes.c_ulonglong * max(1, len(module_layout)))()
+    own = {place.index for place in kernel_layout}
+    below = 0
+    for place in module_layout:
+        if place.index not in own:
+            below = _round_up(below + place.bytes, max(place.alignment, 16))
+            offsets[place.index] = 2**64 - below
+    for place in kernel_layout:
+        offsets[place.index] = place.offset
+    return (offsets, _shared_total_bytes(kernel_layout)), below
 
 
 def _shared_slack_bytes(shared_layout, dynamic_bytes):

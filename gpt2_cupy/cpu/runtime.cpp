@@ -1684,6 +1684,12 @@ void judge_pending_write(unsigned long long at, const PendingWrite& pending) {
         runner->launch()->report_race(write_then_write, at, pending.now, pending.then);
 }
 
+// The kept write at `kept` judged, and forgotten.
+void judge_and_forget(std::unordered_map<unsigned long long, PendingWrite>::iterator kept) {
+    judge_pending_write(kept->first, kept->second);
+    race_pending_writes.erase(kept);
+}
+
 // Every kept write judged (at a barrier and at a block's end, when every store before them has happened).
 void judge_pending_writes() {
     for (const auto& [at, pending] : race_pending_writes) judge_pending_write(at, pending);
@@ -1703,10 +1709,8 @@ void check_place(Granule& place, const Access& now, bool is_write, bool is_atomi
         const auto kept = race_pending_writes.find(at);
         if (kept != race_pending_writes.end() &&
             ((kept->second.second.thread == thread && kept->second.second.block == now.block) ||
-             ordered(*runner, kept->second.second, thread, at))) {
-            judge_pending_write(at, kept->second);
-            race_pending_writes.erase(kept);
-        }
+             ordered(*runner, kept->second.second, thread, at)))
+            judge_and_forget(kept);
     }
     int kind = no_race;
     const Access* other = nullptr;
@@ -1752,10 +1756,7 @@ void check_place(Granule& place, const Access& now, bool is_write, bool is_atomi
             // Judged later, once this write's value is in place (race_pending_writes); a write kept before at
             // this place, by a third thread, is judged now.
             const auto kept = race_pending_writes.find(at);
-            if (kept != race_pending_writes.end()) {
-                judge_pending_write(at, kept->second);
-                race_pending_writes.erase(kept);
-            }
+            if (kept != race_pending_writes.end()) judge_and_forget(kept);
             PendingWrite pending{now, {}, place_bytes, coordinates, then};
             std::memcpy(pending.replaced, reinterpret_cast<const void*>(at), place_bytes);
             race_pending_writes.emplace(at, pending);
